@@ -1,0 +1,49 @@
+"""Argument checks at the public boundary: a bad call raises here, naming the argument."""
+
+import torch
+
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _check_tensor(name: str, x, rank: int) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"{name} must be float32, bfloat16 or float16, got {x.dtype}")
+    if x.dim() != rank:
+        raise ValueError(f"{name} must have rank {rank}, got shape {tuple(x.shape)}")
+
+
+def _check_side(name: str, n) -> None:
+    if isinstance(n, bool) or not isinstance(n, int):
+        raise TypeError(f"{name} must be an int, got {type(n).__name__}")
+    if n < 0:
+        raise ValueError(f"{name} must be >= 0, got {n}")
+
+
+def check_ldsa_args(a_logits, v, left, right) -> None:
+    """Validate `ldsa_local_attention(a_logits [B,H,W,T], v [B,H,Dh,T], left, right)`."""
+    _check_tensor("a_logits", a_logits, 4)
+    _check_tensor("v", v, 4)
+    _check_side("left", left)
+    _check_side("right", right)
+    if a_logits.device != v.device:
+        raise ValueError(f"a_logits and v must be on one device, got {a_logits.device} and {v.device}")
+    B, H, W, T = a_logits.shape
+    if (v.shape[0], v.shape[1], v.shape[3]) != (B, H, T):
+        raise ValueError(
+            f"v must be [B, H, Dh, T] = [{B}, {H}, Dh, {T}] to match a_logits {tuple(a_logits.shape)}, "
+            f"got {tuple(v.shape)}"
+        )
+    if W != left + right + 1:
+        raise ValueError(f"a_logits window size W={W} must equal left + right + 1 = {left + right + 1}")
+    if min(B, H, T, v.shape[2]) < 1:
+        raise ValueError(f"every size must be >= 1, got a_logits {tuple(a_logits.shape)} and v {tuple(v.shape)}")
+
+
+def check_grad_out(grad_out, v) -> None:
+    _check_tensor("grad_out", grad_out, 4)
+    if grad_out.shape != v.shape:
+        raise ValueError(f"grad_out must have the shape of v {tuple(v.shape)}, got {tuple(grad_out.shape)}")
+    if grad_out.device != v.device:
+        raise ValueError(f"grad_out must be on {v.device}, got {grad_out.device}")
