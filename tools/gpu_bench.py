@@ -1,0 +1,194 @@
+"""The GPU run: every kernel's correctness tests on the device, then each kernel's side-by-side benchmark
+against the anchors of ANCHORS.md, all in one process so the ratios hold; results go to
+`bench/results/<date>-<sha>.{json,md}` (and to `$OUT` when set, for the device tool to bring back).
+
+Each kernel's `benchmarks/benchmark.py` provides `side_by_side(kernel, bench) -> list[dict]`; `Bench` below
+is what it gets: a timer, the copy bandwidth measured in this run, the specs, and optional packages.
+"""
+
+import argparse
+import datetime
+import importlib
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+from .common import HUB_CACHE, HUB_ORG, REPO_ROOT, git, resolve
+
+RESULTS = REPO_ROOT / "bench" / "results"
+
+
+class Bench:
+    """What a kernel's side_by_side() may use; one instance per run."""
+
+    def __init__(self, specs_dir: Path):
+        import torch
+
+        self.specs_dir = specs_dir
+        self.copy_gbps = self._copy_bandwidth(torch)
+
+    @staticmethod
+    def time(fn) -> float:
+        """Median milliseconds of `fn()` over repeated runs, warm-up excluded (CUDA events)."""
+        import triton.testing
+
+        return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+    def _copy_bandwidth(self, torch) -> float:
+        """Device-to-device copy of a 2 GiB buffer; bytes read plus bytes written, in GB/s."""
+        src = torch.empty(2**31 // 4, dtype=torch.float32, device="cuda").uniform_()
+        dst = torch.empty_like(src)
+        ms = self.time(lambda: dst.copy_(src))
+        del src, dst
+        torch.cuda.empty_cache()
+        return 2 * 2**31 / ms / 1e6
+
+    def spec(self, name: str):
+        """A shared spec on CUDA (reference, input maker, canonical work), or None where specs are absent."""
+        path = self.specs_dir / f"{name}.py"
+        if not path.is_file():
+            return None
+        sys.path.insert(0, str(REPO_ROOT))
+        from testkit import spec
+
+        return spec(name)
+
+    @staticmethod
+    def optional(module: str):
+        """An optional comparison package (fla, flashmel), or None when it is not installed."""
+        if importlib.util.find_spec(module) is None:
+            return None
+        return importlib.import_module(module)
+
+    @staticmethod
+    def rel_err(x, ref) -> float:
+        return ((x.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-300)).item()
+
+
+def run_tests(out_dir: Path, names: list[str]) -> dict:
+    """The whole pytest suite of the named kernels on this machine (CUDA tests run here)."""
+    junit = out_dir / "pytest.xml"
+    paths = [str(REPO_ROOT / "kernels" / n) for n in names] + [str(REPO_ROOT / "tests")]
+    start = time.time()
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={junit}", *paths],
+        cwd=REPO_ROOT, capture_output=True, text=True,
+    )
+    (out_dir / "pytest.log").write_text(proc.stdout + proc.stderr)
+    import xml.etree.ElementTree as ET
+
+    suite = ET.parse(junit).getroot()
+    suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
+    failed = [
+        f"{case.get('classname')}::{case.get('name')}"
+        for case in suite.iter("testcase")
+        if case.find("failure") is not None or case.find("error") is not None
+    ]
+    summary = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
+    return {**summary, "failed": failed, "seconds": round(time.time() - start, 1), "exit_code": proc.returncode}
+
+
+def run_benchmarks(names: list[str], bench: Bench) -> dict:
+    from kernels import get_kernel
+
+    results = {}
+    for name in names:
+        path = REPO_ROOT / "kernels" / name / "benchmarks" / "benchmark.py"
+        module_spec = importlib.util.spec_from_file_location(f"tessera_bench_{name.replace('-', '_')}", path)
+        module = importlib.util.module_from_spec(module_spec)
+        try:
+            module_spec.loader.exec_module(module)
+            kernel = get_kernel(f"{HUB_ORG}/{name}", version=1, trust_remote_code=True)
+            start = time.time()
+            rows = module.side_by_side(kernel, bench)
+            results[name] = {"rows": rows, "seconds": round(time.time() - start, 1)}
+        except Exception:
+            results[name] = {"rows": [], "error": traceback.format_exc()}
+            print(results[name]["error"], file=sys.stderr)
+        import torch
+
+        torch.cuda.empty_cache()
+    return results
+
+
+def _fmt(value) -> str:
+    if isinstance(value, float):
+        return f"{value:.3g}" if abs(value) < 1e-2 or abs(value) >= 1e4 else f"{value:.3f}".rstrip("0").rstrip(".")
+    return str(value)
+
+
+def markdown(report: dict) -> str:
+    lines = [
+        f"# GPU run {report['date']} at {report['git_sha'][:12]}{' (dirty)' if report['dirty'] else ''}",
+        "",
+        f"{report['device']}; torch {report['torch']}, triton {report['triton']}; "
+        f"copy bandwidth in this run: {report['copy_gbps']:.0f} GB/s",
+        "",
+        f"Tests: {report['tests']}" if "tests" in report else "Tests: not run",
+    ]
+    for name, result in report["benchmarks"].items():
+        lines += ["", f"## {name}", ""]
+        if result.get("error"):
+            lines += ["```", result["error"].strip(), "```"]
+        rows = result["rows"]
+        if not rows:
+            continue
+        keys = list(dict.fromkeys(k for row in rows for k in row))
+        lines += ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
+        lines += ["| " + " | ".join(_fmt(row.get(k, "")) for k in keys) + " |" for row in rows]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tools.gpu_bench", description=__doc__.split("\n\n")[0])
+    parser.add_argument("kernels", nargs="*", help="kernel names (default: all)")
+    parser.add_argument("--skip-tests", action="store_true", help="benchmarks only")
+    parser.add_argument("--skip-bench", action="store_true", help="tests only")
+    parser.add_argument("--specs", type=Path, default=Path(os.environ.get("TESSERA_SPECS", REPO_ROOT.parent / "shared" / "specs")))
+    args = parser.parse_args(argv)
+
+    import torch
+    import triton
+
+    if not torch.cuda.is_available():
+        print("gpu_bench needs a CUDA device", file=sys.stderr)
+        return 2
+    os.environ.setdefault("HF_HUB_CACHE", str(HUB_CACHE))
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ["TESSERA_SPECS"] = str(args.specs)
+    names = [k.name for k in resolve(args.kernels)]
+    for step in ("build", "hub"):
+        subprocess.run([sys.executable, "-m", f"tools.{step}", *names], cwd=REPO_ROOT, check=True)
+
+    sha = os.environ.get("TESSERA_GIT_SHA") or git("rev-parse", "HEAD") or "unknown"
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
+    out_dir = Path(os.environ.get("OUT", RESULTS))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    report = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "git_sha": sha,
+        "dirty": os.environ.get("TESSERA_GIT_DIRTY", "0") == "1" or bool(git("status", "--porcelain", "kernels")),
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+    }
+    if not args.skip_tests:
+        report["tests"] = run_tests(out_dir, names)
+        print(f"tests: {report['tests']}", flush=True)
+    bench = Bench(args.specs)
+    report["copy_gbps"] = bench.copy_gbps
+    report["benchmarks"] = {} if args.skip_bench else run_benchmarks(names, bench)
+    base = f"{stamp}-{sha[:12]}"
+    (out_dir / f"{base}.json").write_text(json.dumps(report, indent=1) + "\n")
+    (out_dir / f"{base}.md").write_text(markdown(report))
+    print(markdown(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
