@@ -15,6 +15,8 @@ REPO_ROOT = Path(__file__).resolve().parent
 SPECS = Path(os.environ.get("TESSERA_SPECS", REPO_ROOT.parent / "shared" / "specs"))
 ORG = os.environ.get("TESSERA_HUB_ORG", "tessera")
 HAS_CUDA = torch.cuda.is_available()
+# The variant the kernels loader picks follows the torch build, not the presence of a GPU.
+BACKEND = "cuda" if torch.version.cuda else "cpu"
 # Triton runs on CPU tensors through its interpreter; on a GPU machine the kernels run for real.
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")

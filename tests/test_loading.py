@@ -9,7 +9,7 @@ import textwrap
 
 import pytest
 
-from testkit import load
+from testkit import BACKEND, load
 from tools import hub, lock
 from tools.common import HUB_CACHE, KERNELS_DIR, REPO_ROOT, all_kernels, read_kernel
 
@@ -29,10 +29,10 @@ def run_python(code: str, **env):
 @pytest.mark.parametrize("kernel", KERNELS, ids=lambda k: k.name)
 def test_get_kernel_offline_v1(kernel):
     module = load(kernel.name)
-    assert module.__name__.startswith(f"_{kernel.package}_cpu_")
+    assert module.__name__.startswith(f"_{kernel.package}_{BACKEND}_")
     assert "layers" in module.__all__ and all(hasattr(module, n) for n in module.__all__)
     ref = (HUB_CACHE / f"kernels--tessera--{kernel.name}" / "refs" / "v1").read_text().strip()
-    assert f"snapshots/{ref}/build/torch-cpu" in module.__file__
+    assert f"snapshots/{ref}/build/torch-{BACKEND}" in module.__file__
 
 
 @pytest.mark.parametrize("kernel", KERNELS, ids=lambda k: k.name)
@@ -77,7 +77,7 @@ def test_v1_and_v2_resolve_to_different_code_side_by_side(two_versions):
         HF_HUB_CACHE=str(two_versions), HF_HUB_OFFLINE="1",
     )
     name1, name2, v1_has_marker, v2_marker, same = json.loads(out.strip().splitlines()[-1])
-    assert name1 != name2 and name2 == "_ldsa_cpu_v2test"
+    assert name1 != name2 and name2 == f"_ldsa_{BACKEND}_v2test"
     assert not v1_has_marker and v2_marker == 2
     assert same, "both versions run in one process, each on its own op namespace"
 
@@ -97,7 +97,7 @@ def test_local_kernels_override():
         LOCAL_KERNELS=f"tessera/ldsa={KERNELS_DIR / 'ldsa' / 'build'}", HF_HUB_OFFLINE="0",
         HF_HUB_CACHE=str(REPO_ROOT / "nonexistent-cache"),
     )
-    assert "kernels/ldsa/build/torch-cpu" in out
+    assert f"kernels/ldsa/build/torch-{BACKEND}" in out
 
 
 def test_lock_file_flow(tmp_path):
