@@ -1,25 +1,31 @@
 """Test session setup: the local Hub cache, offline mode, and Triton's interpreter where there is no GPU.
 
-These variables are read when `huggingface_hub`, `kernels` and `triton` are imported, so they are set
-here, before any test module imports them.
+These variables are read when `huggingface_hub`, `kernels`, `triton` and `testkit` are imported, so they
+are set here, before anything imports them.
 """
 
 import os
+from pathlib import Path
 
 import torch
 
-from testkit import REPO_ROOT
-
-os.environ.setdefault("HF_HUB_CACHE", str(REPO_ROOT / ".hub"))
+os.environ.setdefault("HF_HUB_CACHE", str(Path(__file__).resolve().parent / ".hub"))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_configure(config):
-    import importlib.util
+    import testkit
 
-    if os.environ.get("TRITON_INTERPRET") == "1" and importlib.util.find_spec("triton"):
-        from testkit import patch_interpreter_bf16_dot
+    if testkit.INTERPRETED:
+        testkit.patch_interpreter()
 
-        patch_interpreter_bf16_dot()
+
+def pytest_collection_modifyitems(items):
+    """Mark what exercises a GPU as `gpu` (the device run selects these with `-m gpu`): tests that need CUDA
+    or Triton, and tests parametrized on the cuda device."""
+    for item in items:
+        reasons = " ".join(str(m.kwargs.get("reason", "")) for m in item.iter_markers("skipif"))
+        if "CUDA" in reasons or "[cuda" in item.name or "-cuda" in item.name:
+            item.add_marker("gpu")

@@ -20,6 +20,8 @@ BACKEND = "cuda" if torch.version.cuda else "cpu"
 # Triton runs on CPU tensors through its interpreter; on a GPU machine the kernels run for real.
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+# Triton kernels run on a GPU, or on CPU tensors under the interpreter.
+needs_triton = pytest.mark.skipif(not (HAS_CUDA or INTERPRETED), reason="needs CUDA or TRITON_INTERPRET=1")
 
 
 @functools.cache
@@ -74,29 +76,48 @@ class _TaskSpec:
         return self
 
 
-def patch_interpreter_bf16_dot() -> None:
-    """Make the Triton interpreter's `tl.dot` upcast bf16 operands to float32 first.
+def patch_interpreter() -> None:
+    """Two fixes to Triton 3.6's interpreter so that kernels run on CPU tensors as they do on the GPU.
 
-    The interpreter stores bf16 as uint16 and multiplies the raw bit patterns (triton-lang/triton#11584);
-    on the GPU a bf16 dot multiplies the values exactly and accumulates in fp32, which this reproduces.
+    - `tl.dot` on bf16: the interpreter stores bf16 as uint16 and multiplies the raw bit patterns
+      (triton-lang/triton#11584); upcast the operands to float32 first, which is what a bf16 dot with fp32
+      accumulation computes on the GPU.
+    - `range()` over a runtime scalar: the interpreter wraps scalars in 1-element arrays and calls `int()` on
+      them, which numpy >= 2.4 refuses; give its tensors an `__index__` that takes the element.
+    - fp32 -> bf16 casts: the interpreter truncates (a -0.3% bias per cast) where the GPU rounds to nearest
+      even; round like the GPU, so that interpreter errors mean what GPU errors mean.
     """
     import numpy as np
     import triton.language as tl
     from triton.runtime import interpreter
 
     builder = interpreter.InterpreterBuilder
-    if getattr(builder.create_dot, "_tessera_bf16", False):
+    if getattr(builder.create_dot, "_tessera", False):
         return
-    original = builder.create_dot
+    create_dot = builder.create_dot
+    patch_lang_tensor = interpreter._patch_lang_tensor
+    convert_float = interpreter._convert_float
 
     def upcast(x):
         if x.dtype == tl.bfloat16:
-            data = interpreter._convert_float(x.data, tl.bfloat16, tl.float32, None).view(np.float32)
+            data = convert_float(x.data, tl.bfloat16, tl.float32, None).view(np.float32)
             return interpreter.TensorHandle(data.reshape(x.data.shape), tl.float32)
         return x
 
-    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
-        return original(self, upcast(a), upcast(b), d, input_precision, max_num_imprecise_acc)
+    def dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        return create_dot(self, upcast(a), upcast(b), d, input_precision, max_num_imprecise_acc)
 
-    create_dot._tessera_bf16 = True
-    builder.create_dot = create_dot
+    def lang_tensor(tensor, scope):
+        patch_lang_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(np.asarray(self.handle.data).reshape(-1)[0]))
+
+    def convert(data, src, dst, rounding_mode):
+        if src == tl.float32 and dst == tl.bfloat16:
+            x = torch.from_numpy(np.ascontiguousarray(data).view(np.float32).copy())
+            return x.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16).reshape(np.shape(data))
+        return convert_float(data, src, dst, rounding_mode)
+
+    dot._tessera = True
+    builder.create_dot = dot
+    interpreter._patch_lang_tensor = lang_tensor
+    interpreter._convert_float = convert

@@ -70,15 +70,20 @@ class Bench:
         return ((x.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-300)).item()
 
 
-def run_tests(out_dir: Path, names: list[str]) -> dict:
-    """The whole pytest suite of the named kernels on this machine (CUDA tests run here)."""
+def run_tests(out_dir: Path, names: list[str], all_tests: bool, timeout: float) -> dict:
+    """The named kernels' GPU tests (`-m gpu`; CPU CI runs the rest), or with `all_tests` the whole suite."""
     junit = out_dir / "pytest.xml"
-    paths = [str(REPO_ROOT / "kernels" / n) for n in names] + [str(REPO_ROOT / "tests")]
+    paths = [str(REPO_ROOT / "kernels" / n) for n in names] + ([str(REPO_ROOT / "tests")] if all_tests else [])
+    select = [] if all_tests else ["-m", "gpu"]
     start = time.time()
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={junit}", *paths],
-        cwd=REPO_ROOT, capture_output=True, text=True,
-    )
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={junit}", *select, *paths],
+            cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout,
+        )
+    except subprocess.TimeoutExpired as e:
+        (out_dir / "pytest.log").write_text(f"{e.stdout or ''}{e.stderr or ''}")
+        return {"timed_out_after_s": timeout}
     (out_dir / "pytest.log").write_text(proc.stdout + proc.stderr)
     import xml.etree.ElementTree as ET
 
@@ -93,10 +98,10 @@ def run_tests(out_dir: Path, names: list[str]) -> dict:
     return {**summary, "failed": failed, "seconds": round(time.time() - start, 1), "exit_code": proc.returncode}
 
 
-def run_benchmarks(names: list[str], bench: Bench) -> dict:
+def run_benchmarks(names: list[str], bench: Bench, results: dict, save) -> None:
+    """Each kernel's side_by_side rows into `results`, saved after every kernel so a cut-off run keeps them."""
     from kernels import get_kernel
 
-    results = {}
     for name in names:
         path = REPO_ROOT / "kernels" / name / "benchmarks" / "benchmark.py"
         module_spec = importlib.util.spec_from_file_location(f"tessera_bench_{name.replace('-', '_')}", path)
@@ -113,7 +118,7 @@ def run_benchmarks(names: list[str], bench: Bench) -> dict:
         import torch
 
         torch.cuda.empty_cache()
-    return results
+        save()
 
 
 def _fmt(value) -> str:
@@ -149,6 +154,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("kernels", nargs="*", help="kernel names (default: all)")
     parser.add_argument("--skip-tests", action="store_true", help="benchmarks only")
     parser.add_argument("--skip-bench", action="store_true", help="tests only")
+    parser.add_argument("--all-tests", action="store_true", help="the whole suite, not only the `gpu` tests")
+    parser.add_argument("--test-timeout", type=float, default=300, help="seconds for the test run (default 300)")
     parser.add_argument("--specs", type=Path, default=Path(os.environ.get("TESSERA_SPECS", REPO_ROOT.parent / "shared" / "specs")))
     args = parser.parse_args(argv)
 
@@ -177,15 +184,21 @@ def main(argv: list[str] | None = None) -> int:
         "torch": torch.__version__,
         "triton": triton.__version__,
     }
+    base = out_dir / f"{stamp}-{sha[:12]}"
+
+    def save():
+        base.with_suffix(".json").write_text(json.dumps(report, indent=1) + "\n")
+        base.with_suffix(".md").write_text(markdown(report))
+
     if not args.skip_tests:
-        report["tests"] = run_tests(out_dir, names)
+        report["tests"] = run_tests(out_dir, names, args.all_tests, args.test_timeout)
         print(f"tests: {report['tests']}", flush=True)
     bench = Bench(args.specs)
     report["copy_gbps"] = bench.copy_gbps
-    report["benchmarks"] = {} if args.skip_bench else run_benchmarks(names, bench)
-    base = f"{stamp}-{sha[:12]}"
-    (out_dir / f"{base}.json").write_text(json.dumps(report, indent=1) + "\n")
-    (out_dir / f"{base}.md").write_text(markdown(report))
+    report["benchmarks"] = {}
+    save()
+    if not args.skip_bench:
+        run_benchmarks(names, bench, report["benchmarks"], save)
     print(markdown(report))
     return 0
 

@@ -1,10 +1,15 @@
 """ldsa through `get_kernel`: the reference against an independent float64 computation, autograd, the
-registered ops (opcheck, torch.compile), bad input, and the fused path against the reference on CUDA."""
+registered ops (opcheck, torch.compile), bad input, the Triton kernels under the interpreter on CPU, the
+fused path against float64 on CUDA, and the paper's LDSA block kernelized through the Hub layer."""
+
+import copy
+import itertools
+import os
 
 import pytest
 import torch
 
-from testkit import HAS_CUDA, load, needs_cuda, rel_err
+from testkit import HAS_CUDA, INTERPRETED, load, needs_cuda, rel_err, submodule
 
 WINDOWS = [(0, 0), (14, 0), (7, 7), (3, 11), (0, 5), (31, 31), (64, 0)]
 DEVICES = ["cpu"] + (["cuda"] if HAS_CUDA else [])
@@ -78,8 +83,9 @@ def test_opcheck(ldsa):
     torch.library.opcheck(ldsa.op.ldsa_backward, (a.detach(), v.detach(), go, 2, 3))
 
 
-def test_torch_compile_fullgraph(ldsa):
-    a, v = make(2, 2, 8, 40, 5, 1, requires_grad=True)
+@pytest.mark.parametrize("device", DEVICES)
+def test_torch_compile_fullgraph(ldsa, device):
+    a, v = make(2, 2, 8, 40, 5, 1, device=device, requires_grad=True)
 
     def step(a, v):
         return (ldsa.ldsa_local_attention(a, v, 5, 1) ** 2).sum()
@@ -128,3 +134,179 @@ def test_inputs_on_different_devices_raise(ldsa):
     a, v = make(1, 1, 8, 16, 2, 1)
     with pytest.raises(ValueError, match="one device"):
         ldsa.ldsa_local_attention(a.cuda(), v, 2, 1)
+
+
+# ---- The Triton kernels under the interpreter (CPU tensors, launchers called directly) ----
+
+TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
+INTERP_WINDOWS = [(0, 0), (14, 0), (7, 7), (0, 9), (31, 31), (64, 0), (40, 56)]
+# Every window at every ragged T; Dh and dtype rotate so that each pairing of T, Dh and dtype occurs.
+INTERP_CASES = [
+    (left, right, T, (8, 24, 64)[i % 3], (torch.float32, torch.bfloat16, torch.float16)[(i + i // 3) % 3])
+    for i, ((left, right), T) in enumerate(itertools.product(INTERP_WINDOWS, (1, 97, 130)))
+]
+needs_interpreter = pytest.mark.skipif(not INTERPRETED, reason="Triton interpreter tests run where there is no GPU")
+
+
+@pytest.fixture
+def poisoned_outputs(monkeypatch):
+    """Outputs the launchers allocate start as NaN, so an element the kernel never writes fails the test."""
+    empty_like = torch.empty_like
+    monkeypatch.setattr(torch, "empty_like", lambda x, **kw: empty_like(x, **kw).fill_(float("nan")))
+
+
+def ldsa_float64_grads(a, v, go, left, right):
+    a64, v64 = a.detach().double().requires_grad_(), v.detach().double().requires_grad_()
+    ldsa_float64(a64, v64, left, right).backward(go.double())
+    return a64.grad, v64.grad
+
+
+@needs_interpreter
+@pytest.mark.parametrize("left,right,T,Dh,dtype", INTERP_CASES)
+def test_triton_interpreted_matches_float64(ldsa, poisoned_outputs, left, right, T, Dh, dtype):
+    kernels = submodule(ldsa, "ldsa_triton")
+    a, v = make(2, 2, Dh, T, left, right, dtype)
+    go = torch.randn(v.shape).to(dtype)
+    out = kernels.ldsa_forward(a, v, left, right)
+    assert out.dtype == dtype and rel_err(out, ldsa_float64(a, v, left, right)) < TOL[dtype]
+    dlogits, dv = kernels.ldsa_backward(a, v, go, left, right)
+    ga, gv = ldsa_float64_grads(a, v, go, left, right)
+    assert dlogits.dtype == dtype and dv.dtype == dtype
+    assert rel_err(dlogits, ga) < TOL[dtype] and rel_err(dv, gv) < TOL[dtype]
+
+
+@needs_interpreter
+def test_triton_interpreted_two_channel_tiles_and_mixed_dtypes(ldsa, poisoned_outputs):
+    """Dh > 128 walks two channel tiles; bf16 logits with fp32 values, and a float32 grad_out for bf16 v."""
+    kernels = submodule(ldsa, "ldsa_triton")
+    a, v = make(1, 1, 136, 40, 3, 2, torch.float32)
+    a = a.bfloat16()
+    assert rel_err(kernels.ldsa_forward(a, v, 3, 2), ldsa_float64(a, v, 3, 2)) < 1e-5
+    go = torch.randn_like(v)
+    dlogits, dv = kernels.ldsa_backward(a, v.bfloat16(), go, 3, 2)
+    ga, gv = ldsa_float64_grads(a, v.bfloat16(), go, 3, 2)
+    assert dlogits.dtype == torch.bfloat16 and dv.dtype == torch.bfloat16
+    assert rel_err(dlogits, ga) < 1e-2 and rel_err(dv, gv) < 1e-2
+
+
+# ---- The fused path on CUDA (the lead's GPU run) ----
+
+# Every band configuration `_plan` picks: N = 16, 32, 64 frames per chunk; K = 16 to 128; 4 and 8 warps;
+# (100, 12) is the widest fused window (113 taps), (100, 28) runs the reference.
+CUDA_WINDOWS = [(0, 0), (14, 0), (7, 7), (0, 9), (3, 11), (20, 0), (31, 31), (64, 0), (48, 48), (100, 12), (100, 28)]
+
+
+@needs_cuda
+def test_cuda_takes_the_triton_path(ldsa):
+    assert ldsa.kernel_path(torch.empty(1, device="cuda")) == "triton"
+    assert ldsa.kernel_path(torch.empty(1)) == "reference"
+    kernels = submodule(ldsa, "ldsa_triton")
+    assert kernels.supports_window(113) and not kernels.supports_window(114)
+
+
+# Every window in every dtype; the channel count (and, backward, T) rotates so each pairing occurs.
+FWD_TOL = {torch.float32: 1e-6, torch.bfloat16: 1e-2, torch.float16: 2e-3}
+CUDA_FWD_CASES = [
+    (left, right, dtype, (32, 64, 128, 80)[i % 4])
+    for i, ((left, right), dtype) in enumerate(itertools.product(CUDA_WINDOWS, FWD_TOL))
+]
+CUDA_BWD_CASES = [
+    (left, right, dtype, *((64, 3001), (80, 97), (256, 130), (32, 1))[i % 4])
+    for i, ((left, right), dtype) in enumerate(itertools.product(CUDA_WINDOWS, TOL))
+]
+
+
+@needs_cuda
+@pytest.mark.parametrize("left,right,dtype,Dh", CUDA_FWD_CASES)
+def test_cuda_forward_matches_float64(ldsa, left, right, dtype, Dh):
+    a, v = make(2, 3, Dh, 3001, left, right, dtype, "cuda")
+    out = ldsa.ldsa_local_attention(a, v, left, right)
+    assert out.dtype == dtype and rel_err(out, ldsa_float64(a, v, left, right)) < FWD_TOL[dtype]
+
+
+@needs_cuda
+@pytest.mark.parametrize("left,right,dtype,Dh,T", CUDA_BWD_CASES)
+def test_cuda_backward_matches_float64_autograd(ldsa, left, right, dtype, Dh, T):
+    tol = TOL[dtype]
+    a, v = make(2, 2, Dh, T, left, right, dtype, "cuda", requires_grad=True)
+    go = torch.randn(v.shape, device="cuda").to(dtype)
+    ldsa.ldsa_local_attention(a, v, left, right).backward(go)
+    ga, gv = ldsa_float64_grads(a, v, go, left, right)
+    assert a.grad.dtype == dtype and v.grad.dtype == dtype
+    assert rel_err(a.grad, ga) < tol and rel_err(v.grad, gv) < tol
+
+
+@needs_cuda
+@pytest.mark.parametrize("B,T", [(16, 256), (16, 512), (32, 1024), (16, 2048), (32, 3000), (64, 3000)])
+@pytest.mark.parametrize("left,right", [(14, 0), (7, 7)])
+def test_cuda_card_shapes_match_reference(ldsa, B, T, left, right):
+    """The benchmark's shapes (H=8, Dh=64, bf16), forward and backward against the float32 reference."""
+    a, v = make(B, 8, 64, T, left, right, torch.bfloat16, "cuda")
+    assert rel_err(ldsa.ldsa_local_attention(a, v, left, right), ldsa.ldsa_forward_reference(a, v, left, right)) < 1e-2
+    go = torch.randn_like(v)
+    dlogits, dv = ldsa.op.ldsa_backward(a, v, go, left, right)
+    rdlogits, rdv = ldsa.ldsa_backward_reference(a, v, go, left, right)
+    assert rel_err(dlogits, rdlogits) < 1e-2 and rel_err(dv, rdv) < 1e-2
+
+
+@needs_cuda
+def test_cuda_offsets_past_2_pow_31(ldsa):
+    """B*H*Dh*T > 2^31 elements: the last (b, h) slices must land where the first ones do."""
+    B, H, Dh, T, left, right = 33000, 2, 32, 1024, 14, 0
+    assert B * H * Dh * T > 2**31
+    a, v = make(B, H, Dh, T, left, right, torch.bfloat16, "cuda")
+    out = ldsa.ldsa_local_attention(a, v, left, right)
+    for b in (0, B // 2, B - 1):
+        ref = ldsa_float64(a[b : b + 1], v[b : b + 1], left, right)
+        assert rel_err(out[b : b + 1], ref) < 1e-2
+    del a, v, out
+    torch.cuda.empty_cache()
+
+
+@needs_cuda
+def test_cuda_large_batch_heads(ldsa):
+    a, v = make(256, 16, 64, 97, 7, 7, torch.bfloat16, "cuda")
+    assert rel_err(ldsa.ldsa_local_attention(a, v, 7, 7), ldsa_float64(a, v, 7, 7)) < 1e-2
+
+
+@needs_cuda
+def test_cuda_direct_launch_equals_the_registered_op(ldsa):
+    """The no-grad fast path and the custom op call one launcher: bitwise-equal results."""
+    a, v = make(4, 8, 64, 500, 14, 0, torch.bfloat16, "cuda")
+    with torch.no_grad():
+        fast = ldsa.ldsa_local_attention(a, v, 14, 0)
+    assert torch.equal(fast, ldsa.op.ldsa_forward(a, v, 14, 0))
+    a.requires_grad_()
+    assert torch.equal(fast, ldsa.ldsa_local_attention(a, v, 14, 0).detach())
+
+
+# ---- The paper's block, kernelized through the Hub layer ----
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("mode_name", ["TRAINING", "INFERENCE"])
+def test_kernelized_ldsa_block_matches_host_module(ldsa, device, mode_name):
+    from kernels import LayerRepository, Mode, kernelize, use_kernel_mapping
+    from ldsa_block import LDSABlock, LDSAWindow
+
+    torch.manual_seed(0)
+    host = LDSABlock(d_model=64, n_head=4, left=7, right=7).to(device)
+    model = copy.deepcopy(host)
+    mapping = {
+        "LDSAWindow": {
+            device: LayerRepository("tessera/ldsa", layer_name="LDSAWindow", version=1, trust_remote_code=True)
+        }
+    }
+    with use_kernel_mapping(mapping, inherit_mapping=False):
+        kernelize(model, mode=getattr(Mode, mode_name), device=device, use_fallback=False)
+    replaced = model.window.forward.__func__
+    assert replaced is not LDSAWindow.forward and replaced.__module__.endswith(".layers")
+
+    x = torch.randn(2, 50, 64, device=device)
+    out, ref = model(x), host(x)
+    assert rel_err(out, ref) < 1e-5
+    go = torch.randn_like(out)
+    out.backward(go)
+    ref.backward(go)
+    for (name, p), q in zip(model.named_parameters(), host.parameters()):
+        assert rel_err(p.grad, q.grad) < 1e-5, name

@@ -1,8 +1,13 @@
 """The registered ops (forward, backward, autograd link) and the public function.
 
-CUDA tensors run `_cuda_forward` / `_cuda_backward`; CPU tensors run the eager reference. Every op name
-goes through `add_op_namespace_prefix`, so two versions of this kernel can be loaded side by side.
+CUDA tensors run the fused Triton kernels of `ldsa_triton` (imported on first use, so the package imports
+without triton); CPU tensors, CUDA machines without triton and windows wider than 113 taps run the eager
+reference. Every op name goes through `add_op_namespace_prefix`, so two versions of this kernel can be
+loaded side by side.
 """
+
+import functools
+import importlib.util
 
 import torch
 
@@ -11,17 +16,37 @@ from .reference import ldsa_backward_reference, ldsa_forward_reference
 from .validation import check_ldsa_args
 
 
+@functools.cache
+def _triton():
+    """The Triton launchers, or None where triton is not installed."""
+    if importlib.util.find_spec("triton") is None:
+        return None
+    from . import ldsa_triton
+
+    return ldsa_triton
+
+
 def kernel_path(x: torch.Tensor) -> str:
-    """Which implementation a call on `x`'s device takes: "triton" or "reference"."""
-    return "reference"
+    """Which implementation a call on `x`'s device takes: "triton" or "reference" (windows of up to 113
+    taps; wider ones run the reference on every device)."""
+    return "triton" if x.is_cuda and _triton() is not None else "reference"
+
+
+def _fused(left: int, right: int) -> bool:
+    """Whether the Triton kernels take this window (all windows up to 113 taps)."""
+    return _triton() is not None and _triton().supports_window(left + right + 1)
 
 
 def _cuda_forward(a_logits, v, left, right):
-    return ldsa_forward_reference(a_logits, v, left, right)
+    if not _fused(left, right):
+        return ldsa_forward_reference(a_logits, v, left, right)
+    return _triton().ldsa_forward(a_logits, v, left, right)
 
 
 def _cuda_backward(a_logits, v, grad_out, left, right):
-    return ldsa_backward_reference(a_logits, v, grad_out, left, right)
+    if not _fused(left, right):
+        return ldsa_backward_reference(a_logits, v, grad_out, left, right)
+    return _triton().ldsa_backward(a_logits, v, grad_out, left, right)
 
 
 @torch.library.custom_op(add_op_namespace_prefix("ldsa_forward"), mutates_args=(), device_types="cuda")
@@ -83,4 +108,22 @@ def ldsa_local_attention(a_logits: torch.Tensor, v: torch.Tensor, left: int, rig
     tensors. Non-contiguous inputs are copied to contiguous ones.
     """
     check_ldsa_args(a_logits, v, left, right)
-    return ldsa_forward(a_logits.contiguous(), v.contiguous(), left, right)
+    a_logits, v = a_logits.contiguous(), v.contiguous()
+    if _launch_directly(a_logits, v):
+        return _cuda_forward(a_logits, v, left, right)
+    return ldsa_forward(a_logits, v, left, right)
+
+
+def _launch_directly(a_logits: torch.Tensor, v: torch.Tensor) -> bool:
+    """Inference fast path: plain CUDA tensors, no autograd record, no tracing.
+
+    The custom op's dispatch costs several microseconds per call, which matters at launch-bound sizes;
+    when nothing needs the registered op (no graph to record, no compiler or fake tensors looking), the
+    same launcher is called directly."""
+    return (
+        not torch.compiler.is_compiling()
+        and v.is_cuda
+        and type(v) is torch.Tensor
+        and type(a_logits) is torch.Tensor
+        and not (torch.is_grad_enabled() and (a_logits.requires_grad or v.requires_grad))
+    )

@@ -1,0 +1,128 @@
+"""based-bwd benchmarks: the `kernels benchmark` class for one shape, and the side-by-side table for the GPU run.
+
+Every row of the side-by-side table times the whole contract of the spec, `(q, k, v, do) -> (dq, dk, dv)`:
+ours recomputes what it needs, so fla is timed forward + backward (its backward alone is given for
+information). TFLOP/s are the spec's credited FLOPs (`canonical_work`, chunk 64) over the time; errors are
+relative Frobenius against the spec's reference evaluated in fp32, computed once per shape.
+"""
+
+import importlib
+
+import torch
+from kernels.benchmark import Benchmark
+
+CALIBRATION_SHAPE = (2, 2048, 8, 16, 128)  # (B, T, H, K, V) of the spec's calibration errors
+
+
+def _make(B, T, H, K, V, device, seed=0):
+    g = torch.Generator(device=device).manual_seed(seed)
+    q, k = (torch.randn(B, T, H, K, generator=g, device=device, dtype=torch.bfloat16) for _ in range(2))
+    v, do = (torch.randn(B, T, H, V, generator=g, device=device, dtype=torch.bfloat16) for _ in range(2))
+    return q, k, v, do
+
+
+class BasedBackward(Benchmark):
+    """bf16 (B, T, H, K, V) = (2, 2048, 8, 16, 128): the spec's calibration shape. The output is dq, dk, dv
+    flattened into one fp32 vector; the reference is the eager analytic backward in fp32."""
+
+    seed = 0
+
+    def setup(self):
+        self.q, self.k, self.v, self.do = _make(*CALIBRATION_SHAPE, self.device)
+        self.out = None
+
+    def benchmark_backward(self):
+        self.out = torch.cat([g.float().flatten() for g in self.kernel.based_backward(self.q, self.k, self.v, self.do)])
+
+    def verify_backward(self) -> torch.Tensor:
+        ref = self.kernel.based_backward_reference(self.q.float(), self.k.float(), self.v.float(), self.do.float())
+        return torch.cat([g.flatten() for g in ref])
+
+
+def _fla_fwd_bwd(fn):
+    """fla's forward + backward through autograd: the same contract as the spec's function."""
+
+    def run(q, k, v, do, scale):
+        ins = [x.detach().requires_grad_(True) for x in (q, k, v)]
+        o = fn(*ins, scale=scale, use_norm=True)
+        return torch.autograd.grad(o, ins, do)
+
+    return run
+
+
+def _fla_bwd_only(fn, q, k, v, do, scale):
+    """fla's backward alone, replaying a graph whose forward ran once, on the first call (o and z come
+    for free, which our contract does not give)."""
+    graph = []
+
+    def replay():
+        if not graph:
+            ins = [x.detach().requires_grad_(True) for x in (q, k, v)]
+            graph.extend([fn(*ins, scale=scale, use_norm=True), ins])
+        return torch.autograd.grad(graph[0], graph[1], do, retain_graph=True)
+
+    return replay
+
+
+def _timed_row(bench, case, impl, fn, ref, flops, **extra):
+    """A row timing fn() -> (dq, dk, dv), with its errors against ref; an implementation that cannot run
+    this shape (fla's limits, a Hopper guard) gets a row with the error instead of stopping the run."""
+    row = {"case": case, "impl": impl, "ms": None, "metric": "TFLOP/s", "value": None, "err": None}
+    try:
+        got = fn()
+        errs = [bench.rel_err(g, r) for g, r in zip(got, ref)] if ref is not None else None
+        del got
+        ms = bench.time(fn)
+    except Exception as e:
+        row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        return row
+    row.update(ms=ms, value=flops / (ms * 1e-3) / 1e12)
+    if errs:
+        row.update(err=max(errs), err_dq=errs[0], err_dk=errs[1], err_dv=errs[2])
+    row.update(extra)
+    return row
+
+
+def side_by_side(kernel, bench) -> list[dict]:
+    spec = bench.spec("based_backward")
+    if spec is None:
+        return []
+    fla_based = importlib.import_module("fla.ops.based") if bench.optional("fla") is not None else None
+    fused = importlib.import_module(f"{kernel.__name__}.triton_backward")
+    rows = []
+    for shape in spec.measure_shapes:
+        B, T, H, K, V = shape
+        case = f"(B,T,H,K,V)=({B},{T},{H},{K},{V}) bf16"
+        flops = spec.work(*shape)
+        scale = K**-0.5
+        q, k, v, do = spec.make(*shape, 0)
+        ref = spec.ref(q.float(), k.float(), v.float(), do.float())  # the fp32 spec, once per shape
+
+        ours = _timed_row(bench, case, "based-bwd triton", lambda: kernel.based_backward(q, k, v, do), ref,
+                          flops, path=kernel.kernel_path(q), config=str(fused.DEFAULT_CONFIG[K]))
+        rows.append(ours)
+        # the launch configurations the default could take, at the first shape of each K (compile time)
+        if shape == next(s for s in spec.measure_shapes if s[3] == K):
+            for config in fused.CONFIG_CHOICES:
+                run = lambda: fused.based_backward_triton(q, k, v, do, scale, config)  # noqa: E731
+                rows.append(_timed_row(bench, case, "based-bwd triton, other config", run, ref, flops,
+                                       config=str(config)))
+
+        if fla_based is not None:
+            for name in ("parallel_based", "fused_chunk_based"):
+                run = _fla_fwd_bwd(getattr(fla_based, name))
+                row = _timed_row(bench, case, f"fla {name} fwd+bwd", lambda: run(q, k, v, do, scale), ref, flops)
+                rows.append(row)
+                if ours["ms"] and row["ms"]:
+                    ours[f"x_vs_fla_{name}"] = row["ms"] / ours["ms"]
+            replay = _fla_bwd_only(fla_based.parallel_based, q, k, v, do, scale)
+            rows.append(_timed_row(bench, case, "fla parallel_based bwd only (info)", replay, None, flops))
+            del replay
+            if "x_vs_fla_parallel_based" in ours:
+                ours["x_vs_fla"] = ours["x_vs_fla_parallel_based"]
+
+        rows.append(_timed_row(bench, case, "spec seed reference (fp32 autograd)",
+                               lambda: spec.ref(q, k, v, do), ref, flops))
+        del q, k, v, do, ref
+        torch.cuda.empty_cache()
+    return rows

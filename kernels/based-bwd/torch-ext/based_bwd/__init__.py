@@ -1,0 +1,15 @@
+"""based-bwd: the backward of causal Based (2nd-order Taylor linear) attention, fused for training, with a
+differentiable attention function and layer that train through it, for the Hugging Face kernels hub."""
+
+from . import layers
+from .op import based_attention, based_backward, kernel_path
+from .reference import based_backward_reference, based_forward_reference
+
+__all__ = [
+    "layers",
+    "based_backward",
+    "based_attention",
+    "based_backward_reference",
+    "based_forward_reference",
+    "kernel_path",
+]

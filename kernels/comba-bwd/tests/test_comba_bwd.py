@@ -1,0 +1,312 @@
+"""comba-bwd through `get_kernel`: the eager forward and analytic backward against an independent float64
+token-by-token recurrence (and its autograd) and against the spec's code, the public functions, autograd
+through `comba_attention`, the registered ops (opcheck, torch.compile), bad input, the layer through
+`kernelize`, and the fused Triton backward (interpreter on CPU, every shipped config on CUDA)."""
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from testkit import HAS_CUDA, load, needs_cuda, needs_triton, rel_err, spec, submodule
+
+DEVICES = ["cpu"] + (["cuda"] if HAS_CUDA else [])
+NAMES = ("dq", "dk", "dv", "dp", "dbeta", "dg")
+
+
+@pytest.fixture(scope="module")
+def comba():
+    return load("comba-bwd")
+
+
+def make_inputs(B, T, H, K, V, dtype=torch.float32, device="cpu", seed=0):
+    """The spec's input distribution: unit-norm k and p, beta in (0.5, 0.73), log-decay g <= 0 (float32)."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, T, H, K, generator=gen)
+    k = F.normalize(torch.randn(B, T, H, K, generator=gen), dim=-1)
+    v = torch.randn(B, T, H, V, generator=gen)
+    p = F.normalize(torch.randn(B, T, H, K, generator=gen), dim=-1)
+    beta = torch.rand(B, T, H, generator=gen).sigmoid()
+    g = F.logsigmoid(torch.randn(B, T, H, generator=gen)) / 4
+    do = torch.randn(B, T, H, V, generator=gen)
+    cast = [x.to(device=device, dtype=dtype) for x in (q, k, v, p, beta)]
+    return (*cast, g.to(device), do.to(device=device, dtype=dtype))
+
+
+def comba_recurrence(q, k, v, p, beta, g, scale=None):
+    """The spec's definition, one token at a time, in the inputs' dtype (float64 in the tests)."""
+    B, T, H, K = q.shape
+    scale = K**-0.5 if scale is None else scale
+    S = q.new_zeros(B, H, K, v.shape[-1])
+    out = []
+    for t in range(T):
+        S = g[:, t, :, None, None].exp() * S
+        u = beta[:, t, :, None] * (v[:, t] - torch.einsum("bhkv,bhk->bhv", S, p[:, t]))
+        S = S + k[:, t, :, :, None] * u[:, :, None, :]
+        out.append(torch.einsum("bhkv,bhk->bhv", S, scale * q[:, t]))
+    return torch.stack(out, 1)
+
+
+def float64_grads(inputs, scale=None):
+    """(dq, dk, dv, dp, dbeta, dg) by float64 autograd through the token recurrence."""
+    *x, do = [t.detach().double().cpu() for t in inputs]
+    x = [t.requires_grad_() for t in x]
+    return torch.autograd.grad(comba_recurrence(*x, scale=scale), x, do)
+
+
+def tol_for(device, dtype, cpu_tol):
+    """CUDA runs the fused kernel, whose matmul operands are bf16 whatever the input dtype (spec gate: 2e-2)."""
+    return 2e-2 if device == "cuda" else cpu_tol
+
+
+def assert_grads_close(got, ref, tol):
+    errs = {n: rel_err(a, b) for n, a, b in zip(NAMES, got, ref)}
+    assert all(e < tol for e in errs.values()), errs
+
+
+# ---------------------------------------------------------------- eager reference (float64, spec)
+
+
+@pytest.mark.kernels_ci
+@pytest.mark.parametrize("T", [64, 77, 192])
+def test_forward_reference_matches_float64_recurrence(comba, T):
+    *x, _ = make_inputs(2, T, 2, 16, 8)
+    o = comba.comba_forward_reference(*x)
+    assert o.shape == (2, T, 2, 8) and o.dtype == torch.float32
+    assert rel_err(o, comba_recurrence(*[t.double() for t in x])) < 1e-5
+
+
+@pytest.mark.kernels_ci
+@pytest.mark.parametrize("T,scale", [(128, None), (100, 0.3), (3, None)])
+def test_backward_reference_matches_float64_autograd(comba, T, scale):
+    inputs = make_inputs(1, T, 2, 32, 16, seed=1)
+    assert_grads_close(comba.comba_backward_reference(*inputs, scale=scale), float64_grads(inputs, scale), 1e-5)
+
+
+@pytest.mark.kernels_ci
+@pytest.mark.parametrize("shape", [(1, 128, 2, 64, 64), (1, 128, 2, 128, 64), (1, 192, 1, 64, 128)])
+def test_backward_reference_matches_spec(comba, shape):
+    """CPU-sized cuts of the spec's correct_shapes, against the spec's own autograd-through-forward code."""
+    s = spec("comba_backward")
+    inputs = [x.cpu().float() for x in s.make(*shape, 0)]
+    assert_grads_close(comba.comba_backward_reference(*inputs), s.ref(*inputs), 1e-5)
+
+
+# ---------------------------------------------------------------- public functions and autograd
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2), (torch.float16, 1e-2)])
+def test_public_backward(comba, device, dtype, tol):
+    inputs = make_inputs(1, 128, 2, 64, 64, dtype, device, seed=2)
+    grads = comba.comba_backward(*inputs)
+    for name, gr, x in zip(NAMES, grads, inputs):
+        assert gr.shape == x.shape and gr.device == x.device, name
+    assert [gr.dtype for gr in grads] == [dtype] * 5 + [torch.float32]
+    assert_grads_close(grads, float64_grads(inputs), tol_for(device, dtype, tol))
+    assert comba.kernel_path(inputs[0]) == ("triton" if device == "cuda" else "reference")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_scale_is_applied_to_q(comba, device):
+    inputs = make_inputs(1, 64, 1, 64, 64, device=device, seed=3)
+    assert_grads_close(comba.comba_backward(*inputs, scale=0.7), float64_grads(inputs, 0.7),
+                       tol_for(device, torch.float32, 1e-4))
+    *x, _ = inputs
+    o = comba.comba_attention(*x, scale=0.7)
+    assert rel_err(o, comba_recurrence(*[t.double().cpu() for t in x], scale=0.7)) < 1e-5
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)])
+def test_comba_attention_trains_in_all_six_inputs(comba, device, dtype, tol):
+    *x, do = make_inputs(1, 128, 2, 64, 64, dtype, device, seed=4)
+    x = [t.requires_grad_() for t in x]
+    o = comba.comba_attention(*x)
+    assert o.dtype == dtype and o.shape == do.shape
+    o.backward(do)
+    assert_grads_close([t.grad for t in x], float64_grads((*x, do)), tol_for(device, dtype, tol))
+
+
+@pytest.mark.kernels_ci
+def test_opcheck(comba):
+    q, k, v, p, beta, g, do = make_inputs(1, 64, 2, 16, 8, seed=5)
+    x = [t.clone().requires_grad_() for t in (q, k, v, p, beta, g)]
+    torch.library.opcheck(comba.op.comba_forward_op, (*x, 0.25))
+    torch.library.opcheck(comba.op.comba_backward_op, (q, k, v, p, beta, g, do, 0.25))
+
+
+def test_torch_compile_fullgraph_training_step(comba):
+    *x, do = make_inputs(1, 128, 2, 16, 8, seed=6)
+    x = [t.requires_grad_() for t in x]
+
+    def step(*x):
+        return (comba.comba_attention(*x) * do).sum()
+
+    torch._dynamo.reset()
+    torch.compile(step, fullgraph=True)(*x).backward()
+    compiled = [t.grad.clone() for t in x]
+    for t in x:
+        t.grad = None
+    step(*x).backward()
+    assert_grads_close(compiled, [t.grad for t in x], 1e-6)
+
+
+def test_noncontiguous_inputs_are_copied(comba):
+    inputs = make_inputs(1, 64, 2, 16, 8, seed=7)
+    strided = [t.transpose(0, 1).contiguous().transpose(0, 1) if t.dim() == 4 else t for t in inputs]
+    strided[0] = inputs[0].transpose(2, 3).contiguous().transpose(2, 3)
+    assert not strided[0].is_contiguous()
+    for a, b in zip(comba.comba_backward(*strided), comba.comba_backward(*inputs)):
+        assert torch.equal(a, b)
+
+
+def _replace(i, fn):
+    return lambda args: [fn(a) if j == i else a for j, a in enumerate(args)]
+
+
+BAD = [
+    (_replace(0, lambda q: q.numpy()), TypeError, "q must be a torch.Tensor"),
+    (_replace(1, lambda k: k.double()), TypeError, "k must be bfloat16 or float16 or float32"),
+    (_replace(2, lambda v: v.bfloat16()), TypeError, "v must have q's dtype"),
+    (_replace(5, lambda g: g.bfloat16()), TypeError, "g must be float32"),
+    (_replace(6, lambda do: do.int()), TypeError, "do must be"),
+    (_replace(0, lambda q: q[0]), ValueError, "q must have rank 4"),
+    (_replace(4, lambda b: b[..., None]), ValueError, "beta must have rank 3"),
+    (_replace(1, lambda k: k[..., :8]), ValueError, "k must have q's shape"),
+    (_replace(3, lambda p: p[:, :32]), ValueError, "p must have q's shape"),
+    (_replace(2, lambda v: v[:, :, :1]), ValueError, "v must be \\(B, T, H, V\\)"),
+    (_replace(5, lambda g: g[:, :32]), ValueError, "g must be \\(B, T, H\\)"),
+    (_replace(6, lambda do: do[..., :4]), ValueError, "do must have v's shape"),
+    (_replace(0, lambda q: q[:, :0]), ValueError, "every size must be >= 1"),
+]
+
+
+@pytest.mark.kernels_ci
+@pytest.mark.parametrize("bad,exc,match", BAD)
+def test_bad_input_raises(comba, bad, exc, match):
+    args = bad(list(make_inputs(1, 64, 2, 16, 8)))
+    with pytest.raises(exc, match=match):
+        comba.comba_backward(*args)
+
+
+@pytest.mark.kernels_ci
+@pytest.mark.parametrize("scale", ["0.5", True, torch.tensor(0.5)])
+def test_bad_scale_raises(comba, scale):
+    *x, _ = make_inputs(1, 64, 2, 16, 8)
+    with pytest.raises(TypeError, match="scale must be a float or None"):
+        comba.comba_attention(*x, scale=scale)
+
+
+@needs_cuda
+def test_cuda_errors(comba):
+    inputs = make_inputs(1, 64, 2, 64, 64, torch.bfloat16, "cuda")
+    with pytest.raises(ValueError, match="must be on q's device"):
+        comba.comba_backward(*inputs[:6], inputs[6].cpu())
+    small = make_inputs(1, 64, 2, 32, 64, torch.bfloat16, "cuda")
+    with pytest.raises(ValueError, match="K and V in \\(64, 128\\)"):
+        comba.comba_backward(*small)
+
+
+# ---------------------------------------------------------------- the layer through kernelize
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_layer_kernelize_training(comba, device):
+    from kernels import LayerRepository, Mode, kernelize, use_kernel_forward_from_hub, use_kernel_mapping
+
+    @use_kernel_forward_from_hub("CombaAttention")
+    class HostComba(nn.Module):
+        def forward(self, q, k, v, p, beta, g):
+            return comba_recurrence(q, k, v, p, beta, g)
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(64, 64)
+            self.mixer = HostComba()
+
+        def forward(self, q, k, v, p, beta, g):
+            return self.mixer(self.proj(q), k, v, p, beta, g)
+
+    torch.manual_seed(0)
+    host = Block().to(device)
+    *x, do = make_inputs(1, 64, 2, 64, 64, device=device, seed=8)
+    x = [t.requires_grad_() for t in x]
+    host(*x).backward(do)
+    expected = [t.grad.clone() for t in x] + [host.proj.weight.grad.clone()]
+    for t in x:
+        t.grad = None
+    host.zero_grad()
+
+    repo = LayerRepository("tessera/comba-bwd", layer_name="CombaAttention", version=1, trust_remote_code=True)
+    with use_kernel_mapping({"CombaAttention": {device: repo}}, inherit_mapping=False):
+        kernelized = kernelize(host, mode=Mode.TRAINING, device=device, use_fallback=False)
+    assert kernelized.mixer.forward.__func__.__qualname__.startswith("CombaAttention")
+    kernelized(*x).backward(do)
+    got = [t.grad for t in x] + [kernelized.proj.weight.grad]
+    errs = [rel_err(a, b) for a, b in zip(got, expected)]
+    assert max(errs) < tol_for(device, torch.float32, 1e-4), errs
+
+
+# ---------------------------------------------------------------- the fused Triton backward
+
+
+@pytest.fixture(scope="module")
+def triton_bwd(comba):
+    pytest.importorskip("triton")
+    return submodule(comba, "triton_bwd")
+
+
+TRITON_DEVICE = "cuda" if HAS_CUDA else "cpu"
+
+
+@needs_triton
+@pytest.mark.kernels_ci
+@pytest.mark.parametrize("shape", [(1, 128, 1, 64, 64), (1, 100, 2, 64, 128), (1, 64, 1, 128, 64)])
+def test_triton_backward_matches_float64(triton_bwd, shape):
+    """Tiny shapes (the interpreter runs them on the CPU); T=100 exercises the time padding."""
+    inputs = make_inputs(*shape, torch.bfloat16, TRITON_DEVICE, seed=9)
+    grads = triton_bwd.comba_backward_triton(*inputs, 0.9 * shape[3] ** -0.5)
+    assert [gr.dtype for gr in grads] == [torch.bfloat16] * 5 + [torch.float32]
+    assert all(gr.is_contiguous() and gr.shape == x.shape for gr, x in zip(grads, inputs))
+    assert_grads_close(grads, float64_grads(inputs, 0.9 * shape[3] ** -0.5), 1e-2)
+
+
+def _check_against_spec(comba, shape, tol=2e-2):
+    """All six gradients of the shipped CUDA path against the fp32 spec, at one of the spec's shapes."""
+    s = spec("comba_backward")
+    q, k, v, p, beta, g, do = s.make(*shape, 0)
+    got = comba.comba_backward(q, k, v, p, beta, g, do)
+    ref = s.ref(*(x.float() for x in (q, k, v, p, beta, g, do)))
+    errs = {n: rel_err(a, b) for n, a, b in zip(NAMES, got, ref)}
+    print(shape, {n: f"{e:.1e}" for n, e in errs.items()})
+    del got, ref
+    torch.cuda.empty_cache()
+    assert all(e < tol for e in errs.values()), (shape, errs)
+
+
+CORRECT_SHAPES = [(1, 512, 4, 128, 128), (2, 1024, 4, 64, 64), (1, 1024, 8, 128, 64), (2, 256, 4, 64, 128)]
+MEASURE_SHAPES = [(8, 2048, 32, 128, 128), (12, 2048, 32, 128, 128), (8, 4096, 16, 128, 128),
+                  (16, 2048, 32, 64, 128), (10, 4096, 32, 128, 128)]
+
+
+@needs_cuda
+@pytest.mark.parametrize("shape", CORRECT_SHAPES)
+def test_cuda_backward_matches_spec_correct_shapes(comba, shape):
+    _check_against_spec(comba, shape)
+
+
+@needs_cuda
+@pytest.mark.parametrize("shape", MEASURE_SHAPES)
+def test_cuda_backward_matches_spec_measure_shapes(comba, shape):
+    _check_against_spec(comba, shape)
+
+
+@needs_cuda
+def test_spec_shape_lists_are_the_ones_tested():
+    s = spec("comba_backward")
+    assert [tuple(x) for x in s.correct_shapes] == CORRECT_SHAPES
+    assert [tuple(x) for x in s.measure_shapes] == MEASURE_SHAPES

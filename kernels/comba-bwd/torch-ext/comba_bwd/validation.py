@@ -1,0 +1,58 @@
+"""Argument checks at the public boundary: a bad call raises here, naming the argument."""
+
+import torch
+
+SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# Head sizes the fused CUDA backward is compiled for; the eager (CPU) reference takes any size >= 1.
+FUSED_SIZES = (64, 128)
+
+
+def _check_tensor(name: str, x, rank: int, dtypes=SUPPORTED_DTYPES) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in dtypes:
+        expected = " or ".join(str(d).removeprefix("torch.") for d in dtypes)
+        raise TypeError(f"{name} must be {expected}, got {x.dtype}")
+    if x.dim() != rank:
+        raise ValueError(f"{name} must have rank {rank}, got shape {tuple(x.shape)}")
+
+
+def check_comba_args(q, k, v, p, beta, g, scale, do=None) -> None:
+    """Validate comba_attention / comba_backward arguments (do=None for the forward)."""
+    for name, x in (("q", q), ("k", k), ("p", p), ("v", v)):
+        _check_tensor(name, x, 4)
+    _check_tensor("beta", beta, 3)
+    _check_tensor("g", g, 3, dtypes=(torch.float32,))
+    named = [("q", q), ("k", k), ("v", v), ("p", p), ("beta", beta), ("g", g)]
+    if do is not None:
+        _check_tensor("do", do, 4)
+        named.append(("do", do))
+    for name, x in named[1:]:
+        if x.device != q.device:
+            raise ValueError(f"{name} must be on q's device {q.device}, got {x.device}")
+    # beta may be any supported float dtype; the other tensors share q's.
+    for name, x in (("k", k), ("v", v), ("p", p), ("do", do)):
+        if x is not None and x.dtype != q.dtype:
+            raise TypeError(f"{name} must have q's dtype {q.dtype}, got {x.dtype}")
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
+        raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
+
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    if min(B, T, H, K, V) < 1:
+        raise ValueError(f"every size must be >= 1, got q {tuple(q.shape)} and v {tuple(v.shape)}")
+    for name, x in (("k", k), ("p", p)):
+        if x.shape != q.shape:
+            raise ValueError(f"{name} must have q's shape (B, T, H, K) = {tuple(q.shape)}, got {tuple(x.shape)}")
+    if v.shape[:3] != (B, T, H):
+        raise ValueError(f"v must be (B, T, H, V) = ({B}, {T}, {H}, V), got {tuple(v.shape)}")
+    for name, x in (("beta", beta), ("g", g)):
+        if x.shape != (B, T, H):
+            raise ValueError(f"{name} must be (B, T, H) = ({B}, {T}, {H}), got {tuple(x.shape)}")
+    if do is not None and do.shape != v.shape:
+        raise ValueError(f"do must have v's shape {tuple(v.shape)}, got {tuple(do.shape)}")
+    if q.is_cuda and (K not in FUSED_SIZES or V not in FUSED_SIZES):
+        raise ValueError(
+            f"the CUDA kernel supports K and V in {FUSED_SIZES}, got K={K}, V={V} "
+            "(the CPU reference accepts any size)"
+        )

@@ -1,0 +1,158 @@
+"""ldsa benchmarks: the `kernels benchmark` class for one shape, and the side-by-side table for the GPU run.
+
+Bytes are the minimal traffic: forward reads a_logits and v once and writes out once; backward reads
+a_logits, v and grad_out once and writes dlogits and dv once. GB/s = those bytes / time, and pct_copy
+compares it with the device-to-device copy bandwidth measured in the same run.
+"""
+
+import time
+
+import torch
+from kernels.benchmark import Benchmark
+
+H, DH = 8, 64
+WINDOWS = {"causal": (14, 0), "centered": (7, 7)}
+# The card's table, plus the largest training batch of the issue.
+CARD_SHAPES = [(16, 256), (16, 512), (32, 1024), (16, 2048), (32, 3000), (64, 3000)]
+BACKWARD_SHAPES = [(64, 3000)]
+COMPILE_SHAPES = [(64, 3000)]  # torch.compile(reference) anchor: compiled once per window, bf16 only
+LATENCY_SHAPE, LATENCY_CALLS = (16, 256), 2000
+
+
+def make_inputs(B, T, left, right, dtype, device, seed=0):
+    g = torch.Generator(device=device).manual_seed(seed)
+    a_logits = (2 * torch.randn(B, H, left + right + 1, T, generator=g, device=device)).to(dtype)
+    v = torch.randn(B, H, DH, T, generator=g, device=device).to(dtype)
+    return a_logits, v
+
+
+def unfold_einsum(a_logits, v, left, right):
+    """The other eager formulation of the anchors: a materialized [B, H, Dh, T, W] unfold."""
+    a = torch.softmax(a_logits.float(), dim=2)
+    windows = torch.nn.functional.pad(v.float(), (left, right)).unfold(-1, left + right + 1, 1)
+    return torch.einsum("bhkt,bhdtk->bhdt", a, windows).to(v.dtype)
+
+
+class LDSAForward(Benchmark):
+    """bf16, [B, T] = [32, 3000], H=8, Dh=64, causal W=15: the card's largest shape."""
+
+    seed = 0
+
+    def setup(self):
+        self.a_logits, self.v = make_inputs(32, 3000, 14, 0, torch.bfloat16, self.device)
+        self.out = torch.empty_like(self.v)
+
+    def benchmark_forward(self):
+        self.out = self.kernel.ldsa_local_attention(self.a_logits, self.v, 14, 0)
+
+    def verify_forward(self) -> torch.Tensor:
+        return self.kernel.ldsa_forward_reference(self.a_logits, self.v, 14, 0)
+
+
+def _errors(bench, x, ref):
+    return bench.rel_err(x, ref), (x.float() - ref.float()).abs().max().item()
+
+
+def _row(case, impl, ms, nbytes, bench, err=None, max_abs=None, **extra):
+    gbps = nbytes / (ms * 1e-3) / 1e9
+    row = {"case": case, "impl": impl, "ms": ms, "metric": "GB/s", "value": gbps, "err": err}
+    row.update(max_abs_err=max_abs, pct_copy=100 * gbps / bench.copy_gbps, **extra)
+    return row
+
+
+def _forward_rows(kernel, bench, B, T, window, dtype, device):
+    left, right = WINDOWS[window]
+    W, elt = left + right + 1, torch.finfo(dtype).bits // 8
+    a, v = make_inputs(B, T, left, right, dtype, device)
+    nbytes = B * H * T * (W + 2 * DH) * elt
+    case = f"fwd [B,T]=[{B},{T}] H={H} Dh={DH} W={W} {window} {str(dtype)[6:]}"
+    ref = kernel.ldsa_forward_reference(a, v, left, right)
+    with torch.no_grad():
+        ours = kernel.ldsa_local_attention(a, v, left, right)
+        t_ours = bench.time(lambda: kernel.ldsa_local_attention(a, v, left, right))
+        t_eager = bench.time(lambda: kernel.ldsa_forward_reference(a, v, left, right))
+        t_unfold = bench.time(lambda: unfold_einsum(a, v, left, right))
+        unfolded = unfold_einsum(a, v, left, right)
+    rows = [
+        _row(case, "ldsa triton", t_ours, nbytes, bench, *_errors(bench, ours, ref), x_vs_eager=t_eager / t_ours,
+             x_vs_unfold_einsum=t_unfold / t_ours, path=kernel.kernel_path(v)),
+        _row(case, "eager reference (shift-mul-add)", t_eager, nbytes, bench, 0.0, 0.0),
+        _row(case, "unfold + einsum", t_unfold, nbytes, bench, *_errors(bench, unfolded, ref)),
+    ]
+    if (B, T) in COMPILE_SHAPES and dtype == torch.bfloat16 and device == "cuda":
+        compiled = torch.compile(kernel.ldsa_forward_reference, dynamic=False)
+        with torch.no_grad():
+            t_compiled = bench.time(lambda: compiled(a, v, left, right))
+            rows.append(_row(case, "torch.compile(reference)", t_compiled, nbytes, bench,
+                             *_errors(bench, compiled(a, v, left, right), ref), x_ours_vs_this=t_compiled / t_ours))
+    return rows
+
+
+def _backward_rows(kernel, bench, B, T, window, dtype, device):
+    left, right = WINDOWS[window]
+    W, elt = left + right + 1, torch.finfo(dtype).bits // 8
+    a, v = make_inputs(B, T, left, right, dtype, device)
+    go = torch.randn_like(v)
+    nbytes = B * H * T * (2 * W + 3 * DH) * elt
+    case = f"bwd [B,T]=[{B},{T}] H={H} Dh={DH} W={W} {window} {str(dtype)[6:]}"
+    ref_dl, ref_dv = kernel.ldsa_backward_reference(a, v, go, left, right)
+    dl, dv = kernel.op.ldsa_backward(a, v, go, left, right)
+    err = max(bench.rel_err(dl, ref_dl), bench.rel_err(dv, ref_dv))
+    max_abs = max((dl.float() - ref_dl.float()).abs().max().item(), (dv.float() - ref_dv.float()).abs().max().item())
+    t_ours = bench.time(lambda: kernel.op.ldsa_backward(a, v, go, left, right))
+    # Eager autograd through the reference: the graph is built once, only the backward is timed.
+    a_req, v_req = a.clone().requires_grad_(), v.clone().requires_grad_()
+    out = kernel.ldsa_forward_reference(a_req, v_req, left, right)
+    t_autograd = bench.time(lambda: torch.autograd.grad(out, (a_req, v_req), go, retain_graph=True))
+    t_analytic = bench.time(lambda: kernel.ldsa_backward_reference(a, v, go, left, right))
+    return [
+        _row(case, "ldsa triton backward", t_ours, nbytes, bench, err, max_abs, x_vs_eager_autograd=t_autograd / t_ours,
+             x_vs_eager_analytic=t_analytic / t_ours),
+        _row(case, "eager autograd of the reference", t_autograd, nbytes, bench),
+        _row(case, "eager analytic backward (reference.py)", t_analytic, nbytes, bench),
+    ]
+
+
+def _latency_rows(kernel, bench, B, T, device):
+    """Per-call time from Python, host overhead included: N calls back to back, one sync at each end."""
+    left, right = WINDOWS["causal"]
+    a, v = make_inputs(B, T, left, right, torch.bfloat16, device)
+    nbytes = B * H * T * (left + right + 1 + 2 * DH) * 2
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    calls = {
+        "public op, no grad (direct launch)": lambda: kernel.ldsa_local_attention(a, v, left, right),
+        "registered custom op": lambda: kernel.op.ldsa_forward(a, v, left, right),
+    }
+    rows = []
+    for impl, fn in calls.items():
+        with torch.no_grad():
+            for _ in range(20):
+                fn()
+            sync()
+            start = time.perf_counter()
+            for _ in range(LATENCY_CALLS):
+                fn()
+            sync()
+        us = (time.perf_counter() - start) / LATENCY_CALLS * 1e6
+        case = f"latency [B,T]=[{B},{T}] causal bf16, {LATENCY_CALLS} calls from Python"
+        rows.append(_row(case, impl, us * 1e-3, nbytes, bench, us_per_call=us, host_overhead_included=True))
+    return rows
+
+
+def side_by_side(kernel, bench, shapes=None, backward_shapes=None, latency_shape=None) -> list[dict]:
+    """Every card shape plus [64, 3000], causal and centered, bf16 and fp32; the backward at [64, 3000];
+    the small-shape latency. The keyword arguments exist for a dry run at tiny shapes on the CPU."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    rows = []
+    for dtype in (torch.bfloat16, torch.float32):
+        for window in WINDOWS:
+            for B, T in shapes or CARD_SHAPES:
+                rows += _forward_rows(kernel, bench, B, T, window, dtype, device)
+                if device == "cuda":
+                    torch.cuda.empty_cache()
+            for B, T in backward_shapes or BACKWARD_SHAPES:
+                rows += _backward_rows(kernel, bench, B, T, window, dtype, device)
+                if device == "cuda":
+                    torch.cuda.empty_cache()
+    rows += _latency_rows(kernel, bench, *(latency_shape or LATENCY_SHAPE), device)
+    return rows

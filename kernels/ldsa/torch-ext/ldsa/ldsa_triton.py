@@ -1,0 +1,260 @@
+"""Fused Triton forward and backward of the LDSA window op, and their launchers.
+
+The op is a banded matrix product per (b, h): out[:, t] = sum_s v[:, s] * Y[s, t], where the band Y holds
+the window softmax, Y[t - left + k, t] = a[k, t]. A program owns one (b, h) and a run of frames, walked in
+chunks of N frames. For a chunk it
+
+  1. loads the chunk's logits [W, N] (coalesced rows of a_logits) and takes the softmax over the window
+     in float32 registers, once per frame;
+  2. skews those weights into the band tile [K, N] (K >= N + W - 1 span positions) with `tl.gather`,
+     so that span position j feeds frame i through tap j - i;
+  3. loads the span of v [Dh, K] once (the halo K - N overlaps the neighbouring chunk and comes from
+     L1/L2, so each v element comes from HBM about once) and multiplies on the tensor cores.
+
+A tap-by-tap loop would read every v element W times through L1 (15x the output for W = 15), which caps
+it well below the copy bandwidth; the band product reads it K / N = 2 times and does the W-fold reuse in
+the MMA. Weights stay float32-accurate: for bf16/fp16 values they are split into a high and a low part
+in the values' dtype (two MMAs, about 16 mantissa bits); float32 values use an IEEE float32 product.
+
+The backward is one kernel on the same grid. For the chunk's frames it forms V^T G on the span (the
+windowed reduction over Dh), gathers da[k, t] from its band and applies the softmax Jacobian; for the
+chunk's value positions it recomputes the weights of the frames whose windows reach them (the
+transposed window) and forms dv = G Y^T the same way as the forward. Each of a_logits, v and grad_out is
+read from HBM about once and dlogits, dv are written once: the minimal bytes.
+
+Launch configurations come from `_plan`, a cached function of (W, Dh, T): no autotuning, so the first
+call of a shape costs one compile and later calls only the launch.
+"""
+
+import contextlib
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+# Frames per program: at most this many, to amortize the per-program setup over several chunks ...
+FRAMES_PER_PROGRAM = 128
+# ... but fewer when the grid would drop below this many programs (about 8 per SM on an H200's 132), so
+# that small, launch-bound shapes run their chunks side by side rather than one after another.
+MIN_PROGRAMS = 1024
+
+
+@triton.jit
+def _window_softmax(logits, tap_ok, axis: tl.constexpr):
+    """Softmax over the window axis in float32; padded taps (tap_ok false) get weight 0."""
+    x = tl.where(tap_ok, logits.to(tl.float32), float("-inf"))
+    e = tl.exp(x - tl.expand_dims(tl.max(x, axis), axis))
+    return e / tl.expand_dims(tl.sum(e, axis), axis)
+
+
+@triton.jit
+def _dot_float32_weights(x, w):
+    """x @ w for values x (input dtype) and float32 weights w, products as accurate as in float32.
+
+    Tensor-core operands share one dtype, so bf16/fp16 values take w as hi + lo in that dtype (the
+    residual of the first rounding); float32 values use an IEEE product (TF32 would lose 13 bits)."""
+    if x.dtype == tl.float32:
+        return tl.dot(x, w, input_precision="ieee")
+    else:
+        hi = w.to(x.dtype)
+        lo = (w - hi.to(tl.float32)).to(x.dtype)
+        return tl.dot(x, lo, tl.dot(x, hi))
+
+
+@triton.jit
+def _dot_values(x, y):
+    """x @ y of two value-dtype tiles with a float32 result (exact products for bf16/fp16)."""
+    if x.dtype == tl.float32:
+        return tl.dot(x, y, input_precision="ieee")
+    else:
+        return tl.dot(x, y)
+
+
+@triton.jit
+def _ldsa_forward_kernel(
+    a_ptr, v_ptr, out_ptr,
+    T, Dh, W, left, n_ttiles,
+    N: tl.constexpr, K: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_D: tl.constexpr,
+    D_TILES: tl.constexpr, CHUNKS: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    bh = (pid // n_ttiles).to(tl.int64)  # int64: B*H*Dh*T may pass 2^31
+    first_frame = (pid % n_ttiles) * (CHUNKS * N)
+    a_base = a_ptr + bh * W * T
+    v_base = v_ptr + bh * Dh * T
+    out_base = out_ptr + bh * Dh * T
+
+    taps = tl.arange(0, BLOCK_W)
+    frames = tl.arange(0, N)
+    span = tl.arange(0, K)
+    tap_ok = taps[:, None] < W
+    a_rows = a_base + taps.to(tl.int64)[:, None] * T
+    # Band tile [K, N]: span position j (value index t0 - left + j) feeds frame i (t0 + i) by tap j - i.
+    band_tap = span[:, None] - frames[None, :]
+    in_band = (band_tap >= 0) & (band_tap < W)
+    band_tap = tl.minimum(tl.maximum(band_tap, 0), BLOCK_W - 1)
+
+    for c in range(CHUNKS):
+        t0 = first_frame + c * N
+        t = t0 + frames
+        s = t0 - left + span
+        logits = tl.load(a_rows + t[None, :], mask=tap_ok & (t[None, :] < T), other=0.0)
+        weights = _window_softmax(logits, tap_ok, 0)  # [BLOCK_W, N]
+        band = tl.where(in_band, tl.gather(weights, band_tap, 0), 0.0)  # [K, N]
+        for dt in tl.static_range(D_TILES):
+            d = dt * BLOCK_D + tl.arange(0, BLOCK_D)
+            d_ok = d[:, None] < Dh
+            row = d.to(tl.int64)[:, None] * T
+            vals = tl.load(v_base + row + s[None, :], mask=d_ok & (s[None, :] >= 0) & (s[None, :] < T), other=0.0)
+            out = _dot_float32_weights(vals, band)  # [BLOCK_D, N]
+            tl.store(out_base + row + t[None, :], out.to(out_ptr.dtype.element_ty), mask=d_ok & (t[None, :] < T))
+
+
+@triton.jit
+def _ldsa_backward_kernel(
+    a_ptr, v_ptr, go_ptr, dlogits_ptr, dv_ptr,
+    T, Dh, W, left, n_ttiles,
+    N: tl.constexpr, K: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_D: tl.constexpr,
+    D_TILES: tl.constexpr, CHUNKS: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    bh = (pid // n_ttiles).to(tl.int64)
+    first_frame = (pid % n_ttiles) * (CHUNKS * N)
+    right = W - 1 - left
+    a_base = a_ptr + bh * W * T
+    dl_base = dlogits_ptr + bh * W * T
+    v_base = v_ptr + bh * Dh * T
+    go_base = go_ptr + bh * Dh * T
+    dv_base = dv_ptr + bh * Dh * T
+
+    taps = tl.arange(0, BLOCK_W)
+    frames = tl.arange(0, N)
+    span = tl.arange(0, K)
+    tap_row = taps.to(tl.int64) * T
+    tap_ok = taps[:, None] < W
+    # da: tap k of frame i read value index t0 - left + (i + k), row i + k of the [K, N] tile V^T G.
+    da_row = tl.minimum(frames[None, :] + taps[:, None], K - 1)  # [BLOCK_W, N]
+    # dv: the value at t0 + i is read by frame u = t0 - right + j through tap i - j + W - 1.
+    dv_tap = frames[None, :] - span[:, None] + (W - 1)  # [K, N]
+    in_band = (dv_tap >= 0) & (dv_tap < W)
+    dv_tap = tl.minimum(tl.maximum(dv_tap, 0), BLOCK_W - 1)
+
+    for c in range(CHUNKS):
+        t0 = first_frame + c * N
+        t = t0 + frames  # this chunk's frames, and the value positions whose dv it writes
+        s = t0 - left + span  # value positions read by the chunk's frames
+        u = t0 - right + span  # frames whose windows read the chunk's value positions
+        t_ok = t[None, :] < T
+        s_ok = (s[:, None] >= 0) & (s[:, None] < T)  # [K, 1]
+        u_ok = (u >= 0) & (u < T)  # [K]
+
+        logits = tl.load(a_base + tap_row[:, None] + t[None, :], mask=tap_ok & t_ok, other=0.0)
+        weights = _window_softmax(logits, tap_ok, 0)  # [BLOCK_W, N]
+        tap_ok_u = taps[None, :] < W
+        logits_u = tl.load(a_base + tap_row[None, :] + u[:, None], mask=tap_ok_u & u_ok[:, None], other=0.0)
+        weights_u = _window_softmax(logits_u, tap_ok_u, 1)  # [K, BLOCK_W]
+        band_t = tl.where(in_band, tl.gather(weights_u, dv_tap, 1), 0.0)  # [K, N]: Y^T on this chunk
+
+        vg = tl.zeros([K, N], dtype=tl.float32)
+        for dt in tl.static_range(D_TILES):
+            d = dt * BLOCK_D + tl.arange(0, BLOCK_D)
+            d_ok = d < Dh
+            row = d.to(tl.int64) * T
+            # Grad-out outside [0, T) is zero, so frames past the ends add nothing to dv.
+            g_u = tl.load(go_base + row[:, None] + u[None, :], mask=d_ok[:, None] & u_ok[None, :], other=0.0)
+            dv = _dot_float32_weights(g_u, band_t)  # [BLOCK_D, N]
+            tl.store(dv_base + row[:, None] + t[None, :], dv.to(dv_ptr.dtype.element_ty), mask=d_ok[:, None] & t_ok)
+            vals_t = tl.load(v_base + row[None, :] + s[:, None], mask=d_ok[None, :] & s_ok, other=0.0)
+            g_t = tl.load(go_base + row[:, None] + t[None, :], mask=d_ok[:, None] & t_ok, other=0.0)
+            vg += _dot_values(vals_t, g_t)  # [K, N]: sum_d v[d, s_j] g[d, t_i]
+
+        da = tl.gather(vg, da_row, 0)  # [BLOCK_W, N]
+        dlogits = weights * (da - tl.sum(weights * da, 0)[None, :])
+        tl.store(dl_base + tap_row[:, None] + t[None, :], dlogits.to(dlogits_ptr.dtype.element_ty), mask=tap_ok & t_ok)
+
+
+def _pow2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+# The backward gathers from a [K, BLOCK_W] float32 tile through shared memory; 128 x 128 (64 KiB) is the
+# largest kept. That admits every window up to W = 113 taps; wider windows run the eager reference.
+MAX_GATHER_TILE = 128 * 128
+
+
+@functools.cache
+def _band(W: int) -> tuple[int, int, int]:
+    """(N frames per chunk, K band rows, BLOCK_W padded taps) for a window of W taps.
+
+    N is the smallest power of two >= W - 1 in [16, 64], so the band K >= N + W - 1 wastes at most about
+    half of the MMA; N shrinks while the [K, N] band tile would pass 8192 elements or the backward's
+    [K, BLOCK_W] gather tile would pass MAX_GATHER_TILE."""
+    block_w = max(2, _pow2(W))
+    N = min(max(16, _pow2(W - 1)), 64)
+    K = _pow2(N + W - 1)
+    while N > 16 and (K * N > 8192 or K * block_w > MAX_GATHER_TILE):
+        N //= 2
+        K = _pow2(N + W - 1)
+    return N, K, block_w
+
+
+def supports_window(W: int) -> bool:
+    _, K, block_w = _band(W)
+    return K * block_w <= MAX_GATHER_TILE
+
+
+@functools.cache
+def _plan(W: int, Dh: int, T: int, BH: int) -> tuple[int, dict]:
+    """(programs per (b, h), launch meta-parameters) for W taps, Dh channels, T frames, B*H sequences."""
+    N, K, block_w = _band(W)
+    block_d = max(16, min(_pow2(Dh), 128, 16384 // K))  # a [BLOCK_D, K] value tile stays in registers
+    all_chunks = BH * triton.cdiv(T, N)
+    chunks = max(1, min(FRAMES_PER_PROGRAM // N, triton.cdiv(T, N), all_chunks // MIN_PROGRAMS))
+    n_ttiles = triton.cdiv(T, chunks * N)
+    num_warps = 4 if K * max(block_d, block_w, N) <= 4096 else 8
+    meta = dict(
+        N=N, K=K, BLOCK_W=block_w, BLOCK_D=block_d, D_TILES=triton.cdiv(Dh, block_d), CHUNKS=chunks,
+        num_warps=num_warps,
+    )
+    return n_ttiles, meta
+
+
+def _device_of(x: torch.Tensor):
+    """Triton launches on the current CUDA device: switch to x's device when it is another one."""
+    if x.is_cuda and x.device.index != torch.cuda.current_device():
+        return torch.cuda.device(x.device)
+    return contextlib.nullcontext()
+
+
+def ldsa_forward(a_logits: torch.Tensor, v: torch.Tensor, left: int, right: int) -> torch.Tensor:
+    """Fused forward on contiguous a_logits [B,H,W,T] and v [B,H,Dh,T] (validated by the caller)."""
+    B, H, Dh, T = v.shape
+    W = left + right + 1
+    n_ttiles, meta = _plan(W, Dh, T, B * H)
+    out = torch.empty_like(v)
+    with _device_of(v):
+        _ldsa_forward_kernel[(B * H * n_ttiles,)](a_logits, v, out, T, Dh, W, left, n_ttiles, **meta)
+    return out
+
+
+def ldsa_backward(
+    a_logits: torch.Tensor, v: torch.Tensor, grad_out: torch.Tensor, left: int, right: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fused backward: (dlogits in a_logits' dtype, dv in v's dtype) from contiguous saved inputs.
+
+    Autograd hands grad_out in v's dtype; a direct call with another dtype runs both in float32 (exact
+    upcasts, since the V^T G product needs one operand dtype)."""
+    B, H, Dh, T = v.shape
+    W = left + right + 1
+    n_ttiles, meta = _plan(W, Dh, T, B * H)
+    dlogits = torch.empty_like(a_logits)
+    dv = torch.empty_like(v)
+    vals = v
+    if grad_out.dtype != v.dtype:
+        vals, grad_out = v.float(), grad_out.float()
+    with _device_of(v):
+        _ldsa_backward_kernel[(B * H * n_ttiles,)](
+            a_logits, vals, grad_out, dlogits, dv, T, Dh, W, left, n_ttiles, **meta
+        )
+    return dlogits, dv

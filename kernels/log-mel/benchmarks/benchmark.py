@@ -1,0 +1,174 @@
+"""log-mel benchmarks: a `kernels benchmark` workload and the side-by-side table for tools/gpu_bench.py.
+
+`side_by_side` times, at every measure shape of the spec and in one run: each design of the fused kernel
+(two-pass, clip-resident, and the 3xTF32 projection), the public op (the design `pick` chooses), the eager
+reference and torch.compile(reference); GB/s on the spec's canonical bytes, % of the copy bandwidth
+measured in the same run, speed-up over torch.compile, and the relative Frobenius error against the
+spec's fp32 reference. Then a sweep of every shipped tile config at two shapes, a batch with silent clips
+(the floor pass has real work) and batches with Whisper's Slaney filterbank (NM 80 and 128).
+"""
+
+import importlib
+
+import torch
+
+from kernels.benchmark import Benchmark
+
+SPEC = "audio_mel_spectrogram_fused"
+WHISPER_SHAPE = (208, 3000, 201)  # 30 s clips, n_fft 400
+
+
+def speech_batch(B, F, NF, NM, device, seed=0):
+    """Inputs shaped like the spec's make_inputs (speech-like STFT, triangular filterbank)."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    tilt = torch.exp(-torch.arange(NF, device=device) / (NF / 3.0))
+    env = 0.05 + torch.rand(B, F, 1, device=device, generator=g) ** 2
+    stft = torch.complex(torch.randn(B, F, NF, device=device, generator=g) * tilt * env,
+                         torch.randn(B, F, NF, device=device, generator=g) * tilt * env)
+    centres = torch.linspace(0, NF - 1, NM + 2, device=device)
+    k = torch.arange(NF, device=device, dtype=torch.float32)
+    lo, mid, hi = centres[:-2, None], centres[1:-1, None], centres[2:, None]
+    w = torch.minimum((k - lo) / (mid - lo).clamp(min=1e-6), (hi - k) / (hi - mid).clamp(min=1e-6))
+    return stft, w.clamp(min=0.0).contiguous()
+
+
+class LogMelBenchmark(Benchmark):
+    """One representative shape: 208 clips of 30 s, 201 bins, 128 mel bands (1.3 GB per call)."""
+
+    seed = 0
+
+    def setup(self):
+        self.stft, self.mel_filters = speech_batch(208, 3000, 201, 128, self.device)
+        self.out = torch.empty(208, 3000, 128, device=self.device)
+
+    def benchmark_log_mel(self):
+        self.out = self.kernel.log_mel_spectrogram(self.stft, self.mel_filters)
+
+    def verify_log_mel(self) -> torch.Tensor:
+        return self.kernel.log_mel_spectrogram_reference(self.stft, self.mel_filters)
+
+
+def _fused_variants(kernel, fused, stft, w):
+    """Every way the fused kernel can run one call, by name."""
+    tf32x3 = next(c for c in fused.SHIPPED_CONFIGS if c.precision == "tf32x3")
+    return {
+        "fused two_pass": lambda: fused.log_mel_triton(stft, w, "two_pass"),
+        "fused clip_resident": lambda: fused.log_mel_triton(stft, w, "clip_resident"),
+        "fused two_pass tf32x3": lambda: fused.log_mel_triton(stft, w, "two_pass", tf32x3),
+        "public op (pick)": lambda: kernel.log_mel_spectrogram(stft, w),
+    }
+
+
+def rel_err(x, ref):
+    """Relative Frobenius error in float64, on the device (a CPU copy of 1.5 GB would dominate the run)."""
+    return ((x.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+def _rows(case, impls, ref, work, bench, compile_ms=None):
+    """Time each impl, then one row each: GB/s on canonical bytes, % of copy, x vs compile, error."""
+    rows = []
+    for name, fn in impls.items():
+        ms = bench.time(fn)
+        gbps = work / ms / 1e6
+        row = {"case": case, "impl": name, "ms": ms, "metric": "GB/s", "value": gbps,
+               "err": None if name == "eager reference" else rel_err(fn(), ref),
+               "pct_copy": 100.0 * gbps / bench.copy_gbps}
+        if name == "torch.compile(reference)":
+            compile_ms = ms
+        if compile_ms is not None:
+            row["x_vs_compile"] = compile_ms / ms
+        rows.append(row)
+    return rows
+
+
+def _free():
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def side_by_side(kernel, bench, shapes=None, whisper_shape=WHISPER_SHAPE, sweep_shapes=None) -> list[dict]:
+    s = bench.spec(SPEC)
+    if s is None:
+        return []
+    fused = importlib.import_module(f"{kernel.__name__}.triton_log_mel")
+    shapes = shapes or s.measure_shapes
+    sweep_shapes = sweep_shapes or [shapes[0], *[x for x in shapes if x[2] != shapes[0][2]][:1]]
+    compiled_ref = torch.compile(s.ref)
+    rows = []
+
+    # 1. Every measure shape: the anchors first (the compile time sets x_vs_compile), then our variants.
+    for shape in shapes:
+        stft, w = s.make(*shape, 0)
+        ref = s.ref(stft, w)
+        anchors = {"torch.compile(reference)": lambda: compiled_ref(stft, w), "eager reference": lambda: s.ref(stft, w)}
+        anchor_rows = _rows(f"{shape}", anchors, ref, s.work(*shape), bench)
+        compile_ms = anchor_rows[0]["ms"]
+        rows += anchor_rows + _rows(f"{shape}", _fused_variants(kernel, fused, stft, w), ref, s.work(*shape),
+                                    bench, compile_ms)
+        del stft, w, ref
+        _free()
+
+    # 2. Every shipped tile config, both designs (the table `pick` is set from).
+    for shape in sweep_shapes:
+        stft, w = s.make(*shape, 0)
+        ref = s.ref(stft, w)
+        impls = {
+            f"{design} {c.block_f}x{c.block_m}x{c.block_k} w{c.num_warps} s{c.num_stages} {c.precision}":
+                (lambda d=design, c=c: fused.log_mel_triton(stft, w, d, c))
+            for design in fused.DESIGNS for c in fused.SHIPPED_CONFIGS
+        }
+        rows += _rows(f"{shape} config sweep", impls, ref, s.work(*shape), bench)
+        del stft, w, ref
+        _free()
+
+    # 3. Silent clips (every 8th all zero, every 8th from 4 silent from a third on) and Whisper's filterbank.
+    B, F, NF = whisper_shape
+    for NM in (80, 128):
+        stft, _ = s.make(B, F, NF, NM, 0)
+        w = kernel.mel_filters(NM).to(stft.device)
+        extra = {"torch.compile(reference)": lambda: compiled_ref(stft, w), **_fused_variants(kernel, fused, stft, w)}
+        ref = s.ref(stft, w)
+        rows += _rows(f"{(B, F, NF, NM)} whisper slaney filterbank", extra, ref, s.work(B, F, NF, NM), bench)
+        if NM == 128:
+            stft[::8] = 0
+            stft[4::8, F // 3 :] = 0
+            ref = s.ref(stft, w)
+            rows += _rows(f"{(B, F, NF, NM)} whisper filterbank, silent clips", extra, ref, s.work(B, F, NF, NM), bench)
+        del stft, w, ref
+        _free()
+    return rows
+
+
+if __name__ == "__main__":
+    # CPU dry run of side_by_side at tiny shapes (TRITON_INTERPRET=1 runs the Triton kernels on CPU), from
+    # the repo root: HF_HUB_OFFLINE=1 HF_HUB_CACHE=.hub .venv/bin/python kernels/log-mel/benchmarks/benchmark.py
+    import os
+    import sys
+    import time
+    from pathlib import Path
+
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    root = Path(__file__).resolve().parents[3]
+    sys.path.insert(0, str(root))
+    import testkit
+
+    testkit.patch_interpreter()
+
+    class FakeBench:
+        copy_gbps = 10.0
+
+        @staticmethod
+        def time(fn):
+            t = time.perf_counter()
+            fn()
+            return 1e3 * (time.perf_counter() - t)
+
+        spec = staticmethod(testkit.spec)
+
+        @staticmethod
+        def optional(name):
+            return None
+
+    lm = testkit.load("log-mel")
+    for row in side_by_side(lm, FakeBench(), shapes=[(2, 37, 201, 128), (3, 20, 401, 80)], whisper_shape=(3, 25, 201)):
+        print(row)

@@ -1,0 +1,239 @@
+"""The fused log-mel kernels (Triton) and their launcher: the CUDA path of `log_mel_spectrogram`.
+
+The op is a bandwidth kernel with a small matmul in it: read the complex64 STFT once, write the fp32
+log-mel once. Three kernels:
+
+1. `_band_support_kernel` reads the (NM, NF) filterbank and writes, for each block of BLOCK_M bands, the
+   bin range [lo, hi) outside which every weight of the block is exactly zero. It runs on every call (the
+   filterbank is at most 400 KB), so no cache can go stale; a dense filterbank gives [0, NF) everywhere and
+   the projection is then simply dense.
+2. The main pass (`_log_mel_tile`, launched per frame tile or per clip): for a tile of BLOCK_F frames and
+   one band block at a time, stream the block's bins [lo, hi) in chunks of BLOCK_K, square and add re/im,
+   project with an fp32 `tl.dot` (`input_precision` "ieee": CUDA-core FMAs; or "tf32x3": three TF32
+   tensor-core products, about fp32-accurate), then write `(log10(max(mel, 1e-10)) + 4) / 4` - the final
+   value whenever the floor does not bite - and keep the tile's max and min of log10.
+3. The floor: the clip's maximum `hi` is the max of its tile maxima; only tiles whose minimum lies below
+   `hi - 8` are re-read and rewritten as `max(out, (hi - 8 + 4) / 4)`. Because `x -> (x + 4) / 4` is
+   monotone in fp32 too, this equals the spec's `(max(x, hi - 8) + 4) / 4` bit for bit. On speech without
+   digital silence no tile is below the floor and the pass reads only the tile statistics.
+
+Two designs of the per-clip dependency share these pieces:
+- "two_pass": the main pass over a grid of (clip, frame tile), then a second launch for the floor.
+- "clip_resident": one program per clip walks its frame tiles, then (after a CTA barrier, which makes its
+  own global writes visible to all its threads) applies the floor to its own tiles. One launch, but only B
+  programs: it can only win when B fills the GPU several times over.
+"""
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+# Globals read inside @triton.jit functions must be constexpr.
+LOG10_2 = tl.constexpr(0.301029995663981195)  # log10(x) = log2(x) * log10(2)
+# torch.log10(torch.tensor(1e-10)) is exactly -10.0 in fp32: the value of every clamped (silent) bin.
+LOG10_CLAMP = tl.constexpr(-10.0)
+SUPPORT_CHUNK = 128  # filterbank bins per step of the band-support scan
+FLOOR_CHUNK = 1024  # output elements per step of the floor pass
+STATS_CHUNK = 256  # tile statistics per step of the clip-maximum reduction
+
+DESIGNS = ("two_pass", "clip_resident")
+
+
+@dataclass(frozen=True)
+class Config:
+    """Tile sizes of the main pass. block_f and block_m are powers of two; block_k a power of two >= 16
+    (the minimum K of `tl.dot`). ptxas gives every shipped config 114-128 registers (sm_90a), i.e.
+    about 16 resident warps per SM; num_stages=2 pipelines the STFT loads through cp.async."""
+
+    block_f: int = 64  # frames per tile (the M of the projection)
+    block_m: int = 16  # mel bands per band block (the N); smaller blocks skip more zero weights
+    block_k: int = 16  # frequency bins per chunk (the K)
+    num_warps: int = 4
+    num_stages: int = 1
+    precision: str = "ieee"  # "ieee" (CUDA-core fp32) or "tf32x3"; never plain "tf32" (fails 1e-4)
+
+
+DEFAULT_CONFIG = Config()
+# Every config the package may pick; the GPU tests run each of them with both designs.
+SHIPPED_CONFIGS = (
+    DEFAULT_CONFIG,
+    Config(block_f=32, block_m=16, block_k=16, num_warps=4, num_stages=2),
+    Config(block_f=64, block_m=8, block_k=16, num_warps=4),
+    Config(block_f=64, block_m=16, block_k=16, num_warps=8),
+    Config(block_f=32, block_m=16, block_k=32, num_warps=4),
+    Config(block_f=64, block_m=8, block_k=16, num_warps=4, precision="tf32x3"),
+)
+
+
+@triton.jit
+def _band_support_kernel(w_ptr, lo_ptr, hi_ptr, NM, NF, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr):
+    """[lo, hi): the bins any band of band block `program_id` weights with a nonzero (or NaN) value."""
+    block = tl.program_id(0)
+    bands = block * BLOCK_M + tl.arange(0, BLOCK_M)
+    lo = tl.zeros((), tl.int32) + NF  # an empty block keeps lo = NF > hi = 0: its loop never runs
+    hi = tl.zeros((), tl.int32)
+    for k0 in range(0, NF, CHUNK):
+        ks = k0 + tl.arange(0, CHUNK)
+        inside = (bands < NM)[:, None] & (ks < NF)[None, :]
+        w = tl.load(w_ptr + bands[:, None] * NF + ks[None, :], mask=inside, other=0.0)
+        used = inside & (w != 0.0)
+        lo = tl.minimum(lo, tl.min(tl.where(used, ks[None, :], NF)))
+        hi = tl.maximum(hi, tl.max(tl.where(used, ks[None, :] + 1, 0)))
+    tl.store(lo_ptr + block, lo)
+    tl.store(hi_ptr + block, hi)
+
+
+@triton.jit
+def _log_mel_tile(x_ptr, w_ptr, lo_ptr, hi_ptr, out_ptr, clip, tile, F, NF, NM,
+                  BLOCK_F: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+                  PRECISION: tl.constexpr):
+    """Write (log10(max(mel, 1e-10)) + 4) / 4 for frames [tile*BLOCK_F, +BLOCK_F) of `clip`; return the
+    tile's (max, min) of log10(max(mel, 1e-10))."""
+    frames = tile * BLOCK_F + tl.arange(0, BLOCK_F)
+    frame_ok = frames < F
+    rows = clip.to(tl.int64) * F + frames  # int64: B * F * 2 * NF can pass 2**31
+    x_rows = x_ptr + rows[:, None] * (2 * NF)  # the STFT as float32 pairs (re, im)
+    out_rows = out_ptr + rows[:, None] * NM
+    pairs = tl.arange(0, 2 * BLOCK_K)
+    tile_max = tl.full((), float("-inf"), tl.float32)
+    tile_min = tl.full((), float("inf"), tl.float32)
+    for block in range(0, tl.cdiv(NM, BLOCK_M)):
+        bands = block * BLOCK_M + tl.arange(0, BLOCK_M)
+        band_ok = bands < NM
+        k_lo = tl.load(lo_ptr + block)
+        k_hi = tl.load(hi_ptr + block)
+        mel = tl.zeros((BLOCK_F, BLOCK_M), tl.float32)
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            # BLOCK_K bins of each frame are 2 * BLOCK_K contiguous floats: one vectorised load per row.
+            cols = 2 * k0 + pairs
+            xy = tl.load(x_rows + cols[None, :], mask=frame_ok[:, None] & (cols < 2 * k_hi)[None, :], other=0.0)
+            re, im = tl.split(tl.reshape(xy, (BLOCK_F, BLOCK_K, 2)))
+            power = re * re + im * im
+            ks = k0 + tl.arange(0, BLOCK_K)
+            w = tl.load(w_ptr + bands[None, :] * NF + ks[:, None],
+                        mask=(ks < k_hi)[:, None] & band_ok[None, :], other=0.0)
+            mel = tl.dot(power, w, mel, input_precision=PRECISION)
+        # `<=` keeps a NaN on the log2 side, so NaN input stays NaN instead of becoming silence.
+        log_spec = tl.where(mel <= 1e-10, LOG10_CLAMP, tl.log2(mel) * LOG10_2)
+        ok = frame_ok[:, None] & band_ok[None, :]
+        tl.store(out_rows + bands[None, :], (log_spec + 4.0) * 0.25, mask=ok)
+        tile_max = tl.maximum(tile_max, tl.max(tl.where(ok, log_spec, float("-inf"))))
+        tile_min = tl.minimum(tile_min, tl.min(tl.where(ok, log_spec, float("inf"))))
+    return tile_max, tile_min
+
+
+@triton.jit
+def _clip_floor(stats_ptr, clip, n_tiles, CHUNK: tl.constexpr):
+    """hi - 8 for `clip`, hi being the max of its tile maxima (stats hold (max, min) per tile)."""
+    base = stats_ptr + clip.to(tl.int64) * n_tiles * 2
+    hi = tl.full((), float("-inf"), tl.float32)
+    for t0 in range(0, n_tiles, CHUNK):
+        t = t0 + tl.arange(0, CHUNK)
+        hi = tl.maximum(hi, tl.max(tl.load(base + 2 * t, mask=t < n_tiles, other=float("-inf"))))
+    return hi - 8.0
+
+
+@triton.jit
+def _floor_tile(out_ptr, clip, tile, F, NM, floor, BLOCK_F: tl.constexpr, CHUNK: tl.constexpr):
+    """out = max(out, (floor + 4) / 4) over one frame tile: BLOCK_F whole rows, one contiguous range."""
+    start = (clip.to(tl.int64) * F + tile * BLOCK_F) * NM
+    n = tl.minimum(F - tile * BLOCK_F, BLOCK_F) * NM
+    floor_out = (floor + 4.0) * 0.25
+    for i0 in range(0, n, CHUNK):
+        i = i0 + tl.arange(0, CHUNK)
+        v = tl.load(out_ptr + start + i, mask=i < n)
+        tl.store(out_ptr + start + i, tl.maximum(v, floor_out), mask=i < n)
+
+
+@triton.jit
+def _tiles_kernel(x_ptr, w_ptr, lo_ptr, hi_ptr, out_ptr, stats_ptr, F, NF, NM, n_tiles,
+                  BLOCK_F: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+                  PRECISION: tl.constexpr):
+    """Two-pass design, pass 1: one program per (clip, frame tile), clip-major."""
+    pid = tl.program_id(0)
+    clip = pid // n_tiles
+    tile = pid % n_tiles
+    tile_max, tile_min = _log_mel_tile(x_ptr, w_ptr, lo_ptr, hi_ptr, out_ptr, clip, tile, F, NF, NM,
+                                       BLOCK_F, BLOCK_M, BLOCK_K, PRECISION)
+    stats = stats_ptr + pid.to(tl.int64) * 2
+    tl.store(stats, tile_max)
+    tl.store(stats + 1, tile_min)
+
+
+@triton.jit
+def _floor_kernel(out_ptr, stats_ptr, F, NM, n_tiles, BLOCK_F: tl.constexpr,
+                  STATS_CHUNK: tl.constexpr, FLOOR_CHUNK: tl.constexpr):
+    """Two-pass design, pass 2: one program per (clip, frame tile); touches the output only where the
+    80 dB floor bites."""
+    pid = tl.program_id(0)
+    clip = pid // n_tiles
+    tile = pid % n_tiles
+    floor = _clip_floor(stats_ptr, clip, n_tiles, STATS_CHUNK)
+    if tl.load(stats_ptr + pid.to(tl.int64) * 2 + 1) < floor:
+        _floor_tile(out_ptr, clip, tile, F, NM, floor, BLOCK_F, FLOOR_CHUNK)
+
+
+@triton.jit
+def _clip_resident_kernel(x_ptr, w_ptr, lo_ptr, hi_ptr, out_ptr, stats_ptr, F, NF, NM, n_tiles,
+                          BLOCK_F: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+                          PRECISION: tl.constexpr, STATS_CHUNK: tl.constexpr, FLOOR_CHUNK: tl.constexpr):
+    """Clip-resident design: one program per clip computes all its tiles, then applies the floor."""
+    clip = tl.program_id(0)
+    stats = stats_ptr + clip.to(tl.int64) * n_tiles * 2
+    for tile in range(0, n_tiles):
+        tile_max, tile_min = _log_mel_tile(x_ptr, w_ptr, lo_ptr, hi_ptr, out_ptr, clip, tile, F, NF, NM,
+                                           BLOCK_F, BLOCK_M, BLOCK_K, PRECISION)
+        tl.store(stats + 2 * tile, tile_max)
+        tl.store(stats + 2 * tile + 1, tile_min)
+    # Other threads of this program wrote the statistics and the output rows read below.
+    tl.debug_barrier()
+    floor = _clip_floor(stats_ptr, clip, n_tiles, STATS_CHUNK)
+    for tile in range(0, n_tiles):
+        if tl.load(stats + 2 * tile + 1) < floor:
+            _floor_tile(out_ptr, clip, tile, F, NM, floor, BLOCK_F, FLOOR_CHUNK)
+
+
+def pick(B: int, F: int, NF: int, NM: int) -> tuple[str, Config]:
+    """The design and tile config a call of this shape runs. Both designs write the same values; the
+    choice is speed only, and is to be set from the H200 benchmark (benchmarks/benchmark.py)."""
+    return "two_pass", DEFAULT_CONFIG
+
+
+def band_support(mel_filters: torch.Tensor, block_m: int) -> torch.Tensor:
+    """(2, ceil(NM / block_m)) int32: row 0 the first, row 1 one past the last used bin of each band block."""
+    NM, NF = mel_filters.shape
+    n_blocks = triton.cdiv(NM, block_m)
+    support = torch.empty(2, n_blocks, dtype=torch.int32, device=mel_filters.device)
+    _band_support_kernel[(n_blocks,)](mel_filters, support[0], support[1], NM, NF,
+                                      BLOCK_M=block_m, CHUNK=SUPPORT_CHUNK)
+    return support
+
+
+def log_mel_triton(stft: torch.Tensor, mel_filters: torch.Tensor, design: str | None = None,
+                   config: Config | None = None) -> torch.Tensor:
+    """The fused log-mel of contiguous, validated inputs. `design`/`config` default to `pick(...)`."""
+    B, F, NF = stft.shape
+    NM = mel_filters.shape[0]
+    picked_design, picked_config = pick(B, F, NF, NM)
+    design = design or picked_design
+    config = config or picked_config
+    if design not in DESIGNS:
+        raise ValueError(f"design must be one of {DESIGNS}, got {design!r}")
+    x = torch.view_as_real(stft)  # (B, F, NF, 2) float32, same memory
+    support = band_support(mel_filters, config.block_m)
+    n_tiles = triton.cdiv(F, config.block_f)
+    stats = torch.empty(B, n_tiles, 2, dtype=torch.float32, device=stft.device)
+    out = torch.empty(B, F, NM, dtype=torch.float32, device=stft.device)
+    tile_args = dict(BLOCK_F=config.block_f, BLOCK_M=config.block_m, BLOCK_K=config.block_k,
+                     PRECISION=config.precision, num_warps=config.num_warps, num_stages=config.num_stages)
+    main_args = (x, mel_filters, support[0], support[1], out, stats, F, NF, NM, n_tiles)
+    if design == "two_pass":
+        _tiles_kernel[(B * n_tiles,)](*main_args, **tile_args)
+        _floor_kernel[(B * n_tiles,)](out, stats, F, NM, n_tiles, BLOCK_F=config.block_f,
+                                      STATS_CHUNK=STATS_CHUNK, FLOOR_CHUNK=FLOOR_CHUNK)
+    else:
+        _clip_resident_kernel[(B,)](*main_args, STATS_CHUNK=STATS_CHUNK, FLOOR_CHUNK=FLOOR_CHUNK,
+                                    **tile_args)
+    return out

@@ -1,0 +1,69 @@
+"""Argument checks at the public boundary: a bad call raises here, naming the argument."""
+
+import torch
+
+
+def _check_tensor(name: str, x, dtype: torch.dtype, rank: int, layout: str) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype != dtype:
+        raise TypeError(f"{name} must be {dtype}, got {x.dtype}")
+    if x.dim() != rank:
+        raise ValueError(f"{name} must have rank {rank} {layout}, got shape {tuple(x.shape)}")
+
+
+def _check_no_grad(name: str, x: torch.Tensor) -> None:
+    if x.requires_grad and torch.is_grad_enabled():
+        raise ValueError(
+            f"{name} requires grad, but log_mel_spectrogram is not differentiable: "
+            "call it under torch.no_grad() or pass a detached tensor"
+        )
+
+
+def check_log_mel_args(stft, mel_filters) -> None:
+    """Validate `log_mel_spectrogram(stft (B, F, NF) complex64, mel_filters (NM, NF) float32)`."""
+    _check_tensor("stft", stft, torch.complex64, 3, "(B, F, NF)")
+    _check_tensor("mel_filters", mel_filters, torch.float32, 2, "(NM, NF)")
+    if stft.device != mel_filters.device:
+        raise ValueError(
+            f"stft and mel_filters must be on one device, got {stft.device} and {mel_filters.device}"
+        )
+    if mel_filters.shape[1] != stft.shape[2]:
+        raise ValueError(
+            f"mel_filters must be (NM, NF) with NF = {stft.shape[2]} frequency bins to match stft "
+            f"{tuple(stft.shape)}, got {tuple(mel_filters.shape)}"
+        )
+    if min(stft.shape) < 1 or mel_filters.shape[0] < 1:
+        raise ValueError(
+            f"every size must be >= 1, got stft {tuple(stft.shape)} and mel_filters {tuple(mel_filters.shape)}"
+        )
+    _check_no_grad("stft", stft)
+    _check_no_grad("mel_filters", mel_filters)
+
+
+def check_whisper_args(audio, n_mels, n_fft: int) -> None:
+    """Validate `whisper_log_mel(audio (B, N) float32, n_mels)`."""
+    _check_tensor("audio", audio, torch.float32, 2, "(B, N)")
+    _check_int("n_mels", n_mels)
+    if audio.shape[0] < 1 or audio.shape[1] <= n_fft // 2:
+        raise ValueError(
+            f"audio must be (B, N) with B >= 1 and N > {n_fft // 2} samples (reflect padding of half a "
+            f"window), got {tuple(audio.shape)}"
+        )
+    _check_no_grad("audio", audio)
+
+
+def _check_int(name: str, n) -> None:
+    if isinstance(n, bool) or not isinstance(n, int):
+        raise TypeError(f"{name} must be an int, got {type(n).__name__}")
+    if n < 1:
+        raise ValueError(f"{name} must be >= 1, got {n}")
+
+
+def check_filterbank_args(n_mels, n_fft, sample_rate) -> None:
+    """Validate `mel_filters(n_mels, n_fft, sample_rate)`."""
+    _check_int("n_mels", n_mels)
+    _check_int("n_fft", n_fft)
+    _check_int("sample_rate", sample_rate)
+    if n_fft < 2:
+        raise ValueError(f"n_fft must be >= 2, got {n_fft}")
