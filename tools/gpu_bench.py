@@ -75,16 +75,20 @@ def run_tests(out_dir: Path, names: list[str], all_tests: bool, timeout: float) 
     junit = out_dir / "pytest.xml"
     paths = [str(REPO_ROOT / "kernels" / n) for n in names] + ([str(REPO_ROOT / "tests")] if all_tests else [])
     select = [] if all_tests else ["-m", "gpu"]
+    # Compiling the Triton configs is CPU-bound: spread the tests over workers sharing the one GPU.
+    # One test file per worker bounds the GPU memory in use at once.
+    workers = ["-n", "4", "--dist", "loadfile"] if importlib.util.find_spec("xdist") else []
+    log = out_dir / "pytest.log"
     start = time.time()
-    try:
-        proc = subprocess.run(
-            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={junit}", *select, *paths],
-            cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout,
-        )
-    except subprocess.TimeoutExpired as e:
-        (out_dir / "pytest.log").write_text(f"{e.stdout or ''}{e.stderr or ''}")
-        return {"timed_out_after_s": timeout}
-    (out_dir / "pytest.log").write_text(proc.stdout + proc.stderr)
+    with log.open("w") as sink:
+        try:
+            proc = subprocess.run(
+                [sys.executable, "-m", "pytest", "-q", "-rfE", "--durations=25", "-p", "no:cacheprovider",
+                 f"--junitxml={junit}", *workers, *select, *paths],
+                cwd=REPO_ROOT, stdout=sink, stderr=subprocess.STDOUT, timeout=timeout,
+            )
+        except subprocess.TimeoutExpired:
+            return {"timed_out_after_s": timeout}
     import xml.etree.ElementTree as ET
 
     suite = ET.parse(junit).getroot()
@@ -179,7 +183,9 @@ def main(argv: list[str] | None = None) -> int:
     report = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "git_sha": sha,
-        "dirty": os.environ.get("TESSERA_GIT_DIRTY", "0") == "1" or bool(git("status", "--porcelain", "kernels")),
+        # The device copy of the tree may carry no usable git metadata: the caller can say what it sent.
+        "dirty": (os.environ["TESSERA_GIT_DIRTY"] == "1" if "TESSERA_GIT_DIRTY" in os.environ
+                  else bool(git("status", "--porcelain", "kernels"))),
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "triton": triton.__version__,
