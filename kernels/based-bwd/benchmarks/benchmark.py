@@ -74,7 +74,8 @@ def _timed_row(bench, case, impl, fn, ref, flops, **extra):
         del got
         ms = bench.time(fn)
     except Exception as e:
-        row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        # the end of the text holds the root cause (a Triton CompilationError starts with the source excerpt)
+        row["error"] = f"{type(e).__name__}: ...{' '.join(str(e).split())[-600:]}"
         return row
     row.update(ms=ms, value=flops / (ms * 1e-3) / 1e12)
     if errs:

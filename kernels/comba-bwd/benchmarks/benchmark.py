@@ -7,8 +7,15 @@ fp32 copies of the bf16 inputs (computed once per shape).
 Anchors in the same run (anchors/ANCHORS.md): the spec's seed reference (autograd through the chunked fp32
 forward), and fla 0.6.0 `chunk_comba` forward + backward called with the exact adapter p' = exp(g) p (fla reads
 the state before the decay, the spec after), with fla's Hopper/Triton guard (fla #640) lifted: a speed figure,
-its errors are reported beside it.
+its errors are reported beside it. fla's kernels take p' in the inputs' dtype (bf16): an fp32 p' (exp(g) is
+fp32) does not compile in its recompute_w_u kernel.
+
+The launch plans of triton_bwd.CONFIGS are timed side by side at one measure shape per K (SWEEP_SHAPES), each
+with the time of every stage (kernel) alone in `ms_<stage>` columns, so the run shows where the time goes.
 """
+
+import importlib
+import traceback
 
 import torch
 from kernels.benchmark import Benchmark
@@ -16,6 +23,7 @@ from kernels.benchmark import Benchmark
 SPEC = "comba_backward"
 NAMES = ("dq", "dk", "dv", "dp", "dbeta", "dg")
 BENCH_SHAPE = (8, 2048, 32, 128, 128)
+SWEEP_SHAPES = [(8, 2048, 32, 128, 128), (16, 2048, 32, 64, 128)]
 
 
 def _make(B, T, H, K, V, device, seed=0):
@@ -63,7 +71,7 @@ def _fla_fwd_bwd(bench):
     def run(q, k, v, p, beta, g, do):
         ins = [x.detach().requires_grad_(True) for x in (q, k, v, p, beta, g)]
         qq, kk, vv, pp, bb, gg = ins
-        p_read = gg.exp()[..., None] * pp                   # fla reads before the decay; the spec after
+        p_read = (gg.exp()[..., None] * pp).to(pp.dtype)    # fla reads before the decay; the spec after
         o, _ = chunk_comba(qq, kk, vv, p_read, gg, bb)      # fla's order: (..., p, g, beta)
         return torch.autograd.grad(o, ins, do)
 
@@ -82,36 +90,65 @@ def _row(case, impl, ms, tflop, errs=None, **extra):
     return row
 
 
-def side_by_side(kernel, bench, shapes=None, time_seed_reference=True) -> list[dict]:
-    """Every measure shape of the spec: ours, fla chunk_comba fwd+bwd (if installed), the spec's seed reference.
-    `shapes` exists for a dry run at tiny shapes on the CPU."""
+def _error_row(case, impl, e):
+    """An anchor that failed: the end of its message (where Triton puts the reason) and of the traceback."""
+    text = "".join(traceback.format_exception_only(type(e), e)).strip()
+    return {"case": case, "impl": impl, "error": text[-600:], "where": traceback.format_exc()[-400:]}
+
+
+def _config_sweep(bench, tb, case, tflop, inputs, ref, scale):
+    """Every launch plan at one shape: total time, errors, and each stage alone (`ms_<stage>`)."""
+    rows = []
+    for name in tb.CONFIGS:
+        stages, grads = tb.comba_backward_stages(*inputs, scale, config=name)
+        run = lambda stages=stages: [launch() for launch in stages.values()]  # noqa: E731
+        run()
+        errs = _errors(bench, [x[:, : inputs[0].shape[1]] for x in grads], ref)   # grads are padded in time
+        t_all = bench.time(run)
+        split = {f"ms_{stage}": bench.time(launch) for stage, launch in stages.items()}
+        rows.append(_row(case, f"sweep {name}", t_all, tflop, errs, config=str(tb.CONFIGS[name]), **split))
+        del stages, grads
+    base = next(r["ms"] for r in rows if r["impl"] == f"sweep {tb.DEFAULT}")
+    for r in rows:
+        r["x_vs_default"] = base / r["ms"]
+    return rows
+
+
+def side_by_side(kernel, bench, shapes=None, sweep_shapes=None, time_seed_reference=True) -> list[dict]:
+    """Every measure shape of the spec: ours, fla chunk_comba fwd+bwd (if installed), the spec's seed reference;
+    then the config sweep at SWEEP_SHAPES. `shapes`/`sweep_shapes` exist for a dry run at tiny shapes on the CPU."""
     s = bench.spec(SPEC)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     fla = _fla_fwd_bwd(bench)
+    tb = importlib.import_module(f"{kernel.__name__}.triton_bwd")
+    shapes = [tuple(x) for x in (shapes or s.measure_shapes)]
+    sweep_shapes = [tuple(x) for x in (sweep_shapes or SWEEP_SHAPES)]
     rows = []
-    for shape in shapes or s.measure_shapes:
-        shape = tuple(shape)
+    for shape in dict.fromkeys(shapes + sweep_shapes):
         case = "(B,T,H,K,V)=" + ",".join(map(str, shape)) + " bf16"
         tflop = s.work(*shape) / 1e12
         inputs = s.make(*shape, 0)
         ref = s.ref(*(x.float() for x in inputs))
-        errs = _errors(bench, kernel.comba_backward(*inputs), ref)
-        t_ours = bench.time(lambda: kernel.comba_backward(*inputs))
-        ours = _row(case, "comba-bwd triton", t_ours, tflop, errs, path=kernel.kernel_path(inputs[0]))
-        rows.append(ours)
-        if fla is not None:
-            try:
-                fla_errs = _errors(bench, fla(*inputs), ref)
-                t_fla = bench.time(lambda: fla(*inputs))
-                rows.append(_row(case, "fla 0.6.0 chunk_comba fwd+bwd (p'=exp(g)p, guard lifted)", t_fla, tflop,
-                                 fla_errs))
-                ours["x_vs_fla"] = t_fla / t_ours
-            except Exception as e:  # noqa: BLE001 - an anchor failing must not hide our row
-                rows.append({"case": case, "impl": "fla chunk_comba", "error": repr(e)[:500]})
-        if time_seed_reference:
-            t_seed = bench.time(lambda: s.ref(*inputs))
-            rows.append(_row(case, "spec seed reference (autograd, fp32)", t_seed, tflop))
-            ours["x_vs_seed_reference"] = t_seed / t_ours
+        if shape in shapes:
+            errs = _errors(bench, kernel.comba_backward(*inputs), ref)
+            t_ours = bench.time(lambda: kernel.comba_backward(*inputs))
+            ours = _row(case, "comba-bwd triton", t_ours, tflop, errs, path=kernel.kernel_path(inputs[0]))
+            rows.append(ours)
+            if fla is not None:
+                impl = "fla 0.6.0 chunk_comba fwd+bwd (p'=exp(g)p bf16, guard lifted)"
+                try:
+                    fla_errs = _errors(bench, fla(*inputs), ref)
+                    t_fla = bench.time(lambda: fla(*inputs))
+                    rows.append(_row(case, impl, t_fla, tflop, fla_errs))
+                    ours["x_vs_fla"] = t_fla / t_ours
+                except Exception as e:  # noqa: BLE001 - an anchor failing must not hide our row
+                    rows.append(_error_row(case, impl, e))
+            if time_seed_reference:
+                t_seed = bench.time(lambda: s.ref(*inputs))
+                rows.append(_row(case, "spec seed reference (autograd, fp32)", t_seed, tflop))
+                ours["x_vs_seed_reference"] = t_seed / t_ours
+        if shape in sweep_shapes:
+            rows += _config_sweep(bench, tb, case, tflop, inputs, ref, shape[3] ** -0.5)
         del inputs, ref
         if device == "cuda":
             torch.cuda.empty_cache()

@@ -275,11 +275,45 @@ def test_triton_backward_matches_float64(triton_bwd, shape):
     assert_grads_close(grads, float64_grads(inputs, 0.9 * shape[3] ** -0.5), 1e-2)
 
 
-def _check_against_spec(comba, shape, tol=2e-2):
-    """All six gradients of the shipped CUDA path against the fp32 spec, at one of the spec's shapes."""
+# The launch plans of triton_bwd.CONFIGS besides the default "base" (test_config_names_are_the_tested_ones).
+OTHER_CONFIGS = ["transform_w8", "scan_bv32", "scan_w8", "scan_pipe2", "states_fp32", "grads_split"]
+
+
+@needs_triton
+@pytest.mark.kernels_ci
+def test_config_names_are_the_tested_ones(triton_bwd):
+    assert sorted(triton_bwd.CONFIGS) == sorted(["base", *OTHER_CONFIGS]) and triton_bwd.DEFAULT == "base"
+
+
+@needs_triton
+@pytest.mark.parametrize("config", OTHER_CONFIGS)
+def test_triton_config_matches_float64(triton_bwd, config):
+    """Every launch plan besides the default, at one tiny padded shape with V = 2 scan blocks of 64."""
+    shape = (1, 100, 2, 64, 128)
+    inputs = make_inputs(*shape, torch.bfloat16, TRITON_DEVICE, seed=10)
+    grads = triton_bwd.comba_backward_triton(*inputs, 0.125, config=config)
+    assert_grads_close(grads, float64_grads(inputs, 0.125), 1e-2)
+
+
+@needs_triton
+def test_stages_rerun_alone_give_the_same_gradients(triton_bwd):
+    """The benchmark times each stage alone after one full pass: re-running a stage must not change anything."""
+    inputs = make_inputs(1, 128, 1, 64, 64, torch.bfloat16, TRITON_DEVICE, seed=11)
+    stages, grads = triton_bwd.comba_backward_stages(*inputs, 0.125, config="grads_split")
+    assert tuple(stages) == ("transform", "forward_scan", "reverse_scan", "adjoint", "grads")
+    for launch in stages.values():
+        launch()
+    first = [x.clone() for x in grads]
+    stages["grads"]()
+    stages["adjoint"]()
+    assert all(torch.equal(a, b) for a, b in zip(first, grads))
+
+
+def _check_against_spec(backward, shape, tol=2e-2):
+    """All six gradients of `backward` (a CUDA path) against the fp32 spec, at one of the spec's shapes."""
     s = spec("comba_backward")
     q, k, v, p, beta, g, do = s.make(*shape, 0)
-    got = comba.comba_backward(q, k, v, p, beta, g, do)
+    got = backward(q, k, v, p, beta, g, do)
     ref = s.ref(*(x.float() for x in (q, k, v, p, beta, g, do)))
     errs = {n: rel_err(a, b) for n, a, b in zip(NAMES, got, ref)}
     print(shape, {n: f"{e:.1e}" for n, e in errs.items()})
@@ -296,17 +330,33 @@ MEASURE_SHAPES = [(8, 2048, 32, 128, 128), (12, 2048, 32, 128, 128), (8, 4096, 1
 @needs_cuda
 @pytest.mark.parametrize("shape", CORRECT_SHAPES)
 def test_cuda_backward_matches_spec_correct_shapes(comba, shape):
-    _check_against_spec(comba, shape)
+    _check_against_spec(comba.comba_backward, shape)
 
 
 @needs_cuda
 @pytest.mark.parametrize("shape", MEASURE_SHAPES)
 def test_cuda_backward_matches_spec_measure_shapes(comba, shape):
-    _check_against_spec(comba, shape)
+    _check_against_spec(comba.comba_backward, shape)
+
+
+# One measure shape per K (the benchmark sweeps the configs at these two).
+CONFIG_MEASURE_SHAPES = [(8, 2048, 32, 128, 128), (16, 2048, 32, 64, 128)]
 
 
 @needs_cuda
-def test_spec_shape_lists_are_the_ones_tested():
+@pytest.mark.parametrize("shape", CORRECT_SHAPES + CONFIG_MEASURE_SHAPES)
+def test_cuda_every_config_matches_spec(triton_bwd, shape):
+    """Every launch plan the benchmark times, not only the default one (the reference is run once per shape)."""
     s = spec("comba_backward")
-    assert [tuple(x) for x in s.correct_shapes] == CORRECT_SHAPES
-    assert [tuple(x) for x in s.measure_shapes] == MEASURE_SHAPES
+    inputs = s.make(*shape, 0)
+    ref = s.ref(*(x.float() for x in inputs))
+    errs = {}
+    for config in OTHER_CONFIGS:
+        got = triton_bwd.comba_backward_triton(*inputs, shape[3] ** -0.5, config=config)
+        errs[config] = {n: ((a.double() - b.double()).norm() / b.double().norm()).item()
+                        for n, a, b in zip(NAMES, got, ref)}
+        del got
+    print(shape, {c: f"{max(e.values()):.1e}" for c, e in errs.items()})
+    del inputs, ref
+    torch.cuda.empty_cache()
+    assert all(e < 2e-2 for per in errs.values() for e in per.values()), (shape, errs)

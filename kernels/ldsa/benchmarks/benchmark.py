@@ -5,6 +5,8 @@ a_logits, v and grad_out once and writes dlogits and dv once. GB/s = those bytes
 compares it with the device-to-device copy bandwidth measured in the same run.
 """
 
+import contextlib
+import importlib
 import time
 
 import torch
@@ -17,6 +19,15 @@ CARD_SHAPES = [(16, 256), (16, 512), (32, 1024), (16, 2048), (32, 3000), (64, 30
 BACKWARD_SHAPES = [(64, 3000)]
 COMPILE_SHAPES = [(64, 3000)]  # torch.compile(reference) anchor: compiled once per window, bf16 only
 LATENCY_SHAPE, LATENCY_CALLS = (16, 256), 2000
+# The candidate sweep (every forward and backward configuration of both designs, side by side): each
+# (shape, window, dtype) here costs one compile per configuration, so the cases are few.
+SWEEP_CASES = [
+    ((64, 3000), "causal", torch.bfloat16),
+    ((64, 3000), "centered", torch.bfloat16),
+    ((32, 1024), "causal", torch.bfloat16),
+    ((64, 3000), "causal", torch.float32),
+    ((32, 1024), "centered", torch.float32),
+]
 
 
 def make_inputs(B, T, left, right, dtype, device, seed=0):
@@ -139,9 +150,83 @@ def _latency_rows(kernel, bench, B, T, device):
     return rows
 
 
-def side_by_side(kernel, bench, shapes=None, backward_shapes=None, latency_shape=None) -> list[dict]:
-    """Every card shape plus [64, 3000], causal and centered, bf16 and fp32; the backward at [64, 3000];
-    the small-shape latency. The keyword arguments exist for a dry run at tiny shapes on the CPU."""
+def _triton_module(kernel):
+    return importlib.import_module(f"{kernel.__name__}.ldsa_triton")
+
+
+def _sweep_rows(kernel, bench, B, T, window, dtype, device):
+    """Every candidate configuration, forward and backward, at one case: rows "fwd <config>" / "bwd <config>"
+    (configs: "band", the banded tensor-core design; "taps-t<frames>-w<warps>", the tap loop)."""
+    kernels = _triton_module(kernel)
+    left, right = WINDOWS[window]
+    W, elt = left + right + 1, torch.finfo(dtype).bits // 8
+    a, v = make_inputs(B, T, left, right, dtype, device)
+    go = torch.randn_like(v)
+    shape = f"[B,T]=[{B},{T}] H={H} Dh={DH} W={W} {window} {str(dtype)[6:]}"
+    ref = kernel.ldsa_forward_reference(a, v, left, right)
+    rows = []
+    for config in kernels.FORWARD_CONFIGS:
+        out = kernels.ldsa_forward(a, v, left, right, config=config)
+        ms = bench.time(lambda: kernels.ldsa_forward(a, v, left, right, config=config))
+        rows.append(_row(f"sweep fwd {shape}", f"fwd {config}", ms, B * H * T * (W + 2 * DH) * elt, bench,
+                         *_errors(bench, out, ref), default=config == kernels.default_config("forward", W, dtype)))
+    del out, ref
+    ref_dl, ref_dv = kernel.ldsa_backward_reference(a, v, go, left, right)
+    for config in kernels.BACKWARD_CONFIGS:
+        dl, dv = kernels.ldsa_backward(a, v, go, left, right, config=config)
+        err = max(bench.rel_err(dl, ref_dl), bench.rel_err(dv, ref_dv))
+        ms = bench.time(lambda: kernels.ldsa_backward(a, v, go, left, right, config=config))
+        rows.append(_row(f"sweep bwd {shape}", f"bwd {config}", ms, B * H * T * (2 * W + 3 * DH) * elt, bench, err,
+                         default=config == kernels.default_config("backward", W, dtype)))
+    return rows
+
+
+@contextlib.contextmanager
+def _forward_default(kernels, config):
+    """Route every forward call to `config` for a while (the latency rows of each design)."""
+    saved = dict(kernels.DEFAULT_CONFIG)
+    kernels.DEFAULT_CONFIG.update({key: config for key in saved if key[0] == "forward"})
+    try:
+        yield
+    finally:
+        kernels.DEFAULT_CONFIG.update(saved)
+
+
+def _design_latency_rows(kernel, bench, B, T, device):
+    """Per-call time of each forward configuration at a small shape: the launcher called directly (no
+    validation), the public op without grad (direct launch) and the registered custom op."""
+    kernels = _triton_module(kernel)
+    left, right = WINDOWS["causal"]
+    a, v = make_inputs(B, T, left, right, torch.bfloat16, device)
+    nbytes = B * H * T * (left + right + 1 + 2 * DH) * 2
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    rows = []
+    for config in kernels.FORWARD_CONFIGS:
+        calls = {
+            "launcher": lambda: kernels.ldsa_forward(a, v, left, right, config=config),
+            "public op, no grad": lambda: kernel.ldsa_local_attention(a, v, left, right),
+            "custom op": lambda: kernel.op.ldsa_forward(a, v, left, right),
+        }
+        with _forward_default(kernels, config), torch.no_grad():
+            for path, fn in calls.items():
+                for _ in range(20):
+                    fn()
+                sync()
+                start = time.perf_counter()
+                for _ in range(LATENCY_CALLS):
+                    fn()
+                sync()
+                us = (time.perf_counter() - start) / LATENCY_CALLS * 1e6
+                case = f"latency [B,T]=[{B},{T}] causal bf16, {LATENCY_CALLS} calls from Python"
+                rows.append(_row(case, f"{config} via {path}", us * 1e-3, nbytes, bench, us_per_call=us,
+                                 host_overhead_included=True))
+    return rows
+
+
+def side_by_side(kernel, bench, shapes=None, backward_shapes=None, latency_shape=None, sweep_cases=None) -> list[dict]:
+    """Every card shape plus [64, 3000], causal and centered, bf16 and fp32, with the default configuration;
+    the backward at [64, 3000]; the small-shape latency; then the candidate sweep and each configuration's
+    latency. The keyword arguments exist for a dry run at tiny shapes on the CPU."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     rows = []
     for dtype in (torch.bfloat16, torch.float32):
@@ -155,4 +240,9 @@ def side_by_side(kernel, bench, shapes=None, backward_shapes=None, latency_shape
                 if device == "cuda":
                     torch.cuda.empty_cache()
     rows += _latency_rows(kernel, bench, *(latency_shape or LATENCY_SHAPE), device)
+    for (B, T), window, dtype in sweep_cases or SWEEP_CASES:
+        rows += _sweep_rows(kernel, bench, B, T, window, dtype, device)
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    rows += _design_latency_rows(kernel, bench, *(latency_shape or LATENCY_SHAPE), device)
     return rows

@@ -176,6 +176,23 @@ def test_triton_interpreted_matches_float64(ldsa, poisoned_outputs, left, right,
 
 
 @needs_interpreter
+@pytest.mark.parametrize("case", range(0, len(INTERP_CASES), 2))
+def test_triton_interpreted_every_config(ldsa, poisoned_outputs, case):
+    """Every launch configuration of both designs (band, tap loop) rotates over the interpreter cases."""
+    left, right, T, Dh, dtype = INTERP_CASES[case]
+    kernels = submodule(ldsa, "ldsa_triton")
+    forward = kernels.FORWARD_CONFIGS[case // 2 % len(kernels.FORWARD_CONFIGS)]
+    backward = kernels.BACKWARD_CONFIGS[(case // 2 + 1) % len(kernels.BACKWARD_CONFIGS)]
+    a, v = make(1, 2, Dh, T, left, right, dtype)
+    go = torch.randn(v.shape).to(dtype)
+    out = kernels.ldsa_forward(a, v, left, right, config=forward)
+    assert out.dtype == dtype and rel_err(out, ldsa_float64(a, v, left, right)) < TOL[dtype]
+    dlogits, dv = kernels.ldsa_backward(a, v, go, left, right, config=backward)
+    ga, gv = ldsa_float64_grads(a, v, go, left, right)
+    assert rel_err(dlogits, ga) < TOL[dtype] and rel_err(dv, gv) < TOL[dtype]
+
+
+@needs_interpreter
 def test_triton_interpreted_two_channel_tiles_and_mixed_dtypes(ldsa, poisoned_outputs):
     """Dh > 128 walks two channel tiles; bf16 logits with fp32 values, and a float32 grad_out for bf16 v."""
     kernels = submodule(ldsa, "ldsa_triton")
@@ -234,6 +251,66 @@ def test_cuda_backward_matches_float64_autograd(ldsa, left, right, dtype, Dh, T)
     ga, gv = ldsa_float64_grads(a, v, go, left, right)
     assert a.grad.dtype == dtype and v.grad.dtype == dtype
     assert rel_err(a.grad, ga) < tol and rel_err(v.grad, gv) < tol
+
+
+# Every configuration of both designs, rotating over the windows x dtypes (5 configurations against 3
+# dtypes and 4 channel counts / lengths: every pairing occurs). The launchers are called directly.
+@needs_cuda
+@pytest.mark.parametrize("case", range(len(CUDA_FWD_CASES)))
+def test_cuda_every_config_matches_float64(ldsa, case):
+    kernels = submodule(ldsa, "ldsa_triton")
+    left, right, dtype, Dh = CUDA_FWD_CASES[case]
+    forward = kernels.FORWARD_CONFIGS[case % len(kernels.FORWARD_CONFIGS)]
+    _, _, _, Dh_b, T_b = CUDA_BWD_CASES[case]
+    backward = kernels.BACKWARD_CONFIGS[(case + 2) % len(kernels.BACKWARD_CONFIGS)]
+    W = left + right + 1
+    if forward == kernels.BAND and not kernels.supports_window(W):
+        forward = kernels.FORWARD_CONFIGS[1]
+    if backward == kernels.BAND and not kernels.supports_window(W):
+        backward = kernels.BACKWARD_CONFIGS[1]
+    a, v = make(2, 3, Dh, 3001, left, right, dtype, "cuda")
+    out = kernels.ldsa_forward(a, v, left, right, config=forward)
+    assert out.dtype == dtype and rel_err(out, ldsa_float64(a, v, left, right)) < FWD_TOL[dtype], forward
+    a, v = make(2, 2, Dh_b, T_b, left, right, dtype, "cuda")
+    go = torch.randn(v.shape, device="cuda").to(dtype)
+    dlogits, dv = kernels.ldsa_backward(a, v, go, left, right, config=backward)
+    ga, gv = ldsa_float64_grads(a, v, go, left, right)
+    assert rel_err(dlogits, ga) < TOL[dtype] and rel_err(dv, gv) < TOL[dtype], backward
+
+
+@needs_cuda
+@pytest.mark.parametrize("T", [3000, 1024])
+@pytest.mark.parametrize("left,right", [(14, 0), (7, 7)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_cuda_sweep_configs_match_reference(ldsa, T, left, right, dtype):
+    """Every configuration the benchmark sweeps, at its specializations (H=8, Dh=64, T = 3000 or 1024)."""
+    kernels = submodule(ldsa, "ldsa_triton")
+    a, v = make(2, 8, 64, T, left, right, dtype, "cuda")
+    go = torch.randn_like(v)
+    ref = ldsa.ldsa_forward_reference(a, v, left, right)
+    ref_dl, ref_dv = ldsa.ldsa_backward_reference(a, v, go, left, right)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    for config in kernels.FORWARD_CONFIGS:
+        assert rel_err(kernels.ldsa_forward(a, v, left, right, config=config), ref) < tol, config
+    for config in kernels.BACKWARD_CONFIGS:
+        dl, dv = kernels.ldsa_backward(a, v, go, left, right, config=config)
+        assert rel_err(dl, ref_dl) < tol and rel_err(dv, ref_dv) < tol, config
+
+
+@needs_cuda
+def test_cuda_cached_launch_separates_specializations(ldsa):
+    """The launch cache keys on what Triton specializes: a 2-byte-misaligned copy of the inputs (a new
+    specialization) and repeated calls (the cached path) give the results of the JIT launch."""
+    kernels = submodule(ldsa, "ldsa_triton")
+    a, v = make(2, 8, 64, 3000, 14, 0, torch.bfloat16, "cuda")
+    ref = ldsa_float64(a, v, 14, 0)
+    for config in kernels.FORWARD_CONFIGS:
+        first = kernels.ldsa_forward(a, v, 14, 0, config=config)
+        assert torch.equal(kernels.ldsa_forward(a, v, 14, 0, config=config), first), config
+        shifted = torch.empty(v.numel() + 1, dtype=v.dtype, device="cuda")[1:].view(v.shape).copy_(v)
+        assert shifted.data_ptr() % 16 != 0
+        assert rel_err(kernels.ldsa_forward(a, shifted, 14, 0, config=config), ref) < 1e-2, config
+    assert kernels._compiled
 
 
 @needs_cuda

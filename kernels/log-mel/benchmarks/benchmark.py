@@ -1,11 +1,12 @@
 """log-mel benchmarks: a `kernels benchmark` workload and the side-by-side table for tools/gpu_bench.py.
 
-`side_by_side` times, at every measure shape of the spec and in one run: each design of the fused kernel
-(two-pass, clip-resident, and the 3xTF32 projection), the public op (the design `pick` chooses), the eager
-reference and torch.compile(reference); GB/s on the spec's canonical bytes, % of the copy bandwidth
-measured in the same run, speed-up over torch.compile, and the relative Frobenius error against the
-spec's fp32 reference. Then a sweep of every shipped tile config at two shapes, a batch with silent clips
-(the floor pass has real work) and batches with Whisper's Slaney filterbank (NM 80 and 128).
+`side_by_side` times, at every measure shape of the spec and in one run: the public op (the design and
+config `pick` chooses), the same config clip-resident, the eager reference and torch.compile(reference);
+GB/s on the spec's canonical bytes, % of the copy bandwidth measured in the same run, speed-up over
+torch.compile, and the relative Frobenius error against the spec's fp32 reference. Then a sweep of every
+shipped tile config (two-pass, plus one clip-resident row) at (208, 3000, 201, 128) and (104, 3000, 401,
+80), a batch with silent clips (the floor pass has real work) and batches with Whisper's Slaney
+filterbank (NM 80 and 128).
 """
 
 import importlib
@@ -49,14 +50,22 @@ class LogMelBenchmark(Benchmark):
 
 
 def _fused_variants(kernel, fused, stft, w):
-    """Every way the fused kernel can run one call, by name."""
-    tf32x3 = next(c for c in fused.SHIPPED_CONFIGS if c.precision == "tf32x3")
+    """The public op (the design and config `pick` chooses) and the same config in the other design."""
+    _, config = fused.pick(*stft.shape, w.shape[0])
     return {
-        "fused two_pass": lambda: fused.log_mel_triton(stft, w, "two_pass"),
-        "fused clip_resident": lambda: fused.log_mel_triton(stft, w, "clip_resident"),
-        "fused two_pass tf32x3": lambda: fused.log_mel_triton(stft, w, "two_pass", tf32x3),
         "public op (pick)": lambda: kernel.log_mel_spectrogram(stft, w),
+        f"fused clip_resident {config.name}": lambda: fused.log_mel_triton(stft, w, "clip_resident", config),
     }
+
+
+def _sweep(fused, stft, w):
+    """Every shipped config with the two-pass design, and the default config once clip-resident (it lost
+    every comparison of the first H200 run)."""
+    impls = {f"two_pass {c.name}": (lambda c=c: fused.log_mel_triton(stft, w, "two_pass", c))
+             for c in fused.SHIPPED_CONFIGS}
+    impls[f"clip_resident {fused.DEFAULT_CONFIG.name}"] = lambda: fused.log_mel_triton(
+        stft, w, "clip_resident", fused.DEFAULT_CONFIG)
+    return impls
 
 
 def rel_err(x, ref):
@@ -108,16 +117,11 @@ def side_by_side(kernel, bench, shapes=None, whisper_shape=WHISPER_SHAPE, sweep_
         del stft, w, ref
         _free()
 
-    # 2. Every shipped tile config, both designs (the table `pick` is set from).
+    # 2. Every shipped tile config (the table `pick` is set from), at NF 201 and NF 401.
     for shape in sweep_shapes:
         stft, w = s.make(*shape, 0)
         ref = s.ref(stft, w)
-        impls = {
-            f"{design} {c.block_f}x{c.block_m}x{c.block_k} w{c.num_warps} s{c.num_stages} {c.precision}":
-                (lambda d=design, c=c: fused.log_mel_triton(stft, w, d, c))
-            for design in fused.DESIGNS for c in fused.SHIPPED_CONFIGS
-        }
-        rows += _rows(f"{shape} config sweep", impls, ref, s.work(*shape), bench)
+        rows += _rows(f"{shape} config sweep", _sweep(fused, stft, w), ref, s.work(*shape), bench)
         del stft, w, ref
         _free()
 
@@ -126,7 +130,8 @@ def side_by_side(kernel, bench, shapes=None, whisper_shape=WHISPER_SHAPE, sweep_
     for NM in (80, 128):
         stft, _ = s.make(B, F, NF, NM, 0)
         w = kernel.mel_filters(NM).to(stft.device)
-        extra = {"torch.compile(reference)": lambda: compiled_ref(stft, w), **_fused_variants(kernel, fused, stft, w)}
+        extra = {"torch.compile(reference)": lambda: compiled_ref(stft, w),
+                 "public op (pick)": lambda: kernel.log_mel_spectrogram(stft, w)}
         ref = s.ref(stft, w)
         rows += _rows(f"{(B, F, NF, NM)} whisper slaney filterbank", extra, ref, s.work(B, F, NF, NM), bench)
         if NM == 128:

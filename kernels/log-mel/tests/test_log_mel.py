@@ -376,10 +376,22 @@ def test_fused_small_shapes(fused, design, shape, kind):
 @needs_triton
 @pytest.mark.parametrize("design", ["two_pass", "clip_resident"])
 def test_fused_every_shipped_config(fused, design):
+    # F = 150 leaves a ragged last tile for every block_f; NF = 201 gives multi-chunk band blocks.
     stft, w = with_silence(speech_stft(3, 150, 201, device=DEVICE)), triangles(128, 201, DEVICE)
     expected = log_mel_float64(stft, w)
     for config in fused.SHIPPED_CONFIGS:
-        assert rel_err(fused.log_mel_triton(stft, w, design, config), expected) < 1e-6, config
+        assert rel_err(fused.log_mel_triton(stft, w, design, config), expected) < 1e-6, config.name
+
+
+@needs_triton
+@pytest.mark.kernels_ci
+def test_pick_table(fused):
+    shipped = set(fused.SHIPPED_CONFIGS)
+    for rule in fused.PICK_TABLE:
+        assert rule.design in fused.DESIGNS and rule.config in shipped
+    for shape in [(1, 1, 1, 1), (208, 3000, 201, 128), (104, 3000, 401, 80), (4, 7, 2049, 512)]:
+        design, config = fused.pick(*shape)
+        assert design in fused.DESIGNS and config in shipped
 
 
 @needs_triton
@@ -428,6 +440,33 @@ def test_cuda_spec_shapes(lm, fused, kind, shape, design):
     assert torch.isfinite(out).all()
     assert rel_err(out, s.ref(stft, w)) < 1e-4
     del stft, w, out
+    torch.cuda.empty_cache()
+
+
+def _every_config_shapes():
+    try:
+        s = spec(SPEC)
+    except pytest.skip.Exception:
+        return []
+    return list(s.correct_shapes) + [x for x in s.measure_shapes if x in ((208, 3000, 201, 128), (104, 3000, 401, 80))]
+
+
+@needs_cuda
+@pytest.mark.parametrize("shape", _every_config_shapes())
+def test_cuda_every_shipped_config(fused, shape):
+    """Every config the package may pick (the benchmark sweeps them all), two-pass, at the spec's correct
+    shapes and the two sweep measure shapes; the clip-resident design runs in test_cuda_spec_shapes."""
+    s = spec(SPEC)
+    stft, w = s.make(*shape, 0)
+    ref = s.ref(stft, w).double()
+    ref_norm = ref.norm()
+    for config in fused.SHIPPED_CONFIGS:
+        out = fused.log_mel_triton(stft, w, "two_pass", config)
+        assert torch.isfinite(out).all(), config.name
+        # On the device: a CPU copy of each 80M-element output would dominate the test.
+        assert ((out.double() - ref).norm() / ref_norm).item() < 1e-4, config.name
+        del out
+    del stft, w, ref
     torch.cuda.empty_cache()
 
 

@@ -6,7 +6,7 @@ as such: it is kept as its three blocks, S0 = sum v (V), S1 = sum k v^T (K x V),
 (K^2 x V), with phi's 1/sqrt(2) folded into a factor 1/2 at the read-out. Every program owns the columns
 v0 .. v0 + BV of V, so the state it carries is (1 + K + K^2) x BV in fp32 registers.
 
-Kernel 1, `_forward_scan` (chunks in order, carrying S and the normaliser z = (z1 = sum k, z2 = sum k (x) k)):
+Kernel 1, `_forward_scan` (chunks in order, carrying S and the normaliser z = (z1 = sum k, Z2 = sum k k^T)):
   recomputes num and den, hence r and this V block's part of delta, and the parts of dq that need the
   forward state: dq~_i = r_i (U_i - delta_i W_i) with
       U_i = S1 do_i + M_i q~_i + sum_{j<=i in chunk} (do_i . v_j)(1 + s_ij) k_j,   M_i[a, b] = S2[ab] . do_i
@@ -14,14 +14,16 @@ Kernel 1, `_forward_scan` (chunks in order, carrying S and the normaliser z = (z
   U is linear in do, so each V block writes its partial U; delta is still unknown here, so the
   combination waits for kernel 2.
 Kernel 2, `_reverse_scan` (chunks in reverse, carrying dS = (dS0, dS1, dS2) = sum over later queries of
-  (g, q g^T, (q (x) q) g^T) and dz = (dz1, dz2) = the same with h): delta is now complete (the sum of
+  (g, q g^T, (q (x) q) g^T) and dz = (dz1 = sum q h, dZ2 = sum h q q^T)): delta is now complete (the sum of
   kernel 1's partials), so it computes dv (complete for its V block), its partial of dk (the numerator
   terms; the V-independent normaliser terms are added by the V block 0 only) and, in V block 0, the final
   dq = scale r (sum U - delta W).
 The partial dk of the V blocks are summed by the launcher (NV x K floats per position).
 
 Matmuls take bf16 operands with fp32 accumulation; the states, the normaliser, den, r, delta and every
-square (s^2, the outer products feeding z and den) are fp32. No transpose of a register tensor is needed:
+square (s^2, the outer products feeding z and den) are fp32. The normaliser's quadratic block is kept as the
+K x K matrix Z2 (and dZ2), not as a K^2 vector: its products with q and k are then small exact fp32 matmuls
+instead of K^2 x C tiles, which the register file cannot hold beside the states. No transpose of a register tensor is needed:
 where a product wants the other orientation, the tile is loaded transposed from memory instead.
 """
 
@@ -30,6 +32,10 @@ import triton
 import triton.language as tl
 
 from .reference import CHUNK, EPS
+
+# A jit function may read a module global only when it is a constexpr (the interpreter does not check this,
+# the compiler does).
+_EPS = tl.constexpr(EPS)
 
 
 @triton.jit
@@ -78,6 +84,12 @@ def _dot(DOT: tl.constexpr, a, b):
     if DOT == tl.float32:
         return tl.dot(a.to(DOT), b.to(DOT), input_precision="ieee")
     return tl.dot(a.to(DOT), b.to(DOT))
+
+
+@triton.jit
+def _dot_f32(a, b):
+    """a @ b in exact fp32 (the normaliser's products, whatever the input dtype)."""
+    return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
 
 
 @triton.jit
@@ -131,7 +143,7 @@ def _forward_scan(
     S1 = tl.zeros([BK, BV], dtype=tl.float32)
     S2 = tl.zeros([K * K, BV], dtype=tl.float32)
     z1 = tl.zeros([BK], dtype=tl.float32)
-    z2 = tl.zeros([K * K], dtype=tl.float32)
+    Z2 = tl.zeros([BK, BK], dtype=tl.float32)
     for t0 in range(0, T, C):
         q_c = _load_rows(q, t0, T, H * K, K, C, BK)
         q_t = _load_cols(q, t0, T, H * K, K, BK, C)
@@ -149,11 +161,11 @@ def _forward_scan(
         A = tl.where(causal, 1.0 + s + 0.5 * s * s, 0.0)
         qq = _outer_rows(qe, C, K)
         den = (t0 + scale * tl.sum(q_c.to(tl.float32) * z1[None, :], 1)
-               + (0.5 * scale * scale) * tl.sum(qq * z2[None, :], 1) + tl.sum(A, 1))
+               + (0.5 * scale * scale) * tl.sum(_dot_f32(q_c, Z2) * q_c.to(tl.float32), 1) + tl.sum(A, 1))
         num = (S0[None, :] + scale * _dot(DOT, q_c, S1)
                + (0.5 * scale * scale) * _dot(DOT, qq, S2)
                + _dot(DOT, A, v_c))
-        r = 1.0 / (den + EPS)
+        r = 1.0 / (den + _EPS)
         tl.store(delta_part + t0 + i_idx, tl.sum(do_c * num, 1) * r, mask=t0 + i_idx < T)
         if pid_v == 0:
             tl.store(r_out + t0 + i_idx, r, mask=t0 + i_idx < T)
@@ -165,8 +177,7 @@ def _forward_scan(
              + scale * _contract(_dot(DOT, S2, do_t), qe_t, K, BK, C))
         _store_cols(u_part, u, t0, T, H * K, K, BK, C)
         if pid_v == 0:
-            z2_tiled = tl.broadcast_to(z2[:, None], (K * K, C))
-            w = (z1[:, None] + scale * _contract(z2_tiled, qe_t, K, BK, C)
+            w = (z1[:, None] + scale * _dot_f32(Z2, q_t)  # Z2 is symmetric
                  + _dot(DOT, k_t, tl.where(causal_t, 1.0 + s_t, 0.0)))
             _store_cols(w_out, w, t0, T, H * K, K, BK, C)
 
@@ -176,7 +187,7 @@ def _forward_scan(
         S1 += _dot(DOT, k_t, v_c)
         S2 += _dot(DOT, kk_t, v_c)
         z1 += tl.sum(k_t.to(tl.float32), 1)
-        z2 += tl.sum(kk_t, 1)
+        Z2 += _dot_f32(k_t, k_c)
 
 
 @triton.jit
@@ -211,7 +222,7 @@ def _reverse_scan(
     dS1 = tl.zeros([BK, BV], dtype=tl.float32)
     dS2 = tl.zeros([K * K, BV], dtype=tl.float32)
     dz1 = tl.zeros([BK], dtype=tl.float32)
-    dz2 = tl.zeros([K * K], dtype=tl.float32)
+    dZ2 = tl.zeros([BK, BK], dtype=tl.float32)
     n_chunks = tl.cdiv(T, C)
     for m in range(0, n_chunks):
         t0 = (n_chunks - 1 - m) * C
@@ -243,10 +254,10 @@ def _reverse_scan(
         s = scale * _dot(DOT, q_c, k_t)
         ds = _dot(DOT, g, v_t) + tl.where(own_normaliser, h_den, 0.0)[:, None]
         ds = tl.where(causal, ds * (1.0 + s), 0.0)
-        n_t = _dot(DOT, dS2, v_t) + tl.where(own_normaliser, dz2, 0.0)[:, None]
         dk_t = (scale * (_dot(DOT, q_t, ds) + _dot(DOT, dS1, v_t)
                          + tl.where(own_normaliser, dz1, 0.0)[:, None])
-                + (scale * scale) * _contract(n_t, ke_t, K, BK, C))
+                + (scale * scale) * (_contract(_dot(DOT, dS2, v_t), ke_t, K, BK, C)
+                                     + _dot_f32(tl.where(own_normaliser, dZ2, 0.0), k_t)))  # dZ2 symmetric
         _store_cols(dk_part, dk_t, t0, T, H * K, K, BK, C)
 
         # dq = scale r (U - delta W), U summed over the V blocks' partials from the forward scan
@@ -263,13 +274,30 @@ def _reverse_scan(
         dS1 += _dot(DOT, q_t, g)
         dS2 += _dot(DOT, qq_t, g)
         dz1 += tl.sum(q_t.to(tl.float32) * h_den[None, :], 1)
-        dz2 += tl.sum(qq_t * h_den[None, :], 1)
+        dZ2 += _dot_f32(q_t.to(tl.float32) * h_den[None, :], q_c)
 
 
-# (chunk, V block, warps) per feature size K: the launch the public op uses. Untuned (no GPU measurement
-# yet); the benchmark times the alternatives in CONFIG_CHOICES so that the GPU run can pick.
-DEFAULT_CONFIG = {8: (CHUNK, 64, 4), 16: (CHUNK, 32, 8)}
-CONFIG_CHOICES = [(64, 32, 4), (64, 32, 8), (64, 64, 8), (32, 32, 4), (32, 64, 4)]
+# (chunk, V block, warps) per feature size K: the launch the public op uses. Chosen offline from ptxas's
+# register report for sm_90a (benchmarks/compile_check.py): the states and the K^2 x C tiles fill the register
+# file, and the chunks / V blocks / warps below are the ones whose bf16 kernels do not spill (C = 64 spills
+# kilobytes at every V block and warp count). Not yet timed on a GPU: the benchmark times every entry of
+# CONFIG_CHOICES (each spills at most ~100 bytes in bf16) so that the GPU run can pick.
+DEFAULT_CONFIG = {8: (32, 16, 4), 16: (16, 16, 4)}
+CONFIG_CHOICES = [(16, 16, 4), (16, 32, 8), (32, 16, 8)]
+
+
+def launch_sizes(K: int, V: int, dtype: torch.dtype, config=None) -> dict:
+    """The compile-time sizes and warps both kernels are launched with; `config` = (chunk, V block, warps)
+    overrides DEFAULT_CONFIG[K]."""
+    C, BV, warps = config or DEFAULT_CONFIG[K]
+    return dict(
+        K=K,
+        BK=max(16, K),  # tl.dot needs 16 along every axis: the linear block is padded at K = 8, K*K is not
+        BV=min(BV, max(16, triton.next_power_of_2(V))),
+        C=C,
+        DOT=tl.float32 if dtype == torch.float32 else tl.bfloat16,
+        num_warps=warps,
+    )
 
 
 def based_backward_triton(q, k, v, do, scale: float, config=None):
@@ -277,10 +305,8 @@ def based_backward_triton(q, k, v, do, scale: float, config=None):
     any V >= 1. Outputs in the inputs' dtype. `config` = (chunk, V block, warps) overrides the default."""
     B, T, H, K = q.shape
     V = v.shape[-1]
-    C, BV, warps = config or DEFAULT_CONFIG[K]
-    BV = min(BV, max(16, triton.next_power_of_2(V)))
-    BK = max(16, K)  # tl.dot needs 16 along every axis: the linear block is padded at K = 8, K*K is not
-    NV = triton.cdiv(V, BV)
+    sizes = launch_sizes(K, V, q.dtype, config)
+    NV = triton.cdiv(V, sizes["BV"])
     f32 = dict(device=q.device, dtype=torch.float32)
     r = torch.empty(B * H, T, **f32)
     delta_part = torch.empty(NV, B * H, T, **f32)
@@ -289,8 +315,6 @@ def based_backward_triton(q, k, v, do, scale: float, config=None):
     dq, dv = torch.empty_like(q), torch.empty_like(v)
     dk_part = torch.empty(NV, B, T, H, K, **f32)
     grid = (NV, B * H)
-    dot = tl.float32 if q.dtype == torch.float32 else tl.bfloat16
-    sizes = dict(K=K, BK=BK, BV=BV, C=C, DOT=dot, num_warps=warps)
     _forward_scan[grid](q, k, v, do, r, delta_part, u_part, w, T, H, V, scale, **sizes)
     _reverse_scan[grid](q, k, v, do, r, delta_part, u_part, w, dq, dk_part, dv, T, H, V, scale, NV=NV, **sizes)
     return dq, dk_part.sum(0).to(k.dtype), dv

@@ -8,6 +8,11 @@ A = (I + L)^-1, Vn = A (beta V) - A (beta gam P) S, X = A^T dVn.
   2. _forward_scan_kernel (serial over chunks, per (b, h, V block))  S_n (bf16) and Vn (bf16) -> HBM.
   3. _reverse_scan_kernel (serial over chunks, reversed)  dS'_n (bf16) and dVn (bf16) -> HBM; dS in fp32.
   4. _grads_kernel       (chunk-parallel)  all six gradients of the chunk; dbeta and dg reduced in fp32.
+     With Config.split_grads, step 4 is two kernels: _adjoint_kernel (X = A^T dVn, dv and the v-part of dbeta;
+     X -> HBM in bf16) and _grads_kernel reading X, which then holds neither A nor dVn (less register pressure).
+
+The launch plan (warps, scan V block, loop pipelining, state dtype, split) is a named entry of CONFIGS; the
+benchmark times them side by side and the CUDA tests check every one against the spec.
 
 Design choices (the GPU run must confirm them; see README "Design"):
 - The per-chunk A and states are materialised in HBM (the issue allows it "if measured faster"): the solve is
@@ -20,6 +25,8 @@ Design choices (the GPU run must confirm them; see README "Design"):
 - No tl.trans of a dot result (Triton 3.6 Hopper miscompile, fla #640): every transposed operand is either
   loaded transposed from memory or is an elementwise product of loaded data.
 """
+
+from typing import NamedTuple
 
 import torch
 import triton
@@ -98,8 +105,8 @@ def _transform_kernel(k, p, beta, g, A, N, H, K: tl.constexpr):
     kt = tl.load(_rows_t(k, scal_base * K, t0, H * K, K)).to(tl.bfloat16)
     pk = tl.load(_rows(p, scal_base * K, t0, H * K, K)).to(tl.bfloat16)
     L = tl.dot(pk, kt) * bk[:, None] * _decay(gc, False, True)          # strict_lower((beta P) K^T * E)
-    # Forward substitution, one row at a time: row i of A = e_i - L[i, :] A (rows j < i are final).
     r = tl.arange(0, BT)
+    # Forward substitution, one row at a time: row i of A = e_i - L[i, :] A (rows j < i are final).
     Ainv = tl.where(r[:, None] == r[None, :], 1.0, 0.0)
     for i in range(1, BT):
         l_i = tl.sum(tl.where(r[:, None] == i, L, 0.0), 0)              # L[i, :] as a column vector
@@ -110,75 +117,118 @@ def _transform_kernel(k, p, beta, g, A, N, H, K: tl.constexpr):
 
 
 @triton.jit
-def _forward_scan_kernel(k, v, p, beta, g, A, S_out, Vn_out, N, H, K: tl.constexpr, V: tl.constexpr,
-                         BV: tl.constexpr):
-    iv, bh = tl.program_id(0), tl.program_id(1)
+def _forward_step(k, v, p, beta, g, A, S_out, Vn_out, S, n, bh, scal_base, N, H, cv, K: tl.constexpr,
+                  V: tl.constexpr):
+    """Chunk n of the forward scan: store S_n and Vn, return S_{n+1}."""
     T = N * BT
-    b, h = bh // H, bh % H
-    scal_base = b.to(tl.int64) * T * H + h
     r = tl.arange(0, BT)
-    cv = iv * BV + tl.arange(0, BV)
     ck = tl.arange(0, K)
+    t0 = n * BT
+    gc, glast, bk = _gates(g, beta, scal_base, t0, H)
+    gam = tl.exp(gc)
+    chunk = bh.to(tl.int64) * N + n
+    tl.store(S_out + (chunk * K + ck[:, None]) * V + cv[None, :], S.to(S_out.dtype.element_ty))
+    Ainv = tl.load(A + chunk * BT * BT + r[:, None] * BT + r[None, :])
+    vk = tl.load(v + scal_base * V + (t0 + r)[:, None] * (H * V) + cv[None, :]).to(tl.bfloat16)
+    pk = tl.load(_rows(p, scal_base * K, t0, H * K, K)).to(tl.bfloat16)
+    U = _dot_split(Ainv * bk[None, :], vk)
+    W = _dot_split(Ainv * (bk * gam)[None, :], pk)
+    Vn = U - tl.dot(W.to(tl.bfloat16), S.to(tl.bfloat16))
+    tl.store(Vn_out + (bh.to(tl.int64) * T + t0 + r)[:, None] * V + cv[None, :], Vn.to(Vn_out.dtype.element_ty))
+    kt = tl.load(_rows_t(k, scal_base * K, t0, H * K, K))
+    kt_to_end = (kt * tl.exp(glast - gc)[None, :]).to(tl.bfloat16)       # (K * Gam / gam)^T
+    return tl.exp(glast) * S + tl.dot(kt_to_end, Vn.to(tl.bfloat16))
+
+
+@triton.jit
+def _forward_scan_kernel(k, v, p, beta, g, A, S_out, Vn_out, N, H, K: tl.constexpr, V: tl.constexpr,
+                         BV: tl.constexpr, STATIC_N: tl.constexpr, STAGES: tl.constexpr):
+    iv, bh = tl.program_id(0), tl.program_id(1)
+    scal_base = (bh // H).to(tl.int64) * N * BT * H + bh % H
+    cv = iv * BV + tl.arange(0, BV)
     S = tl.zeros([K, BV], dtype=tl.float32)
-    n = 0
-    while n < N:  # a while loop: the interpreter cannot range() over a runtime int with numpy >= 2.4
-        t0 = n * BT
-        gc, glast, bk = _gates(g, beta, scal_base, t0, H)
-        gam = tl.exp(gc)
-        chunk = bh.to(tl.int64) * N + n
-        tl.store(S_out + (chunk * K + ck[:, None]) * V + cv[None, :], S.to(S_out.dtype.element_ty))
-        Ainv = tl.load(A + chunk * BT * BT + r[:, None] * BT + r[None, :])
-        vk = tl.load(v + scal_base * V + (t0 + r)[:, None] * (H * V) + cv[None, :]).to(tl.bfloat16)
-        pk = tl.load(_rows(p, scal_base * K, t0, H * K, K)).to(tl.bfloat16)
-        U = _dot_split(Ainv * bk[None, :], vk)
-        W = _dot_split(Ainv * (bk * gam)[None, :], pk)
-        Vn = U - tl.dot(W.to(tl.bfloat16), S.to(tl.bfloat16))
-        tl.store(Vn_out + (bh.to(tl.int64) * T + t0 + r)[:, None] * V + cv[None, :], Vn.to(Vn_out.dtype.element_ty))
-        kt = tl.load(_rows_t(k, scal_base * K, t0, H * K, K))
-        kt_to_end = (kt * tl.exp(glast - gc)[None, :]).to(tl.bfloat16)   # (K * Gam / gam)^T
-        S = tl.exp(glast) * S + tl.dot(kt_to_end, Vn.to(tl.bfloat16))
-        n += 1
+    if STATIC_N > 0:  # the chunk count compiled in: a counted loop that prefetches the next chunks' loads
+        for n in tl.range(0, STATIC_N, num_stages=STAGES):
+            S = _forward_step(k, v, p, beta, g, A, S_out, Vn_out, S, n, bh, scal_base, N, H, cv, K, V)
+    else:  # one compile for every T; a while loop: the interpreter cannot range() over a runtime int (numpy 2.4)
+        n = 0
+        while n < N:
+            S = _forward_step(k, v, p, beta, g, A, S_out, Vn_out, S, n, bh, scal_base, N, H, cv, K, V)
+            n += 1
+
+
+@triton.jit
+def _reverse_step(q, k, p, beta, g, do, A, dS_out, dVn_out, dS, n, bh, scal_base, scale, N, H, cv,
+                  K: tl.constexpr, V: tl.constexpr):
+    """Chunk n of the reverse scan: store dS'_n and dVn, return the gradient of the state before the chunk."""
+    T = N * BT
+    r = tl.arange(0, BT)
+    ck = tl.arange(0, K)
+    t0 = n * BT
+    gc, glast, bk = _gates(g, beta, scal_base, t0, H)
+    gam = tl.exp(gc)
+    chunk = bh.to(tl.int64) * N + n
+    tl.store(dS_out + (chunk * K + ck[:, None]) * V + cv[None, :], dS.to(dS_out.dtype.element_ty))
+    kk = tl.load(_rows(k, scal_base * K, t0, H * K, K)).to(tl.bfloat16)
+    qt = tl.load(_rows_t(q, scal_base * K, t0, H * K, K)).to(tl.bfloat16)
+    dok = tl.load(do + scal_base * V + (t0 + r)[:, None] * (H * V) + cv[None, :]).to(tl.bfloat16)
+    # dVn = (scale lower(Q K^T) * E)^T dO + (K * Gam / gam) dS'
+    scores_t = (tl.dot(kk, qt) * scale * _decay(gc, True, False)).to(tl.bfloat16)
+    k_to_end = (kk * tl.exp(glast - gc)[:, None]).to(tl.bfloat16)
+    dVn = tl.dot(scores_t, dok) + tl.dot(k_to_end, dS.to(tl.bfloat16))
+    tl.store(dVn_out + (bh.to(tl.int64) * T + t0 + r)[:, None] * V + cv[None, :], dVn.to(dVn_out.dtype.element_ty))
+    # dS = Gam dS' + scale (gam Q)^T dO - W^T dVn,  W^T = P^T (A diag(beta gam))^T
+    a_t = tl.load(A + chunk * BT * BT + r[None, :] * BT + r[:, None])              # A^T
+    pt = tl.load(_rows_t(p, scal_base * K, t0, H * K, K)).to(tl.bfloat16)
+    w_t = _dot_split_right(pt, a_t * (bk * gam)[:, None])
+    qt_gam = (qt * (gam * scale)[None, :]).to(tl.bfloat16)
+    return tl.exp(glast) * dS + tl.dot(qt_gam, dok) - tl.dot(w_t.to(tl.bfloat16), dVn.to(tl.bfloat16))
 
 
 @triton.jit
 def _reverse_scan_kernel(q, k, p, beta, g, do, A, dS_out, dVn_out, scale, N, H, K: tl.constexpr,
-                         V: tl.constexpr, BV: tl.constexpr):
+                         V: tl.constexpr, BV: tl.constexpr, STATIC_N: tl.constexpr, STAGES: tl.constexpr):
     iv, bh = tl.program_id(0), tl.program_id(1)
-    T = N * BT
-    b, h = bh // H, bh % H
-    scal_base = b.to(tl.int64) * T * H + h
-    r = tl.arange(0, BT)
+    scal_base = (bh // H).to(tl.int64) * N * BT * H + bh % H
     cv = iv * BV + tl.arange(0, BV)
-    ck = tl.arange(0, K)
     dS = tl.zeros([K, BV], dtype=tl.float32)
-    n = N - 1
-    while n >= 0:
-        t0 = n * BT
-        gc, glast, bk = _gates(g, beta, scal_base, t0, H)
-        gam = tl.exp(gc)
-        chunk = bh.to(tl.int64) * N + n
-        tl.store(dS_out + (chunk * K + ck[:, None]) * V + cv[None, :], dS.to(dS_out.dtype.element_ty))
-        kk = tl.load(_rows(k, scal_base * K, t0, H * K, K)).to(tl.bfloat16)
-        qt = tl.load(_rows_t(q, scal_base * K, t0, H * K, K)).to(tl.bfloat16)
-        dok = tl.load(do + scal_base * V + (t0 + r)[:, None] * (H * V) + cv[None, :]).to(tl.bfloat16)
-        # dVn = (scale lower(Q K^T) * E)^T dO + (K * Gam / gam) dS'
-        scores_t = (tl.dot(kk, qt) * scale * _decay(gc, True, False)).to(tl.bfloat16)
-        k_to_end = (kk * tl.exp(glast - gc)[:, None]).to(tl.bfloat16)
-        dVn = tl.dot(scores_t, dok) + tl.dot(k_to_end, dS.to(tl.bfloat16))
-        tl.store(dVn_out + (bh.to(tl.int64) * T + t0 + r)[:, None] * V + cv[None, :],
-                 dVn.to(dVn_out.dtype.element_ty))
-        # dS = Gam dS' + scale (gam Q)^T dO - W^T dVn,  W^T = P^T (A diag(beta gam))^T
-        a_t = tl.load(A + chunk * BT * BT + r[None, :] * BT + r[:, None])          # A^T
-        pt = tl.load(_rows_t(p, scal_base * K, t0, H * K, K)).to(tl.bfloat16)
-        w_t = _dot_split_right(pt, a_t * (bk * gam)[:, None])
-        qt_gam = (qt * (gam * scale)[None, :]).to(tl.bfloat16)
-        dS = tl.exp(glast) * dS + tl.dot(qt_gam, dok) - tl.dot(w_t.to(tl.bfloat16), dVn.to(tl.bfloat16))
-        n -= 1
+    if STATIC_N > 0:
+        for i in tl.range(0, STATIC_N, num_stages=STAGES):
+            dS = _reverse_step(q, k, p, beta, g, do, A, dS_out, dVn_out, dS, STATIC_N - 1 - i, bh, scal_base,
+                               scale, N, H, cv, K, V)
+    else:
+        n = N - 1
+        while n >= 0:
+            dS = _reverse_step(q, k, p, beta, g, do, A, dS_out, dVn_out, dS, n, bh, scal_base, scale, N, H, cv,
+                               K, V)
+            n -= 1
 
 
 @triton.jit
-def _grads_kernel(q, k, v, p, beta, g, do, A, S_in, dS_in, Vn_in, dVn_in,
-                  dq, dk, dv, dp, dbeta, dg, scale, N, H, K: tl.constexpr, V: tl.constexpr):
+def _adjoint_kernel(v, beta, A, dVn_in, X_out, dv, dbeta_v, N, H, V: tl.constexpr):
+    """The split gradient path, part 1: X = A^T dVn (bf16 -> HBM), dv = beta X and sum_v(v X) (fp32)."""
+    n, bh = tl.program_id(0), tl.program_id(1)
+    T = N * BT
+    scal_base = (bh // H).to(tl.int64) * T * H + bh % H
+    t0 = n * BT
+    r = tl.arange(0, BT)
+    cv = tl.arange(0, V)
+    chunk = bh.to(tl.int64) * N + n
+    bk = tl.load(beta + scal_base + (t0 + r) * H).to(tl.float32)
+    a_t = tl.load(A + chunk * BT * BT + r[None, :] * BT + r[:, None])
+    vn_rows = (bh.to(tl.int64) * T + t0 + r)[:, None] * V + cv[None, :]
+    X = _dot_split(a_t, tl.load(dVn_in + vn_rows))
+    tl.store(X_out + vn_rows, X.to(X_out.dtype.element_ty))
+    vk = tl.load(_rows(v, scal_base * V, t0, H * V, V)).to(tl.float32)
+    tl.store(_rows(dv, scal_base * V, t0, H * V, V), (bk[:, None] * X).to(dv.dtype.element_ty))
+    tl.store(dbeta_v + scal_base + (t0 + r) * H, tl.sum(vk * X, 1))
+
+
+@triton.jit
+def _grads_kernel(q, k, v, p, beta, g, do, A, S_in, dS_in, Vn_in, dVn_in, X_in, dbeta_v,
+                  dq, dk, dv, dp, dbeta, dg, scale, N, H, K: tl.constexpr, V: tl.constexpr,
+                  X_IN_HBM: tl.constexpr):
+    """All gradients of one chunk; with X_IN_HBM, X (bf16), dv and sum_v(v X) come from _adjoint_kernel."""
     n, bh = tl.program_id(0), tl.program_id(1)
     T = N * BT
     b, h = bh // H, bh % H
@@ -196,42 +246,48 @@ def _grads_kernel(q, k, v, p, beta, g, do, A, S_in, dS_in, Vn_in, dVn_in,
     qk = tl.load(_rows(q, scal_base * K, t0, H * K, K)).to(tl.bfloat16)
     kk = tl.load(_rows(k, scal_base * K, t0, H * K, K)).to(tl.bfloat16)
     pk = tl.load(_rows(p, scal_base * K, t0, H * K, K)).to(tl.bfloat16)
-    vk = tl.load(_rows(v, scal_base * V, t0, H * V, V)).to(tl.bfloat16)
     dok = tl.load(_rows(do, scal_base * V, t0, H * V, V)).to(tl.bfloat16)
     vn_rows = (bh.to(tl.int64) * T + t0 + r)[:, None] * V + cv[None, :]
     vn_cols = (bh.to(tl.int64) * T + t0 + r)[None, :] * V + cv[:, None]
     Vn = tl.load(Vn_in + vn_rows)
     Vn_t = tl.load(Vn_in + vn_cols)
-    dVn = tl.load(dVn_in + vn_rows)
-    dVn_t = tl.load(dVn_in + vn_cols)
     state_t = (chunk * K + ck[None, :]) * V + cv[:, None]                     # [V, K] view of a (K, V) state
     S_t = tl.load(S_in + state_t)
     dS_t = tl.load(dS_in + state_t)
-    Ainv = tl.load(A + chunk * BT * BT + r[:, None] * BT + r[None, :])
-    a_t = tl.load(A + chunk * BT * BT + r[None, :] * BT + r[:, None])
 
     # The chunk transform's adjoint: X = A^T dVn (and X^T = dVn^T A), then A^T dW = -X S^T.
-    X = _dot_split(a_t, dVn)
-    X_t = _dot_split_right(dVn_t, Ainv)
-    Y = -tl.dot(X.to(tl.bfloat16), S_t)
+    if X_IN_HBM:
+        Xb = tl.load(X_in + vn_rows)
+        Xb_t = tl.load(X_in + vn_cols)
+        db_v = tl.load(dbeta_v + scal_base + (t0 + r) * H)
+    else:
+        Ainv = tl.load(A + chunk * BT * BT + r[:, None] * BT + r[None, :])
+        a_t = tl.load(A + chunk * BT * BT + r[None, :] * BT + r[:, None])
+        X = _dot_split(a_t, tl.load(dVn_in + vn_rows))
+        Xb = X.to(tl.bfloat16)
+        Xb_t = _dot_split_right(tl.load(dVn_in + vn_cols), Ainv).to(tl.bfloat16)
+        vk = tl.load(_rows(v, scal_base * V, t0, H * V, V)).to(tl.float32)
+        db_v = tl.sum(vk * X, 1)
+        tl.store(_rows(dv, scal_base * V, t0, H * V, V), (bk[:, None] * X).to(dv.dtype.element_ty))
+    Y = -tl.dot(Xb, S_t.to(tl.bfloat16))
     # Readout: o = scale [(gam Q) S + (lower(Q K^T) * E) Vn].
     do_vn = (tl.dot(dok, Vn_t) * E).to(tl.bfloat16)                           # lower(dO Vn^T) * E
     do_vn_t = (tl.dot(Vn, tl.trans(dok)) * E_t).to(tl.bfloat16)
-    dq_c = scale * (gam[:, None] * tl.dot(dok, S_t) + tl.dot(do_vn, kk))
+    dq_c = scale * (gam[:, None] * tl.dot(dok, S_t.to(tl.bfloat16)) + tl.dot(do_vn, kk))
     dk_read = scale * tl.dot(do_vn_t, qk)
-    dk_state = tl.exp(glast - gc)[:, None] * tl.dot(Vn, dS_t)
+    dk_state = tl.exp(glast - gc)[:, None] * tl.dot(Vn, dS_t.to(tl.bfloat16))
     # The chunk transform: L = strict_lower((beta P) K^T * E), dL = -strict_lower(X Vn^T), dR = dL * E.
     mask = r[:, None] > r[None, :]
     L = tl.where(mask, tl.dot(pk, tl.trans(kk)) * bk[:, None] * E, 0.0)
-    dL = tl.where(mask, -tl.dot(X.to(tl.bfloat16), Vn_t), 0.0)
-    dR_t = tl.where(r[:, None] < r[None, :], -tl.dot(Vn, X_t.to(tl.bfloat16)) * E_t, 0.0)
+    dL = tl.where(mask, -tl.dot(Xb, Vn_t), 0.0)
+    dR_t = tl.where(r[:, None] < r[None, :], -tl.dot(Vn, Xb_t) * E_t, 0.0)
     dR_k = tl.dot((dL * E).to(tl.bfloat16), kk)
     bp = (pk.to(tl.float32) * bk[:, None]).to(tl.bfloat16)
     dk_c = dk_read + dk_state + tl.dot(dR_t.to(tl.bfloat16), bp)
     pf = pk.to(tl.float32)
     dp_c = (bk * gam)[:, None] * Y + bk[:, None] * dR_k
     p_y = tl.sum(pf * Y, 1)
-    db_c = tl.sum(vk.to(tl.float32) * X, 1) + gam * p_y + tl.sum(pf * dR_k, 1)
+    db_c = db_v + gam * p_y + tl.sum(pf * dR_k, 1)
     dL_L = dL * L
     k_state = tl.sum(kk.to(tl.float32) * dk_state, 1)
     dgc = (tl.sum(dL_L, 1) - tl.sum(dL_L, 0) + bk * gam * p_y + tl.sum(qk.to(tl.float32) * dq_c, 1)
@@ -243,23 +299,47 @@ def _grads_kernel(q, k, v, p, beta, g, do, A, S_in, dS_in, Vn_in, dVn_in,
     tl.store(_rows(dq, scal_base * K, t0, H * K, K), dq_c.to(dq.dtype.element_ty))
     tl.store(_rows(dk, scal_base * K, t0, H * K, K), dk_c.to(dk.dtype.element_ty))
     tl.store(_rows(dp, scal_base * K, t0, H * K, K), dp_c.to(dp.dtype.element_ty))
-    tl.store(_rows(dv, scal_base * V, t0, H * V, V), (bk[:, None] * X).to(dv.dtype.element_ty))
     tl.store(dbeta + scal_base + (t0 + r) * H, db_c.to(dbeta.dtype.element_ty))
     tl.store(dg + scal_base + (t0 + r) * H, dg_c)
 
 
-# Launch configurations: (num_warps, num_stages) per kernel. Every one of them is exercised by the CUDA tests
-# at the spec's correct and measure shapes; change them only together with a GPU run of those tests.
+class Config(NamedTuple):
+    """One launch plan of the backward (see CONFIGS)."""
+
+    transform_warps: int = 4
+    scan_warps: int = 4
+    scan_bv: int = 64                   # V block of a scan program: V / scan_bv programs per (b, h)
+    scan_stages: int = 0                # 0: runtime chunk loop (one compile for all T); s >= 1: chunk count compiled
+                                        # in (one compile per padded T), loads software-pipelined s - 1 chunks ahead
+    state_dtype: torch.dtype = torch.bfloat16   # S_n and dS'_n in HBM (the scans carry them in fp32)
+    grads_warps: int = 8
+    split_grads: bool = False           # X = A^T dVn, dv in _adjoint_kernel; the rest in _grads_kernel
+
+
+# Every entry is exercised by the CUDA tests at the spec's correct shapes and one measure shape per K, and timed
+# side by side by the benchmark; change them only together with a GPU run of those tests. DEFAULT is what
+# comba_backward uses.
 CONFIGS = {
-    "transform": dict(num_warps=4, num_stages=1),
-    "scan": dict(num_warps=4, num_stages=2),
-    "grads": dict(num_warps=8, num_stages=1),
+    "base": Config(),
+    "transform_w8": Config(transform_warps=8),
+    "scan_bv32": Config(scan_bv=32),
+    "scan_w8": Config(scan_warps=8),
+    "scan_pipe2": Config(scan_stages=2),
+    "states_fp32": Config(state_dtype=torch.float32),
+    "grads_split": Config(split_grads=True),
 }
-SCAN_BV = 64
+DEFAULT = "base"
+STAGES = ("transform", "forward_scan", "reverse_scan", "adjoint", "grads")
 
 
-def comba_backward_triton(q, k, v, p, beta, g, do, scale: float):
-    """(dq, dk, dv, dp, dbeta, dg) in their inputs' dtypes (dg float32); inputs contiguous, K, V in {64, 128}."""
+def comba_backward_stages(q, k, v, p, beta, g, do, scale: float, config: str = DEFAULT):
+    """The backward as ordered launches: ({stage name: fn() launching it}, the six gradients once all ran).
+
+    Each stage reads only what earlier stages wrote, so after one full pass any stage can be re-run (timed)
+    alone. Inputs contiguous, K and V in {64, 128}; the gradients are (dq, dk, dv, dp, dbeta, dg) with dg in
+    float32, padded in time to a multiple of the chunk (comba_backward_triton trims them).
+    """
+    cfg = CONFIGS[config]
     B, T, H, K = q.shape
     V = v.shape[-1]
     q, k, v, p, beta, g, do = (pad_time(x) for x in (q, k, v, p, beta, g, do))
@@ -267,20 +347,41 @@ def comba_backward_triton(q, k, v, p, beta, g, do, scale: float):
     N, BH = Tp // CHUNK, B * H
     dev = q.device
     A = torch.empty(BH, N, CHUNK, CHUNK, device=dev, dtype=torch.float32)
-    S = torch.empty(BH, N, K, V, device=dev, dtype=torch.bfloat16)
+    S = torch.empty(BH, N, K, V, device=dev, dtype=cfg.state_dtype)
     dS = torch.empty_like(S)
     Vn = torch.empty(BH, Tp, V, device=dev, dtype=torch.bfloat16)
     dVn = torch.empty_like(Vn)
+    X = torch.empty_like(Vn) if cfg.split_grads else dVn            # unread unless split
+    dbeta_v = torch.empty(beta.shape, device=dev, dtype=torch.float32) if cfg.split_grads else g
     dq, dk, dp = (torch.empty_like(x) for x in (q, k, p))
     dv, dbeta = torch.empty_like(v), torch.empty_like(beta)
     dg = torch.empty_like(g, dtype=torch.float32)
-    BV = min(SCAN_BV, V)
-    _transform_kernel[(N, BH)](k, p, beta, g, A, N, H, K, **CONFIGS["transform"])
-    _forward_scan_kernel[(V // BV, BH)](k, v, p, beta, g, A, S, Vn, N, H, K, V, BV, **CONFIGS["scan"])
-    _reverse_scan_kernel[(V // BV, BH)](q, k, p, beta, g, do, A, dS, dVn, scale, N, H, K, V, BV,
-                                        **CONFIGS["scan"])
-    _grads_kernel[(N, BH)](q, k, v, p, beta, g, do, A, S, dS, Vn, dVn, dq, dk, dv, dp, dbeta, dg, scale, N, H,
-                           K, V, **CONFIGS["grads"])
-    if Tp == T:
-        return dq, dk, dv, dp, dbeta, dg
-    return tuple(x[:, :T].contiguous() for x in (dq, dk, dv, dp, dbeta, dg))
+    BV = min(cfg.scan_bv, V)
+    scan = dict(K=K, V=V, BV=BV, STATIC_N=N if cfg.scan_stages else 0, STAGES=max(cfg.scan_stages, 1),
+                num_warps=cfg.scan_warps, num_stages=max(cfg.scan_stages, 1))
+    stages = {
+        "transform": lambda: _transform_kernel[(N, BH)](k, p, beta, g, A, N, H, K,
+                                                        num_warps=cfg.transform_warps, num_stages=1),
+        "forward_scan": lambda: _forward_scan_kernel[(V // BV, BH)](k, v, p, beta, g, A, S, Vn, N, H, **scan),
+        "reverse_scan": lambda: _reverse_scan_kernel[(V // BV, BH)](q, k, p, beta, g, do, A, dS, dVn, scale, N,
+                                                                    H, **scan),
+        "adjoint": lambda: _adjoint_kernel[(N, BH)](v, beta, A, dVn, X, dv, dbeta_v, N, H, V, num_warps=4,
+                                                    num_stages=1),
+        "grads": lambda: _grads_kernel[(N, BH)](q, k, v, p, beta, g, do, A, S, dS, Vn, dVn, X, dbeta_v, dq, dk,
+                                                dv, dp, dbeta, dg, scale, N, H, K, V, cfg.split_grads,
+                                                num_warps=cfg.grads_warps, num_stages=1),
+    }
+    if not cfg.split_grads:
+        del stages["adjoint"]
+    return stages, (dq, dk, dv, dp, dbeta, dg)
+
+
+def comba_backward_triton(q, k, v, p, beta, g, do, scale: float, config: str = DEFAULT):
+    """(dq, dk, dv, dp, dbeta, dg) in their inputs' dtypes (dg float32); inputs contiguous, K, V in {64, 128}."""
+    T = q.shape[1]
+    stages, grads = comba_backward_stages(q, k, v, p, beta, g, do, scale, config)
+    for launch in stages.values():
+        launch()
+    if grads[0].shape[1] == T:
+        return grads
+    return tuple(x[:, :T].contiguous() for x in grads)

@@ -22,8 +22,10 @@ chunk's value positions it recomputes the weights of the frames whose windows re
 transposed window) and forms dv = G Y^T the same way as the forward. Each of a_logits, v and grad_out is
 read from HBM about once and dlogits, dv are written once: the minimal bytes.
 
-Launch configurations come from `_plan`, a cached function of (W, Dh, T): no autotuning, so the first
-call of a shape costs one compile and later calls only the launch.
+This module also holds the launchers of both designs (this band design and the tap loop of `ldsa_taps`):
+the candidate configurations, the default table that picks one per call, and a launch path that skips
+Triton's per-call argument binding. No autotuning: the first call of a shape costs one compile and later
+calls only the launch.
 """
 
 import contextlib
@@ -32,6 +34,9 @@ import functools
 import torch
 import triton
 import triton.language as tl
+from triton.compiler.compiler import CompiledKernel
+
+from .ldsa_taps import _taps_backward_kernel, _taps_forward_kernel, _taps_lse_kernel
 
 # Frames per program: at most this many, to amortize the per-program setup over several chunks ...
 FRAMES_PER_PROGRAM = 128
@@ -205,7 +210,7 @@ def supports_window(W: int) -> bool:
 
 
 @functools.cache
-def _plan(W: int, Dh: int, T: int, BH: int) -> tuple[int, dict]:
+def _band_plan(W: int, Dh: int, T: int, BH: int) -> tuple[int, dict]:
     """(programs per (b, h), launch meta-parameters) for W taps, Dh channels, T frames, B*H sequences."""
     N, K, block_w = _band(W)
     block_d = max(16, min(_pow2(Dh), 128, 16384 // K))  # a [BLOCK_D, K] value tile stays in registers
@@ -220,6 +225,110 @@ def _plan(W: int, Dh: int, T: int, BH: int) -> tuple[int, dict]:
     return n_ttiles, meta
 
 
+# ---- Candidate configurations of both designs, and the default table ----
+
+BAND = "band"  # the banded tensor-core product above; its tiles follow from the window (`_band_plan`)
+# The tap loop: "taps-t<frames per program>-w<warps>".
+TAPS_FORWARD = {f"taps-t{bt}-w{nw}": (bt, nw) for bt, nw in ((32, 4), (64, 4), (64, 8), (128, 8))}
+TAPS_BACKWARD = {f"taps-t{bt}-w{nw}": (bt, nw) for bt, nw in ((32, 4), (32, 8), (64, 4), (64, 8))}
+# Taps unrolled together (see ldsa_taps): 8 keeps the shift's alignment up to a 16-byte bf16 vector; the
+# backward, with two shifted tiles a tap, spills at 8 and takes 4.
+TAP_GROUP, TAP_GROUP_BACKWARD = 8, 4
+FORWARD_CONFIGS = (BAND, *TAPS_FORWARD)
+BACKWARD_CONFIGS = (BAND, *TAPS_BACKWARD)
+
+# The configuration a call takes: (pass, window of at most 32 taps, float32 values) -> config name.
+# Wider windows keep the band design, whose tiles were sized for them.
+DEFAULT_CONFIG = {
+    ("forward", True, False): BAND,
+    ("forward", True, True): BAND,
+    ("forward", False, False): BAND,
+    ("forward", False, True): BAND,
+    ("backward", True, False): BAND,
+    ("backward", True, True): BAND,
+    ("backward", False, False): BAND,
+    ("backward", False, True): BAND,
+}
+
+
+def default_config(direction: str, W: int, dtype: torch.dtype) -> str:
+    return DEFAULT_CONFIG[(direction, W <= 32, dtype == torch.float32)]
+
+
+def _t_align(T: int) -> int:
+    """The largest power of two up to 16 dividing T: the taps kernels' T_ALIGN."""
+    return min(16, T & -T)
+
+
+def _channel_tile(Dh: int, cap: int) -> int:
+    """Channels per tile: the largest power of two up to `cap` dividing Dh (no masked channels), unless that
+    is a sliver below 16 of a larger Dh, which takes a padded tile instead."""
+    exact = min(cap, Dh & -Dh)
+    return exact if exact >= 16 or exact == Dh else min(cap, _pow2(Dh))
+
+
+@functools.cache
+def _taps_forward_plan(config: str, W: int, left: int, Dh: int, T: int) -> tuple[int, int, dict, int]:
+    """(frame tiles, channel tiles, meta-parameters, num_warps).
+
+    A [BLOCK_D, BLOCK_T] tile is kept at <= 16 elements a thread: the compiler issues a tap group's loads
+    ahead of their FMAs, so TAP_GROUP value tiles are live at once."""
+    block_t, num_warps = TAPS_FORWARD[config]
+    block_d = _channel_tile(Dh, min(128, 16 * 32 * num_warps // block_t))
+    meta = dict(W=W, LEFT=left, T_ALIGN=_t_align(T), BLOCK_T=block_t, BLOCK_D=block_d, TAP_GROUP=TAP_GROUP)
+    return triton.cdiv(T, block_t), triton.cdiv(Dh, block_d), meta, num_warps
+
+
+@functools.cache
+def _taps_backward_plan(config: str, W: int, left: int, Dh: int, T: int) -> tuple[int, dict, int]:
+    """(frame tiles, meta-parameters, num_warps); [BLOCK_D, BLOCK_T] tiles are kept at <= 16 elements a
+    thread, as in the forward (grad_out and dv stay live through the tap loop, the shifted loads run ahead)."""
+    block_t, num_warps = TAPS_BACKWARD[config]
+    block_d = _channel_tile(Dh, min(128, 16 * 32 * num_warps // block_t))
+    meta = dict(
+        W=W, LEFT=left, T_ALIGN=_t_align(T), BLOCK_T=block_t, BLOCK_D=block_d, BLOCK_W=max(2, _pow2(W)),
+        D_TILES=triton.cdiv(Dh, block_d), TAP_GROUP=TAP_GROUP_BACKWARD,
+    )
+    return triton.cdiv(T, block_t), meta, num_warps
+
+
+# ---- Launching ----
+
+# Compiled kernels by (kernel, num_warps, device, meta values, argument specialization): see `_launch`.
+_compiled: dict = {}
+
+
+def _specialization(x) -> tuple:
+    """What Triton 3.6 specializes a runtime argument on: a tensor's dtype and 16-byte alignment; an int's
+    being 1, being divisible by 16, and fitting in int32."""
+    if isinstance(x, torch.Tensor):
+        return x.dtype, x.data_ptr() % 16 == 0
+    return x == 1, x % 16 == 0, -(2**31) <= x < 2**31
+
+
+def _launch(kernel, programs: int, args: tuple, meta: dict, num_warps: int) -> None:
+    """kernel[(programs,)](*args, **meta, num_warps=num_warps), minus Triton's per-call binding.
+
+    The first launch of a specialization goes through the JIT (compiling, or loading its cache) and keeps
+    the CompiledKernel it returns; later launches with the same specialization call its launcher directly,
+    with the arguments in the kernel's parameter order (constexprs included; the launcher skips them).
+    While a launch hook is registered (Triton's profiler) every launch takes the JIT path, which feeds it;
+    under the interpreter nothing is compiled, so nothing is kept."""
+    device = args[0].device.index
+    key = (kernel, num_warps, device, *meta.values(), *map(_specialization, args))
+    hit = _compiled.get(key)
+    if hit is not None and not triton.knobs.runtime.launch_enter_hook.calls:
+        compiled, constexprs = hit
+        compiled.run(
+            programs, 1, 1, triton.runtime.driver.active.get_current_stream(device), compiled.function, compiled.packed_metadata, None, None, None,
+            *args, *constexprs,
+        )  # fmt: skip
+        return
+    compiled = kernel[(programs,)](*args, **meta, num_warps=num_warps)
+    if isinstance(compiled, CompiledKernel):
+        _compiled[key] = (compiled, tuple(meta[name] for name in kernel.arg_names[len(args) :]))
+
+
 def _device_of(x: torch.Tensor):
     """Triton launches on the current CUDA device: switch to x's device when it is another one."""
     if x.is_cuda and x.device.index != torch.cuda.current_device():
@@ -227,34 +336,56 @@ def _device_of(x: torch.Tensor):
     return contextlib.nullcontext()
 
 
-def ldsa_forward(a_logits: torch.Tensor, v: torch.Tensor, left: int, right: int) -> torch.Tensor:
-    """Fused forward on contiguous a_logits [B,H,W,T] and v [B,H,Dh,T] (validated by the caller)."""
+def ldsa_forward(a_logits: torch.Tensor, v: torch.Tensor, left: int, right: int, config: str | None = None):
+    """Fused forward on contiguous a_logits [B,H,W,T] and v [B,H,Dh,T] (validated by the caller).
+
+    `config` names one of FORWARD_CONFIGS; None takes the default table's choice."""
     B, H, Dh, T = v.shape
     W = left + right + 1
-    n_ttiles, meta = _plan(W, Dh, T, B * H)
+    config = config or default_config("forward", W, v.dtype)
     out = torch.empty_like(v)
     with _device_of(v):
-        _ldsa_forward_kernel[(B * H * n_ttiles,)](a_logits, v, out, T, Dh, W, left, n_ttiles, **meta)
+        if config == BAND:
+            n_ttiles, meta = _band_plan(W, Dh, T, B * H)
+            meta = dict(meta)
+            num_warps = meta.pop("num_warps")
+            args = (a_logits, v, out, T, Dh, W, left, n_ttiles)
+            _launch(_ldsa_forward_kernel, B * H * n_ttiles, args, meta, num_warps)
+        else:
+            n_ttiles, n_dtiles, meta, num_warps = _taps_forward_plan(config, W, left, Dh, T)
+            args = (a_logits, v, out, T, Dh, n_ttiles, n_dtiles)
+            _launch(_taps_forward_kernel, B * H * n_dtiles * n_ttiles, args, meta, num_warps)
     return out
 
 
 def ldsa_backward(
-    a_logits: torch.Tensor, v: torch.Tensor, grad_out: torch.Tensor, left: int, right: int
+    a_logits: torch.Tensor, v: torch.Tensor, grad_out: torch.Tensor, left: int, right: int, config: str | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Fused backward: (dlogits in a_logits' dtype, dv in v's dtype) from contiguous saved inputs.
 
-    Autograd hands grad_out in v's dtype; a direct call with another dtype runs both in float32 (exact
-    upcasts, since the V^T G product needs one operand dtype)."""
+    `config` names one of BACKWARD_CONFIGS; None takes the default table's choice. Autograd hands grad_out
+    in v's dtype; with another dtype the band design runs both in float32 (exact upcasts, since its V^T G
+    product needs one operand dtype), while the tap loop reads each in its own dtype."""
     B, H, Dh, T = v.shape
     W = left + right + 1
-    n_ttiles, meta = _plan(W, Dh, T, B * H)
+    config = config or default_config("backward", W, v.dtype)
     dlogits = torch.empty_like(a_logits)
     dv = torch.empty_like(v)
-    vals = v
-    if grad_out.dtype != v.dtype:
-        vals, grad_out = v.float(), grad_out.float()
     with _device_of(v):
-        _ldsa_backward_kernel[(B * H * n_ttiles,)](
-            a_logits, vals, grad_out, dlogits, dv, T, Dh, W, left, n_ttiles, **meta
-        )
+        if config == BAND:
+            n_ttiles, meta = _band_plan(W, Dh, T, B * H)
+            meta = dict(meta)
+            num_warps = meta.pop("num_warps")
+            vals = v
+            if grad_out.dtype != v.dtype:
+                vals, grad_out = v.float(), grad_out.float()
+            args = (a_logits, vals, grad_out, dlogits, dv, T, Dh, W, left, n_ttiles)
+            _launch(_ldsa_backward_kernel, B * H * n_ttiles, args, meta, num_warps)
+        else:
+            n_ttiles, meta, num_warps = _taps_backward_plan(config, W, left, Dh, T)
+            lse = torch.empty((B * H, T), dtype=torch.float32, device=v.device)
+            lse_meta = dict(W=W, T_ALIGN=meta["T_ALIGN"], BLOCK_T=meta["BLOCK_T"])
+            _launch(_taps_lse_kernel, B * H * n_ttiles, (a_logits, lse, T, n_ttiles), lse_meta, num_warps)
+            args = (a_logits, v, grad_out, lse, dlogits, dv, T, Dh, n_ttiles)
+            _launch(_taps_backward_kernel, B * H * n_ttiles, args, meta, num_warps)
     return dlogits, dv

@@ -44,26 +44,43 @@ DESIGNS = ("two_pass", "clip_resident")
 @dataclass(frozen=True)
 class Config:
     """Tile sizes of the main pass. block_f and block_m are powers of two; block_k a power of two >= 16
-    (the minimum K of `tl.dot`). ptxas gives every shipped config 114-128 registers (sm_90a), i.e.
-    about 16 resident warps per SM; num_stages=2 pipelines the STFT loads through cp.async."""
+    (the minimum K of `tl.dot`). num_stages >= 2 pipelines the STFT loads of the bin-chunk loop through
+    cp.async (it only has work when a band block spans several chunks, i.e. for wide band blocks)."""
 
     block_f: int = 64  # frames per tile (the M of the projection)
-    block_m: int = 16  # mel bands per band block (the N); smaller blocks skip more zero weights
+    block_m: int = 8  # mel bands per band block (the N); smaller blocks skip more zero weights
     block_k: int = 16  # frequency bins per chunk (the K)
     num_warps: int = 4
     num_stages: int = 1
-    precision: str = "ieee"  # "ieee" (CUDA-core fp32) or "tf32x3"; never plain "tf32" (fails 1e-4)
+    precision: str = "tf32x3"  # "tf32x3" (3 TF32 tensor-core products) or "ieee" (CUDA-core fp32); never "tf32"
+    prefetch: bool = False  # ask L2 for the tile's whole STFT range up front (CUDA only; a hint, no effect on values)
+
+    @property
+    def name(self) -> str:
+        return (f"{self.block_f}x{self.block_m}x{self.block_k} w{self.num_warps} s{self.num_stages} {self.precision}"
+                + (" prefetch" if self.prefetch else ""))
 
 
+# The fastest config of the first H200 run (bench/results/2026-11-29-43f200c.md): 2159-2236 GB/s.
 DEFAULT_CONFIG = Config()
-# Every config the package may pick; the GPU tests run each of them with both designs.
+# Every config the package may pick; the GPU tests run each of them, the benchmark sweeps them.
 SHIPPED_CONFIGS = (
     DEFAULT_CONFIG,
-    Config(block_f=32, block_m=16, block_k=16, num_warps=4, num_stages=2),
-    Config(block_f=64, block_m=8, block_k=16, num_warps=4),
-    Config(block_f=64, block_m=16, block_k=16, num_warps=8),
-    Config(block_f=32, block_m=16, block_k=32, num_warps=4),
-    Config(block_f=64, block_m=8, block_k=16, num_warps=4, precision="tf32x3"),
+    # More bytes in flight per step: the tile's STFT requested from HBM at once, or halved tiles.
+    Config(prefetch=True),
+    Config(block_f=32, prefetch=True),
+    # Wider band blocks: fewer band blocks, fewer re-read bins, several chunks per block to pipeline.
+    Config(block_m=16),
+    Config(block_m=16, num_stages=2),
+    Config(block_m=16, prefetch=True),
+    Config(block_m=32, num_stages=3),
+    Config(block_m=32, num_stages=3, prefetch=True),
+    # Twice the frames per tile on 8 warps: twice the bytes per load step, half the programs.
+    Config(block_f=128, block_m=16, num_warps=8, num_stages=2),
+    Config(block_f=128, block_m=32, num_warps=8, num_stages=3),
+    # CUDA-core fp32 projections, the two fastest of the first run (1193-1675 GB/s).
+    Config(precision="ieee"),
+    Config(block_m=16, precision="ieee"),
 )
 
 
@@ -86,19 +103,53 @@ def _band_support_kernel(w_ptr, lo_ptr, hi_ptr, NM, NF, BLOCK_M: tl.constexpr, C
 
 
 @triton.jit
+def _prefetch_l2(x_ptr, first_row, n_rows, NF, PARTS: tl.constexpr):
+    """Ask L2 for STFT rows [first_row, first_row + n_rows) - one contiguous byte range - in PARTS bulk
+    prefetches (one per thread). The band loop below consumes a tile in many short dependent steps, each
+    waiting on its own loads; with the whole tile requested up front those loads hit L2 instead of HBM."""
+    row_floats = 2 * NF
+    start = first_row.to(tl.int64) * row_floats
+    length = n_rows * row_floats
+    part = tl.arange(0, PARTS)
+    begin = x_ptr + start + (length * part) // PARTS
+    end = x_ptr + start + (length * (part + 1)) // PARTS
+    # cp.async.bulk.prefetch wants a 16-byte aligned address and size: widen each part to 16-byte bounds.
+    tl.inline_asm_elementwise(
+        """{
+        .reg .b64 a, b;
+        .reg .b32 n;
+        .reg .pred p;
+        and.b64 a, $1, -16;
+        add.s64 b, $2, 15;
+        and.b64 b, b, -16;
+        sub.s64 b, b, a;
+        cvt.u32.u64 n, b;
+        setp.ne.u32 p, n, 0;
+        @p cp.async.bulk.prefetch.L2.global [a], n;
+        mov.u32 $0, 0;
+        }""",
+        "=r,l,l", [begin, end], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def _log_mel_tile(x_ptr, w_ptr, lo_ptr, hi_ptr, out_ptr, clip, tile, F, NF, NM,
                   BLOCK_F: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-                  PRECISION: tl.constexpr):
+                  PRECISION: tl.constexpr, PREFETCH_PARTS: tl.constexpr):
     """Write (log10(max(mel, 1e-10)) + 4) / 4 for frames [tile*BLOCK_F, +BLOCK_F) of `clip`; return the
-    tile's (max, min) of log10(max(mel, 1e-10))."""
+    tile's (max, min) of log10(max(mel, 1e-10)). PREFETCH_PARTS > 0 first prefetches the tile into L2."""
     frames = tile * BLOCK_F + tl.arange(0, BLOCK_F)
     frame_ok = frames < F
     rows = clip.to(tl.int64) * F + frames  # int64: B * F * 2 * NF can pass 2**31
+    if PREFETCH_PARTS > 0:
+        _prefetch_l2(x_ptr, clip.to(tl.int64) * F + tile * BLOCK_F, tl.minimum(F - tile * BLOCK_F, BLOCK_F), NF,
+                     PREFETCH_PARTS)
     x_rows = x_ptr + rows[:, None] * (2 * NF)  # the STFT as float32 pairs (re, im)
     out_rows = out_ptr + rows[:, None] * NM
     pairs = tl.arange(0, 2 * BLOCK_K)
-    tile_max = tl.full((), float("-inf"), tl.float32)
-    tile_min = tl.full((), float("inf"), tl.float32)
+    # Elementwise running max/min, reduced once at the end: a reduction per band block would cost two
+    # cross-warp exchanges (shared memory and barriers) per block.
+    run_max = tl.full((BLOCK_F, BLOCK_M), float("-inf"), tl.float32)
+    run_min = tl.full((BLOCK_F, BLOCK_M), float("inf"), tl.float32)
     for block in range(0, tl.cdiv(NM, BLOCK_M)):
         bands = block * BLOCK_M + tl.arange(0, BLOCK_M)
         band_ok = bands < NM
@@ -119,9 +170,9 @@ def _log_mel_tile(x_ptr, w_ptr, lo_ptr, hi_ptr, out_ptr, clip, tile, F, NF, NM,
         log_spec = tl.where(mel <= 1e-10, LOG10_CLAMP, tl.log2(mel) * LOG10_2)
         ok = frame_ok[:, None] & band_ok[None, :]
         tl.store(out_rows + bands[None, :], (log_spec + 4.0) * 0.25, mask=ok)
-        tile_max = tl.maximum(tile_max, tl.max(tl.where(ok, log_spec, float("-inf"))))
-        tile_min = tl.minimum(tile_min, tl.min(tl.where(ok, log_spec, float("inf"))))
-    return tile_max, tile_min
+        run_max = tl.maximum(run_max, tl.where(ok, log_spec, float("-inf")))
+        run_min = tl.minimum(run_min, tl.where(ok, log_spec, float("inf")))
+    return tl.max(run_max), tl.min(run_min)
 
 
 @triton.jit
@@ -150,13 +201,13 @@ def _floor_tile(out_ptr, clip, tile, F, NM, floor, BLOCK_F: tl.constexpr, CHUNK:
 @triton.jit
 def _tiles_kernel(x_ptr, w_ptr, lo_ptr, hi_ptr, out_ptr, stats_ptr, F, NF, NM, n_tiles,
                   BLOCK_F: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-                  PRECISION: tl.constexpr):
+                  PRECISION: tl.constexpr, PREFETCH_PARTS: tl.constexpr):
     """Two-pass design, pass 1: one program per (clip, frame tile), clip-major."""
     pid = tl.program_id(0)
     clip = pid // n_tiles
     tile = pid % n_tiles
     tile_max, tile_min = _log_mel_tile(x_ptr, w_ptr, lo_ptr, hi_ptr, out_ptr, clip, tile, F, NF, NM,
-                                       BLOCK_F, BLOCK_M, BLOCK_K, PRECISION)
+                                       BLOCK_F, BLOCK_M, BLOCK_K, PRECISION, PREFETCH_PARTS)
     stats = stats_ptr + pid.to(tl.int64) * 2
     tl.store(stats, tile_max)
     tl.store(stats + 1, tile_min)
@@ -178,13 +229,14 @@ def _floor_kernel(out_ptr, stats_ptr, F, NM, n_tiles, BLOCK_F: tl.constexpr,
 @triton.jit
 def _clip_resident_kernel(x_ptr, w_ptr, lo_ptr, hi_ptr, out_ptr, stats_ptr, F, NF, NM, n_tiles,
                           BLOCK_F: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-                          PRECISION: tl.constexpr, STATS_CHUNK: tl.constexpr, FLOOR_CHUNK: tl.constexpr):
+                          PRECISION: tl.constexpr, PREFETCH_PARTS: tl.constexpr, STATS_CHUNK: tl.constexpr,
+                          FLOOR_CHUNK: tl.constexpr):
     """Clip-resident design: one program per clip computes all its tiles, then applies the floor."""
     clip = tl.program_id(0)
     stats = stats_ptr + clip.to(tl.int64) * n_tiles * 2
     for tile in range(0, n_tiles):
         tile_max, tile_min = _log_mel_tile(x_ptr, w_ptr, lo_ptr, hi_ptr, out_ptr, clip, tile, F, NF, NM,
-                                           BLOCK_F, BLOCK_M, BLOCK_K, PRECISION)
+                                           BLOCK_F, BLOCK_M, BLOCK_K, PRECISION, PREFETCH_PARTS)
         tl.store(stats + 2 * tile, tile_max)
         tl.store(stats + 2 * tile + 1, tile_min)
     # Other threads of this program wrote the statistics and the output rows read below.
@@ -195,10 +247,29 @@ def _clip_resident_kernel(x_ptr, w_ptr, lo_ptr, hi_ptr, out_ptr, stats_ptr, F, N
             _floor_tile(out_ptr, clip, tile, F, NM, floor, BLOCK_F, FLOOR_CHUNK)
 
 
+@dataclass(frozen=True)
+class PickRule:
+    """A row of PICK_TABLE: shapes with NF <= max_nf, NM <= max_nm and F >= min_f run `design`/`config`."""
+
+    max_nf: float
+    max_nm: float
+    min_f: int
+    design: str
+    config: Config
+
+
+# First matching row wins; the last row catches every shape. Set from the H200 sweep (benchmark.py,
+# "config sweep" rows at NF 201 and 401). Every config named here must be in SHIPPED_CONFIGS.
+PICK_TABLE = (
+    PickRule(max_nf=256, max_nm=128, min_f=1, design="two_pass", config=DEFAULT_CONFIG),
+    PickRule(max_nf=float("inf"), max_nm=float("inf"), min_f=1, design="two_pass", config=DEFAULT_CONFIG),
+)
+
+
 def pick(B: int, F: int, NF: int, NM: int) -> tuple[str, Config]:
-    """The design and tile config a call of this shape runs. Both designs write the same values; the
-    choice is speed only, and is to be set from the H200 benchmark (benchmarks/benchmark.py)."""
-    return "two_pass", DEFAULT_CONFIG
+    """The design and tile config a call of this shape runs (both designs write the same values)."""
+    rule = next(r for r in PICK_TABLE if NF <= r.max_nf and NM <= r.max_nm and F >= r.min_f)
+    return rule.design, rule.config
 
 
 def band_support(mel_filters: torch.Tensor, block_m: int) -> torch.Tensor:
@@ -226,8 +297,11 @@ def log_mel_triton(stft: torch.Tensor, mel_filters: torch.Tensor, design: str | 
     n_tiles = triton.cdiv(F, config.block_f)
     stats = torch.empty(B, n_tiles, 2, dtype=torch.float32, device=stft.device)
     out = torch.empty(B, F, NM, dtype=torch.float32, device=stft.device)
+    # One bulk prefetch per thread; the interpreter (CPU tensors) has no inline PTX, and nothing to prefetch.
+    prefetch_parts = 32 * config.num_warps if config.prefetch and stft.is_cuda else 0
     tile_args = dict(BLOCK_F=config.block_f, BLOCK_M=config.block_m, BLOCK_K=config.block_k,
-                     PRECISION=config.precision, num_warps=config.num_warps, num_stages=config.num_stages)
+                     PRECISION=config.precision, PREFETCH_PARTS=prefetch_parts, num_warps=config.num_warps,
+                     num_stages=config.num_stages)
     main_args = (x, mel_filters, support[0], support[1], out, stats, F, NF, NM, n_tiles)
     if design == "two_pass":
         _tiles_kernel[(B * n_tiles,)](*main_args, **tile_args)
