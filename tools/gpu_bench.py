@@ -26,10 +26,12 @@ RESULTS = REPO_ROOT / "bench" / "results"
 class Bench:
     """What a kernel's side_by_side() may use; one instance per run."""
 
-    def __init__(self, specs_dir: Path):
+    def __init__(self, specs_dir: Path, sweep: bool = True):
         import torch
 
         self.specs_dir = specs_dir
+        # False: only the shipped defaults and the anchors, no candidate-config sweeps (a short run).
+        self.sweep = sweep
         self.copy_gbps = self._copy_bandwidth(torch)
 
     @staticmethod
@@ -70,11 +72,11 @@ class Bench:
         return ((x.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-300)).item()
 
 
-def run_tests(out_dir: Path, names: list[str], all_tests: bool, timeout: float) -> dict:
+def run_tests(out_dir: Path, names: list[str], all_tests: bool, timeout: float, keyword: str | None) -> dict:
     """The named kernels' GPU tests (`-m gpu`; CPU CI runs the rest), or with `all_tests` the whole suite."""
     junit = out_dir / "pytest.xml"
     paths = [str(REPO_ROOT / "kernels" / n) for n in names] + ([str(REPO_ROOT / "tests")] if all_tests else [])
-    select = [] if all_tests else ["-m", "gpu"]
+    select = ([] if all_tests else ["-m", "gpu"]) + (["-k", keyword] if keyword else [])
     # Compiling the Triton configs is CPU-bound: spread the tests over workers sharing the one GPU.
     # One test file per worker bounds the GPU memory in use at once.
     workers = ["-n", "4", "--dist", "loadfile"] if importlib.util.find_spec("xdist") else []
@@ -83,7 +85,7 @@ def run_tests(out_dir: Path, names: list[str], all_tests: bool, timeout: float) 
     with log.open("w") as sink:
         try:
             proc = subprocess.run(
-                [sys.executable, "-m", "pytest", "-q", "-rfE", "--durations=25", "-p", "no:cacheprovider",
+                [sys.executable, "-m", "pytest", "-v", "-rfE", "--durations=25", "-p", "no:cacheprovider",
                  f"--junitxml={junit}", *workers, *select, *paths],
                 cwd=REPO_ROOT, stdout=sink, stderr=subprocess.STDOUT, timeout=timeout,
             )
@@ -159,6 +161,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip-tests", action="store_true", help="benchmarks only")
     parser.add_argument("--skip-bench", action="store_true", help="tests only")
     parser.add_argument("--all-tests", action="store_true", help="the whole suite, not only the `gpu` tests")
+    parser.add_argument("--no-sweep", action="store_true", help="skip the candidate-config sweeps")
+    parser.add_argument("--tests", metavar="EXPR", help="only the tests pytest's -k EXPR selects")
     parser.add_argument("--test-timeout", type=float, default=300, help="seconds for the test run (default 300)")
     parser.add_argument("--specs", type=Path, default=Path(os.environ.get("TESSERA_SPECS", REPO_ROOT.parent / "shared" / "specs")))
     args = parser.parse_args(argv)
@@ -197,9 +201,9 @@ def main(argv: list[str] | None = None) -> int:
         base.with_suffix(".md").write_text(markdown(report))
 
     if not args.skip_tests:
-        report["tests"] = run_tests(out_dir, names, args.all_tests, args.test_timeout)
+        report["tests"] = run_tests(out_dir, names, args.all_tests, args.test_timeout, args.tests)
         print(f"tests: {report['tests']}", flush=True)
-    bench = Bench(args.specs)
+    bench = Bench(args.specs, sweep=not args.no_sweep)
     report["copy_gbps"] = bench.copy_gbps
     report["benchmarks"] = {}
     save()

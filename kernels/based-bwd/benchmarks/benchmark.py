@@ -103,7 +103,7 @@ def side_by_side(kernel, bench) -> list[dict]:
                           flops, path=kernel.kernel_path(q), config=str(fused.DEFAULT_CONFIG[K]))
         rows.append(ours)
         # the launch configurations the default could take, at the first shape of each K (compile time)
-        if shape == next(s for s in spec.measure_shapes if s[3] == K):
+        if bench.sweep and shape == next(s for s in spec.measure_shapes if s[3] == K):
             for config in fused.CONFIG_CHOICES:
                 run = lambda: fused.based_backward_triton(q, k, v, do, scale, config)  # noqa: E731
                 rows.append(_timed_row(bench, case, "based-bwd triton, other config", run, ref, flops,

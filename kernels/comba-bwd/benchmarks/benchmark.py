@@ -122,7 +122,7 @@ def side_by_side(kernel, bench, shapes=None, sweep_shapes=None, time_seed_refere
     fla = _fla_fwd_bwd(bench)
     tb = importlib.import_module(f"{kernel.__name__}.triton_bwd")
     shapes = [tuple(x) for x in (shapes or s.measure_shapes)]
-    sweep_shapes = [tuple(x) for x in (sweep_shapes or SWEEP_SHAPES)]
+    sweep_shapes = [tuple(x) for x in (sweep_shapes or SWEEP_SHAPES)] if bench.sweep else []
     rows = []
     for shape in dict.fromkeys(shapes + sweep_shapes):
         case = "(B,T,H,K,V)=" + ",".join(map(str, shape)) + " bf16"

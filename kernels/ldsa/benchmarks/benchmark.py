@@ -240,6 +240,8 @@ def side_by_side(kernel, bench, shapes=None, backward_shapes=None, latency_shape
                 if device == "cuda":
                     torch.cuda.empty_cache()
     rows += _latency_rows(kernel, bench, *(latency_shape or LATENCY_SHAPE), device)
+    if not bench.sweep:
+        return rows
     for (B, T), window, dtype in sweep_cases or SWEEP_CASES:
         rows += _sweep_rows(kernel, bench, B, T, window, dtype, device)
         if device == "cuda":

@@ -118,7 +118,7 @@ def side_by_side(kernel, bench, shapes=None, whisper_shape=WHISPER_SHAPE, sweep_
         _free()
 
     # 2. Every shipped tile config (the table `pick` is set from), at NF 201 and NF 401.
-    for shape in sweep_shapes:
+    for shape in sweep_shapes if bench.sweep else []:
         stft, w = s.make(*shape, 0)
         ref = s.ref(stft, w)
         rows += _rows(f"{shape} config sweep", _sweep(fused, stft, w), ref, s.work(*shape), bench)
@@ -161,6 +161,7 @@ if __name__ == "__main__":
 
     class FakeBench:
         copy_gbps = 10.0
+        sweep = True
 
         @staticmethod
         def time(fn):
