@@ -219,6 +219,7 @@ def test_cuda_takes_the_triton_path(ldsa):
     assert ldsa.kernel_path(torch.empty(1)) == "reference"
     kernels = submodule(ldsa, "ldsa_triton")
     assert kernels.supports_window(113) and not kernels.supports_window(114)
+    assert kernels.supports_window(2) and not kernels.supports_window(1)
 
 
 # Every window in every dtype; the channel count (and, backward, T) rotates so each pairing occurs.

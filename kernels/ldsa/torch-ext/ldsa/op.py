@@ -1,8 +1,8 @@
 """The registered ops (forward, backward, autograd link) and the public function.
 
 CUDA tensors run the fused Triton kernels of `ldsa_triton` (imported on first use, so the package imports
-without triton); CPU tensors, CUDA machines without triton and windows wider than 113 taps run the eager
-reference. Every op name goes through `add_op_namespace_prefix`, so two versions of this kernel can be
+without triton); CPU tensors, CUDA machines without triton, one-tap windows and windows wider than 113 taps
+run the eager reference. Every op name goes through `add_op_namespace_prefix`, so two versions of this kernel can be
 loaded side by side.
 """
 
@@ -27,13 +27,13 @@ def _triton():
 
 
 def kernel_path(x: torch.Tensor) -> str:
-    """Which implementation a call on `x`'s device takes: "triton" or "reference" (windows of up to 113
-    taps; wider ones run the reference on every device)."""
+    """Which implementation a call on `x`'s device takes: "triton" or "reference" (windows of 2 to 113
+    taps; other windows run the reference on every device)."""
     return "triton" if x.is_cuda and _triton() is not None else "reference"
 
 
 def _fused(left: int, right: int) -> bool:
-    """Whether the Triton kernels take this window (all windows up to 113 taps)."""
+    """Whether the Triton kernels take this window (2 to 113 taps)."""
     return _triton() is not None and _triton().supports_window(left + right + 1)
 
 
