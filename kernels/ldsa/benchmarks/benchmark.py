@@ -129,7 +129,6 @@ def _latency_rows(kernel, bench, B, T, device):
     left, right = WINDOWS["causal"]
     a, v = make_inputs(B, T, left, right, torch.bfloat16, device)
     nbytes = B * H * T * (left + right + 1 + 2 * DH) * 2
-    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     calls = {
         "public op, no grad (direct launch)": lambda: kernel.ldsa_local_attention(a, v, left, right),
         "registered custom op": lambda: kernel.op.ldsa_forward(a, v, left, right),
@@ -137,17 +136,27 @@ def _latency_rows(kernel, bench, B, T, device):
     rows = []
     for impl, fn in calls.items():
         with torch.no_grad():
-            for _ in range(20):
-                fn()
-            sync()
-            start = time.perf_counter()
-            for _ in range(LATENCY_CALLS):
-                fn()
-            sync()
-        us = (time.perf_counter() - start) / LATENCY_CALLS * 1e6
-        case = f"latency [B,T]=[{B},{T}] causal bf16, {LATENCY_CALLS} calls from Python"
-        rows.append(_row(case, impl, us * 1e-3, nbytes, bench, us_per_call=us, host_overhead_included=True))
+            us = _host_latency_us(fn, device)
+        rows.append(_latency_row(B, T, impl, us, nbytes, bench))
     return rows
+
+
+def _host_latency_us(fn, device) -> float:
+    """Microseconds per call of `fn` from Python: warm calls, then LATENCY_CALLS back to back between syncs."""
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    for _ in range(20):
+        fn()
+    sync()
+    start = time.perf_counter()
+    for _ in range(LATENCY_CALLS):
+        fn()
+    sync()
+    return (time.perf_counter() - start) / LATENCY_CALLS * 1e6
+
+
+def _latency_row(B, T, impl, us, nbytes, bench):
+    case = f"latency [B,T]=[{B},{T}] causal bf16, {LATENCY_CALLS} calls from Python"
+    return _row(case, impl, us * 1e-3, nbytes, bench, us_per_call=us, host_overhead_included=True)
 
 
 def _triton_module(kernel):
@@ -199,7 +208,6 @@ def _design_latency_rows(kernel, bench, B, T, device):
     left, right = WINDOWS["causal"]
     a, v = make_inputs(B, T, left, right, torch.bfloat16, device)
     nbytes = B * H * T * (left + right + 1 + 2 * DH) * 2
-    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     rows = []
     for config in kernels.FORWARD_CONFIGS:
         calls = {
@@ -209,17 +217,7 @@ def _design_latency_rows(kernel, bench, B, T, device):
         }
         with _forward_default(kernels, config), torch.no_grad():
             for path, fn in calls.items():
-                for _ in range(20):
-                    fn()
-                sync()
-                start = time.perf_counter()
-                for _ in range(LATENCY_CALLS):
-                    fn()
-                sync()
-                us = (time.perf_counter() - start) / LATENCY_CALLS * 1e6
-                case = f"latency [B,T]=[{B},{T}] causal bf16, {LATENCY_CALLS} calls from Python"
-                rows.append(_row(case, f"{config} via {path}", us * 1e-3, nbytes, bench, us_per_call=us,
-                                 host_overhead_included=True))
+                rows.append(_latency_row(B, T, f"{config} via {path}", _host_latency_us(fn, device), nbytes, bench))
     return rows
 
 
