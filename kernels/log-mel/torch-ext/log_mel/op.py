@@ -44,7 +44,8 @@ def log_mel_spectrogram(stft: torch.Tensor, mel_filters: torch.Tensor) -> torch.
     Returns (B, F, NM) float32:
         mel = (re^2 + im^2) @ mel_filters^T;  log_spec = log10(max(mel, 1e-10))
         out = (max(log_spec, max over the clip's (F, NM) of log_spec - 8) + 4) / 4
-    fp32 throughout (no TF32, no bf16). Not differentiable: inputs that require grad raise ValueError
+    fp32 accuracy throughout: on CUDA the projection is a 3xTF32 product (error-compensated, fp32-level),
+    never plain TF32 or bf16. Not differentiable: inputs that require grad raise ValueError
     while grad mode is on. Non-contiguous inputs are copied to contiguous ones first.
     """
     check_log_mel_args(stft, mel_filters)
