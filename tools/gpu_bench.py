@@ -78,8 +78,9 @@ def run_tests(out_dir: Path, names: list[str], all_tests: bool, timeout: float, 
     paths = [str(REPO_ROOT / "kernels" / n) for n in names] + ([str(REPO_ROOT / "tests")] if all_tests else [])
     select = ([] if all_tests else ["-m", "gpu"]) + (["-k", keyword] if keyword else [])
     # Compiling the Triton configs is CPU-bound: spread the tests over workers sharing the one GPU.
-    # One test file per worker bounds the GPU memory in use at once.
-    workers = ["-n", "4", "--dist", "loadfile"] if importlib.util.find_spec("xdist") else []
+    # Compiling a Triton specialization per window, dtype and config dominates the test time (the ldsa file
+    # alone outran 140 s on 4 file-bound workers in run 86c310e): spread single tests over 8 workers.
+    workers = ["-n", "8", "--dist", "load"] if importlib.util.find_spec("xdist") else []
     log = out_dir / "pytest.log"
     start = time.time()
     with log.open("w") as sink:
