@@ -294,8 +294,16 @@ def gen_kernel_calls(text: str) -> list[str]:
 _OUTPUTS_SELF_RE = re.compile(r"outputs\s*=\s*\{\s*self\s*,\s*kernel-builder\b")
 
 
-def _common_flake_errors(text: str, label: str) -> tuple[list[str], list[str]]:
+def _common_flake_errors(path: Path, label: str) -> tuple[list[str], list[str], str]:
+    """The checks every flake.nix gets (and whether a flake.lock sits beside it), its genKernelFlakeOutputs
+    argument blocks, and its text without comments."""
+    try:
+        text = strip_nix_comments(path.read_text())
+    except OSError as e:
+        return [f"{label}: cannot read: {e}"], [], ""
     errs = []
+    if not (path.parent / "flake.lock").is_file():
+        errs.append(f"{label}: no flake.lock next to it")
     if not _KB_URL_RE.search(text):
         errs.append(f'{label}: input kernel-builder.url = "{KB_URL}" not found')
     if not _OUTPUTS_SELF_RE.search(text):
@@ -306,37 +314,25 @@ def _common_flake_errors(text: str, label: str) -> tuple[list[str], list[str]]:
     for args in calls:
         if not re.search(r"\binherit\s+self\s*;", args):
             errs.append(f"{label}: genKernelFlakeOutputs call without 'inherit self;'")
-    return errs, calls
+    return errs, calls, text
 
 
 def check_kernel_flake_nix(path: Path, label: str | None = None) -> list[str]:
     label = label or str(path)
-    try:
-        text = strip_nix_comments(path.read_text())
-    except OSError as e:
-        return [f"{label}: cannot read: {e}"]
-    errs, calls = _common_flake_errors(text, label)
+    errs, calls, _ = _common_flake_errors(path, label)
     if calls and not all(re.search(r"\bpath\s*=\s*\./\.\s*;", a) for a in calls):
         errs.append(f"{label}: genKernelFlakeOutputs must be called with 'path = ./.;'")
-    if not (path.parent / "flake.lock").is_file():
-        errs.append(f"{label}: no flake.lock next to it")
     return errs
 
 
 def check_top_flake_nix(path: Path, kernel_names: list[str], label: str | None = None) -> list[str]:
     label = label or str(path)
-    try:
-        text = strip_nix_comments(path.read_text())
-    except OSError as e:
-        return [f"{label}: cannot read: {e}"]
-    errs, calls = _common_flake_errors(text, label)
+    errs, calls, text = _common_flake_errors(path, label)
     if calls and not all(re.search(r"\bpath\s*=\s*\./kernels\b", a) for a in calls):
         errs.append(f"{label}: genKernelFlakeOutputs must be called with a path under ./kernels")
     for name in kernel_names:
         if f'"{name}"' not in text and f"./kernels/{name}" not in text:
             errs.append(f"{label}: kernel {name!r} (kernels/{name}/flake.nix) is not exposed")
-    if not (path.parent / "flake.lock").is_file():
-        errs.append(f"{label}: no flake.lock next to it")
     return errs
 
 

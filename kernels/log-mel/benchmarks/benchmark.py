@@ -68,11 +68,6 @@ def _sweep(fused, stft, w):
     return impls
 
 
-def rel_err(x, ref):
-    """Relative Frobenius error in float64, on the device (a CPU copy of 1.5 GB would dominate the run)."""
-    return ((x.double() - ref.double()).norm() / ref.double().norm()).item()
-
-
 def _rows(case, impls, ref, work, bench, compile_ms=None):
     """Time each impl, then one row each: GB/s on canonical bytes, % of copy, x vs compile, error."""
     rows = []
@@ -80,7 +75,7 @@ def _rows(case, impls, ref, work, bench, compile_ms=None):
         ms = bench.time(fn)
         gbps = work / ms / 1e6
         row = {"case": case, "impl": name, "ms": ms, "metric": "GB/s", "value": gbps,
-               "err": None if name == "eager reference" else rel_err(fn(), ref),
+               "err": None if name == "eager reference" else bench.rel_err(fn(), ref),
                "pct_copy": 100.0 * gbps / bench.copy_gbps}
         if name == "torch.compile(reference)":
             compile_ms = ms
@@ -170,6 +165,7 @@ if __name__ == "__main__":
             return 1e3 * (time.perf_counter() - t)
 
         spec = staticmethod(testkit.spec)
+        rel_err = staticmethod(testkit.rel_err)
 
         @staticmethod
         def optional(name):
