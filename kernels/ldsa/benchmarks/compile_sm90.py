@@ -7,6 +7,7 @@ Arguments are specialized as Triton 3.6 would at those shapes: pointers 16-byte 
 16 marked so, ints equal to 1 folded into constants. Exits nonzero if any kernel spills.
 """
 
+import argparse
 import importlib
 import importlib.util
 import os
@@ -84,6 +85,7 @@ def ptxas_report(ptx: str) -> tuple[int, int]:
 
 
 def main() -> int:
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args()
     kernels = load_kernels()
     recorder = Recorder()
     kernels._launch = recorder
