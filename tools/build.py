@@ -63,11 +63,10 @@ def check_build_toml(kernel: Kernel) -> None:
         raise BuildError(f"{kernel.path}/build.toml: {e}") from e
     if not NAME_RULE.match(kernel.name):
         raise BuildError(f"kernel name {kernel.name!r} does not match {NAME_RULE.pattern}")
-    import tomllib
-
-    repo_id = tomllib.loads((kernel.path / "build.toml").read_text())["general"].get("hub", {}).get("repo-id")
-    if repo_id != kernel.repo_id:
-        raise BuildError(f"{kernel.name}: [general.hub] repo-id is {repo_id!r}, expected {kernel.repo_id!r}")
+    if kernel.declared_repo_id != kernel.repo_id:
+        raise BuildError(
+            f"{kernel.name}: [general.hub] repo-id is {kernel.declared_repo_id!r}, expected {kernel.repo_id!r}"
+        )
 
 
 def check_layout(kernel: Kernel) -> None:
@@ -97,18 +96,18 @@ def source_violations(path: Path, package_modules: set[str]) -> list[str]:
             first = node.args[0]
             if not (isinstance(first, ast.Call) and _call_name(first) == "add_op_namespace_prefix"):
                 found.append(f"{path}:{node.lineno}: {_call_name(node)} without add_op_namespace_prefix")
-        elif isinstance(node, ast.Import):
+            continue
+        if isinstance(node, ast.Import):
             roots = [a.name.split(".")[0] for a in node.names]
         elif isinstance(node, ast.ImportFrom) and node.level == 0:
             roots = [node.module.split(".")[0]]
         else:
             continue
-        if isinstance(node, (ast.Import, ast.ImportFrom)):
-            for root in roots:
-                if root in package_modules:
-                    found.append(f"{path}:{node.lineno}: import of own module {root!r} must be relative")
-                elif root not in ALLOWED_THIRD_PARTY and root not in sys.stdlib_module_names:
-                    found.append(f"{path}:{node.lineno}: import of {root!r}: only stdlib, torch and triton")
+        for root in roots:
+            if root in package_modules:
+                found.append(f"{path}:{node.lineno}: import of own module {root!r} must be relative")
+            elif root not in ALLOWED_THIRD_PARTY and root not in sys.stdlib_module_names:
+                found.append(f"{path}:{node.lineno}: import of {root!r}: only stdlib, torch and triton")
     return found
 
 
@@ -170,20 +169,19 @@ def build_variant(kernel: Kernel, backend: str, uid: str, out_root: Path) -> Pat
         "digest": {"algorithm": "sha256", "files": dict(digest.files)},
     }
     (variant / "metadata.json").write_text(json.dumps(metadata, indent=2) + "\n")
-    parsed = Metadata.read_from_file(str(variant / "metadata.json"))
-    parsed.digest.validate(Digest.hash_variant(DigestAlgorithm.SHA256, str(variant)))
+    # What we wrote must read back through the kernels package's own parser, digest included.
+    Metadata.read_from_file(str(variant / "metadata.json")).digest.validate(digest)
     return variant
 
 
-def build(kernel: Kernel, uid: str | None = None, check_imports: bool = True) -> list[Path]:
+def build(kernel: Kernel, uid: str | None = None) -> list[Path]:
     check_build_toml(kernel)
     check_layout(kernel)
     check_sources(kernel)
     uid = uid or unique_id(kernel)
     variants = [build_variant(kernel, b, uid, kernel.build_dir) for b in BACKENDS if b in kernel.backends]
-    if check_imports:
-        for variant in variants:
-            check_import(variant)
+    for variant in variants:
+        check_import(variant)
     return variants
 
 
@@ -191,12 +189,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tools.build", description=__doc__.split("\n\n")[0])
     parser.add_argument("kernels", nargs="*", help="kernel names, or paths to kernel repos (default: all)")
     parser.add_argument("--unique-id", help="op namespace id (default: git short sha, plus a content hash if dirty)")
-    parser.add_argument("--skip-import-check", action="store_true", help="skip the import-without-triton check")
     args = parser.parse_args(argv)
     kernels = resolve(args.kernels)
     try:
         for kernel in kernels:
-            for variant in build(kernel, args.unique_id, not args.skip_import_check):
+            for variant in build(kernel, args.unique_id):
                 print(f"built {kernel.repo_id} v{kernel.version}: {variant.relative_to(kernel.path.parent)}")
     except BuildError as e:
         print(f"build failed: {e}", file=sys.stderr)

@@ -23,6 +23,7 @@ class Kernel:
     version: int
     license: str
     backends: tuple[str, ...]
+    declared_repo_id: str | None  # build.toml's [general.hub] repo-id; the build checks it is `repo_id`
 
     @property
     def package(self) -> str:
@@ -49,6 +50,7 @@ def read_kernel(path: Path) -> Kernel:
         version=int(general["version"]),
         license=general["license"],
         backends=tuple(general["backends"]),
+        declared_repo_id=general.get("hub", {}).get("repo-id"),
     )
 
 

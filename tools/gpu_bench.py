@@ -27,10 +27,9 @@ sys.path.insert(0, str(REPO_ROOT))  # testkit: the specs loader and the error me
 class Bench:
     """What a kernel's side_by_side() may use; one instance per run."""
 
-    def __init__(self, specs_dir: Path, sweep: bool = True):
+    def __init__(self, sweep: bool = True):
         import torch
 
-        self.specs_dir = specs_dir
         # False: only the shipped defaults and the anchors, no candidate-config sweeps (a short run).
         self.sweep = sweep
         self.copy_gbps = self._copy_bandwidth(torch)
@@ -53,12 +52,9 @@ class Bench:
 
     def spec(self, name: str):
         """A shared spec on CUDA (reference, input maker, canonical work), or None where specs are absent."""
-        path = self.specs_dir / f"{name}.py"
-        if not path.is_file():
-            return None
-        from testkit import spec
+        import testkit  # reads TESSERA_SPECS, which main() sets first
 
-        return spec(name)
+        return testkit.spec(name) if (testkit.SPECS / f"{name}.py").is_file() else None
 
     @staticmethod
     def optional(module: str):
@@ -206,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.skip_tests:
         report["tests"] = run_tests(out_dir, names, args.all_tests, args.test_timeout, args.tests)
         print(f"tests: {report['tests']}", flush=True)
-    bench = Bench(args.specs, sweep=not args.no_sweep)
+    bench = Bench(sweep=not args.no_sweep)
     report["copy_gbps"] = bench.copy_gbps
     report["benchmarks"] = {}
     save()

@@ -150,7 +150,7 @@ def _forward_scan_kernel(k, v, p, beta, g, A, S_out, Vn_out, N, H, K: tl.constex
     if STATIC_N > 0:  # the chunk count compiled in: a counted loop that prefetches the next chunks' loads
         for n in tl.range(0, STATIC_N, num_stages=STAGES):
             S = _forward_step(k, v, p, beta, g, A, S_out, Vn_out, S, n, bh, scal_base, N, H, cv, K, V)
-    else:  # one compile for every T; a while loop: the interpreter cannot range() over a runtime int (numpy 2.4)
+    else:  # one compile for every T (a while loop, as checked on the H200; a runtime range() would do the same)
         n = 0
         while n < N:
             S = _forward_step(k, v, p, beta, g, A, S_out, Vn_out, S, n, bh, scal_base, N, H, cv, K, V)
