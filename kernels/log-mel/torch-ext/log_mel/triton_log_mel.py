@@ -78,6 +78,12 @@ SHIPPED_CONFIGS = (
     # Twice the frames per tile on 8 warps: twice the bytes per load step, half the programs.
     Config(block_f=128, block_m=16, num_warps=8, num_stages=2),
     Config(block_f=128, block_m=32, num_warps=8, num_stages=3),
+    # More programs in flight: half-height tiles on 2 or 4 warps; or the default pipelined, or fed 32 bins a step.
+    Config(block_f=32, num_warps=2),
+    Config(block_f=32, num_warps=4),
+    Config(num_stages=2),
+    Config(block_k=32),
+    Config(block_f=32, block_k=32, num_warps=2),
     # CUDA-core fp32 projections, the two fastest of the first run (1193-1675 GB/s).
     Config(precision="ieee"),
     Config(block_m=16, precision="ieee"),
