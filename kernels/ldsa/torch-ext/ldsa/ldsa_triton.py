@@ -99,7 +99,6 @@ def _ldsa_forward_kernel(
     band_tap = span[:, None] - frames[None, :]
     in_band = (band_tap >= 0) & (band_tap < W)
     band_tap = tl.minimum(tl.maximum(band_tap, 0), BLOCK_W - 1)
-    span_used = span < N + W - 1  # the band's rows past N + W - 1 are zero: their values are not read
 
     for c in range(CHUNKS):
         t0 = first_frame + c * N
@@ -108,12 +107,11 @@ def _ldsa_forward_kernel(
         logits = tl.load(a_rows + t[None, :], mask=tap_ok & (t[None, :] < T), other=0.0)
         weights = _window_softmax(logits, tap_ok, 0)  # [BLOCK_W, N]
         band = tl.where(in_band, tl.gather(weights, band_tap, 0), 0.0)  # [K, N]
-        s_ok = span_used & (s >= 0) & (s < T)
         for dt in tl.static_range(D_TILES):
             d = dt * BLOCK_D + tl.arange(0, BLOCK_D)
             d_ok = d[:, None] < Dh
             row = d.to(tl.int64)[:, None] * T
-            vals = tl.load(v_base + row + s[None, :], mask=d_ok & s_ok[None, :], other=0.0)
+            vals = tl.load(v_base + row + s[None, :], mask=d_ok & (s[None, :] >= 0) & (s[None, :] < T), other=0.0)
             out = _dot_float32_weights(vals, band)  # [BLOCK_D, N]
             tl.store(out_base + row + t[None, :], out.to(out_ptr.dtype.element_ty), mask=d_ok & (t[None, :] < T))
 
@@ -146,7 +144,6 @@ def _ldsa_backward_kernel(
     dv_tap = frames[None, :] - span[:, None] + (W - 1)  # [K, N]
     in_band = (dv_tap >= 0) & (dv_tap < W)
     dv_tap = tl.minimum(tl.maximum(dv_tap, 0), BLOCK_W - 1)
-    span_used = span < N + W - 1  # both spans hold N + W - 1 positions; the tiles' rows past them are unused
 
     for c in range(CHUNKS):
         t0 = first_frame + c * N
@@ -154,8 +151,8 @@ def _ldsa_backward_kernel(
         s = t0 - left + span  # value positions read by the chunk's frames
         u = t0 - right + span  # frames whose windows read the chunk's value positions
         t_ok = t[None, :] < T
-        s_ok = (span_used & (s >= 0) & (s < T))[:, None]  # [K, 1]
-        u_ok = span_used & (u >= 0) & (u < T)  # [K]
+        s_ok = (s[:, None] >= 0) & (s[:, None] < T)  # [K, 1]
+        u_ok = (u >= 0) & (u < T)  # [K]
 
         logits = tl.load(a_base + tap_row[:, None] + t[None, :], mask=tap_ok & t_ok, other=0.0)
         weights = _window_softmax(logits, tap_ok, 0)  # [BLOCK_W, N]
@@ -192,14 +189,14 @@ MAX_GATHER_TILE = 128 * 128
 
 
 @functools.cache
-def _band(W: int, frames: int | None = None) -> tuple[int, int, int]:
+def _band(W: int) -> tuple[int, int, int]:
     """(N frames per chunk, K band rows, BLOCK_W padded taps) for a window of W taps.
 
-    N is `frames`, or by default the smallest power of two >= W - 1 in [16, 64], so the band K >= N + W - 1
-    wastes at most about half of the MMA; N shrinks while the [K, N] band tile would pass 8192 elements or
-    the backward's [K, BLOCK_W] gather tile would pass MAX_GATHER_TILE."""
+    N is the smallest power of two >= W - 1 in [16, 64], so the band K >= N + W - 1 wastes at most about
+    half of the MMA; N shrinks while the [K, N] band tile would pass 8192 elements or the backward's
+    [K, BLOCK_W] gather tile would pass MAX_GATHER_TILE."""
     block_w = max(2, _pow2(W))
-    N = frames or min(max(16, _pow2(W - 1)), 64)
+    N = min(max(16, _pow2(W - 1)), 64)
     K = _pow2(N + W - 1)
     while N > 16 and (K * N > 8192 or K * block_w > MAX_GATHER_TILE):
         N //= 2
@@ -216,9 +213,9 @@ def supports_window(W: int) -> bool:
 
 
 @functools.cache
-def _band_plan(config: str, W: int, Dh: int, T: int, BH: int) -> tuple[int, dict]:
+def _band_plan(W: int, Dh: int, T: int, BH: int) -> tuple[int, dict]:
     """(programs per (b, h), launch meta-parameters) for W taps, Dh channels, T frames, B*H sequences."""
-    N, K, block_w = _band(W, BAND_FRAMES[config])
+    N, K, block_w = _band(W)
     block_d = max(16, min(_pow2(Dh), 128, 16384 // K))  # a [BLOCK_D, K] value tile stays in registers
     all_chunks = BH * triton.cdiv(T, N)
     chunks = max(1, min(FRAMES_PER_PROGRAM // N, triton.cdiv(T, N), all_chunks // MIN_PROGRAMS))
@@ -234,16 +231,14 @@ def _band_plan(config: str, W: int, Dh: int, T: int, BH: int) -> tuple[int, dict
 # ---- Candidate configurations of both designs, and the default table ----
 
 BAND = "band"  # the banded tensor-core product above; its tiles follow from the window (`_band_plan`)
-# ... or with a fixed number of frames per chunk: longer contiguous rows, fewer chunks, a larger band.
-BAND_FRAMES = {BAND: None, "band-n32": 32, "band-n64": 64}
 # The tap loop: "taps-t<frames per program>-w<warps>".
 TAPS_FORWARD = {f"taps-t{bt}-w{nw}": (bt, nw) for bt, nw in ((32, 4), (64, 4), (64, 8), (128, 8))}
 TAPS_BACKWARD = {f"taps-t{bt}-w{nw}": (bt, nw) for bt, nw in ((32, 4), (32, 8), (64, 4), (64, 8))}
 # Taps unrolled together (see ldsa_taps): 8 keeps the shift's alignment up to a 16-byte bf16 vector; the
 # backward, with two shifted tiles a tap, spills at 8 and takes 4.
 TAP_GROUP, TAP_GROUP_BACKWARD = 8, 4
-FORWARD_CONFIGS = (*BAND_FRAMES, *TAPS_FORWARD)
-BACKWARD_CONFIGS = (*BAND_FRAMES, *TAPS_BACKWARD)
+FORWARD_CONFIGS = (BAND, *TAPS_FORWARD)
+BACKWARD_CONFIGS = (BAND, *TAPS_BACKWARD)
 
 # The configuration a call takes: (pass, window of at most 32 taps, float32 values) -> config name.
 # Wider windows keep the band design, whose tiles were sized for them.
@@ -353,8 +348,8 @@ def ldsa_forward(a_logits: torch.Tensor, v: torch.Tensor, left: int, right: int,
     config = config or default_config("forward", W, v.dtype)
     out = torch.empty_like(v)
     with _device_of(v):
-        if config in BAND_FRAMES:
-            n_ttiles, meta = _band_plan(config, W, Dh, T, B * H)
+        if config == BAND:
+            n_ttiles, meta = _band_plan(W, Dh, T, B * H)
             meta = dict(meta)
             num_warps = meta.pop("num_warps")
             args = (a_logits, v, out, T, Dh, W, left, n_ttiles)
@@ -380,8 +375,8 @@ def ldsa_backward(
     dlogits = torch.empty_like(a_logits)
     dv = torch.empty_like(v)
     with _device_of(v):
-        if config in BAND_FRAMES:
-            n_ttiles, meta = _band_plan(config, W, Dh, T, B * H)
+        if config == BAND:
+            n_ttiles, meta = _band_plan(W, Dh, T, B * H)
             meta = dict(meta)
             num_warps = meta.pop("num_warps")
             vals = v
