@@ -228,6 +228,19 @@ def _band_plan(W: int, Dh: int, T: int, BH: int) -> tuple[int, dict]:
     return n_ttiles, meta
 
 
+def _band_forward_launch_options(meta: dict, dtype: torch.dtype) -> dict:
+    """The band forward is latency-bound at 4 blocks an SM (125 registers a thread, ncu). For 16-bit values
+    and value tiles of at most 64 x 32 a cap of 80 registers fits 6 blocks without spilling: 352 against
+    404 us at [64, 3000], W = 15 bf16, and no change at [32, 1024] (probe of 2026-11-29). The backward and
+    float32 values only lost under a cap, and larger tiles were not measured, so they keep the default."""
+    if dtype != torch.float32 and meta["BLOCK_D"] * meta["K"] <= FORWARD_CAPPED_TILE:
+        return dict(maxnreg=FORWARD_MAXNREG)
+    return {}
+
+
+FORWARD_MAXNREG, FORWARD_CAPPED_TILE = 80, 64 * 32
+
+
 # ---- Candidate configurations of both designs, and the default table ----
 
 BAND = "band"  # the banded tensor-core product above; its tiles follow from the window (`_band_plan`)
@@ -241,10 +254,12 @@ FORWARD_CONFIGS = (BAND, *TAPS_FORWARD)
 BACKWARD_CONFIGS = (BAND, *TAPS_BACKWARD)
 
 # The configuration a call takes: (pass, window of at most 32 taps, float32 values) -> config name.
-# Wider windows keep the band design, whose tiles were sized for them.
+# Wider windows keep the band design, whose tiles were sized for them. Float32 forward windows up to 32
+# taps take the tap loop: 1,261 against 688 GB/s at [64, 3000], W = 15 (bench/results/2026-11-29-3e9bbe5,
+# sweep rows), where the band's IEEE float32 product is the bottleneck; with 16-bit values the band wins.
 DEFAULT_CONFIG = {
     ("forward", True, False): BAND,
-    ("forward", True, True): BAND,
+    ("forward", True, True): "taps-t64-w4",
     ("forward", False, False): BAND,
     ("forward", False, True): BAND,
     ("backward", True, False): BAND,
@@ -350,7 +365,7 @@ def ldsa_forward(a_logits: torch.Tensor, v: torch.Tensor, left: int, right: int,
     with _device_of(v):
         if config == BAND:
             n_ttiles, meta = _band_plan(W, Dh, T, B * H)
-            meta = dict(meta)
+            meta = dict(meta, **_band_forward_launch_options(meta, v.dtype))
             num_warps = meta.pop("num_warps")
             args = (a_logits, v, out, T, Dh, W, left, n_ttiles)
             _launch(_ldsa_forward_kernel, B * H * n_ttiles, args, meta, num_warps)

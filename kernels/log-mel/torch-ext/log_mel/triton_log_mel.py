@@ -53,40 +53,27 @@ class Config:
     num_warps: int = 4
     num_stages: int = 1
     precision: str = "tf32x3"  # "tf32x3" (3 TF32 tensor-core products) or "ieee" (CUDA-core fp32); never "tf32"
-    prefetch: bool = False  # ask L2 for the tile's whole STFT range up front (CUDA only; a hint, no effect on values)
 
     @property
     def name(self) -> str:
-        return (f"{self.block_f}x{self.block_m}x{self.block_k} w{self.num_warps} s{self.num_stages} {self.precision}"
-                + (" prefetch" if self.prefetch else ""))
+        return f"{self.block_f}x{self.block_m}x{self.block_k} w{self.num_warps} s{self.num_stages} {self.precision}"
 
 
-# The fastest config of the first H200 run (bench/results/2026-11-29-43f200c.md): 2159-2236 GB/s.
+# The fastest config at NF <= 256 in every H200 run so far (2,583-2,602 GB/s at (208, 3000, 201, 128)).
 DEFAULT_CONFIG = Config()
-# Every config the package may pick; the GPU tests run each of them, the benchmark sweeps them.
+# The same, its bin loop pipelined two deep: the fastest at NF = 401, where band blocks span more chunks
+# (2,655 against 2,448 GB/s at (104, 3000, 401, 80); 8% slower at NF = 201). bench/results/2026-11-29-3e9bbe5.
+PIPELINED_CONFIG = Config(num_stages=2)
+# Every config the package may pick, plus the runners-up kept for the benchmark's sweep; the GPU tests run
+# each of them. Dropped after two runs where they lost everywhere: an L2 bulk prefetch of the tile, 32-band
+# blocks, 128-frame tiles on 8 warps, and 32-frame tiles on 4 warps.
 SHIPPED_CONFIGS = (
     DEFAULT_CONFIG,
-    # More bytes in flight per step: the tile's STFT requested from HBM at once, or halved tiles.
-    Config(prefetch=True),
-    Config(block_f=32, prefetch=True),
-    # Wider band blocks: fewer band blocks, fewer re-read bins, several chunks per block to pipeline.
-    Config(block_m=16),
-    Config(block_m=16, num_stages=2),
-    Config(block_m=16, prefetch=True),
-    Config(block_m=32, num_stages=3),
-    Config(block_m=32, num_stages=3, prefetch=True),
-    # Twice the frames per tile on 8 warps: twice the bytes per load step, half the programs.
-    Config(block_f=128, block_m=16, num_warps=8, num_stages=2),
-    Config(block_f=128, block_m=32, num_warps=8, num_stages=3),
-    # More programs in flight: half-height tiles on 2 or 4 warps; or the default pipelined, or fed 32 bins a step.
-    Config(block_f=32, num_warps=2),
-    Config(block_f=32, num_warps=4),
-    Config(num_stages=2),
-    Config(block_k=32),
-    Config(block_f=32, block_k=32, num_warps=2),
-    # CUDA-core fp32 projections, the two fastest of the first run (1193-1675 GB/s).
-    Config(precision="ieee"),
-    Config(block_m=16, precision="ieee"),
+    PIPELINED_CONFIG,
+    Config(block_f=32, num_warps=2),  # half-height tiles, twice the programs: 2,458 / 2,289 GB/s
+    Config(block_k=32),  # 32 bins a step: 2,006 / 2,401 GB/s
+    Config(block_m=16, num_stages=2),  # 16-band blocks, fewer re-read bins: 2,016 / 2,025 GB/s
+    Config(precision="ieee"),  # the CUDA-core fp32 projection: 1,936 / 1,816 GB/s
 )
 
 
@@ -109,46 +96,14 @@ def _band_support_kernel(w_ptr, lo_ptr, hi_ptr, NM, NF, BLOCK_M: tl.constexpr, C
 
 
 @triton.jit
-def _prefetch_l2(x_ptr, first_row, n_rows, NF, PARTS: tl.constexpr):
-    """Ask L2 for STFT rows [first_row, first_row + n_rows) - one contiguous byte range - in PARTS bulk
-    prefetches (one per thread). The band loop below consumes a tile in many short dependent steps, each
-    waiting on its own loads; with the whole tile requested up front those loads hit L2 instead of HBM."""
-    row_floats = 2 * NF
-    start = first_row.to(tl.int64) * row_floats
-    length = n_rows * row_floats
-    part = tl.arange(0, PARTS)
-    begin = x_ptr + start + (length * part) // PARTS
-    end = x_ptr + start + (length * (part + 1)) // PARTS
-    # cp.async.bulk.prefetch wants a 16-byte aligned address and size: widen each part to 16-byte bounds.
-    tl.inline_asm_elementwise(
-        """{
-        .reg .b64 a, b;
-        .reg .b32 n;
-        .reg .pred p;
-        and.b64 a, $1, -16;
-        add.s64 b, $2, 15;
-        and.b64 b, b, -16;
-        sub.s64 b, b, a;
-        cvt.u32.u64 n, b;
-        setp.ne.u32 p, n, 0;
-        @p cp.async.bulk.prefetch.L2.global [a], n;
-        mov.u32 $0, 0;
-        }""",
-        "=r,l,l", [begin, end], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
 def _log_mel_tile(x_ptr, w_ptr, lo_ptr, hi_ptr, out_ptr, clip, tile, F, NF, NM,
                   BLOCK_F: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-                  PRECISION: tl.constexpr, PREFETCH_PARTS: tl.constexpr):
+                  PRECISION: tl.constexpr):
     """Write (log10(max(mel, 1e-10)) + 4) / 4 for frames [tile*BLOCK_F, +BLOCK_F) of `clip`; return the
-    tile's (max, min) of log10(max(mel, 1e-10)). PREFETCH_PARTS > 0 first prefetches the tile into L2."""
+    tile's (max, min) of log10(max(mel, 1e-10))."""
     frames = tile * BLOCK_F + tl.arange(0, BLOCK_F)
     frame_ok = frames < F
     rows = clip.to(tl.int64) * F + frames  # int64: B * F * 2 * NF can pass 2**31
-    if PREFETCH_PARTS > 0:
-        _prefetch_l2(x_ptr, clip.to(tl.int64) * F + tile * BLOCK_F, tl.minimum(F - tile * BLOCK_F, BLOCK_F), NF,
-                     PREFETCH_PARTS)
     x_rows = x_ptr + rows[:, None] * (2 * NF)  # the STFT as float32 pairs (re, im)
     out_rows = out_ptr + rows[:, None] * NM
     pairs = tl.arange(0, 2 * BLOCK_K)
@@ -207,13 +162,13 @@ def _floor_tile(out_ptr, clip, tile, F, NM, floor, BLOCK_F: tl.constexpr, CHUNK:
 @triton.jit
 def _tiles_kernel(x_ptr, w_ptr, lo_ptr, hi_ptr, out_ptr, stats_ptr, F, NF, NM, n_tiles,
                   BLOCK_F: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-                  PRECISION: tl.constexpr, PREFETCH_PARTS: tl.constexpr):
+                  PRECISION: tl.constexpr):
     """Two-pass design, pass 1: one program per (clip, frame tile), clip-major."""
     pid = tl.program_id(0)
     clip = pid // n_tiles
     tile = pid % n_tiles
     tile_max, tile_min = _log_mel_tile(x_ptr, w_ptr, lo_ptr, hi_ptr, out_ptr, clip, tile, F, NF, NM,
-                                       BLOCK_F, BLOCK_M, BLOCK_K, PRECISION, PREFETCH_PARTS)
+                                       BLOCK_F, BLOCK_M, BLOCK_K, PRECISION)
     stats = stats_ptr + pid.to(tl.int64) * 2
     tl.store(stats, tile_max)
     tl.store(stats + 1, tile_min)
@@ -235,14 +190,14 @@ def _floor_kernel(out_ptr, stats_ptr, F, NM, n_tiles, BLOCK_F: tl.constexpr,
 @triton.jit
 def _clip_resident_kernel(x_ptr, w_ptr, lo_ptr, hi_ptr, out_ptr, stats_ptr, F, NF, NM, n_tiles,
                           BLOCK_F: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-                          PRECISION: tl.constexpr, PREFETCH_PARTS: tl.constexpr, STATS_CHUNK: tl.constexpr,
+                          PRECISION: tl.constexpr, STATS_CHUNK: tl.constexpr,
                           FLOOR_CHUNK: tl.constexpr):
     """Clip-resident design: one program per clip computes all its tiles, then applies the floor."""
     clip = tl.program_id(0)
     stats = stats_ptr + clip.to(tl.int64) * n_tiles * 2
     for tile in range(0, n_tiles):
         tile_max, tile_min = _log_mel_tile(x_ptr, w_ptr, lo_ptr, hi_ptr, out_ptr, clip, tile, F, NF, NM,
-                                           BLOCK_F, BLOCK_M, BLOCK_K, PRECISION, PREFETCH_PARTS)
+                                           BLOCK_F, BLOCK_M, BLOCK_K, PRECISION)
         tl.store(stats + 2 * tile, tile_max)
         tl.store(stats + 2 * tile + 1, tile_min)
     # Other threads of this program wrote the statistics and the output rows read below.
@@ -267,8 +222,8 @@ class PickRule:
 # First matching row wins; the last row catches every shape. Set from the H200 sweep (benchmark.py,
 # "config sweep" rows at NF 201 and 401). Every config named here must be in SHIPPED_CONFIGS.
 PICK_TABLE = (
-    PickRule(max_nf=256, max_nm=128, min_f=1, design="two_pass", config=DEFAULT_CONFIG),
-    PickRule(max_nf=float("inf"), max_nm=float("inf"), min_f=1, design="two_pass", config=DEFAULT_CONFIG),
+    PickRule(max_nf=256, max_nm=float("inf"), min_f=1, design="two_pass", config=DEFAULT_CONFIG),
+    PickRule(max_nf=float("inf"), max_nm=float("inf"), min_f=1, design="two_pass", config=PIPELINED_CONFIG),
 )
 
 
@@ -303,10 +258,8 @@ def log_mel_triton(stft: torch.Tensor, mel_filters: torch.Tensor, design: str | 
     n_tiles = triton.cdiv(F, config.block_f)
     stats = torch.empty(B, n_tiles, 2, dtype=torch.float32, device=stft.device)
     out = torch.empty(B, F, NM, dtype=torch.float32, device=stft.device)
-    # One bulk prefetch per thread; the interpreter (CPU tensors) has no inline PTX, and nothing to prefetch.
-    prefetch_parts = 32 * config.num_warps if config.prefetch and stft.is_cuda else 0
     tile_args = dict(BLOCK_F=config.block_f, BLOCK_M=config.block_m, BLOCK_K=config.block_k,
-                     PRECISION=config.precision, PREFETCH_PARTS=prefetch_parts, num_warps=config.num_warps,
+                     PRECISION=config.precision, num_warps=config.num_warps,
                      num_stages=config.num_stages)
     main_args = (x, mel_filters, support[0], support[1], out, stats, F, NF, NM, n_tiles)
     if design == "two_pass":
