@@ -275,14 +275,14 @@ def test_triton_backward_matches_float64(triton_bwd, shape):
     assert_grads_close(grads, float64_grads(inputs, 0.9 * shape[3] ** -0.5), 1e-2)
 
 
-# The launch plans of triton_bwd.CONFIGS besides the default "base" (test_config_names_are_the_tested_ones).
-OTHER_CONFIGS = ["transform_w8", "scan_bv32", "scan_w8", "scan_pipe2", "states_fp32", "grads_split"]
+# The launch plans of triton_bwd.CONFIGS besides the default "grads_split" (test_config_names_are_the_tested_ones).
+OTHER_CONFIGS = ["base", "transform_w8", "scan_bv32", "scan_w8", "scan_pipe2", "states_fp32"]
 
 
 @needs_triton
 @pytest.mark.kernels_ci
 def test_config_names_are_the_tested_ones(triton_bwd):
-    assert sorted(triton_bwd.CONFIGS) == sorted(["base", *OTHER_CONFIGS]) and triton_bwd.DEFAULT == "base"
+    assert sorted(triton_bwd.CONFIGS) == sorted(["grads_split", *OTHER_CONFIGS]) and triton_bwd.DEFAULT == "grads_split"
 
 
 @needs_triton

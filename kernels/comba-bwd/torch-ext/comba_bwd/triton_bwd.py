@@ -328,7 +328,9 @@ CONFIGS = {
     "states_fp32": Config(state_dtype=torch.float32),
     "grads_split": Config(split_grads=True),
 }
-DEFAULT = "base"
+# grads_split: 6.64 against 7.16 ms at (8, 2048, 32, 128, 128) and 9.00 against 9.98 ms at (16, 2048, 32, 64,
+# 128) for "base" (bench/results/2026-11-29-ea4bff7, sweep rows); the other plans were slower or within 1.5%.
+DEFAULT = "grads_split"
 STAGES = ("transform", "forward_scan", "reverse_scan", "adjoint", "grads")
 
 
