@@ -280,8 +280,9 @@ def _reverse_scan(
 # (chunk, V block, warps) per feature size K: the launch the public op uses. Chosen offline from ptxas's
 # register report for sm_90a (benchmarks/compile_check.py): the states and the K^2 x C tiles fill the register
 # file, and the chunks / V blocks / warps below are the ones whose bf16 kernels do not spill (C = 64 spills
-# kilobytes at every V block and warp count). Not yet timed on a GPU: the benchmark times every entry of
-# CONFIG_CHOICES (each spills at most ~100 bytes in bf16) so that the GPU run can pick.
+# kilobytes at every V block and warp count). The benchmark times them beside every entry of CONFIG_CHOICES
+# (each spills at most ~100 bytes in bf16); on the H200 these two were the fastest (bench/results/
+# 2026-11-29-ea4bff7: 11.4 against 12.5-14.1 ms at K = 16, 9.4 against 12.1-17.4 ms at K = 8).
 DEFAULT_CONFIG = {8: (32, 16, 4), 16: (16, 16, 4)}
 CONFIG_CHOICES = [(16, 16, 4), (16, 32, 8), (32, 16, 8)]
 
