@@ -24,6 +24,7 @@ H, DH = 8, 64
 SHAPES = [(64, 3000), (32, 1024), (16, 256)]
 WINDOWS = [(14, 0), (7, 7)]
 DTYPES = {torch.bfloat16: "bf16", torch.float32: "fp32"}
+LAUNCH_OPTIONS = ("maxnreg",)
 
 
 def load_kernels():
@@ -51,6 +52,9 @@ def compile_sm90(kernel, args, meta, num_warps):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    meta = dict(meta)
+    # Launch options that are not kernel arguments go to the compiler (maxnreg becomes PTX's .maxnreg).
+    options = {"num_warps": num_warps, **{name: meta.pop(name) for name in LAUNCH_OPTIONS if name in meta}}
     signature, constexprs, attrs = {}, dict(meta), {}
     for i, (name, x) in enumerate(zip(kernel.arg_names, args)):
         if isinstance(x, torch.Tensor):
@@ -66,7 +70,7 @@ def compile_sm90(kernel, args, meta, num_warps):
     for name in meta:
         signature[name] = "constexpr"
     src = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
 
 def ptxas_report(ptx: str) -> tuple[int, int]:

@@ -193,6 +193,29 @@ def test_triton_interpreted_every_config(ldsa, poisoned_outputs, case):
 
 
 @needs_interpreter
+@pytest.mark.parametrize("left,right,T,dtype", [(14, 0, 75, torch.bfloat16), (7, 7, 200, torch.float32)])
+def test_triton_interpreted_several_chunks_per_program(ldsa, poisoned_outputs, monkeypatch, left, right, T, dtype):
+    """Small shapes get one chunk a program (MIN_PROGRAMS); with that floor lifted a program walks several
+    chunks (T = 75: five, the last ragged; T = 200: two programs of eight and five), which is the loop the
+    large shapes run, the prefetching forward's carried loads included."""
+    kernels = submodule(ldsa, "ldsa_triton")
+    monkeypatch.setattr(kernels, "MIN_PROGRAMS", 1)
+    kernels._band_plan.cache_clear()
+    try:
+        assert kernels._band_plan(left + right + 1, 24, T, 2)[1]["CHUNKS"] > 1
+        a, v = make(1, 2, 24, T, left, right, dtype)
+        go = torch.randn(v.shape).to(dtype)
+        expected = ldsa_float64(a, v, left, right)
+        for config in (kernels.BAND, kernels.BAND_PREFETCH):
+            assert rel_err(kernels.ldsa_forward(a, v, left, right, config=config), expected) < TOL[dtype], config
+        dlogits, dv = kernels.ldsa_backward(a, v, go, left, right, config=kernels.BAND)
+        ga, gv = ldsa_float64_grads(a, v, go, left, right)
+        assert rel_err(dlogits, ga) < TOL[dtype] and rel_err(dv, gv) < TOL[dtype]
+    finally:
+        kernels._band_plan.cache_clear()
+
+
+@needs_interpreter
 def test_triton_interpreted_two_channel_tiles_and_mixed_dtypes(ldsa, poisoned_outputs):
     """Dh > 128 walks two channel tiles; bf16 logits with fp32 values, and a float32 grad_out for bf16 v."""
     kernels = submodule(ldsa, "ldsa_triton")
@@ -265,7 +288,7 @@ def test_cuda_every_config_matches_float64(ldsa, case):
     _, _, _, Dh_b, T_b = CUDA_BWD_CASES[case]
     backward = kernels.BACKWARD_CONFIGS[(case + 2) % len(kernels.BACKWARD_CONFIGS)]
     W = left + right + 1
-    if forward == kernels.BAND and not kernels.supports_window(W):
+    if forward in (kernels.BAND, kernels.BAND_PREFETCH) and not kernels.supports_window(W):
         forward = kernels.FORWARD_CONFIGS[1]
     if backward == kernels.BAND and not kernels.supports_window(W):
         backward = kernels.BACKWARD_CONFIGS[1]

@@ -77,11 +77,31 @@ def _dot_values(x, y):
 
 
 @triton.jit
+def _load_logits(a_rows, t0, frames, ok, T):
+    """[BLOCK_W, N] logits of frames t0 .. t0 + N (rows a_rows are the taps); zero where not ok or past T."""
+    t = t0 + frames
+    return tl.load(a_rows + t[None, :], mask=ok & (t[None, :] < T), other=0.0)
+
+
+@triton.jit
+def _load_span(v_base, row, ok, s, T):
+    """[BLOCK_D, K] values at positions s of the channel rows `row`; zero where not ok or outside [0, T)."""
+    return tl.load(v_base + row + s[None, :], mask=ok & (s[None, :] >= 0) & (s[None, :] < T), other=0.0)
+
+
+@triton.jit
+def _band_weights(logits, tap_ok, band_tap, in_band):
+    """The chunk's [K, N] band tile: the window softmax of `logits`, skewed so row j feeds frame i by tap j - i."""
+    weights = _window_softmax(logits, tap_ok, 0)  # [BLOCK_W, N]
+    return tl.where(in_band, tl.gather(weights, band_tap, 0), 0.0)
+
+
+@triton.jit
 def _ldsa_forward_kernel(
     a_ptr, v_ptr, out_ptr,
     T, Dh, W, left, n_ttiles,
     N: tl.constexpr, K: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_D: tl.constexpr,
-    D_TILES: tl.constexpr, CHUNKS: tl.constexpr,
+    D_TILES: tl.constexpr, CHUNKS: tl.constexpr, PREFETCH: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     bh = (pid // n_ttiles).to(tl.int64)  # int64: B*H*Dh*T may pass 2^31
@@ -100,20 +120,35 @@ def _ldsa_forward_kernel(
     in_band = (band_tap >= 0) & (band_tap < W)
     band_tap = tl.minimum(tl.maximum(band_tap, 0), BLOCK_W - 1)
 
-    for c in range(CHUNKS):
-        t0 = first_frame + c * N
-        t = t0 + frames
-        s = t0 - left + span
-        logits = tl.load(a_rows + t[None, :], mask=tap_ok & (t[None, :] < T), other=0.0)
-        weights = _window_softmax(logits, tap_ok, 0)  # [BLOCK_W, N]
-        band = tl.where(in_band, tl.gather(weights, band_tap, 0), 0.0)  # [K, N]
-        for dt in tl.static_range(D_TILES):
-            d = dt * BLOCK_D + tl.arange(0, BLOCK_D)
-            d_ok = d[:, None] < Dh
-            row = d.to(tl.int64)[:, None] * T
-            vals = tl.load(v_base + row + s[None, :], mask=d_ok & (s[None, :] >= 0) & (s[None, :] < T), other=0.0)
-            out = _dot_float32_weights(vals, band)  # [BLOCK_D, N]
+    if PREFETCH:
+        # One channel tile (D_TILES == 1): the next chunk's logits and values are loaded before this chunk
+        # is computed, so their latency overlaps the softmax, the gather and the MMAs.
+        d = tl.arange(0, BLOCK_D)
+        d_ok = d[:, None] < Dh
+        row = d.to(tl.int64)[:, None] * T
+        logits_next = _load_logits(a_rows, first_frame, frames, tap_ok, T)
+        vals_next = _load_span(v_base, row, d_ok, first_frame - left + span, T)
+        for c in range(CHUNKS):
+            t0 = first_frame + c * N
+            logits, vals = logits_next, vals_next
+            more = c + 1 < CHUNKS
+            logits_next = _load_logits(a_rows, t0 + N, frames, tap_ok & more, T)
+            vals_next = _load_span(v_base, row, d_ok & more, t0 + N - left + span, T)
+            out = _dot_float32_weights(vals, _band_weights(logits, tap_ok, band_tap, in_band))  # [BLOCK_D, N]
+            t = t0 + frames
             tl.store(out_base + row + t[None, :], out.to(out_ptr.dtype.element_ty), mask=d_ok & (t[None, :] < T))
+    else:
+        for c in range(CHUNKS):
+            t0 = first_frame + c * N
+            t = t0 + frames
+            band = _band_weights(_load_logits(a_rows, t0, frames, tap_ok, T), tap_ok, band_tap, in_band)  # [K, N]
+            for dt in tl.static_range(D_TILES):
+                d = dt * BLOCK_D + tl.arange(0, BLOCK_D)
+                d_ok = d[:, None] < Dh
+                row = d.to(tl.int64)[:, None] * T
+                vals = _load_span(v_base, row, d_ok, t0 - left + span, T)
+                out = _dot_float32_weights(vals, band)  # [BLOCK_D, N]
+                tl.store(out_base + row + t[None, :], out.to(out_ptr.dtype.element_ty), mask=d_ok & (t[None, :] < T))
 
 
 @triton.jit
@@ -228,35 +263,39 @@ def _band_plan(W: int, Dh: int, T: int, BH: int) -> tuple[int, dict]:
     return n_ttiles, meta
 
 
-def _band_forward_launch_options(meta: dict, dtype: torch.dtype) -> dict:
+def _band_forward_launch_options(config: str, meta: dict, dtype: torch.dtype) -> dict:
     """The band forward is latency-bound at 4 blocks an SM (125 registers a thread, ncu). For 16-bit values
-    and value tiles of at most 64 x 32 a cap of 80 registers fits 6 blocks without spilling: 352 against
-    404 us at [64, 3000], W = 15 bf16, and no change at [32, 1024] (probe of 2026-11-29). The backward and
-    float32 values only lost under a cap, and larger tiles were not measured, so they keep the default."""
+    and value tiles of at most 64 x 32 a register cap raises that: 80 fits 6 blocks (ptxas: 16 bytes of
+    spill) and measured 352 against 404 us at [64, 3000], W = 15 bf16, with no change at [32, 1024] (probe
+    of 2026-11-29). The prefetching variant holds the next chunk's tiles too; 96 is the lowest cap at
+    which ptxas reports no spill for it (80 spills 68 bytes), 5 blocks an SM; not yet timed. The backward
+    and float32 values only lost under a cap, and larger tiles were not measured, so they keep the default."""
     if dtype != torch.float32 and meta["BLOCK_D"] * meta["K"] <= FORWARD_CAPPED_TILE:
-        return dict(maxnreg=FORWARD_MAXNREG)
+        return dict(maxnreg=FORWARD_MAXNREG[config])
     return {}
-
-
-FORWARD_MAXNREG, FORWARD_CAPPED_TILE = 80, 64 * 32
 
 
 # ---- Candidate configurations of both designs, and the default table ----
 
 BAND = "band"  # the banded tensor-core product above; its tiles follow from the window (`_band_plan`)
+# The same forward with the next chunk's loads issued before the current chunk's compute (one channel tile
+# only; with several it runs as "band"). A candidate: ncu found the band forward waiting on L1 loads.
+BAND_PREFETCH = "band-prefetch"
+# Register caps of the 16-bit band forwards (see `_band_forward_launch_options`).
+FORWARD_MAXNREG, FORWARD_CAPPED_TILE = {BAND: 80, BAND_PREFETCH: 96}, 64 * 32
 # The tap loop: "taps-t<frames per program>-w<warps>".
 TAPS_FORWARD = {f"taps-t{bt}-w{nw}": (bt, nw) for bt, nw in ((32, 4), (64, 4), (64, 8), (128, 8))}
 TAPS_BACKWARD = {f"taps-t{bt}-w{nw}": (bt, nw) for bt, nw in ((32, 4), (32, 8), (64, 4), (64, 8))}
 # Taps unrolled together (see ldsa_taps): 8 keeps the shift's alignment up to a 16-byte bf16 vector; the
 # backward, with two shifted tiles a tap, spills at 8 and takes 4.
 TAP_GROUP, TAP_GROUP_BACKWARD = 8, 4
-FORWARD_CONFIGS = (BAND, *TAPS_FORWARD)
+FORWARD_CONFIGS = (BAND, BAND_PREFETCH, *TAPS_FORWARD)
 BACKWARD_CONFIGS = (BAND, *TAPS_BACKWARD)
 
 # The configuration a call takes: (pass, window of at most 32 taps, float32 values) -> config name.
 # Wider windows keep the band design, whose tiles were sized for them. Float32 forward windows up to 32
 # taps take the tap loop: 1,261 against 688 GB/s at [64, 3000], W = 15 (bench/results/2026-11-29-3e9bbe5,
-# sweep rows), where the band's IEEE float32 product is the bottleneck; with 16-bit values the band wins.
+# sweep rows); the band forward on float32 values compiles to 242 registers a thread (2 blocks an SM).
 DEFAULT_CONFIG = {
     ("forward", True, False): BAND,
     ("forward", True, True): "taps-t64-w4",
@@ -363,9 +402,10 @@ def ldsa_forward(a_logits: torch.Tensor, v: torch.Tensor, left: int, right: int,
     config = config or default_config("forward", W, v.dtype)
     out = torch.empty_like(v)
     with _device_of(v):
-        if config == BAND:
+        if config in (BAND, BAND_PREFETCH):
             n_ttiles, meta = _band_plan(W, Dh, T, B * H)
-            meta = dict(meta, **_band_forward_launch_options(meta, v.dtype))
+            prefetch = config == BAND_PREFETCH and meta["D_TILES"] == 1
+            meta = dict(meta, PREFETCH=prefetch, **_band_forward_launch_options(config, meta, v.dtype))
             num_warps = meta.pop("num_warps")
             args = (a_logits, v, out, T, Dh, W, left, n_ttiles)
             _launch(_ldsa_forward_kernel, B * H * n_ttiles, args, meta, num_warps)
