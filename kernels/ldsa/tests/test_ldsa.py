@@ -201,6 +201,7 @@ def test_triton_interpreted_several_chunks_per_program(ldsa, poisoned_outputs, m
     kernels = submodule(ldsa, "ldsa_triton")
     monkeypatch.setattr(kernels, "MIN_PROGRAMS", 1)
     kernels._band_plan.cache_clear()
+    kernels._band_forward_plan.cache_clear()
     try:
         assert kernels._band_plan(left + right + 1, 24, T, 2)[1]["CHUNKS"] > 1
         a, v = make(1, 2, 24, T, left, right, dtype)
@@ -213,6 +214,7 @@ def test_triton_interpreted_several_chunks_per_program(ldsa, poisoned_outputs, m
         assert rel_err(dlogits, ga) < TOL[dtype] and rel_err(dv, gv) < TOL[dtype]
     finally:
         kernels._band_plan.cache_clear()
+        kernels._band_forward_plan.cache_clear()
 
 
 @needs_interpreter

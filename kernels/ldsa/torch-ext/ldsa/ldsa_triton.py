@@ -248,19 +248,25 @@ def supports_window(W: int) -> bool:
 
 
 @functools.cache
-def _band_plan(W: int, Dh: int, T: int, BH: int) -> tuple[int, dict]:
-    """(programs per (b, h), launch meta-parameters) for W taps, Dh channels, T frames, B*H sequences."""
+def _band_plan(W: int, Dh: int, T: int, BH: int) -> tuple[int, dict, int]:
+    """(programs per (b, h), meta-parameters, num_warps) for W taps, Dh channels, T frames, B*H sequences."""
     N, K, block_w = _band(W)
     block_d = max(16, min(_pow2(Dh), 128, 16384 // K))  # a [BLOCK_D, K] value tile stays in registers
     all_chunks = BH * triton.cdiv(T, N)
     chunks = max(1, min(FRAMES_PER_PROGRAM // N, triton.cdiv(T, N), all_chunks // MIN_PROGRAMS))
     n_ttiles = triton.cdiv(T, chunks * N)
     num_warps = 4 if K * max(block_d, block_w, N) <= 4096 else 8
-    meta = dict(
-        N=N, K=K, BLOCK_W=block_w, BLOCK_D=block_d, D_TILES=triton.cdiv(Dh, block_d), CHUNKS=chunks,
-        num_warps=num_warps,
-    )
-    return n_ttiles, meta
+    meta = dict(N=N, K=K, BLOCK_W=block_w, BLOCK_D=block_d, D_TILES=triton.cdiv(Dh, block_d), CHUNKS=chunks)
+    return n_ttiles, meta, num_warps
+
+
+@functools.cache
+def _band_forward_plan(config: str, W: int, Dh: int, T: int, BH: int, dtype: torch.dtype) -> tuple[int, dict, int]:
+    """`_band_plan` plus the forward's PREFETCH flag and launch options: built once per shape, since small
+    calls are host-bound."""
+    n_ttiles, meta, num_warps = _band_plan(W, Dh, T, BH)
+    prefetch = config == BAND_PREFETCH and meta["D_TILES"] == 1
+    return n_ttiles, dict(meta, PREFETCH=prefetch, **_band_forward_launch_options(config, meta, dtype)), num_warps
 
 
 def _band_forward_launch_options(config: str, meta: dict, dtype: torch.dtype) -> dict:
@@ -403,10 +409,7 @@ def ldsa_forward(a_logits: torch.Tensor, v: torch.Tensor, left: int, right: int,
     out = torch.empty_like(v)
     with _device_of(v):
         if config in (BAND, BAND_PREFETCH):
-            n_ttiles, meta = _band_plan(W, Dh, T, B * H)
-            prefetch = config == BAND_PREFETCH and meta["D_TILES"] == 1
-            meta = dict(meta, PREFETCH=prefetch, **_band_forward_launch_options(config, meta, v.dtype))
-            num_warps = meta.pop("num_warps")
+            n_ttiles, meta, num_warps = _band_forward_plan(config, W, Dh, T, B * H, v.dtype)
             args = (a_logits, v, out, T, Dh, W, left, n_ttiles)
             _launch(_ldsa_forward_kernel, B * H * n_ttiles, args, meta, num_warps)
         else:
@@ -431,9 +434,7 @@ def ldsa_backward(
     dv = torch.empty_like(v)
     with _device_of(v):
         if config == BAND:
-            n_ttiles, meta = _band_plan(W, Dh, T, B * H)
-            meta = dict(meta)
-            num_warps = meta.pop("num_warps")
+            n_ttiles, meta, num_warps = _band_plan(W, Dh, T, B * H)
             vals = v
             if grad_out.dtype != v.dtype:
                 vals, grad_out = v.float(), grad_out.float()
