@@ -408,6 +408,36 @@ def test_band_support(lm, fused, block_m, kind, NM, NF):
 
 
 @needs_triton
+@pytest.mark.kernels_ci
+@pytest.mark.parametrize("block_k", [16, 32])
+@pytest.mark.parametrize("kind,NM,NF", [("triangles", 80, 201), ("dense", 40, 65), ("empty_bands", 40, 65), ("whisper", 128, 201)])
+def test_chunk_list(lm, fused, block_k, kind, NM, NF):
+    """Every band block's [lo, hi) in BLOCK_K steps, in block order, the last step flagged; an unused block
+    gets one step (its bands must still be written)."""
+    w = lm.mel_filters(NM).to(DEVICE) if kind == "whisper" else filterbank(kind, NM, NF, DEVICE)
+    support = fused.band_support(w, 8)
+    chunks = fused.chunk_list(support, NF, block_k).cpu()
+    expected = []
+    for block, (lo, hi) in enumerate(support.cpu().t().tolist()):
+        starts = list(range(lo, hi, block_k)) or [min(lo, hi)]
+        expected += [[block, k0, int(k0 == starts[-1])] for k0 in starts]
+    assert chunks[0].item() == len(expected)
+    assert chunks[1 : 1 + 3 * len(expected)].view(-1, 3).tolist() == expected
+
+
+@needs_triton
+@pytest.mark.parametrize("design", ["two_pass", "clip_resident"])
+@pytest.mark.parametrize("kind,NM,NF", [("dense", 40, 65), ("empty_bands", 40, 65), ("whisper", 80, 201)])
+def test_fused_flat_loop_filterbanks(lm, fused, design, kind, NM, NF):
+    """The flat chunk loop on filterbanks the shipped-config test does not use: dense (several chunks a
+    block), unused bands (one masked chunk), Whisper's."""
+    w = lm.mel_filters(NM).to(DEVICE) if kind == "whisper" else filterbank(kind, NM, NF, DEVICE)
+    stft = with_silence(speech_stft(3, 70, NF, device=DEVICE))
+    out = fused.log_mel_triton(stft, w, design, fused.Config(flat=True))
+    assert rel_err(out, log_mel_float64(stft, w)) < 1e-6
+
+
+@needs_triton
 def test_fused_whisper_filterbank(lm, fused):
     audio = whisper_audio(3, 16000)
     window = torch.hann_window(400)

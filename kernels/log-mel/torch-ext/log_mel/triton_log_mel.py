@@ -53,10 +53,12 @@ class Config:
     num_warps: int = 4
     num_stages: int = 1
     precision: str = "tf32x3"  # "tf32x3" (3 TF32 tensor-core products) or "ieee" (CUDA-core fp32); never "tf32"
+    flat: bool = False  # one loop over the tile's chunk list, the next chunk's loads in flight (see _log_mel_tile)
 
     @property
     def name(self) -> str:
-        return f"{self.block_f}x{self.block_m}x{self.block_k} w{self.num_warps} s{self.num_stages} {self.precision}"
+        return (f"{self.block_f}x{self.block_m}x{self.block_k} w{self.num_warps} s{self.num_stages} {self.precision}"
+                + (" flat" if self.flat else ""))
 
 
 # The fastest config at NF <= 256 in every H200 run so far (2,583-2,602 GB/s at (208, 3000, 201, 128)).
@@ -74,6 +76,10 @@ SHIPPED_CONFIGS = (
     Config(block_k=32),  # 32 bins a step: 2,006 / 2,401 GB/s
     Config(block_m=16, num_stages=2),  # 16-band blocks, fewer re-read bins: 2,016 / 2,025 GB/s
     Config(precision="ieee"),  # the CUDA-core fp32 projection: 1,936 / 1,816 GB/s
+    # Candidates not yet timed: the flat chunk loop (ncu found the nested loop latency-bound; its inner loops
+    # are one to three chunks long, too short for the compiler to pipeline).
+    Config(flat=True),
+    Config(flat=True, block_m=16),
 )
 
 
@@ -96,43 +102,107 @@ def _band_support_kernel(w_ptr, lo_ptr, hi_ptr, NM, NF, BLOCK_M: tl.constexpr, C
 
 
 @triton.jit
-def _log_mel_tile(x_ptr, w_ptr, lo_ptr, hi_ptr, out_ptr, clip, tile, F, NF, NM,
+def _chunk_list_kernel(lo_ptr, hi_ptr, chunks_ptr, n_blocks, BLOCK_K: tl.constexpr):
+    """The flat main loop's work list, one program: chunks_ptr[0] = the number of chunks, then per chunk
+    (band block, first bin, 1 if it is its block's last chunk), blocks in order. A block with no used bin
+    (lo = NF > hi = 0) gets one chunk whose loads are all masked, so its bands are still written (silence)."""
+    n = tl.zeros((), tl.int32)
+    for block in range(0, n_blocks):
+        start = tl.minimum(tl.load(lo_ptr + block), tl.load(hi_ptr + block))
+        count = tl.maximum((tl.load(hi_ptr + block) - start + BLOCK_K - 1) // BLOCK_K, 1)
+        for j in range(0, count):
+            entry = chunks_ptr + 1 + 3 * (n + j)
+            tl.store(entry, block)
+            tl.store(entry + 1, start + j * BLOCK_K)
+            tl.store(entry + 2, (j == count - 1).to(tl.int32))
+        n += count
+    tl.store(chunks_ptr, n)
+
+
+@triton.jit
+def _load_chunk(x_rows, w_ptr, frame_ok, bands, band_ok, k0, k_hi, NF, BLOCK_K: tl.constexpr):
+    """Bins k0 .. k0 + BLOCK_K (zero from k_hi on): the STFT as (re, im) pairs [BLOCK_F, 2 * BLOCK_K] and the
+    band block's weights [BLOCK_K, BLOCK_M]."""
+    # BLOCK_K bins of each frame are 2 * BLOCK_K contiguous floats: one vectorised load per row.
+    cols = 2 * k0 + tl.arange(0, 2 * BLOCK_K)
+    xy = tl.load(x_rows + cols[None, :], mask=frame_ok[:, None] & (cols < 2 * k_hi)[None, :], other=0.0)
+    ks = k0 + tl.arange(0, BLOCK_K)
+    w = tl.load(w_ptr + bands[None, :] * NF + ks[:, None], mask=(ks < k_hi)[:, None] & band_ok[None, :], other=0.0)
+    return xy, w
+
+
+@triton.jit
+def _project(mel, xy, w, BLOCK_F: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+    """mel + power(xy) @ w."""
+    re, im = tl.split(tl.reshape(xy, (BLOCK_F, BLOCK_K, 2)))
+    return tl.dot(re * re + im * im, w, mel, input_precision=PRECISION)
+
+
+@triton.jit
+def _log10_clamped(mel):
+    # `<=` keeps a NaN on the log2 side, so NaN input stays NaN instead of becoming silence.
+    return tl.where(mel <= 1e-10, LOG10_CLAMP, tl.log2(mel) * LOG10_2)
+
+
+@triton.jit
+def _log_mel_tile(x_ptr, w_ptr, lo_ptr, hi_ptr, chunks_ptr, out_ptr, clip, tile, F, NF, NM,
                   BLOCK_F: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-                  PRECISION: tl.constexpr):
+                  PRECISION: tl.constexpr, FLAT: tl.constexpr):
     """Write (log10(max(mel, 1e-10)) + 4) / 4 for frames [tile*BLOCK_F, +BLOCK_F) of `clip`; return the
-    tile's (max, min) of log10(max(mel, 1e-10))."""
+    tile's (max, min) of log10(max(mel, 1e-10)).
+
+    Nested (FLAT false): band block by band block, each block's bins chunk by chunk; a chunk's loads wait
+    on nothing but are issued only when the previous chunk's product is done. Flat: one loop over the
+    tile's chunk list (`_chunk_list_kernel`), each step issuing the next chunk's loads before projecting
+    its own, and a block's output written at its last chunk."""
     frames = tile * BLOCK_F + tl.arange(0, BLOCK_F)
     frame_ok = frames < F
     rows = clip.to(tl.int64) * F + frames  # int64: B * F * 2 * NF can pass 2**31
     x_rows = x_ptr + rows[:, None] * (2 * NF)  # the STFT as float32 pairs (re, im)
     out_rows = out_ptr + rows[:, None] * NM
-    pairs = tl.arange(0, 2 * BLOCK_K)
+    lanes = tl.arange(0, BLOCK_M)
     # Elementwise running max/min, reduced once at the end: a reduction per band block would cost two
     # cross-warp exchanges (shared memory and barriers) per block.
     run_max = tl.full((BLOCK_F, BLOCK_M), float("-inf"), tl.float32)
     run_min = tl.full((BLOCK_F, BLOCK_M), float("inf"), tl.float32)
-    for block in range(0, tl.cdiv(NM, BLOCK_M)):
-        bands = block * BLOCK_M + tl.arange(0, BLOCK_M)
-        band_ok = bands < NM
-        k_lo = tl.load(lo_ptr + block)
-        k_hi = tl.load(hi_ptr + block)
-        mel = tl.zeros((BLOCK_F, BLOCK_M), tl.float32)
-        for k0 in range(k_lo, k_hi, BLOCK_K):
-            # BLOCK_K bins of each frame are 2 * BLOCK_K contiguous floats: one vectorised load per row.
-            cols = 2 * k0 + pairs
-            xy = tl.load(x_rows + cols[None, :], mask=frame_ok[:, None] & (cols < 2 * k_hi)[None, :], other=0.0)
-            re, im = tl.split(tl.reshape(xy, (BLOCK_F, BLOCK_K, 2)))
-            power = re * re + im * im
-            ks = k0 + tl.arange(0, BLOCK_K)
-            w = tl.load(w_ptr + bands[None, :] * NF + ks[:, None],
-                        mask=(ks < k_hi)[:, None] & band_ok[None, :], other=0.0)
-            mel = tl.dot(power, w, mel, input_precision=PRECISION)
-        # `<=` keeps a NaN on the log2 side, so NaN input stays NaN instead of becoming silence.
-        log_spec = tl.where(mel <= 1e-10, LOG10_CLAMP, tl.log2(mel) * LOG10_2)
-        ok = frame_ok[:, None] & band_ok[None, :]
-        tl.store(out_rows + bands[None, :], (log_spec + 4.0) * 0.25, mask=ok)
-        run_max = tl.maximum(run_max, tl.where(ok, log_spec, float("-inf")))
-        run_min = tl.minimum(run_min, tl.where(ok, log_spec, float("inf")))
+    mel = tl.zeros((BLOCK_F, BLOCK_M), tl.float32)
+    if FLAT:
+        n_chunks = tl.load(chunks_ptr)
+        entries = chunks_ptr + 1  # (band block, first bin, last chunk of its block) per chunk
+        block = tl.load(entries)
+        bands_next = block * BLOCK_M + lanes
+        last_next = tl.load(entries + 2) != 0
+        xy_next, w_next = _load_chunk(x_rows, w_ptr, frame_ok, bands_next, bands_next < NM, tl.load(entries + 1),
+                                      tl.load(hi_ptr + block), NF, BLOCK_K)
+        for i in range(0, n_chunks):
+            xy, w, bands, last = xy_next, w_next, bands_next, last_next
+            following = entries + 3 * tl.minimum(i + 1, n_chunks - 1)  # the last step reloads its own chunk
+            block = tl.load(following)
+            bands_next = block * BLOCK_M + lanes
+            last_next = tl.load(following + 2) != 0
+            xy_next, w_next = _load_chunk(x_rows, w_ptr, frame_ok, bands_next, bands_next < NM, tl.load(following + 1),
+                                          tl.load(hi_ptr + block), NF, BLOCK_K)
+            mel = _project(mel, xy, w, BLOCK_F, BLOCK_K, PRECISION)
+            log_spec = _log10_clamped(mel)
+            ok = frame_ok[:, None] & (bands < NM)[None, :] & last
+            tl.store(out_rows + bands[None, :], (log_spec + 4.0) * 0.25, mask=ok)
+            run_max = tl.maximum(run_max, tl.where(ok, log_spec, float("-inf")))
+            run_min = tl.minimum(run_min, tl.where(ok, log_spec, float("inf")))
+            mel = tl.where(last, 0.0, mel)
+    else:
+        for block in range(0, tl.cdiv(NM, BLOCK_M)):
+            bands = block * BLOCK_M + lanes
+            band_ok = bands < NM
+            k_hi = tl.load(hi_ptr + block)
+            mel = tl.zeros((BLOCK_F, BLOCK_M), tl.float32)
+            for k0 in range(tl.load(lo_ptr + block), k_hi, BLOCK_K):
+                xy, w = _load_chunk(x_rows, w_ptr, frame_ok, bands, band_ok, k0, k_hi, NF, BLOCK_K)
+                mel = _project(mel, xy, w, BLOCK_F, BLOCK_K, PRECISION)
+            log_spec = _log10_clamped(mel)
+            ok = frame_ok[:, None] & band_ok[None, :]
+            tl.store(out_rows + bands[None, :], (log_spec + 4.0) * 0.25, mask=ok)
+            run_max = tl.maximum(run_max, tl.where(ok, log_spec, float("-inf")))
+            run_min = tl.minimum(run_min, tl.where(ok, log_spec, float("inf")))
     return tl.max(run_max), tl.min(run_min)
 
 
@@ -160,15 +230,15 @@ def _floor_tile(out_ptr, clip, tile, F, NM, floor, BLOCK_F: tl.constexpr, CHUNK:
 
 
 @triton.jit
-def _tiles_kernel(x_ptr, w_ptr, lo_ptr, hi_ptr, out_ptr, stats_ptr, F, NF, NM, n_tiles,
+def _tiles_kernel(x_ptr, w_ptr, lo_ptr, hi_ptr, chunks_ptr, out_ptr, stats_ptr, F, NF, NM, n_tiles,
                   BLOCK_F: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-                  PRECISION: tl.constexpr):
+                  PRECISION: tl.constexpr, FLAT: tl.constexpr):
     """Two-pass design, pass 1: one program per (clip, frame tile), clip-major."""
     pid = tl.program_id(0)
     clip = pid // n_tiles
     tile = pid % n_tiles
-    tile_max, tile_min = _log_mel_tile(x_ptr, w_ptr, lo_ptr, hi_ptr, out_ptr, clip, tile, F, NF, NM,
-                                       BLOCK_F, BLOCK_M, BLOCK_K, PRECISION)
+    tile_max, tile_min = _log_mel_tile(x_ptr, w_ptr, lo_ptr, hi_ptr, chunks_ptr, out_ptr, clip, tile, F, NF, NM,
+                                       BLOCK_F, BLOCK_M, BLOCK_K, PRECISION, FLAT)
     stats = stats_ptr + pid.to(tl.int64) * 2
     tl.store(stats, tile_max)
     tl.store(stats + 1, tile_min)
@@ -188,16 +258,16 @@ def _floor_kernel(out_ptr, stats_ptr, F, NM, n_tiles, BLOCK_F: tl.constexpr,
 
 
 @triton.jit
-def _clip_resident_kernel(x_ptr, w_ptr, lo_ptr, hi_ptr, out_ptr, stats_ptr, F, NF, NM, n_tiles,
+def _clip_resident_kernel(x_ptr, w_ptr, lo_ptr, hi_ptr, chunks_ptr, out_ptr, stats_ptr, F, NF, NM, n_tiles,
                           BLOCK_F: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-                          PRECISION: tl.constexpr, STATS_CHUNK: tl.constexpr,
+                          PRECISION: tl.constexpr, FLAT: tl.constexpr, STATS_CHUNK: tl.constexpr,
                           FLOOR_CHUNK: tl.constexpr):
     """Clip-resident design: one program per clip computes all its tiles, then applies the floor."""
     clip = tl.program_id(0)
     stats = stats_ptr + clip.to(tl.int64) * n_tiles * 2
     for tile in range(0, n_tiles):
-        tile_max, tile_min = _log_mel_tile(x_ptr, w_ptr, lo_ptr, hi_ptr, out_ptr, clip, tile, F, NF, NM,
-                                           BLOCK_F, BLOCK_M, BLOCK_K, PRECISION)
+        tile_max, tile_min = _log_mel_tile(x_ptr, w_ptr, lo_ptr, hi_ptr, chunks_ptr, out_ptr, clip, tile, F, NF, NM,
+                                           BLOCK_F, BLOCK_M, BLOCK_K, PRECISION, FLAT)
         tl.store(stats + 2 * tile, tile_max)
         tl.store(stats + 2 * tile + 1, tile_min)
     # Other threads of this program wrote the statistics and the output rows read below.
@@ -243,6 +313,15 @@ def band_support(mel_filters: torch.Tensor, block_m: int) -> torch.Tensor:
     return support
 
 
+def chunk_list(support: torch.Tensor, NF: int, block_k: int) -> torch.Tensor:
+    """int32 [1 + 3 * L]: the number of chunks, then (band block, first bin, last-of-block flag) per chunk,
+    built on the device from `band_support`'s output (L bounds every block's chunk count by NF's)."""
+    n_blocks = support.shape[1]
+    chunks = torch.empty(1 + 3 * n_blocks * max(1, triton.cdiv(NF, block_k)), dtype=torch.int32, device=support.device)
+    _chunk_list_kernel[(1,)](support[0], support[1], chunks, n_blocks, BLOCK_K=block_k)
+    return chunks
+
+
 def log_mel_triton(stft: torch.Tensor, mel_filters: torch.Tensor, design: str | None = None,
                    config: Config | None = None) -> torch.Tensor:
     """The fused log-mel of contiguous, validated inputs. `design`/`config` default to `pick(...)`."""
@@ -255,13 +334,15 @@ def log_mel_triton(stft: torch.Tensor, mel_filters: torch.Tensor, design: str | 
         raise ValueError(f"design must be one of {DESIGNS}, got {design!r}")
     x = torch.view_as_real(stft)  # (B, F, NF, 2) float32, same memory
     support = band_support(mel_filters, config.block_m)
+    # The flat loop's chunk list; the nested loop reads the support directly (the argument goes unread).
+    chunks = chunk_list(support, NF, config.block_k) if config.flat else support
     n_tiles = triton.cdiv(F, config.block_f)
     stats = torch.empty(B, n_tiles, 2, dtype=torch.float32, device=stft.device)
     out = torch.empty(B, F, NM, dtype=torch.float32, device=stft.device)
     tile_args = dict(BLOCK_F=config.block_f, BLOCK_M=config.block_m, BLOCK_K=config.block_k,
-                     PRECISION=config.precision, num_warps=config.num_warps,
+                     PRECISION=config.precision, FLAT=config.flat, num_warps=config.num_warps,
                      num_stages=config.num_stages)
-    main_args = (x, mel_filters, support[0], support[1], out, stats, F, NF, NM, n_tiles)
+    main_args = (x, mel_filters, support[0], support[1], chunks, out, stats, F, NF, NM, n_tiles)
     if design == "two_pass":
         _tiles_kernel[(B * n_tiles,)](*main_args, **tile_args)
         _floor_kernel[(B * n_tiles,)](out, stats, F, NM, n_tiles, BLOCK_F=config.block_f,
