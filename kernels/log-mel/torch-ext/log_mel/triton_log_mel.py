@@ -11,7 +11,8 @@ log-mel once. Three kernels:
    one band block at a time, stream the block's bins [lo, hi) in chunks of BLOCK_K, square and add re/im,
    project with an fp32 `tl.dot` (`input_precision` "ieee": CUDA-core FMAs; or "tf32x3": three TF32
    tensor-core products, about fp32-accurate), then write `(log10(max(mel, 1e-10)) + 4) / 4` - the final
-   value whenever the floor does not bite - and keep the tile's max and min of log10.
+   value whenever the floor does not bite - and keep the tile's max and min of log10. With `Config.flat`
+   the same work runs as one loop over a chunk list that `_chunk_list_kernel` builds from the supports.
 3. The floor: the clip's maximum `hi` is the max of its tile maxima; only tiles whose minimum lies below
    `hi - 8` are re-read and rewritten as `max(out, (hi - 8 + 4) / 4)`. Because `x -> (x + 4) / 4` is
    monotone in fp32 too, this equals the spec's `(max(x, hi - 8) + 4) / 4` bit for bit. On speech without
