@@ -87,7 +87,18 @@ def test_build_rejects_committed_ops_file(scratch):
 
 
 def test_tools_have_help():
-    for tool in ("build", "hub", "lock", "publish", "demo", "gpu_bench"):
+    for tool in ("build", "hub", "lock", "publish", "demo", "gpu_bench", "gpu_profile"):
         out = subprocess.run([sys.executable, "-m", f"tools.{tool}", "--help"], cwd=REPO_ROOT,
                              capture_output=True, text=True)
         assert out.returncode == 0 and "usage:" in out.stdout, (tool, out.stderr)
+
+
+@pytest.mark.parametrize("name", [k.name for k in all_kernels()])
+def test_every_benchmark_has_one_case_to_profile(name):
+    """gpu_profile runs the one `kernels benchmark` class of each benchmark module, every benchmark_* method."""
+    from tools.gpu_bench import load_benchmark
+    from tools.gpu_profile import benchmark_case
+
+    module, _ = load_benchmark(name)
+    case = benchmark_case(module)
+    assert [m for m in dir(case) if m.startswith("benchmark_")]

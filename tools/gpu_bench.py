@@ -103,17 +103,22 @@ def run_tests(out_dir: Path, names: list[str], all_tests: bool, timeout: float, 
     return {**summary, "failed": failed, "seconds": round(time.time() - start, 1), "exit_code": proc.returncode}
 
 
-def run_benchmarks(names: list[str], bench: Bench, results: dict, save) -> None:
-    """Each kernel's side_by_side rows into `results`, saved after every kernel so a cut-off run keeps them."""
+def load_benchmark(name: str):
+    """(kernels/<name>/benchmarks/benchmark.py as a module, the kernel loaded from the Hub cache)."""
     from kernels import get_kernel
 
+    path = REPO_ROOT / "kernels" / name / "benchmarks" / "benchmark.py"
+    module_spec = importlib.util.spec_from_file_location(f"tessera_bench_{name.replace('-', '_')}", path)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    return module, get_kernel(f"{HUB_ORG}/{name}", version=1, trust_remote_code=True)
+
+
+def run_benchmarks(names: list[str], bench: Bench, results: dict, save) -> None:
+    """Each kernel's side_by_side rows into `results`, saved after every kernel so a cut-off run keeps them."""
     for name in names:
-        path = REPO_ROOT / "kernels" / name / "benchmarks" / "benchmark.py"
-        module_spec = importlib.util.spec_from_file_location(f"tessera_bench_{name.replace('-', '_')}", path)
-        module = importlib.util.module_from_spec(module_spec)
         try:
-            module_spec.loader.exec_module(module)
-            kernel = get_kernel(f"{HUB_ORG}/{name}", version=1, trust_remote_code=True)
+            module, kernel = load_benchmark(name)
             start = time.time()
             rows = module.side_by_side(kernel, bench)
             results[name] = {"rows": rows, "seconds": round(time.time() - start, 1)}

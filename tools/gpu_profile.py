@@ -1,0 +1,91 @@
+"""Nsight Compute profiles of each kernel's `kernels benchmark` case, on the GPU machine: where the time of
+our kernels goes (throughput against the DRAM and SM ceilings, occupancy and what limits it, warp stalls).
+
+For each named kernel this runs, under `ncu --profile-from-start off`, the `Benchmark` subclass of
+`kernels/<name>/benchmarks/benchmark.py`: `setup()`, every `benchmark_*` method once to compile and warm
+up, then every method once more between cudaProfilerStart and cudaProfilerStop, so that ncu sees exactly
+the launches of one call. The report goes to `bench/results/<date>-<sha>-ncu-<name>.txt` (under `$OUT`
+when set). Clocks are left as they are (`--clock-control none`, as the machine's notes ask).
+"""
+
+import argparse
+import datetime
+import inspect
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from .common import HUB_CACHE, REPO_ROOT, git, resolve
+from .gpu_bench import RESULTS, load_benchmark
+
+SECTIONS = ("SpeedOfLight", "Occupancy", "LaunchStats", "WarpStateStats", "MemoryWorkloadAnalysis")
+
+
+def benchmark_case(module) -> type:
+    """The one `kernels.benchmark.Benchmark` subclass a kernel's benchmark module defines."""
+    from kernels.benchmark import Benchmark
+
+    cases = [c for _, c in inspect.getmembers(module, inspect.isclass) if issubclass(c, Benchmark) and c is not Benchmark]
+    if len(cases) != 1:
+        raise ValueError(f"{module.__file__} defines {len(cases)} Benchmark subclasses, expected one")
+    return cases[0]
+
+
+def profiled_call(name: str) -> None:
+    """The process ncu watches: one kernel's benchmark case, warmed up, then one call profiled."""
+    import torch
+
+    module, kernel = load_benchmark(name)
+    bench = benchmark_case(module)()
+    bench.kernel, bench.device = kernel, "cuda"
+    if bench.seed is not None:
+        torch.manual_seed(bench.seed)
+    bench.setup()
+    methods = [getattr(bench, m) for m in dir(bench) if m.startswith("benchmark_")]
+    for method in methods:
+        method()
+    torch.cuda.synchronize()
+    torch.cuda.profiler.start()
+    for method in methods:
+        method()
+    torch.cuda.synchronize()
+    torch.cuda.profiler.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tools.gpu_profile", description=__doc__.split("\n\n")[0])
+    parser.add_argument("kernels", nargs="*", help="kernel names (default: all)")
+    parser.add_argument("--case", metavar="NAME", help=argparse.SUPPRESS)  # the profiled process itself
+    args = parser.parse_args(argv)
+    if args.case:
+        profiled_call(args.case)
+        return 0
+    if shutil.which("ncu") is None:
+        print("gpu_profile needs Nsight Compute (ncu) on the PATH", file=sys.stderr)
+        return 2
+    os.environ.setdefault("HF_HUB_CACHE", str(HUB_CACHE))
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    names = [k.name for k in resolve(args.kernels)]
+    for step in ("build", "hub"):
+        subprocess.run([sys.executable, "-m", f"tools.{step}", *names], cwd=REPO_ROOT, check=True)
+    sha = os.environ.get("TESSERA_GIT_SHA") or git("rev-parse", "HEAD") or "unknown"
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
+    out_dir = Path(os.environ.get("OUT", RESULTS))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    failed = 0
+    for name in names:
+        report = out_dir / f"{stamp}-{sha[:12]}-ncu-{name}.txt"
+        command = ["ncu", "--clock-control", "none", "--profile-from-start", "off",
+                   *(arg for section in SECTIONS for arg in ("--section", section)),
+                   sys.executable, "-m", "tools.gpu_profile", "--case", name]  # fmt: skip
+        with report.open("w") as out:
+            rc = subprocess.run(command, cwd=REPO_ROOT, stdout=out, stderr=subprocess.STDOUT).returncode
+        failed += rc != 0
+        print(f"{name}: {report} (ncu exit {rc})", flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
