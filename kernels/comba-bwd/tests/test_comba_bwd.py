@@ -275,8 +275,33 @@ def test_triton_backward_matches_float64(triton_bwd, shape):
     assert_grads_close(grads, float64_grads(inputs, 0.9 * shape[3] ** -0.5), 1e-2)
 
 
+def chunk_inverse_float64(k, p, beta, g, chunk=64):
+    """A = (I + strict_lower((beta P) K^T * E))^-1 per (b, h, chunk), in float64: [B*H, N, chunk, chunk]."""
+    B, T, H, K = k.shape
+    split = lambda x: x.double().transpose(1, 2).reshape(B * H, T // chunk, chunk, *x.shape[3:])  # noqa: E731
+    k, p, beta, g = split(k), split(p), split(beta), split(g)
+    gc = g.cumsum(-1)
+    lower = torch.ones(chunk, chunk, dtype=torch.bool).tril(-1)
+    E = torch.exp((gc[..., :, None] - gc[..., None, :]).masked_fill(~lower, float("-inf")))
+    L = (beta[..., None] * p) @ k.transpose(-1, -2) * E
+    return torch.linalg.inv(torch.eye(chunk, dtype=torch.float64) + L)
+
+
+@needs_triton
+@pytest.mark.parametrize("kernel", ["_transform_kernel", "_transform_blocked_kernel"])
+def test_transform_kernels_invert_the_chunk_system(triton_bwd, kernel):
+    """Both chunk transforms against a float64 inverse of the same (bf16) inputs, every entry of A: the
+    blocked one assembles its off-diagonal 16 x 16 blocks from products, so a wrong block shows here."""
+    B, T, H, K = 1, 128, 2, 64
+    q, k, v, p, beta, g, do = make_inputs(B, T, H, K, 64, torch.bfloat16, TRITON_DEVICE, seed=3)
+    A = torch.full((B * H, T // 64, 64, 64), float("nan"), device=TRITON_DEVICE)
+    getattr(triton_bwd, kernel)[(T // 64, B * H)](k, p, beta, g, A, T // 64, H, K)
+    expected = chunk_inverse_float64(k.cpu(), p.cpu(), beta.cpu(), g.cpu())
+    assert rel_err(A, expected) < 1e-5
+
+
 # The launch plans of triton_bwd.CONFIGS besides the default "grads_split" (test_config_names_are_the_tested_ones).
-OTHER_CONFIGS = ["base", "transform_w8", "scan_bv32", "scan_w8", "scan_pipe2", "states_fp32"]
+OTHER_CONFIGS = ["base", "transform_w8", "scan_bv32", "scan_w8", "scan_pipe2", "states_fp32", "split_blocked"]
 
 
 @needs_triton

@@ -116,6 +116,132 @@ def _transform_kernel(k, p, beta, g, A, N, H, K: tl.constexpr):
     tl.store(A + a_base + r[:, None] * BT + r[None, :], Ainv)
 
 
+SUB = tl.constexpr(16)  # sub-block of the blocked transform: 4 x 4 blocks of 16 x 16 per chunk
+
+
+@triton.jit
+def _sub_rows(x, base, t0, HD, D: tl.constexpr):
+    """Pointers to the [SUB, D] rows t0.. of a (B, T, H, D) tensor."""
+    r = tl.arange(0, SUB)
+    return x + base + (t0 + r)[:, None] * HD + tl.arange(0, D)[None, :]
+
+
+@triton.jit
+def _sub_rows_t(x, base, t0, HD, D: tl.constexpr):
+    """The same rows as _sub_rows, transposed: [D, SUB]."""
+    r = tl.arange(0, SUB)
+    return x + base + (t0 + r)[None, :] * HD + tl.arange(0, D)[:, None]
+
+
+@triton.jit
+def _sub_gates(g, beta, scal_base, t0, H, offset):
+    """gc on rows t0 .. t0 + SUB (offset = the chunk's log-decay before them), beta, and the new offset."""
+    r = tl.arange(0, SUB)
+    gk = tl.load(g + scal_base + (t0 + r) * H).to(tl.float32)
+    bk = tl.load(beta + scal_base + (t0 + r) * H).to(tl.float32)
+    return offset + tl.cumsum(gk, 0), bk, offset + tl.sum(gk, 0)
+
+
+@triton.jit
+def _l_block(pk, bk, gc_i, kt, gc_j, DIAGONAL: tl.constexpr):
+    """Block (i, j) of L = strict_lower((beta P) K^T * E) from P and beta on block i's rows (pk bf16 [SUB, K])
+    and K^T on block j's ([K, SUB]), beta applied in fp32 after the product as in _transform_kernel; a
+    diagonal block keeps only its strictly lower part."""
+    diff = gc_i[:, None] - gc_j[None, :]
+    if DIAGONAL:
+        diff = tl.where(tl.arange(0, SUB)[:, None] > tl.arange(0, SUB)[None, :], diff, float("-inf"))
+    return tl.dot(pk, kt) * bk[:, None] * tl.exp(diff)
+
+
+@triton.jit
+def _inv_unit_lower(Lb):
+    """(I + Lb)^-1 of a strictly lower [SUB, SUB] block, by forward substitution in fp32."""
+    r = tl.arange(0, SUB)
+    D = tl.where(r[:, None] == r[None, :], 1.0, 0.0)
+    for i in range(1, SUB):
+        l_i = tl.sum(tl.where(r[:, None] == i, Lb, 0.0), 0)
+        D = tl.where(r[:, None] == i, D - tl.sum(l_i[:, None] * D, 0)[None, :], D)
+    return D
+
+
+@triton.jit
+def _mm(a, b):
+    return tl.dot(a, b, input_precision="ieee")
+
+
+@triton.jit
+def _store_block(A, a_base, i: tl.constexpr, j: tl.constexpr, blk):
+    r = tl.arange(0, SUB)
+    tl.store(A + a_base + (r + i * SUB)[:, None] * BT + (r + j * SUB)[None, :], blk)
+
+
+@triton.jit
+def _transform_blocked_kernel(k, p, beta, g, A, N, H, K: tl.constexpr):
+    """The same A = (I + L)^-1 as _transform_kernel, by blocks: the four diagonal 16 x 16 blocks by forward
+    substitution (15 steps each instead of 63 for the whole chunk), then block row i of the lower part from
+    A_ij = -D_i sum_{j <= m < i} L_im A_mj, fp32 products on CUDA cores."""
+    n, bh = tl.program_id(0), tl.program_id(1)
+    T = N * BT
+    b, h = bh // H, bh % H
+    scal_base = b.to(tl.int64) * T * H + h
+    t0 = n * BT
+    kbase = scal_base * K
+    gc0, b0, off = _sub_gates(g, beta, scal_base, t0, H, 0.0)
+    gc1, b1, off = _sub_gates(g, beta, scal_base, t0 + SUB, H, off)
+    gc2, b2, off = _sub_gates(g, beta, scal_base, t0 + 2 * SUB, H, off)
+    gc3, b3, off = _sub_gates(g, beta, scal_base, t0 + 3 * SUB, H, off)
+    # P on each block's rows, K^T on each block's columns (loaded transposed)
+    p0 = tl.load(_sub_rows(p, kbase, t0, H * K, K)).to(tl.bfloat16)
+    p1 = tl.load(_sub_rows(p, kbase, t0 + SUB, H * K, K)).to(tl.bfloat16)
+    p2 = tl.load(_sub_rows(p, kbase, t0 + 2 * SUB, H * K, K)).to(tl.bfloat16)
+    p3 = tl.load(_sub_rows(p, kbase, t0 + 3 * SUB, H * K, K)).to(tl.bfloat16)
+    kt0 = tl.load(_sub_rows_t(k, kbase, t0, H * K, K)).to(tl.bfloat16)
+    kt1 = tl.load(_sub_rows_t(k, kbase, t0 + SUB, H * K, K)).to(tl.bfloat16)
+    kt2 = tl.load(_sub_rows_t(k, kbase, t0 + 2 * SUB, H * K, K)).to(tl.bfloat16)
+    kt3 = tl.load(_sub_rows_t(k, kbase, t0 + 3 * SUB, H * K, K)).to(tl.bfloat16)
+
+    # Every block of L first, so that the P and K tiles are dead before the substitutions.
+    L00 = _l_block(p0, b0, gc0, kt0, gc0, True)
+    L10 = _l_block(p1, b1, gc1, kt0, gc0, False)
+    L20 = _l_block(p2, b2, gc2, kt0, gc0, False)
+    L30 = _l_block(p3, b3, gc3, kt0, gc0, False)
+    L11 = _l_block(p1, b1, gc1, kt1, gc1, True)
+    L21 = _l_block(p2, b2, gc2, kt1, gc1, False)
+    L31 = _l_block(p3, b3, gc3, kt1, gc1, False)
+    L22 = _l_block(p2, b2, gc2, kt2, gc2, True)
+    L32 = _l_block(p3, b3, gc3, kt2, gc2, False)
+    L33 = _l_block(p3, b3, gc3, kt3, gc3, True)
+    D0 = _inv_unit_lower(L00)
+    D1 = _inv_unit_lower(L11)
+    D2 = _inv_unit_lower(L22)
+    D3 = _inv_unit_lower(L33)
+    A10 = -_mm(D1, _mm(L10, D0))
+    A21 = -_mm(D2, _mm(L21, D1))
+    A20 = -_mm(D2, _mm(L20, D0) + _mm(L21, A10))
+    A32 = -_mm(D3, _mm(L32, D2))
+    A31 = -_mm(D3, _mm(L31, D1) + _mm(L32, A21))
+    A30 = -_mm(D3, _mm(L30, D0) + _mm(L31, A10) + _mm(L32, A20))
+
+    a_base = (bh.to(tl.int64) * N + n) * BT * BT
+    zero = tl.zeros([SUB, SUB], dtype=tl.float32)
+    _store_block(A, a_base, 0, 0, D0)
+    _store_block(A, a_base, 0, 1, zero)
+    _store_block(A, a_base, 0, 2, zero)
+    _store_block(A, a_base, 0, 3, zero)
+    _store_block(A, a_base, 1, 0, A10)
+    _store_block(A, a_base, 1, 1, D1)
+    _store_block(A, a_base, 1, 2, zero)
+    _store_block(A, a_base, 1, 3, zero)
+    _store_block(A, a_base, 2, 0, A20)
+    _store_block(A, a_base, 2, 1, A21)
+    _store_block(A, a_base, 2, 2, D2)
+    _store_block(A, a_base, 2, 3, zero)
+    _store_block(A, a_base, 3, 0, A30)
+    _store_block(A, a_base, 3, 1, A31)
+    _store_block(A, a_base, 3, 2, A32)
+    _store_block(A, a_base, 3, 3, D3)
+
+
 @triton.jit
 def _forward_step(k, v, p, beta, g, A, S_out, Vn_out, S, n, bh, scal_base, N, H, cv, K: tl.constexpr,
                   V: tl.constexpr):
@@ -314,6 +440,7 @@ class Config(NamedTuple):
     state_dtype: torch.dtype = torch.bfloat16   # S_n and dS'_n in HBM (the scans carry them in fp32)
     grads_warps: int = 8
     split_grads: bool = False           # X = A^T dVn, dv in _adjoint_kernel; the rest in _grads_kernel
+    transform_blocked: bool = False     # A by 16 x 16 blocks (_transform_blocked_kernel)
 
 
 # Every entry is exercised by the CUDA tests at the spec's correct shapes and one measure shape per K, and timed
@@ -327,6 +454,8 @@ CONFIGS = {
     "scan_pipe2": Config(scan_stages=2),
     "states_fp32": Config(state_dtype=torch.float32),
     "grads_split": Config(split_grads=True),
+    # Not yet timed: the transform was 27-38% of the time in the sweep of bench/results/2026-11-29-ea4bff7.
+    "split_blocked": Config(split_grads=True, transform_blocked=True),
 }
 # grads_split: 6.64 against 7.16 ms at (8, 2048, 32, 128, 128) and 9.00 against 9.98 ms at (16, 2048, 32, 64,
 # 128) for "base" (bench/results/2026-11-29-ea4bff7, sweep rows); the other plans were slower or within 1.5%.
@@ -361,9 +490,10 @@ def comba_backward_stages(q, k, v, p, beta, g, do, scale: float, config: str = D
     BV = min(cfg.scan_bv, V)
     scan = dict(K=K, V=V, BV=BV, STATIC_N=N if cfg.scan_stages else 0, STAGES=max(cfg.scan_stages, 1),
                 num_warps=cfg.scan_warps, num_stages=max(cfg.scan_stages, 1))
+    transform = _transform_blocked_kernel if cfg.transform_blocked else _transform_kernel
     stages = {
-        "transform": lambda: _transform_kernel[(N, BH)](k, p, beta, g, A, N, H, K,
-                                                        num_warps=cfg.transform_warps, num_stages=1),
+        "transform": lambda: transform[(N, BH)](k, p, beta, g, A, N, H, K, num_warps=cfg.transform_warps,
+                                                num_stages=1),
         "forward_scan": lambda: _forward_scan_kernel[(V // BV, BH)](k, v, p, beta, g, A, S, Vn, N, H, **scan),
         "reverse_scan": lambda: _reverse_scan_kernel[(V // BV, BH)](q, k, p, beta, g, do, A, dS, dVn, scale, N,
                                                                     H, **scan),
