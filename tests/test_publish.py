@@ -39,5 +39,5 @@ def test_dry_run_prints_everything(capsys):
     out = capsys.readouterr().out
     for kernel in KERNELS:
         assert f"# tessera/{kernel.name}: build -> branch v1, card -> main" in out
-        assert f"build/torch-cuda/metadata.json" in out
+        assert "build/torch-cuda/metadata.json" in out
     assert out.count("HfApi.upload_folder(") == len(KERNELS)

@@ -57,7 +57,7 @@ def ldsa_case(k, device, gen):
 def log_mel_case(k, device, gen):
     import torch
 
-    sr, seconds, B = 16000, 30, 2
+    sr, seconds = 16000, 30
     t = torch.arange(sr * seconds) / sr
     chirp = torch.sin(2 * math.pi * (200 + 1500 * t / seconds) * t)
     audio = torch.stack([0.3 * chirp + 0.05 * torch.randn(t.shape, generator=gen), torch.zeros_like(t)])  # + silence
@@ -66,7 +66,7 @@ def log_mel_case(k, device, gen):
     stft, filters = stft.to(device), k.mel_filters(80).to(device)
     out, ms = _timed(lambda: k.log_mel_spectrogram(stft, filters), device)
     ref = k.log_mel_spectrogram_reference(*_cpu32(stft, filters))
-    return f"2 clips x 30 s (one silent), NF=201, 80 Whisper mels", k.kernel_path(stft), _rel_err([out], [ref]), ms, 1e-4
+    return "2 clips x 30 s (one silent), NF=201, 80 Whisper mels", k.kernel_path(stft), _rel_err([out], [ref]), ms, 1e-4
 
 
 def based_case(k, device, gen):

@@ -103,6 +103,21 @@ def run_tests(out_dir: Path, names: list[str], all_tests: bool, timeout: float, 
     return {**summary, "failed": failed, "seconds": round(time.time() - start, 1), "exit_code": proc.returncode}
 
 
+def prepare_run(names: list[str]) -> tuple[str, Path]:
+    """Build the named kernels and lay them into the offline Hub cache this process (and its children) load
+    from; return the sha the run measures and the results path stem `<out>/<date>-<sha>` (out: $OUT when
+    set, for the device tool to bring back, else bench/results)."""
+    os.environ.setdefault("HF_HUB_CACHE", str(HUB_CACHE))
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    for step in ("build", "hub"):
+        subprocess.run([sys.executable, "-m", f"tools.{step}", *names], cwd=REPO_ROOT, check=True)
+    sha = os.environ.get("TESSERA_GIT_SHA") or git("rev-parse", "HEAD") or "unknown"
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
+    out_dir = Path(os.environ.get("OUT", RESULTS))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    return sha, out_dir / f"{stamp}-{sha[:12]}"
+
+
 def load_benchmark(name: str):
     """(kernels/<name>/benchmarks/benchmark.py as a module, the kernel loaded from the Hub cache)."""
     from kernels import get_kernel
@@ -177,17 +192,9 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("gpu_bench needs a CUDA device", file=sys.stderr)
         return 2
-    os.environ.setdefault("HF_HUB_CACHE", str(HUB_CACHE))
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ["TESSERA_SPECS"] = str(args.specs)
     names = [k.name for k in resolve(args.kernels)]
-    for step in ("build", "hub"):
-        subprocess.run([sys.executable, "-m", f"tools.{step}", *names], cwd=REPO_ROOT, check=True)
-
-    sha = os.environ.get("TESSERA_GIT_SHA") or git("rev-parse", "HEAD") or "unknown"
-    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
-    out_dir = Path(os.environ.get("OUT", RESULTS))
-    out_dir.mkdir(parents=True, exist_ok=True)
+    sha, base = prepare_run(names)
     report = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "git_sha": sha,
@@ -198,14 +205,13 @@ def main(argv: list[str] | None = None) -> int:
         "torch": torch.__version__,
         "triton": triton.__version__,
     }
-    base = out_dir / f"{stamp}-{sha[:12]}"
 
     def save():
         base.with_suffix(".json").write_text(json.dumps(report, indent=1) + "\n")
         base.with_suffix(".md").write_text(markdown(report))
 
     if not args.skip_tests:
-        report["tests"] = run_tests(out_dir, names, args.all_tests, args.test_timeout, args.tests)
+        report["tests"] = run_tests(base.parent, names, args.all_tests, args.test_timeout, args.tests)
         print(f"tests: {report['tests']}", flush=True)
     bench = Bench(sweep=not args.no_sweep)
     report["copy_gbps"] = bench.copy_gbps

@@ -9,16 +9,13 @@ when set). Clocks are left as they are (`--clock-control none`, as the machine's
 """
 
 import argparse
-import datetime
 import inspect
-import os
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
-from .common import HUB_CACHE, REPO_ROOT, git, resolve
-from .gpu_bench import RESULTS, load_benchmark
+from .common import REPO_ROOT, resolve
+from .gpu_bench import load_benchmark, prepare_run
 
 SECTIONS = ("SpeedOfLight", "Occupancy", "LaunchStats", "WarpStateStats", "MemoryWorkloadAnalysis")
 
@@ -65,18 +62,11 @@ def main(argv: list[str] | None = None) -> int:
     if shutil.which("ncu") is None:
         print("gpu_profile needs Nsight Compute (ncu) on the PATH", file=sys.stderr)
         return 2
-    os.environ.setdefault("HF_HUB_CACHE", str(HUB_CACHE))
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     names = [k.name for k in resolve(args.kernels)]
-    for step in ("build", "hub"):
-        subprocess.run([sys.executable, "-m", f"tools.{step}", *names], cwd=REPO_ROOT, check=True)
-    sha = os.environ.get("TESSERA_GIT_SHA") or git("rev-parse", "HEAD") or "unknown"
-    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
-    out_dir = Path(os.environ.get("OUT", RESULTS))
-    out_dir.mkdir(parents=True, exist_ok=True)
+    _, base = prepare_run(names)
     failed = 0
     for name in names:
-        report = out_dir / f"{stamp}-{sha[:12]}-ncu-{name}.txt"
+        report = base.with_name(f"{base.name}-ncu-{name}.txt")
         command = ["ncu", "--clock-control", "none", "--profile-from-start", "off",
                    *(arg for section in SECTIONS for arg in ("--section", section)),
                    sys.executable, "-m", "tools.gpu_profile", "--case", name]  # fmt: skip

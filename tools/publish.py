@@ -9,7 +9,6 @@ machines cannot reach the Hub, so the dry run is what the tests exercise). A rea
 import argparse
 import sys
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from .common import Kernel, resolve
 

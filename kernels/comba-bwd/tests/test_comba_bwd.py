@@ -3,7 +3,6 @@ token-by-token recurrence (and its autograd) and against the spec's code, the pu
 through `comba_attention`, the registered ops (opcheck, torch.compile), bad input, the layer through
 `kernelize`, and the fused Triton backward (interpreter on CPU, every shipped config on CUDA)."""
 
-import os
 
 import pytest
 import torch

@@ -4,7 +4,6 @@ fused path against float64 on CUDA, and the paper's LDSA block kernelized throug
 
 import copy
 import itertools
-import os
 
 import pytest
 import torch

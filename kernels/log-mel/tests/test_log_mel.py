@@ -5,13 +5,12 @@ interpreter on CPU, for real on CUDA) at small shapes, every design and shipped 
 spec shape."""
 
 import math
-import os
 
 import pytest
 import torch
 from torch import nn
 
-from testkit import HAS_CUDA, INTERPRETED, load, needs_cuda, needs_triton, rel_err, spec, submodule
+from testkit import HAS_CUDA, load, needs_cuda, needs_triton, rel_err, spec, submodule
 
 SPEC = "audio_mel_spectrogram_fused"
 DEVICE = "cuda" if HAS_CUDA else "cpu"

@@ -81,16 +81,16 @@ def _decay(gc, upper: tl.constexpr, strict: tl.constexpr):
 
 
 @triton.jit
-def _rows(x, base, t0, HD, D: tl.constexpr):
-    """Pointers to the [BT, D] rows t0.. of a (B, T, H, D) tensor (base = (b*T*H + h)*D)."""
-    r = tl.arange(0, BT)
+def _rows(x, base, t0, HD, D: tl.constexpr, R: tl.constexpr = BT):
+    """Pointers to the [R, D] rows t0.. of a (B, T, H, D) tensor (base = (b*T*H + h)*D)."""
+    r = tl.arange(0, R)
     return x + base + (t0 + r)[:, None] * HD + tl.arange(0, D)[None, :]
 
 
 @triton.jit
-def _rows_t(x, base, t0, HD, D: tl.constexpr):
-    """Pointers to the same rows as _rows, transposed: [D, BT]."""
-    r = tl.arange(0, BT)
+def _rows_t(x, base, t0, HD, D: tl.constexpr, R: tl.constexpr = BT):
+    """Pointers to the same rows as _rows, transposed: [D, R]."""
+    r = tl.arange(0, R)
     return x + base + (t0 + r)[None, :] * HD + tl.arange(0, D)[:, None]
 
 
@@ -117,20 +117,6 @@ def _transform_kernel(k, p, beta, g, A, N, H, K: tl.constexpr):
 
 
 SUB = tl.constexpr(16)  # sub-block of the blocked transform: 4 x 4 blocks of 16 x 16 per chunk
-
-
-@triton.jit
-def _sub_rows(x, base, t0, HD, D: tl.constexpr):
-    """Pointers to the [SUB, D] rows t0.. of a (B, T, H, D) tensor."""
-    r = tl.arange(0, SUB)
-    return x + base + (t0 + r)[:, None] * HD + tl.arange(0, D)[None, :]
-
-
-@triton.jit
-def _sub_rows_t(x, base, t0, HD, D: tl.constexpr):
-    """The same rows as _sub_rows, transposed: [D, SUB]."""
-    r = tl.arange(0, SUB)
-    return x + base + (t0 + r)[None, :] * HD + tl.arange(0, D)[:, None]
 
 
 @triton.jit
@@ -191,14 +177,14 @@ def _transform_blocked_kernel(k, p, beta, g, A, N, H, K: tl.constexpr):
     gc2, b2, off = _sub_gates(g, beta, scal_base, t0 + 2 * SUB, H, off)
     gc3, b3, off = _sub_gates(g, beta, scal_base, t0 + 3 * SUB, H, off)
     # P on each block's rows, K^T on each block's columns (loaded transposed)
-    p0 = tl.load(_sub_rows(p, kbase, t0, H * K, K)).to(tl.bfloat16)
-    p1 = tl.load(_sub_rows(p, kbase, t0 + SUB, H * K, K)).to(tl.bfloat16)
-    p2 = tl.load(_sub_rows(p, kbase, t0 + 2 * SUB, H * K, K)).to(tl.bfloat16)
-    p3 = tl.load(_sub_rows(p, kbase, t0 + 3 * SUB, H * K, K)).to(tl.bfloat16)
-    kt0 = tl.load(_sub_rows_t(k, kbase, t0, H * K, K)).to(tl.bfloat16)
-    kt1 = tl.load(_sub_rows_t(k, kbase, t0 + SUB, H * K, K)).to(tl.bfloat16)
-    kt2 = tl.load(_sub_rows_t(k, kbase, t0 + 2 * SUB, H * K, K)).to(tl.bfloat16)
-    kt3 = tl.load(_sub_rows_t(k, kbase, t0 + 3 * SUB, H * K, K)).to(tl.bfloat16)
+    p0 = tl.load(_rows(p, kbase, t0, H * K, K, SUB)).to(tl.bfloat16)
+    p1 = tl.load(_rows(p, kbase, t0 + SUB, H * K, K, SUB)).to(tl.bfloat16)
+    p2 = tl.load(_rows(p, kbase, t0 + 2 * SUB, H * K, K, SUB)).to(tl.bfloat16)
+    p3 = tl.load(_rows(p, kbase, t0 + 3 * SUB, H * K, K, SUB)).to(tl.bfloat16)
+    kt0 = tl.load(_rows_t(k, kbase, t0, H * K, K, SUB)).to(tl.bfloat16)
+    kt1 = tl.load(_rows_t(k, kbase, t0 + SUB, H * K, K, SUB)).to(tl.bfloat16)
+    kt2 = tl.load(_rows_t(k, kbase, t0 + 2 * SUB, H * K, K, SUB)).to(tl.bfloat16)
+    kt3 = tl.load(_rows_t(k, kbase, t0 + 3 * SUB, H * K, K, SUB)).to(tl.bfloat16)
 
     # Every block of L first, so that the P and K tiles are dead before the substitutions.
     L00 = _l_block(p0, b0, gc0, kt0, gc0, True)
