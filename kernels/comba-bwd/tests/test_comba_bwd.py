@@ -300,7 +300,8 @@ def test_transform_kernels_invert_the_chunk_system(triton_bwd, kernel):
 
 
 # The launch plans of triton_bwd.CONFIGS besides the default "grads_split" (test_config_names_are_the_tested_ones).
-OTHER_CONFIGS = ["base", "transform_w8", "scan_bv32", "scan_w8", "scan_pipe2", "states_fp32", "split_blocked"]
+OTHER_CONFIGS = ["base", "transform_w8", "scan_bv32", "scan_w8", "scan_pipe2", "states_fp32", "split_blocked",
+                 "grads_two"]
 
 
 @needs_triton
@@ -320,16 +321,18 @@ def test_triton_config_matches_float64(triton_bwd, config):
 
 
 @needs_triton
-def test_stages_rerun_alone_give_the_same_gradients(triton_bwd):
+@pytest.mark.parametrize("config,last", [("grads_split", ("adjoint", "grads")),
+                                         ("grads_two", ("adjoint", "grads_qk", "grads_pb"))])
+def test_stages_rerun_alone_give_the_same_gradients(triton_bwd, config, last):
     """The benchmark times each stage alone after one full pass: re-running a stage must not change anything."""
     inputs = make_inputs(1, 128, 1, 64, 64, torch.bfloat16, TRITON_DEVICE, seed=11)
-    stages, grads = triton_bwd.comba_backward_stages(*inputs, 0.125, config="grads_split")
-    assert tuple(stages) == ("transform", "forward_scan", "reverse_scan", "adjoint", "grads")
+    stages, grads = triton_bwd.comba_backward_stages(*inputs, 0.125, config=config)
+    assert tuple(stages) == ("transform", "forward_scan", "reverse_scan", *last)
     for launch in stages.values():
         launch()
     first = [x.clone() for x in grads]
-    stages["grads"]()
-    stages["adjoint"]()
+    for name in reversed(last):
+        stages[name]()
     assert all(torch.equal(a, b) for a, b in zip(first, grads))
 
 

@@ -337,10 +337,60 @@ def _adjoint_kernel(v, beta, A, dVn_in, X_out, dv, dbeta_v, N, H, V: tl.constexp
 
 
 @triton.jit
+def _grads_q_k(qk, kk, pk, bk, dok, Vn, Vn_t, S_t, dS_t, Xb_t, E, E_t, gc, glast, scale):
+    """dq and dk of a chunk, and their terms of d gc (the last row's included)."""
+    gam = tl.exp(gc)
+    # Readout: o = scale [(gam Q) S + (lower(Q K^T) * E) Vn].
+    do_vn = (tl.dot(dok, Vn_t) * E).to(tl.bfloat16)                           # lower(dO Vn^T) * E
+    do_vn_t = (tl.dot(Vn, tl.trans(dok)) * E_t).to(tl.bfloat16)
+    dq_c = scale * (gam[:, None] * tl.dot(dok, S_t.to(tl.bfloat16)) + tl.dot(do_vn, kk))
+    dk_read = scale * tl.dot(do_vn_t, qk)
+    dk_state = tl.exp(glast - gc)[:, None] * tl.dot(Vn, dS_t.to(tl.bfloat16))
+    # The chunk transform's K side: dR = dL * E with dL = -strict_lower(X Vn^T), seen transposed.
+    r = tl.arange(0, BT)
+    dR_t = tl.where(r[:, None] < r[None, :], -tl.dot(Vn, Xb_t) * E_t, 0.0)
+    bp = (pk.to(tl.float32) * bk[:, None]).to(tl.bfloat16)
+    dk_c = dk_read + dk_state + tl.dot(dR_t.to(tl.bfloat16), bp)
+    k_state = tl.sum(kk.to(tl.float32) * dk_state, 1)
+    dgc = tl.sum(qk.to(tl.float32) * dq_c, 1) - tl.sum(kk.to(tl.float32) * dk_read, 1) - k_state
+    last = tl.sum(k_state, 0) + tl.exp(glast) * tl.sum(tl.sum(S_t.to(tl.float32) * dS_t.to(tl.float32), 1), 0)
+    return dq_c, dk_c, dgc + tl.where(r == BT - 1, last, 0.0)
+
+
+@triton.jit
+def _grads_p_beta(pk, kk, bk, Xb, Vn_t, S_t, E, gam, db_v):
+    """dp and dbeta of a chunk (db_v: dbeta's v part), and their terms of d gc."""
+    # A^T dW = -X S^T; the chunk transform: L = strict_lower((beta P) K^T * E), dL = -strict_lower(X Vn^T).
+    Y = -tl.dot(Xb, S_t.to(tl.bfloat16))
+    r = tl.arange(0, BT)
+    mask = r[:, None] > r[None, :]
+    L = tl.where(mask, tl.dot(pk, tl.trans(kk)) * bk[:, None] * E, 0.0)
+    dL = tl.where(mask, -tl.dot(Xb, Vn_t), 0.0)
+    dR_k = tl.dot((dL * E).to(tl.bfloat16), kk)
+    pf = pk.to(tl.float32)
+    dp_c = (bk * gam)[:, None] * Y + bk[:, None] * dR_k
+    p_y = tl.sum(pf * Y, 1)
+    db_c = db_v + gam * p_y + tl.sum(pf * dR_k, 1)
+    dL_L = dL * L
+    return dp_c, db_c, tl.sum(dL_L, 1) - tl.sum(dL_L, 0) + bk * gam * p_y
+
+
+@triton.jit
+def _reverse_cumsum(x):
+    """dg from d gc: the sum over the chunk's later rows, each row included (gc is an inclusive cumsum)."""
+    return tl.sum(x, 0) - tl.cumsum(x, 0) + x
+
+
+@triton.jit
 def _grads_kernel(q, k, v, p, beta, g, do, A, S_in, dS_in, Vn_in, dVn_in, X_in, dbeta_v,
                   dq, dk, dv, dp, dbeta, dg, scale, N, H, K: tl.constexpr, V: tl.constexpr,
                   X_IN_HBM: tl.constexpr):
-    """All gradients of one chunk; with X_IN_HBM, X (bf16), dv and sum_v(v X) come from _adjoint_kernel."""
+    """All gradients of one chunk; with X_IN_HBM, X (bf16), dv and sum_v(v X) come from _adjoint_kernel.
+
+    Its algebra is that of _grads_q_k and _grads_p_beta, written inline: this is the form checked on the
+    H200 (bench/results/2026-11-29-6d4fa9b-comba-pytest.log). Built from those helpers it compiles
+    differently (ptxas, sm_90: 220 against 920 bytes of spill at K = 64, 1,932 against 2,136 at K = 128,
+    split, 8 warps), so the switch waits for a GPU run that checks that build."""
     n, bh = tl.program_id(0), tl.program_id(1)
     T = N * BT
     b, h = bh // H, bh % H
@@ -415,6 +465,57 @@ def _grads_kernel(q, k, v, p, beta, g, do, A, S_in, dS_in, Vn_in, dVn_in, X_in, 
     tl.store(dg + scal_base + (t0 + r) * H, dg_c)
 
 
+@triton.jit
+def _grads_qk_kernel(q, k, p, beta, g, do, S_in, dS_in, Vn_in, X_in, dq, dk, dgc_out, scale, N, H,
+                     K: tl.constexpr, V: tl.constexpr):
+    """The gradient kernel's first half (plan grads_two): dq, dk and their terms of d gc -> dgc_out (fp32)."""
+    n, bh = tl.program_id(0), tl.program_id(1)
+    T = N * BT
+    scal_base = (bh // H).to(tl.int64) * T * H + bh % H
+    t0 = n * BT
+    r, ck, cv = tl.arange(0, BT), tl.arange(0, K), tl.arange(0, V)
+    chunk = bh.to(tl.int64) * N + n
+    gc, glast, bk = _gates(g, beta, scal_base, t0, H)
+    vn_rows = (bh.to(tl.int64) * T + t0 + r)[:, None] * V + cv[None, :]
+    vn_cols = (bh.to(tl.int64) * T + t0 + r)[None, :] * V + cv[:, None]
+    state_t = (chunk * K + ck[None, :]) * V + cv[:, None]                     # [V, K] view of a (K, V) state
+    dq_c, dk_c, dgc = _grads_q_k(
+        tl.load(_rows(q, scal_base * K, t0, H * K, K)).to(tl.bfloat16),
+        tl.load(_rows(k, scal_base * K, t0, H * K, K)).to(tl.bfloat16),
+        tl.load(_rows(p, scal_base * K, t0, H * K, K)).to(tl.bfloat16), bk,
+        tl.load(_rows(do, scal_base * V, t0, H * V, V)).to(tl.bfloat16),
+        tl.load(Vn_in + vn_rows), tl.load(Vn_in + vn_cols), tl.load(S_in + state_t), tl.load(dS_in + state_t),
+        tl.load(X_in + vn_cols), _decay(gc, False, False), _decay(gc, True, False), gc, glast, scale)
+    tl.store(_rows(dq, scal_base * K, t0, H * K, K), dq_c.to(dq.dtype.element_ty))
+    tl.store(_rows(dk, scal_base * K, t0, H * K, K), dk_c.to(dk.dtype.element_ty))
+    tl.store(dgc_out + scal_base + (t0 + r) * H, dgc)
+
+
+@triton.jit
+def _grads_pb_kernel(k, p, beta, g, S_in, Vn_in, X_in, dbeta_v, dgc_in, dp, dbeta, dg, N, H,
+                     K: tl.constexpr, V: tl.constexpr):
+    """The second half: dp, dbeta, and dg from both halves' terms of d gc (dgc_in may be dg itself)."""
+    n, bh = tl.program_id(0), tl.program_id(1)
+    T = N * BT
+    scal_base = (bh // H).to(tl.int64) * T * H + bh % H
+    t0 = n * BT
+    r, ck, cv = tl.arange(0, BT), tl.arange(0, K), tl.arange(0, V)
+    chunk = bh.to(tl.int64) * N + n
+    gc, _, bk = _gates(g, beta, scal_base, t0, H)
+    vn_rows = (bh.to(tl.int64) * T + t0 + r)[:, None] * V + cv[None, :]
+    vn_cols = (bh.to(tl.int64) * T + t0 + r)[None, :] * V + cv[:, None]
+    rows = scal_base + (t0 + r) * H
+    dp_c, db_c, dgc = _grads_p_beta(
+        tl.load(_rows(p, scal_base * K, t0, H * K, K)).to(tl.bfloat16),
+        tl.load(_rows(k, scal_base * K, t0, H * K, K)).to(tl.bfloat16), bk,
+        tl.load(X_in + vn_rows), tl.load(Vn_in + vn_cols), tl.load(S_in + (chunk * K + ck[None, :]) * V + cv[:, None]),
+        _decay(gc, False, False), tl.exp(gc), tl.load(dbeta_v + rows))
+    dg_c = _reverse_cumsum(tl.load(dgc_in + rows) + dgc)
+    tl.store(_rows(dp, scal_base * K, t0, H * K, K), dp_c.to(dp.dtype.element_ty))
+    tl.store(dbeta + rows, db_c.to(dbeta.dtype.element_ty))
+    tl.store(dg + rows, dg_c)
+
+
 class Config(NamedTuple):
     """One launch plan of the backward (see CONFIGS)."""
 
@@ -427,6 +528,7 @@ class Config(NamedTuple):
     grads_warps: int = 8
     split_grads: bool = False           # X = A^T dVn, dv in _adjoint_kernel; the rest in _grads_kernel
     transform_blocked: bool = False     # A by 16 x 16 blocks (_transform_blocked_kernel)
+    grads_two: bool = False             # with split_grads: _grads_qk_kernel, then _grads_pb_kernel
 
 
 # Every entry is exercised by the CUDA tests at the spec's correct shapes and one measure shape per K, and timed
@@ -442,11 +544,13 @@ CONFIGS = {
     "grads_split": Config(split_grads=True),
     # Not yet timed: the transform was 27-38% of the time in the sweep of bench/results/2026-11-29-ea4bff7.
     "split_blocked": Config(split_grads=True, transform_blocked=True),
+    # Not yet timed: the gradient kernel (45-56% of the time there) spills 0.9-2.1 KB a thread and holds
+    # 139-197 KB of shared memory in an offline sm_90 compile; halved, 0-0.9 KB and 65-164 KB.
+    "grads_two": Config(split_grads=True, grads_two=True),
 }
 # grads_split: 6.64 against 7.16 ms at (8, 2048, 32, 128, 128) and 9.00 against 9.98 ms at (16, 2048, 32, 64,
 # 128) for "base" (bench/results/2026-11-29-ea4bff7, sweep rows); the other plans were slower or within 1.5%.
 DEFAULT = "grads_split"
-STAGES = ("transform", "forward_scan", "reverse_scan", "adjoint", "grads")
 
 
 def comba_backward_stages(q, k, v, p, beta, g, do, scale: float, config: str = DEFAULT):
@@ -473,6 +577,7 @@ def comba_backward_stages(q, k, v, p, beta, g, do, scale: float, config: str = D
     dq, dk, dp = (torch.empty_like(x) for x in (q, k, p))
     dv, dbeta = torch.empty_like(v), torch.empty_like(beta)
     dg = torch.empty_like(g, dtype=torch.float32)
+    dgc_qk = torch.empty_like(dg) if cfg.grads_two else dg          # the first half's terms of d gc
     BV = min(cfg.scan_bv, V)
     scan = dict(K=K, V=V, BV=BV, STATIC_N=N if cfg.scan_stages else 0, STAGES=max(cfg.scan_stages, 1),
                 num_warps=cfg.scan_warps, num_stages=max(cfg.scan_stages, 1))
@@ -488,9 +593,15 @@ def comba_backward_stages(q, k, v, p, beta, g, do, scale: float, config: str = D
         "grads": lambda: _grads_kernel[(N, BH)](q, k, v, p, beta, g, do, A, S, dS, Vn, dVn, X, dbeta_v, dq, dk,
                                                 dv, dp, dbeta, dg, scale, N, H, K, V, cfg.split_grads,
                                                 num_warps=cfg.grads_warps, num_stages=1),
+        "grads_qk": lambda: _grads_qk_kernel[(N, BH)](q, k, p, beta, g, do, S, dS, Vn, X, dq, dk, dgc_qk, scale, N,
+                                                      H, K, V, num_warps=cfg.grads_warps, num_stages=1),
+        "grads_pb": lambda: _grads_pb_kernel[(N, BH)](k, p, beta, g, S, Vn, X, dbeta_v, dgc_qk, dp, dbeta, dg, N,
+                                                      H, K, V, num_warps=cfg.grads_warps, num_stages=1),
     }
     if not cfg.split_grads:
         del stages["adjoint"]
+    for name in ("grads_qk", "grads_pb") if not cfg.grads_two else ("grads",):
+        del stages[name]
     return stages, (dq, dk, dv, dp, dbeta, dg)
 
 
