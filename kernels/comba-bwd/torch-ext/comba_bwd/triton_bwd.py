@@ -466,19 +466,24 @@ def _grads_kernel(q, k, v, p, beta, g, do, A, S_in, dS_in, Vn_in, dVn_in, X_in, 
 
 
 @triton.jit
+def _chunk_offsets(N, H, V: tl.constexpr):
+    """This program's chunk (grid: chunk, b * H + h): the (B, T, H) offset of its (b, h), its first row, its
+    index among all chunks, and the [BT, V] and [V, BT] offsets of its rows in a (B * H, T, V) tensor."""
+    n, bh = tl.program_id(0), tl.program_id(1)
+    T = N * BT
+    rows = bh.to(tl.int64) * T + n * BT + tl.arange(0, BT)
+    cv = tl.arange(0, V)
+    scal_base = (bh // H).to(tl.int64) * T * H + bh % H
+    return scal_base, n * BT, bh.to(tl.int64) * N + n, rows[:, None] * V + cv[None, :], rows[None, :] * V + cv[:, None]
+
+
+@triton.jit
 def _grads_qk_kernel(q, k, p, beta, g, do, S_in, dS_in, Vn_in, X_in, dq, dk, dgc_out, scale, N, H,
                      K: tl.constexpr, V: tl.constexpr):
     """The gradient kernel's first half (plan grads_two): dq, dk and their terms of d gc -> dgc_out (fp32)."""
-    n, bh = tl.program_id(0), tl.program_id(1)
-    T = N * BT
-    scal_base = (bh // H).to(tl.int64) * T * H + bh % H
-    t0 = n * BT
-    r, ck, cv = tl.arange(0, BT), tl.arange(0, K), tl.arange(0, V)
-    chunk = bh.to(tl.int64) * N + n
+    scal_base, t0, chunk, vn_rows, vn_cols = _chunk_offsets(N, H, V)
     gc, glast, bk = _gates(g, beta, scal_base, t0, H)
-    vn_rows = (bh.to(tl.int64) * T + t0 + r)[:, None] * V + cv[None, :]
-    vn_cols = (bh.to(tl.int64) * T + t0 + r)[None, :] * V + cv[:, None]
-    state_t = (chunk * K + ck[None, :]) * V + cv[:, None]                     # [V, K] view of a (K, V) state
+    state_t = (chunk * K + tl.arange(0, K)[None, :]) * V + tl.arange(0, V)[:, None]  # [V, K] view of a (K, V) state
     dq_c, dk_c, dgc = _grads_q_k(
         tl.load(_rows(q, scal_base * K, t0, H * K, K)).to(tl.bfloat16),
         tl.load(_rows(k, scal_base * K, t0, H * K, K)).to(tl.bfloat16),
@@ -488,27 +493,21 @@ def _grads_qk_kernel(q, k, p, beta, g, do, S_in, dS_in, Vn_in, X_in, dq, dk, dgc
         tl.load(X_in + vn_cols), _decay(gc, False, False), _decay(gc, True, False), gc, glast, scale)
     tl.store(_rows(dq, scal_base * K, t0, H * K, K), dq_c.to(dq.dtype.element_ty))
     tl.store(_rows(dk, scal_base * K, t0, H * K, K), dk_c.to(dk.dtype.element_ty))
-    tl.store(dgc_out + scal_base + (t0 + r) * H, dgc)
+    tl.store(dgc_out + scal_base + (t0 + tl.arange(0, BT)) * H, dgc)
 
 
 @triton.jit
 def _grads_pb_kernel(k, p, beta, g, S_in, Vn_in, X_in, dbeta_v, dgc_in, dp, dbeta, dg, N, H,
                      K: tl.constexpr, V: tl.constexpr):
-    """The second half: dp, dbeta, and dg from both halves' terms of d gc (dgc_in may be dg itself)."""
-    n, bh = tl.program_id(0), tl.program_id(1)
-    T = N * BT
-    scal_base = (bh // H).to(tl.int64) * T * H + bh % H
-    t0 = n * BT
-    r, ck, cv = tl.arange(0, BT), tl.arange(0, K), tl.arange(0, V)
-    chunk = bh.to(tl.int64) * N + n
+    """The second half: dp, dbeta, and dg from both halves' terms of d gc."""
+    scal_base, t0, chunk, vn_rows, vn_cols = _chunk_offsets(N, H, V)
     gc, _, bk = _gates(g, beta, scal_base, t0, H)
-    vn_rows = (bh.to(tl.int64) * T + t0 + r)[:, None] * V + cv[None, :]
-    vn_cols = (bh.to(tl.int64) * T + t0 + r)[None, :] * V + cv[:, None]
-    rows = scal_base + (t0 + r) * H
+    rows = scal_base + (t0 + tl.arange(0, BT)) * H
     dp_c, db_c, dgc = _grads_p_beta(
         tl.load(_rows(p, scal_base * K, t0, H * K, K)).to(tl.bfloat16),
         tl.load(_rows(k, scal_base * K, t0, H * K, K)).to(tl.bfloat16), bk,
-        tl.load(X_in + vn_rows), tl.load(Vn_in + vn_cols), tl.load(S_in + (chunk * K + ck[None, :]) * V + cv[:, None]),
+        tl.load(X_in + vn_rows), tl.load(Vn_in + vn_cols),
+        tl.load(S_in + (chunk * K + tl.arange(0, K)[None, :]) * V + tl.arange(0, V)[:, None]),
         _decay(gc, False, False), tl.exp(gc), tl.load(dbeta_v + rows))
     dg_c = _reverse_cumsum(tl.load(dgc_in + rows) + dgc)
     tl.store(_rows(dp, scal_base * K, t0, H * K, K), dp_c.to(dp.dtype.element_ty))
