@@ -560,6 +560,8 @@ def comba_backward_stages(q, k, v, p, beta, g, do, scale: float, config: str = D
     float32, padded in time to a multiple of the chunk (comba_backward_triton trims them).
     """
     cfg = CONFIGS[config]
+    if cfg.grads_two and not cfg.split_grads:
+        raise ValueError(f"plan {config!r}: grads_two reads X and dbeta_v from the adjoint kernel (split_grads)")
     B, T, H, K = q.shape
     V = v.shape[-1]
     q, k, v, p, beta, g, do = (pad_time(x) for x in (q, k, v, p, beta, g, do))

@@ -109,8 +109,9 @@ def _chunk_list_kernel(lo_ptr, hi_ptr, chunks_ptr, n_blocks, BLOCK_K: tl.constex
     (lo = NF > hi = 0) gets one chunk whose loads are all masked, so its bands are still written (silence)."""
     n = tl.zeros((), tl.int32)
     for block in range(0, n_blocks):
-        start = tl.minimum(tl.load(lo_ptr + block), tl.load(hi_ptr + block))
-        count = tl.maximum((tl.load(hi_ptr + block) - start + BLOCK_K - 1) // BLOCK_K, 1)
+        hi = tl.load(hi_ptr + block)
+        start = tl.minimum(tl.load(lo_ptr + block), hi)
+        count = tl.maximum((hi - start + BLOCK_K - 1) // BLOCK_K, 1)
         for j in range(0, count):
             entry = chunks_ptr + 1 + 3 * (n + j)
             tl.store(entry, block)
@@ -166,8 +167,8 @@ def _log_mel_tile(x_ptr, w_ptr, lo_ptr, hi_ptr, chunks_ptr, out_ptr, clip, tile,
     # cross-warp exchanges (shared memory and barriers) per block.
     run_max = tl.full((BLOCK_F, BLOCK_M), float("-inf"), tl.float32)
     run_min = tl.full((BLOCK_F, BLOCK_M), float("inf"), tl.float32)
-    mel = tl.zeros((BLOCK_F, BLOCK_M), tl.float32)
     if FLAT:
+        mel = tl.zeros((BLOCK_F, BLOCK_M), tl.float32)  # reset after each block's last chunk
         n_chunks = tl.load(chunks_ptr)
         entries = chunks_ptr + 1  # (band block, first bin, last chunk of its block) per chunk
         block = tl.load(entries)
