@@ -300,8 +300,7 @@ def test_transform_kernels_invert_the_chunk_system(triton_bwd, kernel):
 
 
 # The launch plans of triton_bwd.CONFIGS besides the default "grads_split" (test_config_names_are_the_tested_ones).
-OTHER_CONFIGS = ["base", "transform_w8", "scan_bv32", "scan_w8", "scan_pipe2", "states_fp32", "split_blocked",
-                 "grads_two"]
+OTHER_CONFIGS = ["base", "split_blocked", "grads_two"]
 
 
 @needs_triton

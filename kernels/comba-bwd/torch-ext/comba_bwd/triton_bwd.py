@@ -254,19 +254,15 @@ def _forward_step(k, v, p, beta, g, A, S_out, Vn_out, S, n, bh, scal_base, N, H,
 
 @triton.jit
 def _forward_scan_kernel(k, v, p, beta, g, A, S_out, Vn_out, N, H, K: tl.constexpr, V: tl.constexpr,
-                         BV: tl.constexpr, STATIC_N: tl.constexpr, STAGES: tl.constexpr):
+                         BV: tl.constexpr):
     iv, bh = tl.program_id(0), tl.program_id(1)
     scal_base = (bh // H).to(tl.int64) * N * BT * H + bh % H
     cv = iv * BV + tl.arange(0, BV)
     S = tl.zeros([K, BV], dtype=tl.float32)
-    if STATIC_N > 0:  # the chunk count compiled in: a counted loop that prefetches the next chunks' loads
-        for n in tl.range(0, STATIC_N, num_stages=STAGES):
-            S = _forward_step(k, v, p, beta, g, A, S_out, Vn_out, S, n, bh, scal_base, N, H, cv, K, V)
-    else:  # one compile for every T (a while loop, as checked on the H200; a runtime range() would do the same)
-        n = 0
-        while n < N:
-            S = _forward_step(k, v, p, beta, g, A, S_out, Vn_out, S, n, bh, scal_base, N, H, cv, K, V)
-            n += 1
+    n = 0
+    while n < N:  # one compile for every T (a while loop, as checked on the H200)
+        S = _forward_step(k, v, p, beta, g, A, S_out, Vn_out, S, n, bh, scal_base, N, H, cv, K, V)
+        n += 1
 
 
 @triton.jit
@@ -299,21 +295,15 @@ def _reverse_step(q, k, p, beta, g, do, A, dS_out, dVn_out, dS, n, bh, scal_base
 
 @triton.jit
 def _reverse_scan_kernel(q, k, p, beta, g, do, A, dS_out, dVn_out, scale, N, H, K: tl.constexpr,
-                         V: tl.constexpr, BV: tl.constexpr, STATIC_N: tl.constexpr, STAGES: tl.constexpr):
+                         V: tl.constexpr, BV: tl.constexpr):
     iv, bh = tl.program_id(0), tl.program_id(1)
     scal_base = (bh // H).to(tl.int64) * N * BT * H + bh % H
     cv = iv * BV + tl.arange(0, BV)
     dS = tl.zeros([K, BV], dtype=tl.float32)
-    if STATIC_N > 0:
-        for i in tl.range(0, STATIC_N, num_stages=STAGES):
-            dS = _reverse_step(q, k, p, beta, g, do, A, dS_out, dVn_out, dS, STATIC_N - 1 - i, bh, scal_base,
-                               scale, N, H, cv, K, V)
-    else:
-        n = N - 1
-        while n >= 0:
-            dS = _reverse_step(q, k, p, beta, g, do, A, dS_out, dVn_out, dS, n, bh, scal_base, scale, N, H, cv,
-                               K, V)
-            n -= 1
+    n = N - 1
+    while n >= 0:
+        dS = _reverse_step(q, k, p, beta, g, do, A, dS_out, dVn_out, dS, n, bh, scal_base, scale, N, H, cv, K, V)
+        n -= 1
 
 
 @triton.jit
@@ -521,8 +511,6 @@ class Config(NamedTuple):
     transform_warps: int = 4
     scan_warps: int = 4
     scan_bv: int = 64                   # V block of a scan program: V / scan_bv programs per (b, h)
-    scan_stages: int = 0                # 0: runtime chunk loop (one compile for all T); s >= 1: chunk count compiled
-                                        # in (one compile per padded T), loads software-pipelined s - 1 chunks ahead
     state_dtype: torch.dtype = torch.bfloat16   # S_n and dS'_n in HBM (the scans carry them in fp32)
     grads_warps: int = 8
     split_grads: bool = False           # X = A^T dVn, dv in _adjoint_kernel; the rest in _grads_kernel
@@ -535,11 +523,6 @@ class Config(NamedTuple):
 # comba_backward uses.
 CONFIGS = {
     "base": Config(),
-    "transform_w8": Config(transform_warps=8),
-    "scan_bv32": Config(scan_bv=32),
-    "scan_w8": Config(scan_warps=8),
-    "scan_pipe2": Config(scan_stages=2),
-    "states_fp32": Config(state_dtype=torch.float32),
     "grads_split": Config(split_grads=True),
     # Not yet timed: the transform was 27-38% of the time in the sweep of bench/results/2026-11-29-ea4bff7.
     "split_blocked": Config(split_grads=True, transform_blocked=True),
@@ -580,8 +563,7 @@ def comba_backward_stages(q, k, v, p, beta, g, do, scale: float, config: str = D
     dg = torch.empty_like(g, dtype=torch.float32)
     dgc_qk = torch.empty_like(dg) if cfg.grads_two else dg          # the first half's terms of d gc
     BV = min(cfg.scan_bv, V)
-    scan = dict(K=K, V=V, BV=BV, STATIC_N=N if cfg.scan_stages else 0, STAGES=max(cfg.scan_stages, 1),
-                num_warps=cfg.scan_warps, num_stages=max(cfg.scan_stages, 1))
+    scan = dict(K=K, V=V, BV=BV, num_warps=cfg.scan_warps, num_stages=1)
     transform = _transform_blocked_kernel if cfg.transform_blocked else _transform_kernel
     stages = {
         "transform": lambda: transform[(N, BH)](k, p, beta, g, A, N, H, K, num_warps=cfg.transform_warps,
