@@ -299,14 +299,14 @@ def test_transform_kernels_invert_the_chunk_system(triton_bwd, kernel):
     assert rel_err(A, expected) < 1e-5
 
 
-# The launch plans of triton_bwd.CONFIGS besides the default "grads_split" (test_config_names_are_the_tested_ones).
+# The launch plans of triton_bwd.CONFIGS besides the default "blocked_two" (test_config_names_are_the_tested_ones).
 OTHER_CONFIGS = ["base", "split_blocked", "grads_two"]
 
 
 @needs_triton
 @pytest.mark.kernels_ci
 def test_config_names_are_the_tested_ones(triton_bwd):
-    assert sorted(triton_bwd.CONFIGS) == sorted(["grads_split", *OTHER_CONFIGS]) and triton_bwd.DEFAULT == "grads_split"
+    assert sorted(triton_bwd.CONFIGS) == sorted(["blocked_two", *OTHER_CONFIGS]) and triton_bwd.DEFAULT == "blocked_two"
 
 
 @needs_triton
@@ -320,8 +320,8 @@ def test_triton_config_matches_float64(triton_bwd, config):
 
 
 @needs_triton
-@pytest.mark.parametrize("config,last", [("grads_split", ("adjoint", "grads")),
-                                         ("grads_two", ("adjoint", "grads_qk", "grads_pb"))])
+@pytest.mark.parametrize("config,last", [("split_blocked", ("adjoint", "grads")),
+                                         ("blocked_two", ("adjoint", "grads_qk", "grads_pb"))])
 def test_stages_rerun_alone_give_the_same_gradients(triton_bwd, config, last):
     """The benchmark times each stage alone after one full pass: re-running a stage must not change anything."""
     inputs = make_inputs(1, 128, 1, 64, 64, torch.bfloat16, TRITON_DEVICE, seed=11)

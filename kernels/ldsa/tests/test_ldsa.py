@@ -174,14 +174,22 @@ def test_triton_interpreted_matches_float64(ldsa, poisoned_outputs, left, right,
     assert rel_err(dlogits, ga) < TOL[dtype] and rel_err(dv, gv) < TOL[dtype]
 
 
+def runnable(kernels, config, W):
+    """`config`, or the tap loop where it is a band design and the window is one the band does not take."""
+    if config in (kernels.BAND, kernels.BAND_PREFETCH) and not kernels.supports_window(W):
+        return kernels.TAPS_ANY_WINDOW
+    return config
+
+
 @needs_interpreter
 @pytest.mark.parametrize("case", range(0, len(INTERP_CASES), 2))
 def test_triton_interpreted_every_config(ldsa, poisoned_outputs, case):
     """Every launch configuration of both designs (band, tap loop) rotates over the interpreter cases."""
     left, right, T, Dh, dtype = INTERP_CASES[case]
     kernels = submodule(ldsa, "ldsa_triton")
-    forward = kernels.FORWARD_CONFIGS[case // 2 % len(kernels.FORWARD_CONFIGS)]
-    backward = kernels.BACKWARD_CONFIGS[(case // 2 + 1) % len(kernels.BACKWARD_CONFIGS)]
+    W = left + right + 1
+    forward = runnable(kernels, kernels.FORWARD_CONFIGS[case // 2 % len(kernels.FORWARD_CONFIGS)], W)
+    backward = runnable(kernels, kernels.BACKWARD_CONFIGS[(case // 2 + 1) % len(kernels.BACKWARD_CONFIGS)], W)
     a, v = make(1, 2, Dh, T, left, right, dtype)
     go = torch.randn(v.shape).to(dtype)
     out = kernels.ldsa_forward(a, v, left, right, config=forward)
@@ -189,6 +197,19 @@ def test_triton_interpreted_every_config(ldsa, poisoned_outputs, case):
     dlogits, dv = kernels.ldsa_backward(a, v, go, left, right, config=backward)
     ga, gv = ldsa_float64_grads(a, v, go, left, right)
     assert rel_err(dlogits, ga) < TOL[dtype] and rel_err(dv, gv) < TOL[dtype]
+
+
+@needs_interpreter
+@pytest.mark.parametrize("config", ["band", "band-prefetch"])
+def test_band_design_refuses_windows_it_does_not_take(ldsa, config):
+    """A one-tap window runs the reference (supports_window); asked for the band design by name, it raises."""
+    kernels = submodule(ldsa, "ldsa_triton")
+    a, v = make(1, 2, 16, 40, 0, 0, torch.float32)
+    with pytest.raises(ValueError, match="1-tap window"):
+        kernels.ldsa_forward(a, v, 0, 0, config=config)
+    if config == kernels.BAND:
+        with pytest.raises(ValueError, match="1-tap window"):
+            kernels.ldsa_backward(a, v, torch.ones_like(v), 0, 0, config=config)
 
 
 @needs_interpreter
@@ -289,10 +310,7 @@ def test_cuda_every_config_matches_float64(ldsa, case):
     _, _, _, Dh_b, T_b = CUDA_BWD_CASES[case]
     backward = kernels.BACKWARD_CONFIGS[(case + 2) % len(kernels.BACKWARD_CONFIGS)]
     W = left + right + 1
-    if forward in (kernels.BAND, kernels.BAND_PREFETCH) and not kernels.supports_window(W):
-        forward = kernels.FORWARD_CONFIGS[1]
-    if backward == kernels.BAND and not kernels.supports_window(W):
-        backward = kernels.BACKWARD_CONFIGS[1]
+    forward, backward = runnable(kernels, forward, W), runnable(kernels, backward, W)
     a, v = make(2, 3, Dh, 3001, left, right, dtype, "cuda")
     out = kernels.ldsa_forward(a, v, left, right, config=forward)
     assert out.dtype == dtype and rel_err(out, ldsa_float64(a, v, left, right)) < FWD_TOL[dtype], forward

@@ -523,16 +523,16 @@ class Config(NamedTuple):
 # comba_backward uses.
 CONFIGS = {
     "base": Config(),
-    "grads_split": Config(split_grads=True),
-    # Not yet timed: the transform was 27-38% of the time in the sweep of bench/results/2026-11-29-ea4bff7.
+    # The transform by blocks and the gradient kernel halved, each alone against grads_split (A^T dVn in
+    # its own kernel; bench/results/2026-11-29-f6e6021, sweep rows): split_blocked 5.45 / 6.56 ms against
+    # 6.65 / 9.01 ms at (8, 2048, 32, 128, 128) / (16, 2048, 32, 64, 128), the transform 1.93 -> 0.72 and
+    # 3.81 -> 1.36 ms; grads_two 5.75 / 8.26 ms, the gradient kernel 3.29 -> 1.80 + 0.59 and 3.13 -> 1.39 +
+    # 0.98 ms. The two change different stages, so the default takes both.
     "split_blocked": Config(split_grads=True, transform_blocked=True),
-    # Not yet timed: the gradient kernel (45-56% of the time there) spills 0.9-2.1 KB a thread and holds
-    # 139-197 KB of shared memory in an offline sm_90 compile; halved, 0-0.9 KB and 65-164 KB.
     "grads_two": Config(split_grads=True, grads_two=True),
+    "blocked_two": Config(split_grads=True, transform_blocked=True, grads_two=True),
 }
-# grads_split: 6.64 against 7.16 ms at (8, 2048, 32, 128, 128) and 9.00 against 9.98 ms at (16, 2048, 32, 64,
-# 128) for "base" (bench/results/2026-11-29-ea4bff7, sweep rows); the other plans were slower or within 1.5%.
-DEFAULT = "grads_split"
+DEFAULT = "blocked_two"
 
 
 def comba_backward_stages(q, k, v, p, beta, g, do, scale: float, config: str = DEFAULT):

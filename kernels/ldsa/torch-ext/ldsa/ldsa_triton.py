@@ -250,6 +250,8 @@ def supports_window(W: int) -> bool:
 @functools.cache
 def _band_plan(W: int, Dh: int, T: int, BH: int) -> tuple[int, dict, int]:
     """(programs per (b, h), meta-parameters, num_warps) for W taps, Dh channels, T frames, B*H sequences."""
+    if not supports_window(W):
+        raise ValueError(f"the band design does not take a {W}-tap window (see supports_window)")
     N, K, block_w = _band(W)
     block_d = max(16, min(_pow2(Dh), 128, 16384 // K))  # a [BLOCK_D, K] value tile stays in registers
     all_chunks = BH * triton.cdiv(T, N)
@@ -298,6 +300,8 @@ TAP_GROUP, TAP_GROUP_BACKWARD = 8, 4
 FORWARD_CONFIGS = (BAND, BAND_PREFETCH, *TAPS_FORWARD)
 BACKWARD_CONFIGS = (BAND, *TAPS_BACKWARD)
 
+# The tap loop takes every window; windows the band design does not take (supports_window) run it.
+TAPS_ANY_WINDOW = "taps-t64-w4"
 # The configuration a call takes: (pass, window of at most 32 taps, float32 values) -> config name.
 # Wider windows keep the band design, whose tiles were sized for them. Float32 forward windows up to 32
 # taps take the tap loop: 1,261 against 688 GB/s at [64, 3000], W = 15 (bench/results/2026-11-29-3e9bbe5,
@@ -315,6 +319,8 @@ DEFAULT_CONFIG = {
 
 
 def default_config(direction: str, W: int, dtype: torch.dtype) -> str:
+    if not supports_window(W):
+        return TAPS_ANY_WINDOW
     return DEFAULT_CONFIG[(direction, W <= 32, dtype == torch.float32)]
 
 
@@ -406,6 +412,8 @@ def ldsa_forward(a_logits: torch.Tensor, v: torch.Tensor, left: int, right: int,
     B, H, Dh, T = v.shape
     W = left + right + 1
     config = config or default_config("forward", W, v.dtype)
+    if config in (BAND, BAND_PREFETCH) and not supports_window(W):
+        raise ValueError(f"the {config!r} forward does not take a {W}-tap window (supports_window)")
     out = torch.empty_like(v)
     with _device_of(v):
         if config in (BAND, BAND_PREFETCH):

@@ -62,25 +62,23 @@ class Config:
                 + (" flat" if self.flat else ""))
 
 
-# The fastest config at NF <= 256 in every H200 run so far (2,583-2,602 GB/s at (208, 3000, 201, 128)).
-DEFAULT_CONFIG = Config()
-# The same, its bin loop pipelined two deep: the fastest at NF = 401, where band blocks span more chunks
-# (2,655 against 2,448 GB/s at (104, 3000, 401, 80); 8% slower at NF = 201). bench/results/2026-11-29-3e9bbe5.
-PIPELINED_CONFIG = Config(num_stages=2)
+# One loop over the tile's chunk list, the next chunk's loads in flight: the fastest at both swept shapes
+# (bench/results/2026-11-29-f6e6021: 3,083 against 2,599 GB/s for the nested loop at (208, 3000, 201, 128),
+# 2,857 against 2,690 GB/s for the nested loop pipelined two deep at (104, 3000, 401, 80)).
+DEFAULT_CONFIG = Config(flat=True)
 # Every config the package may pick, plus the runners-up kept for the benchmark's sweep; the GPU tests run
-# each of them. Dropped after two runs where they lost everywhere: an L2 bulk prefetch of the tile, 32-band
-# blocks, 128-frame tiles on 8 warps, and 32-frame tiles on 4 warps.
+# each of them. Dropped after runs where they lost everywhere: an L2 bulk prefetch of the tile, 32-band
+# blocks, 128-frame tiles on 8 warps, 32-frame tiles on 4 warps, and (at f6e6021, third run) 32-frame tiles
+# on 2 warps, 32-bin chunks, and 16-band blocks in either loop.
 SHIPPED_CONFIGS = (
     DEFAULT_CONFIG,
-    PIPELINED_CONFIG,
-    Config(block_f=32, num_warps=2),  # half-height tiles, twice the programs: 2,458 / 2,289 GB/s
-    Config(block_k=32),  # 32 bins a step: 2,006 / 2,401 GB/s
-    Config(block_m=16, num_stages=2),  # 16-band blocks, fewer re-read bins: 2,016 / 2,025 GB/s
-    Config(precision="ieee"),  # the CUDA-core fp32 projection: 1,936 / 1,816 GB/s
-    # Candidates not yet timed: the flat chunk loop (ncu found the nested loop latency-bound; its inner loops
-    # are one to three chunks long, too short for the compiler to pipeline).
-    Config(flat=True),
-    Config(flat=True, block_m=16),
+    Config(),  # the nested loop (band block, then its chunks): 2,599 / 2,481 GB/s at f6e6021
+    Config(num_stages=2),  # the nested loop pipelined two deep: 2,415 / 2,690 GB/s
+    Config(precision="ieee"),  # the CUDA-core fp32 projection (nested loop): 1,950 / 1,833 GB/s
+    # Candidates not yet timed: the flat loop with half-height tiles on 2 warps (twice the programs), and
+    # with 32-bin chunks (half the loop trips).
+    Config(flat=True, block_f=32, num_warps=2),
+    Config(flat=True, block_k=32),
 )
 
 
@@ -294,8 +292,7 @@ class PickRule:
 # First matching row wins; the last row catches every shape. Set from the H200 sweep (benchmark.py,
 # "config sweep" rows at NF 201 and 401). Every config named here must be in SHIPPED_CONFIGS.
 PICK_TABLE = (
-    PickRule(max_nf=256, max_nm=float("inf"), min_f=1, design="two_pass", config=DEFAULT_CONFIG),
-    PickRule(max_nf=float("inf"), max_nm=float("inf"), min_f=1, design="two_pass", config=PIPELINED_CONFIG),
+    PickRule(max_nf=float("inf"), max_nm=float("inf"), min_f=1, design="two_pass", config=DEFAULT_CONFIG),
 )
 
 
