@@ -287,7 +287,7 @@ def _band_forward_launch_options(config: str, meta: dict, dtype: torch.dtype) ->
 
 BAND = "band"  # the banded tensor-core product above; its tiles follow from the window (`_band_plan`)
 # The same forward with the next chunk's loads issued before the current chunk's compute (one channel tile
-# only; with several it runs as "band"). A candidate: ncu found the band forward waiting on L1 loads.
+# only; with several it runs as "band"): ncu found the band forward waiting on L1 loads.
 BAND_PREFETCH = "band-prefetch"
 # Register caps of the 16-bit band forwards (see `_band_forward_launch_options`).
 FORWARD_MAXNREG, FORWARD_CAPPED_TILE = {BAND: 80, BAND_PREFETCH: 96}, 64 * 32
@@ -306,8 +306,11 @@ TAPS_ANY_WINDOW = "taps-t64-w4"
 # Wider windows keep the band design, whose tiles were sized for them. Float32 forward windows up to 32
 # taps take the tap loop: 1,261 against 688 GB/s at [64, 3000], W = 15 (bench/results/2026-11-29-3e9bbe5,
 # sweep rows); the band forward on float32 values compiles to 242 registers a thread (2 blocks an SM).
+# 16-bit forward windows up to 32 taps prefetch the next chunk: 0.305 against 0.350 ms at [64, 3000], W = 15,
+# causal and centered (bench/results/2026-11-29-6b36bb1-ldsa, sweep rows; 0.062 against 0.060 ms at
+# [32, 1024], where a program has one chunk and nothing to prefetch).
 DEFAULT_CONFIG = {
-    ("forward", True, False): BAND,
+    ("forward", True, False): BAND_PREFETCH,
     ("forward", True, True): "taps-t64-w4",
     ("forward", False, False): BAND,
     ("forward", False, True): BAND,

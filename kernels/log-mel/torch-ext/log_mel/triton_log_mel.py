@@ -68,17 +68,13 @@ class Config:
 DEFAULT_CONFIG = Config(flat=True)
 # Every config the package may pick, plus the runners-up kept for the benchmark's sweep; the GPU tests run
 # each of them. Dropped after runs where they lost everywhere: an L2 bulk prefetch of the tile, 32-band
-# blocks, 128-frame tiles on 8 warps, 32-frame tiles on 4 warps, and (at f6e6021, third run) 32-frame tiles
-# on 2 warps, 32-bin chunks, and 16-band blocks in either loop.
+# blocks, 128-frame tiles on 8 warps, 32-frame tiles on 2 or 4 warps, 32-bin chunks and 16-band blocks, in
+# the nested loop and (f6e6021, 6b36bb1) in the flat one.
 SHIPPED_CONFIGS = (
     DEFAULT_CONFIG,
     Config(),  # the nested loop (band block, then its chunks): 2,599 / 2,481 GB/s at f6e6021
     Config(num_stages=2),  # the nested loop pipelined two deep: 2,415 / 2,690 GB/s
     Config(precision="ieee"),  # the CUDA-core fp32 projection (nested loop): 1,950 / 1,833 GB/s
-    # Candidates not yet timed: the flat loop with half-height tiles on 2 warps (twice the programs), and
-    # with 32-bin chunks (half the loop trips).
-    Config(flat=True, block_f=32, num_warps=2),
-    Config(flat=True, block_k=32),
 )
 
 
