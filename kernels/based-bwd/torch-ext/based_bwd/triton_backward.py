@@ -97,10 +97,17 @@ def _pair_rows(x, t0, T, row_stride, f0, K: tl.constexpr, C: tl.constexpr, QB: t
 
 @triton.jit
 def _contract(Y, xb, a0, K: tl.constexpr, BK: tl.constexpr, C: tl.constexpr, QB: tl.constexpr):
-    """[C, BK]: column a0 + a (a < QB / K) = sum_b Y[:, a K + b] xb[:, a K + b]; the other columns zero."""
-    y = tl.sum(tl.reshape(Y * xb, (C, QB // K, K)), axis=2)
-    place = (tl.arange(0, BK)[None, :] == a0 + tl.arange(0, QB // K)[:, None]).to(tl.float32)
-    return tl.sum(y[:, :, None] * place[None, :, :], axis=1)
+    """[C, BK]: column a0 + a (a < QB / K) = sum_b Y[:, a K + b] xb[:, a K + b]; the other columns zero.
+    By masked row sums, one a at a time: a reshape-and-sum of this product gave wrong dq and dk on the
+    H200 (and an illegal shared-memory access at QB = 16) while passing in the interpreter."""
+    prod = Y * xb
+    group = tl.arange(0, QB) // K
+    cols = tl.arange(0, BK)
+    out = tl.zeros([C, BK], dtype=tl.float32)
+    for a in tl.static_range(QB // K):
+        y = tl.sum(tl.where(group[None, :] == a, prod, 0.0), 1)
+        out += tl.where(cols[None, :] == a0 + a, y[:, None], 0.0)
+    return out
 
 
 @triton.jit
