@@ -1,4 +1,4 @@
-"""Compile both based-bwd Triton kernels for Hopper (sm_90a) on a machine without a GPU, for every shipped
+"""Compile the based-bwd Triton kernels for Hopper (sm_90a) on a machine without a GPU, for every shipped
 launch configuration, and print the resources ptxas reports.
 
 Why: the Triton interpreter (the CPU tests) accepts code that the compiler rejects, and register spills only
@@ -29,9 +29,10 @@ from triton.compiler import ASTSource
 SOURCE = Path(__file__).resolve().parents[1] / "torch-ext" / "based_bwd"
 TARGET = GPUTarget("cuda", 90, 128)
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
-# pointer arguments that hold the inputs' dtype; every other pointer is an fp32 scratch or partial sum
-INPUT_DTYPE_ARGS = {"q", "k", "v", "do", "dq", "dv"}
-SCALAR_TYPES = {"T": "i32", "H": "i32", "V": "i32", "scale": "fp32"}
+# pointer arguments that hold the inputs' dtype (the states too: bf16 for 16-bit inputs, fp32 for fp32);
+# every other pointer is an fp32 scratch
+INPUT_DTYPE_ARGS = {"q", "k", "v", "do", "dq", "dk", "dv", "x", "y", "states"}
+SCALAR_TYPES = {"T": "i32", "H": "i32", "V": "i32", "N": "i32", "scale": "fp32"}
 
 
 def load_source_module():
@@ -55,7 +56,7 @@ def compile_kernel(fn, dtype_name: str, constexprs: dict, num_warps: int):
             signature[name] = "*" + (dtype_name if name in INPUT_DTYPE_ARGS else "fp32")
             attrs[(i,)] = [["tt.divisibility", 16]]
     src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
-    return triton.compile(src, target=TARGET, options={"num_warps": num_warps})
+    return triton.compile(src, target=TARGET, options={"num_warps": num_warps, "num_stages": 1})
 
 
 def ptxas_resources(ptx: str) -> dict:
@@ -102,18 +103,14 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
 
     mod = load_source_module()
-    kernels = {"fwd": mod._forward_scan, "rev": mod._reverse_scan}
-    print("| config (C, BV, warps) | K | dtype | V | BV | kernel | regs | spill st/ld B | smem B | CTAs/SM | status |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| config | K | dtype | V | kernel | regs | spill st/ld B | smem B | CTAs/SM | status |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     failures = 0
     seen = {}
     for config, K, dtype_name, V in cases(mod, args.k, args.dtype, args.v):
-        sizes = mod.launch_sizes(K, V, DTYPES[dtype_name], config)
-        warps = sizes.pop("num_warps")
-        for name, fn in kernels.items():
-            constexprs = dict(sizes, NV=triton.cdiv(V, sizes["BV"])) if name == "rev" else dict(sizes)
-            key = (name, dtype_name, warps, tuple(sorted((k, str(v)) for k, v in constexprs.items())))
-            if key not in seen:  # V only matters through BV (and NV): compile each distinct kernel once
+        for name, (fn, constexprs, warps) in mod.launch_plan(K, V, DTYPES[dtype_name], config).items():
+            key = (fn.__name__, dtype_name, warps, tuple(sorted((k, str(v)) for k, v in constexprs.items())))
+            if key not in seen:  # V only matters through BV: compile each distinct kernel once
                 try:
                     compiled = compile_kernel(fn, dtype_name, constexprs, warps)
                     res = ptxas_resources(compiled.asm["ptx"])
@@ -130,7 +127,7 @@ def main(argv=None) -> int:
                 cells = [res["regs"], f"{res['spill_st']}/{res['spill_ld']}", res["smem"], res["ctas"]]
             else:
                 cells = ["-"] * 4
-            row = [config, K, dtype_name, V, sizes["BV"], name, *cells, res["status"]]
+            row = [tuple(config), K, dtype_name, V, name, *cells, res["status"]]
             print("| " + " | ".join(str(c) for c in row) + " |", flush=True)
     print(f"\n{failures} failing kernel launch(es)")
     return 1 if failures else 0

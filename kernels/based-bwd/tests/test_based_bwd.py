@@ -235,14 +235,15 @@ TRITON_DEVICE = "cuda" if HAS_CUDA else "cpu"
 # bf16 operands give a few e-3 (testkit makes the interpreter round fp32 -> bf16 to nearest, as the GPU does)
 BF16_TOL = 1e-2
 
-# (B, T, H, K, V, config): both K at the default launch; V split in 3 blocks with ragged T and two heads;
-# a chunk of 32; a single partial chunk
+# (B, T, H, K, V, config overrides): both K at the default launch (two chunks); ragged T, two heads, a V
+# that is not a power of two, several scan programs along V and along the features; a chunk of 32 with
+# 128 quadratic features a step; a single partial chunk
 TRITON_CASES = [
-    (1, 128, 1, 16, 32, None),
-    (1, 128, 1, 8, 16, None),
-    (1, 100, 2, 8, 48, (32, 16, 4)),
-    (2, 96, 1, 16, 16, (32, 16, 4)),
-    (1, 20, 1, 16, 16, None),
+    (1, 128, 1, 16, 32, {}),
+    (1, 128, 1, 8, 16, {}),
+    (1, 100, 2, 8, 48, dict(chunk=32, scan_rows=32, scan_bv=16)),
+    (2, 96, 1, 16, 16, dict(chunk=32, quad_block=128, warps=4)),
+    (1, 20, 1, 16, 16, {}),
 ]
 
 
@@ -257,7 +258,7 @@ def fused(based):
 def test_fused_exact_arithmetic_matches_float64(fused, B, T, H, K, V, config):
     """fp32 inputs take IEEE fp32 matmuls: the kernel's algebra against float64 autograd, to fp32 accuracy."""
     q, k, v, do = make(B, T, H, K, V, device=TRITON_DEVICE)
-    got = fused.based_backward_triton(q, k, v, do, 0.3, config)
+    got = fused.based_backward_triton(q, k, v, do, 0.3, fused.Config(**config))
     for name, x, g, ref in zip("qkv", (q, k, v), got, grads_float64(q, k, v, do, 0.3)):
         assert g.dtype == torch.float32 and g.shape == x.shape
         assert rel_err(g, ref) < 1e-5, f"d{name}"
@@ -267,7 +268,7 @@ def test_fused_exact_arithmetic_matches_float64(fused, B, T, H, K, V, config):
 @pytest.mark.parametrize("B,T,H,K,V,config", TRITON_CASES[:3])
 def test_fused_bf16_matches_float64(fused, B, T, H, K, V, config):
     q, k, v, do = make(B, T, H, K, V, torch.bfloat16, TRITON_DEVICE)
-    got = fused.based_backward_triton(q, k, v, do, K**-0.5, config)
+    got = fused.based_backward_triton(q, k, v, do, K**-0.5, fused.Config(**config))
     for name, g, ref in zip("qkv", got, grads_float64(q, k, v, do)):
         assert g.dtype == torch.bfloat16
         assert rel_err(g, ref) < BF16_TOL, f"d{name}"
@@ -308,6 +309,16 @@ def test_fused_long_sequence_on_cuda(based):
         (q, k, v, do), ref = spec_fp32_grads(s, shape)
         for name, g, r in zip("qkv", based.based_backward(q, k, v, do), ref):
             assert rel_err(g, r) < SPEC_TOL, f"d{name} at {shape}"
+
+
+@needs_cuda
+def test_cuda_wide_values_take_the_reference(based, fused):
+    """A chunk program holds V whole: above MAX_V the public op runs the eager backward, and says so."""
+    q, k, v, do = make(1, 70, 2, 16, fused.MAX_V + 8, torch.bfloat16, "cuda")
+    with pytest.raises(ValueError, match="V <="):
+        fused.based_backward_triton(q, k, v, do, 0.25)
+    for name, g, ref in zip("qkv", based.based_backward(q, k, v, do), grads_float64(q, k, v, do)):
+        assert rel_err(g, ref) < BF16_TOL, f"d{name}"
 
 
 @needs_cuda

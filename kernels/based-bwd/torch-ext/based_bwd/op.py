@@ -15,7 +15,7 @@ from .validation import check_based_args
 
 def kernel_path(x: torch.Tensor) -> str:
     """Which implementation a `based_backward` call on `x` takes: "triton" for bf16/fp16 CUDA tensors,
-    "reference" otherwise."""
+    "reference" otherwise (and for a value size V above triton_backward.MAX_V)."""
     return "triton" if x.is_cuda and x.dtype != torch.float32 else "reference"
 
 
@@ -24,8 +24,10 @@ def _cuda_backward(q, k, v, do, scale):
     # (bench/results/2026-11-29-86c310e), so fp32 inputs take the eager backward on CUDA too.
     if kernel_path(q) == "reference":
         return based_backward_reference(q, k, v, do, scale)
-    from .triton_backward import based_backward_triton  # triton is imported only on the CUDA path
+    from .triton_backward import MAX_V, based_backward_triton  # triton is imported only on the CUDA path
 
+    if v.shape[-1] > MAX_V:
+        return based_backward_reference(q, k, v, do, scale)
     return based_backward_triton(q, k, v, do, scale)
 
 

@@ -1,31 +1,35 @@
-"""The fused Based backward in Triton: two sequential scans over chunks, each program one (V block, b, h).
+"""The fused Based backward in Triton, chunk-parallel: two state scans and two per-chunk kernels.
 
-Notation as in reference.py: q~ = scale q, A_ij = 1 + s_ij + s_ij^2 / 2 (j <= i), r_i = 1 / (den_i + 1e-6),
-delta_i = do_i . o_i, g_i = r_i do_i, h_i = -r_i delta_i. The P = 1 + K + K^2 feature state is never formed
-as such: it is kept as its three blocks, S0 = sum v (V), S1 = sum k v^T (K x V), S2 = sum (k (x) k) v^T
-(K^2 x V), with phi's 1/sqrt(2) folded into a factor 1/2 at the read-out. Every program owns the columns
-v0 .. v0 + BV of V, so the state it carries is (1 + K + K^2) x BV in fp32 registers.
+Notation as in reference.py: q~ = scale q, s_ij = q~_i . k_j, A_ij = 1 + s_ij + s_ij^2 / 2 (j <= i),
+r_i = 1 / (den_i + 1e-6), delta_i = do_i . o_i, g_i = r_i do_i, h_i = -r_i delta_i. With the feature maps
+phi_k(k) = [1, k, k (x) k] and phi_q(q~) = [1, q~, q~ (x) q~ / 2] (P = 1 + K + K^2 features, the Taylor
+term's 1/2 on the query side), A_ij = phi_q(q~_i) . phi_k(k_j). Feature f of a row: f = 0 the constant,
+f = 1 .. K the linear block, f = 1 + K + a K + b the product x_a x_b.
 
-Kernel 1, `_forward_scan` (chunks in order, carrying S and the normaliser z = (z1 = sum k, Z2 = sum k k^T)):
-  recomputes num and den, hence r and this V block's part of delta, and the parts of dq that need the
-  forward state: dq~_i = r_i (U_i - delta_i W_i) with
-      U_i = S1 do_i + M_i q~_i + sum_{j<=i in chunk} (do_i . v_j)(1 + s_ij) k_j,   M_i[a, b] = S2[ab] . do_i
-      W_i = z1 + Z2 q~_i + sum_{j<=i in chunk} (1 + s_ij) k_j                        (V-independent)
-  U is linear in do, so each V block writes its partial U; delta is still unknown here, so the
-  combination waits for kernel 2.
-Kernel 2, `_reverse_scan` (chunks in reverse, carrying dS = (dS0, dS1, dS2) = sum over later queries of
-  (g, q g^T, (q (x) q) g^T) and dz = (dz1 = sum q h, dZ2 = sum h q q^T)): delta is now complete (the sum of
-  kernel 1's partials), so it computes dv (complete for its V block), its partial of dk (the numerator
-  terms; the V-independent normaliser terms are added by the V block 0 only) and, in V block 0, the final
-  dq = scale r (sum U - delta W).
-The partial dk of the V blocks are summed by the launcher (NV x K floats per position).
+The sequence is cut in chunks of C positions. Per (b, h) and chunk n the launches below exchange, through
+one HBM buffer of N x P x V states (bf16 for 16-bit inputs) and an fp32 N x P normaliser buffer:
 
-Matmuls take bf16 operands with fp32 accumulation; the states, the normaliser, den, r, delta and every
-square (s^2, the outer products feeding z and den) are fp32. The normaliser's quadratic block is kept as the
-K x K matrix Z2 (and dZ2), not as a K^2 vector: its products with q and k are then small exact fp32 matmuls
-instead of K^2 x C tiles, which the register file cannot hold beside the states. No transpose of a register tensor is needed:
-where a product wants the other orientation, the tile is loaded transposed from memory instead.
+1. `_state_scan` (forward): S_n = sum over earlier chunks of phi_k(K)^T V and z_n = sum of phi_k(k). Each
+   program owns a block of feature rows and of V columns, so the scan is parallel over (features, V, b h);
+   only the running sum is serial, and it is fp32 in registers.
+2. `_chunk_forward_dq`, one program per chunk, all of V: recomputes num and den from S_n, z_n and the
+   chunk's quadratic form, hence r and delta (written, 2 floats a position), and then the complete dq:
+       dq~_i = sum_{j <= i in chunk} ds_ij k_j + S1 g_i + z1 h_i + M_i q~_i,
+       M_i[a, b] = S2[ab] . g_i + Z2[ab] h_i,   ds_ij = (g_i . v_j + h_i)(1 + s_ij).
+3. `_state_scan` (reverse) overwrites the state buffer with dS_n = sum over later chunks of phi_q(Q~)^T G
+   and dz_n = sum of phi_q(q~) h.
+4. `_chunk_dkdv`, one program per chunk: dv_j = sum_{i >= j in chunk} A_ij g_i + phi_k(k_j)^T dS_n and
+       dk_j = sum_{i >= j in chunk} ds_ij q~_i + dS1 v_j + dz1 + 2 M'_j k_j,   M'_j[a, b] = dS2[ab] . v_j + dZ2[ab].
+
+The quadratic features are never stored: for num and dv each chunk kernel forms them QB at a time from two
+gathered loads of its rows (x_a and x_b of f = a K + b) and multiplies them with the matching QB state rows;
+the M x terms of dq and dk are sum_b (x_b G) S2[. K + b]^T, one product per b (`_quad_grad`). Matmuls take bf16 operands with fp32 accumulation
+(IEEE fp32 for fp32 inputs); the scans' running sums, the normaliser (den and its states), r, delta and
+every square are fp32. No transpose of a dot result (fla #640): where a product wants the other
+orientation, its operand is loaded transposed from memory.
 """
+
+from typing import NamedTuple
 
 import torch
 import triton
@@ -65,14 +69,6 @@ def _store_rows(base, x, t0, T, row_stride, ncols, R: tl.constexpr, W: tl.conste
 
 
 @triton.jit
-def _store_cols(base, xT, t0, T, row_stride, ncols, W: tl.constexpr, R: tl.constexpr):
-    rows = t0 + tl.arange(0, R)
-    cols = tl.arange(0, W)
-    ptrs = base + rows.to(tl.int64)[None, :] * row_stride + cols[:, None]
-    tl.store(ptrs, xT.to(base.dtype.element_ty), mask=(cols[:, None] < ncols) & (rows[None, :] < T))
-
-
-@triton.jit
 def _load_vec(base, t0, T, R: tl.constexpr):
     rows = t0 + tl.arange(0, R)
     return tl.load(base + rows, mask=rows < T, other=0.0)
@@ -87,235 +83,283 @@ def _dot(DOT: tl.constexpr, a, b):
 
 
 @triton.jit
-def _dot_f32(a, b):
-    """a @ b in exact fp32 (the normaliser's products, whatever the input dtype)."""
-    return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+def _pair_rows(x, t0, T, row_stride, f0, K: tl.constexpr, C: tl.constexpr, QB: tl.constexpr):
+    """([C, QB], [C, QB]) fp32: x_a and x_b of the quadratic features f0 .. f0 + QB (f = a K + b, counted
+    from the first quadratic feature) at positions t0 .. t0 + C; zero past T."""
+    rows = t0 + tl.arange(0, C)
+    f = f0 + tl.arange(0, QB)
+    ptrs = x + rows.to(tl.int64)[:, None] * row_stride
+    inside = (rows < T)[:, None]
+    xa = tl.load(ptrs + (f // K)[None, :], mask=inside, other=0.0).to(tl.float32)
+    xb = tl.load(ptrs + (f % K)[None, :], mask=inside, other=0.0).to(tl.float32)
+    return xa, xb
 
 
 @triton.jit
-def _outer_rows(x, R: tl.constexpr, K: tl.constexpr):
-    """[R, K] -> [R, K*K], column a*K + b = x_a x_b (fp32 in, fp32 out)."""
-    return tl.reshape(x[:, :, None] * x[:, None, :], (R, K * K))
+def _quad_grad(x, t0, T, row_stride, G, S, Z, w, V, K: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+               C: tl.constexpr, DOT: tl.constexpr):
+    """[C, BK]: y[i, a] = sum_b x_ib (S2[a K + b] . G_i + Z2[a K + b] w_i), S2 and Z2 the quadratic rows of
+    the state at S and of the normaliser at Z (symmetric in a, b), x = rows t0 .. t0 + C of a (., K) tensor.
+
+    One product per b, x_b G [C, V] times the [V, K] slice S2[. K + b]^T: no K^2-wide tile and no K x K
+    reshape of one (a reshape-and-sum of such a product gave wrong gradients on the H200 and faulted)."""
+    rows = t0 + tl.arange(0, C)
+    inside = rows < T
+    vc = tl.arange(0, BV)
+    kc = tl.arange(0, BK)
+    y = tl.zeros([C, BK], dtype=tl.float32)
+    for b in range(0, K):
+        xb = tl.load(x + rows.to(tl.int64) * row_stride + b, mask=inside, other=0.0).to(tl.float32)
+        S2b_t = tl.load(S + (1 + K + kc[None, :] * K + b) * V + vc[:, None], mask=(vc < V)[:, None] & (kc < K)[None, :],
+                        other=0.0)
+        y += _dot(DOT, xb[:, None] * G, S2b_t)
+    x_c = _load_rows(x, t0, T, row_stride, K, C, BK).to(tl.float32)
+    Z2 = tl.load(Z + 1 + K + kc[:, None] * K + kc[None, :], mask=(kc < K)[:, None] & (kc < K)[None, :], other=0.0)
+    return y + w[:, None] * tl.dot(x_c, Z2, input_precision="ieee")
 
 
 @triton.jit
-def _outer_cols(xT, K: tl.constexpr, R: tl.constexpr):
-    """[K, R] -> [K*K, R], row a*K + b = x_a x_b."""
-    return tl.reshape(xT[:, None, :] * xT[None, :, :], (K * K, R))
-
-
-@triton.jit
-def _contract(MT, xT, K: tl.constexpr, BK: tl.constexpr, R: tl.constexpr):
-    """y[a, r] = sum_b MT[a*K + b, r] xT[b, r]: [K*K, R] x [K, R] -> [BK, R], rows K .. BK zero."""
-    y = tl.sum(tl.reshape(MT, (K, K, R)) * xT[None, :, :], axis=1)
-    if BK != K:  # widen to the padded feature width that the linear-block matmuls produce
-        select = (tl.arange(0, BK)[:, None] == tl.arange(0, K)[None, :]).to(tl.float32)
-        y = tl.sum(select[:, :, None] * y[None, :, :], axis=1)
-    return y
-
-
-@triton.jit
-def _forward_scan(
-    q, k, v, do, r_out, delta_part, u_part, w_out,
-    T, H, V, scale,
-    K: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
+def _state_scan(
+    x, y, r_in, delta_in, states, norms,
+    T, H, V, scale, N,
+    K: tl.constexpr, R: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, REVERSE: tl.constexpr,
     DOT: tl.constexpr,
 ):
-    pid_v = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    B = tl.num_programs(1) // H
+    """Forward (REVERSE false): x = k, y = v; stores S_n = sum_{m < n} phi_k(K_m)^T V_m and z_n (weights 1).
+    Reverse: x = q, y = do; stores dS_n = sum_{m > n} phi_q(Q~_m)^T (r do)_m and dz_n (weights h)."""
+    pid_f = tl.program_id(0)
+    pid_v = tl.program_id(1)
+    pid_bh = tl.program_id(2)
     b = pid_bh // H
     h = pid_bh % H
-    v0 = pid_v * BV
-    nv = V - v0
-    row = (b.to(tl.int64) * T * H + h)  # position 0 of (b, h) in a (B, T, H, .) tensor, in rows
-    qk_base, v_base = row * K, row * V + v0
-    q, k, v, do = q + qk_base, k + qk_base, v + v_base, do + v_base
-    r_out += pid_bh.to(tl.int64) * T
-    delta_part += (pid_v.to(tl.int64) * B * H + pid_bh) * T
-    u_part += pid_v.to(tl.int64) * B * T * H * K + qk_base
-    w_out += qk_base
-
-    i_idx = tl.arange(0, C)
-    causal = i_idx[:, None] >= i_idx[None, :]  # [i, j]
-    causal_t = i_idx[None, :] >= i_idx[:, None]  # [j, i]
-    S0 = tl.zeros([BV], dtype=tl.float32)
-    S1 = tl.zeros([BK, BV], dtype=tl.float32)
-    S2 = tl.zeros([K * K, BV], dtype=tl.float32)
-    z1 = tl.zeros([BK], dtype=tl.float32)
-    Z2 = tl.zeros([BK, BK], dtype=tl.float32)
-    for t0 in range(0, T, C):
-        q_c = _load_rows(q, t0, T, H * K, K, C, BK)
-        q_t = _load_cols(q, t0, T, H * K, K, BK, C)
-        qe = _load_rows(q, t0, T, H * K, K, C, K).to(tl.float32)
-        qe_t = _load_cols(q, t0, T, H * K, K, K, C).to(tl.float32)
-        k_c = _load_rows(k, t0, T, H * K, K, C, BK)
-        k_t = _load_cols(k, t0, T, H * K, K, BK, C)
-        ke_t = _load_cols(k, t0, T, H * K, K, K, C).to(tl.float32)
-        v_c = _load_rows(v, t0, T, H * V, nv, C, BV)
-        do_c = _load_rows(do, t0, T, H * V, nv, C, BV).to(tl.float32)
-        do_t = _load_cols(do, t0, T, H * V, nv, BV, C)
-
-        # the output of this chunk: intra-chunk quadratic form + read-out of the state before it
-        s = scale * _dot(DOT, q_c, k_t)
-        A = tl.where(causal, 1.0 + s + 0.5 * s * s, 0.0)
-        qq = _outer_rows(qe, C, K)
-        den = (t0 + scale * tl.sum(q_c.to(tl.float32) * z1[None, :], 1)
-               + (0.5 * scale * scale) * tl.sum(_dot_f32(q_c, Z2) * q_c.to(tl.float32), 1) + tl.sum(A, 1))
-        num = (S0[None, :] + scale * _dot(DOT, q_c, S1)
-               + (0.5 * scale * scale) * _dot(DOT, qq, S2)
-               + _dot(DOT, A, v_c))
-        r = 1.0 / (den + _EPS)
-        tl.store(delta_part + t0 + i_idx, tl.sum(do_c * num, 1) * r, mask=t0 + i_idx < T)
+    row = b.to(tl.int64) * T * H + h
+    x += row * K
+    y += row * V
+    r_in += pid_bh.to(tl.int64) * T
+    delta_in += pid_bh.to(tl.int64) * T
+    P = 1 + K + K * K
+    f = pid_f * R + tl.arange(0, R)
+    linear = (f >= 1) & (f <= K)
+    quad = (f > K) & (f < P)
+    ia = tl.where(linear, f - 1, tl.where(quad, (f - 1 - K) // K, 0))
+    ib = tl.where(quad, (f - 1 - K) % K, 0)
+    if REVERSE:  # phi_q of q~ = scale q
+        c1 = scale
+        c2 = 0.5 * scale * scale
+    else:
+        c1 = 1.0
+        c2 = 1.0
+    cols = pid_v * BV + tl.arange(0, BV)
+    state_rows = pid_bh.to(tl.int64) * N * P + f
+    store_mask = (f < P)[:, None] & (cols < V)[None, :]
+    acc = tl.zeros([R, BV], dtype=tl.float32)
+    z = tl.zeros([R], dtype=tl.float32)
+    for m in range(0, N):
+        if REVERSE:
+            n = N - 1 - m
+        else:
+            n = m
+        rows = state_rows + n * P
+        tl.store(states + rows[:, None] * V + cols[None, :], acc.to(states.dtype.element_ty), mask=store_mask)
         if pid_v == 0:
-            tl.store(r_out + t0 + i_idx, r, mask=t0 + i_idx < T)
-
-        # dq's numerator part U (this V block's share) and normaliser part W, both as [feature, i]
-        s_t = scale * _dot(DOT, k_c, q_t)
-        p_t = tl.where(causal_t, _dot(DOT, v_c, do_t) * (1.0 + s_t), 0.0)
-        u = (_dot(DOT, S1, do_t) + _dot(DOT, k_t, p_t)
-             + scale * _contract(_dot(DOT, S2, do_t), qe_t, K, BK, C))
-        _store_cols(u_part, u, t0, T, H * K, K, BK, C)
-        if pid_v == 0:
-            w = (z1[:, None] + scale * _dot_f32(Z2, q_t)  # Z2 is symmetric
-                 + _dot(DOT, k_t, tl.where(causal_t, 1.0 + s_t, 0.0)))
-            _store_cols(w_out, w, t0, T, H * K, K, BK, C)
-
-        # fold this chunk's keys into the state
-        kk_t = _outer_cols(ke_t, K, C)
-        S0 += tl.sum(v_c.to(tl.float32), 0)
-        S1 += _dot(DOT, k_t, v_c)
-        S2 += _dot(DOT, kk_t, v_c)
-        z1 += tl.sum(k_t.to(tl.float32), 1)
-        Z2 += _dot_f32(k_t, k_c)
+            tl.store(norms + rows, z, mask=f < P)
+        t = n * C + tl.arange(0, C)
+        inside = t < T
+        xrow = x + t.to(tl.int64)[None, :] * (H * K)
+        xa = tl.load(xrow + ia[:, None], mask=inside[None, :] & (linear | quad)[:, None], other=0.0).to(tl.float32)
+        xb = tl.load(xrow + ib[:, None], mask=inside[None, :] & quad[:, None], other=0.0).to(tl.float32)
+        phi_t = tl.where(linear[:, None], c1 * xa, c2 * xa * xb)
+        phi_t = tl.where((f == 0)[:, None] & inside[None, :], 1.0, phi_t)
+        yy = tl.load(y + t.to(tl.int64)[:, None] * (H * V) + cols[None, :],
+                     mask=inside[:, None] & (cols < V)[None, :], other=0.0)
+        if REVERSE:
+            r = _load_vec(r_in, n * C, T, C)
+            w = -r * _load_vec(delta_in, n * C, T, C)
+            yy = yy.to(tl.float32) * r[:, None]
+        else:
+            w = inside.to(tl.float32)
+        acc += _dot(DOT, phi_t, yy)
+        z += tl.sum(phi_t * w[None, :], 1)
 
 
 @triton.jit
-def _reverse_scan(
-    q, k, v, do, r_in, delta_part, u_part, w_in, dq, dk_part, dv,
-    T, H, V, scale,
-    K: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
-    DOT: tl.constexpr, NV: tl.constexpr,
+def _chunk_forward_dq(
+    q, k, v, do, states, norms, r_out, delta_out, dq,
+    T, H, V, scale, N,
+    K: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, QB: tl.constexpr,
+    DOT: tl.constexpr,
 ):
-    pid_v = tl.program_id(0)
+    n = tl.program_id(0)
     pid_bh = tl.program_id(1)
-    B = tl.num_programs(1) // H
     b = pid_bh // H
     h = pid_bh % H
-    v0 = pid_v * BV
-    nv = V - v0
-    row = (b.to(tl.int64) * T * H + h)
-    qk_base, v_base = row * K, row * V + v0
-    q, k, v, do, dv = q + qk_base, k + qk_base, v + v_base, do + v_base, dv + v_base
-    r_in += pid_bh.to(tl.int64) * T
-    delta_part += pid_bh.to(tl.int64) * T
-    u_part += qk_base
-    w_in += qk_base
-    dq += qk_base
-    dk_part += pid_v.to(tl.int64) * B * T * H * K + qk_base
-    own_normaliser = pid_v == 0  # the V-independent normaliser terms of dk go in once, from V block 0
+    row = b.to(tl.int64) * T * H + h
+    q, k, dq = q + row * K, k + row * K, dq + row * K
+    v, do = v + row * V, do + row * V
+    r_out += pid_bh.to(tl.int64) * T
+    delta_out += pid_bh.to(tl.int64) * T
+    P = 1 + K + K * K
+    state = pid_bh.to(tl.int64) * N * P + n * P  # row of feature 0 of S_n
+    S, Z = states + state * V, norms + state
+    t0 = n * C
 
     i_idx = tl.arange(0, C)
     causal = i_idx[:, None] >= i_idx[None, :]  # [i, j]
+    vc = tl.arange(0, BV)
+    kc = tl.arange(0, BK)
+    q_c = _load_rows(q, t0, T, H * K, K, C, BK)
+    k_c = _load_rows(k, t0, T, H * K, K, C, BK)
+    k_t = _load_cols(k, t0, T, H * K, K, BK, C)
+    v_c = _load_rows(v, t0, T, H * V, V, C, BV)
+    v_t = _load_cols(v, t0, T, H * V, V, BV, C)
+    do_c = _load_rows(do, t0, T, H * V, V, C, BV).to(tl.float32)
+    lin_mask = (kc < K)[:, None] & (vc < V)[None, :]
+    S0 = tl.load(S + vc, mask=vc < V, other=0.0).to(tl.float32)
+    S1 = tl.load(S + (1 + kc)[:, None] * V + vc[None, :], mask=lin_mask, other=0.0)
+    z0 = tl.load(Z)
+    z1 = tl.load(Z + 1 + kc, mask=kc < K, other=0.0)
+
+    # num and den of the chunk: read-out of the state before it + the intra-chunk quadratic form
+    s = scale * _dot(DOT, q_c, k_t)
+    A = tl.where(causal, 1.0 + s + 0.5 * s * s, 0.0)
+    num = S0[None, :] + scale * _dot(DOT, q_c, S1) + _dot(DOT, A, v_c)
+    den = z0 + scale * tl.sum(q_c.to(tl.float32) * z1[None, :], 1) + tl.sum(A, 1)
+    for f0 in range(0, K * K, QB):
+        qa, qb = _pair_rows(q, t0, T, H * K, f0, K, C, QB)
+        quad_q = (0.5 * scale * scale) * qa * qb
+        fq = 1 + K + f0 + tl.arange(0, QB)
+        num += _dot(DOT, quad_q, tl.load(S + fq[:, None] * V + vc[None, :], mask=(vc < V)[None, :], other=0.0))
+        den += tl.sum(quad_q * tl.load(Z + fq)[None, :], 1)
+    r = 1.0 / (den + _EPS)
+    delta = r * tl.sum(do_c * num, 1)
+    inside = t0 + i_idx < T
+    tl.store(r_out + t0 + i_idx, r, mask=inside)
+    tl.store(delta_out + t0 + i_idx, delta, mask=inside)
+
+    # dq~ = intra-chunk ds k + the state's part S1 g + z1 h + M q~
+    g = do_c * r[:, None]
+    hn = -r * delta
+    ds = tl.where(causal, (_dot(DOT, g, v_t) + hn[:, None]) * (1.0 + s), 0.0)
+    S1_t = tl.load(S + (1 + kc)[None, :] * V + vc[:, None], mask=(vc < V)[:, None] & (kc < K)[None, :], other=0.0)
+    dqs = _dot(DOT, ds, k_c) + _dot(DOT, g, S1_t) + hn[:, None] * z1[None, :]
+    dqs += scale * _quad_grad(q, t0, T, H * K, g, S, Z, hn, V, K, BK, BV, C, DOT)
+    _store_rows(dq, scale * dqs, t0, T, H * K, K, C, BK)
+
+
+@triton.jit
+def _chunk_dkdv(
+    q, k, v, do, states, norms, r_in, delta_in, dk, dv,
+    T, H, V, scale, N,
+    K: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, QB: tl.constexpr,
+    DOT: tl.constexpr,
+):
+    n = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // H
+    h = pid_bh % H
+    row = b.to(tl.int64) * T * H + h
+    q, k, dk = q + row * K, k + row * K, dk + row * K
+    v, do, dv = v + row * V, do + row * V, dv + row * V
+    r_in += pid_bh.to(tl.int64) * T
+    delta_in += pid_bh.to(tl.int64) * T
+    P = 1 + K + K * K
+    state = pid_bh.to(tl.int64) * N * P + n * P  # row of feature 0 of dS_n
+    dS, dZ = states + state * V, norms + state
+    t0 = n * C
+
+    i_idx = tl.arange(0, C)
     causal_t = i_idx[None, :] >= i_idx[:, None]  # [j, i]
-    dS0 = tl.zeros([BV], dtype=tl.float32)
-    dS1 = tl.zeros([BK, BV], dtype=tl.float32)
-    dS2 = tl.zeros([K * K, BV], dtype=tl.float32)
-    dz1 = tl.zeros([BK], dtype=tl.float32)
-    dZ2 = tl.zeros([BK, BK], dtype=tl.float32)
-    n_chunks = tl.cdiv(T, C)
-    for m in range(0, n_chunks):
-        t0 = (n_chunks - 1 - m) * C
-        q_c = _load_rows(q, t0, T, H * K, K, C, BK)
-        q_t = _load_cols(q, t0, T, H * K, K, BK, C)
-        qe_t = _load_cols(q, t0, T, H * K, K, K, C).to(tl.float32)
-        k_c = _load_rows(k, t0, T, H * K, K, C, BK)
-        k_t = _load_cols(k, t0, T, H * K, K, BK, C)
-        ke = _load_rows(k, t0, T, H * K, K, C, K).to(tl.float32)
-        ke_t = _load_cols(k, t0, T, H * K, K, K, C).to(tl.float32)
-        v_t = _load_cols(v, t0, T, H * V, nv, BV, C)
-        do_c = _load_rows(do, t0, T, H * V, nv, C, BV).to(tl.float32)
-        r = _load_vec(r_in, t0, T, C)
-        delta = tl.zeros([C], dtype=tl.float32)
-        for p in tl.static_range(NV):
-            delta += _load_vec(delta_part + p * B.to(tl.int64) * H * T, t0, T, C)
-        g = (do_c * r[:, None])  # numerator adjoint, [i, V block]
-        h_den = -r * delta  # normaliser adjoint, [i]
+    vc = tl.arange(0, BV)
+    kc = tl.arange(0, BK)
+    q_c = _load_rows(q, t0, T, H * K, K, C, BK)
+    q_t = _load_cols(q, t0, T, H * K, K, BK, C)
+    k_c = _load_rows(k, t0, T, H * K, K, C, BK)
+    v_c = _load_rows(v, t0, T, H * V, V, C, BV)
+    r = _load_vec(r_in, t0, T, C)
+    hn = -r * _load_vec(delta_in, t0, T, C)
+    g = _load_rows(do, t0, T, H * V, V, C, BV).to(tl.float32) * r[:, None]
+    g_t = _load_cols(do, t0, T, H * V, V, BV, C).to(tl.float32) * r[None, :]
+    lin_mask = (kc < K)[:, None] & (vc < V)[None, :]
+    dS0 = tl.load(dS + vc, mask=vc < V, other=0.0).to(tl.float32)
+    dS1 = tl.load(dS + (1 + kc)[:, None] * V + vc[None, :], mask=lin_mask, other=0.0)
+    dS1_t = tl.load(dS + (1 + kc)[None, :] * V + vc[:, None], mask=(vc < V)[:, None] & (kc < K)[None, :], other=0.0)
+    dz1 = tl.load(dZ + 1 + kc, mask=kc < K, other=0.0)
 
-        # dv (complete for this V block): intra-chunk A^T g + read-out of the reverse state
-        s_t = scale * _dot(DOT, k_c, q_t)
-        a_t = tl.where(causal_t, 1.0 + s_t + 0.5 * s_t * s_t, 0.0)
-        kk = _outer_rows(ke, C, K)
-        dv_c = (_dot(DOT, a_t, g) + dS0[None, :] + scale * _dot(DOT, k_c, dS1)
-                + (0.5 * scale * scale) * _dot(DOT, kk, dS2))
-        _store_rows(dv, dv_c, t0, T, H * V, nv, C, BV)
-
-        # dk as [feature, j]: intra-chunk ds^T q~ + d phi(k)^T (dS v + dz)
-        s = scale * _dot(DOT, q_c, k_t)
-        ds = _dot(DOT, g, v_t) + tl.where(own_normaliser, h_den, 0.0)[:, None]
-        ds = tl.where(causal, ds * (1.0 + s), 0.0)
-        dk_t = (scale * (_dot(DOT, q_t, ds) + _dot(DOT, dS1, v_t)
-                         + tl.where(own_normaliser, dz1, 0.0)[:, None])
-                + (scale * scale) * (_contract(_dot(DOT, dS2, v_t), ke_t, K, BK, C)
-                                     + _dot_f32(tl.where(own_normaliser, dZ2, 0.0), k_t)))  # dZ2 symmetric
-        _store_cols(dk_part, dk_t, t0, T, H * K, K, BK, C)
-
-        # dq = scale r (U - delta W), U summed over the V blocks' partials from the forward scan
-        if pid_v == 0:
-            u = tl.zeros([C, BK], dtype=tl.float32)
-            for p in tl.static_range(NV):
-                u += _load_rows(u_part + p * B.to(tl.int64) * T * H * K, t0, T, H * K, K, C, BK)
-            w = _load_rows(w_in, t0, T, H * K, K, C, BK)
-            _store_rows(dq, (scale * r)[:, None] * (u - delta[:, None] * w), t0, T, H * K, K, C, BK)
-
-        # fold this chunk's queries into the reverse state
-        qq_t = _outer_cols(qe_t, K, C)
-        dS0 += tl.sum(g.to(tl.float32), 0)
-        dS1 += _dot(DOT, q_t, g)
-        dS2 += _dot(DOT, qq_t, g)
-        dz1 += tl.sum(q_t.to(tl.float32) * h_den[None, :], 1)
-        dZ2 += _dot_f32(q_t.to(tl.float32) * h_den[None, :], q_c)
+    # as [j, i]: the chunk's A^T and ds^T
+    s_t = scale * _dot(DOT, k_c, q_t)
+    a_t = tl.where(causal_t, 1.0 + s_t + 0.5 * s_t * s_t, 0.0)
+    ds_t = tl.where(causal_t, (_dot(DOT, v_c, g_t) + hn[None, :]) * (1.0 + s_t), 0.0)
+    dv_c = _dot(DOT, a_t, g) + dS0[None, :] + _dot(DOT, k_c, dS1)
+    dk_c = scale * _dot(DOT, ds_t, q_c) + _dot(DOT, v_c, dS1_t) + dz1[None, :]
+    for f0 in range(0, K * K, QB):
+        ka, kb = _pair_rows(k, t0, T, H * K, f0, K, C, QB)
+        fq = 1 + K + f0 + tl.arange(0, QB)
+        dv_c += _dot(DOT, ka * kb, tl.load(dS + fq[:, None] * V + vc[None, :], mask=(vc < V)[None, :], other=0.0))
+    ones = tl.full([C], 1.0, tl.float32)
+    dk_c += 2.0 * _quad_grad(k, t0, T, H * K, v_c.to(tl.float32), dS, dZ, ones, V, K, BK, BV, C, DOT)
+    _store_rows(dk, dk_c, t0, T, H * K, K, C, BK)
+    _store_rows(dv, dv_c, t0, T, H * V, V, C, BV)
 
 
-# (chunk, V block, warps) per feature size K: the launch the public op uses. Chosen offline from ptxas's
-# register report for sm_90a (benchmarks/compile_check.py): the states and the K^2 x C tiles fill the register
-# file, and the chunks / V blocks / warps below are the ones whose bf16 kernels do not spill (C = 64 spills
-# kilobytes at every V block and warp count). The benchmark times them beside every entry of CONFIG_CHOICES
-# (each spills at most ~100 bytes in bf16); on the H200 these two were the fastest (bench/results/
-# 2026-11-29-ea4bff7: 11.4 against 12.5-14.1 ms at K = 16, 9.4 against 12.1-17.4 ms at K = 8).
-DEFAULT_CONFIG = {8: (32, 16, 4), 16: (16, 16, 4)}
-CONFIG_CHOICES = [(16, 16, 4), (16, 32, 8), (32, 16, 8)]
+class Config(NamedTuple):
+    """One launch plan: the chunk C, quadratic features per step QB, and each kernel's warps; the scans'
+    feature rows and V columns per program."""
+
+    chunk: int = 64
+    quad_block: int = 32
+    warps: int = 8
+    scan_rows: int = 64
+    scan_bv: int = 64
+    scan_warps: int = 8
 
 
-def launch_sizes(K: int, V: int, dtype: torch.dtype, config=None) -> dict:
-    """The compile-time sizes and warps both kernels are launched with; `config` = (chunk, V block, warps)
-    overrides DEFAULT_CONFIG[K]."""
-    C, BV, warps = config or DEFAULT_CONFIG[K]
-    return dict(
-        K=K,
-        BK=max(16, K),  # tl.dot needs 16 along every axis: the linear block is padded at K = 8, K*K is not
-        BV=min(BV, max(16, triton.next_power_of_2(V))),
-        C=C,
-        DOT=tl.float32 if dtype == torch.float32 else tl.bfloat16,
-        num_warps=warps,
-    )
+# The launch the public op uses, per feature size K, and the alternatives the benchmark times beside it.
+DEFAULT_CONFIG = {8: Config(), 16: Config()}
+CONFIG_CHOICES = [Config(quad_block=64), Config(chunk=32, warps=4)]
+# V is held whole by a chunk program (delta_i = do_i . o_i needs all of it); wider V takes the reference.
+MAX_V = 256
 
 
-def based_backward_triton(q, k, v, do, scale: float, config=None):
-    """(dq, dk, dv) for contiguous (B, T, H, K) q, k and (B, T, H, V) v, do with K in {8, 16}; any T >= 1,
-    any V >= 1. Outputs in the inputs' dtype. `config` = (chunk, V block, warps) overrides the default."""
+def launch_plan(K: int, V: int, dtype: torch.dtype, config: Config | None = None) -> dict:
+    """{kernel name: (jit function, constexpr arguments, num_warps)} for the four launches."""
+    cfg = config or DEFAULT_CONFIG[K]
+    DOT = tl.float32 if dtype == torch.float32 else tl.bfloat16
+    BV = max(16, triton.next_power_of_2(V))
+    scan = dict(K=K, R=cfg.scan_rows, BV=min(cfg.scan_bv, BV), C=cfg.chunk, DOT=DOT)
+    chunk = dict(K=K, BK=max(16, K), BV=BV, C=cfg.chunk, QB=min(cfg.quad_block, K * K), DOT=DOT)
+    return {
+        "forward_scan": (_state_scan, dict(scan, REVERSE=False), cfg.scan_warps),
+        "forward_dq": (_chunk_forward_dq, chunk, cfg.warps),
+        "reverse_scan": (_state_scan, dict(scan, REVERSE=True), cfg.scan_warps),
+        "dkdv": (_chunk_dkdv, chunk, cfg.warps),
+    }
+
+
+def based_backward_triton(q, k, v, do, scale: float, config: Config | None = None):
+    """(dq, dk, dv) for contiguous (B, T, H, K) q, k and (B, T, H, V) v, do with K in {8, 16}, any T >= 1,
+    1 <= V <= MAX_V. Outputs in the inputs' dtype. `config` overrides DEFAULT_CONFIG[K]."""
     B, T, H, K = q.shape
     V = v.shape[-1]
-    sizes = launch_sizes(K, V, q.dtype, config)
-    NV = triton.cdiv(V, sizes["BV"])
+    if V > MAX_V:
+        raise ValueError(f"the fused backward holds V whole in a program: V <= {MAX_V}, got V={V}")
+    plan = launch_plan(K, V, q.dtype, config)
+    C = plan["forward_dq"][1]["C"]
+    N, BH, P = triton.cdiv(T, C), B * H, 1 + K + K * K
     f32 = dict(device=q.device, dtype=torch.float32)
-    r = torch.empty(B * H, T, **f32)
-    delta_part = torch.empty(NV, B * H, T, **f32)
-    u_part = torch.empty(NV, B, T, H, K, **f32)
-    w = torch.empty(B, T, H, K, **f32)
-    dq, dv = torch.empty_like(q), torch.empty_like(v)
-    dk_part = torch.empty(NV, B, T, H, K, **f32)
-    grid = (NV, B * H)
-    _forward_scan[grid](q, k, v, do, r, delta_part, u_part, w, T, H, V, scale, **sizes)
-    _reverse_scan[grid](q, k, v, do, r, delta_part, u_part, w, dq, dk_part, dv, T, H, V, scale, NV=NV, **sizes)
-    return dq, dk_part.sum(0).to(k.dtype), dv
+    states = torch.empty(BH, N, P, V, device=q.device, dtype=torch.float32 if q.dtype == torch.float32 else torch.bfloat16)
+    norms = torch.empty(BH, N, P, **f32)
+    r, delta = torch.empty(BH, T, **f32), torch.empty(BH, T, **f32)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    scan = plan["forward_scan"][1]
+    scan_grid = (triton.cdiv(P, scan["R"]), triton.cdiv(V, scan["BV"]), BH)
+    common = (T, H, V, scale, N)
+
+    def launch(name, grid, *args):
+        fn, meta, warps = plan[name]
+        fn[grid](*args, *common, **meta, num_warps=warps, num_stages=1)
+
+    launch("forward_scan", scan_grid, k, v, r, delta, states, norms)
+    launch("forward_dq", (N, BH), q, k, v, do, states, norms, r, delta, dq)
+    launch("reverse_scan", scan_grid, q, do, r, delta, states, norms)  # overwrites S_n with dS_n
+    launch("dkdv", (N, BH), q, k, v, do, states, norms, r, delta, dk, dv)
+    return dq, dk, dv
