@@ -274,6 +274,16 @@ def test_fused_bf16_matches_float64(fused, B, T, H, K, V, config):
         assert rel_err(g, ref) < BF16_TOL, f"d{name}"
 
 
+@needs_triton
+def test_fused_fp16_runs_as_bf16(fused):
+    """fp16 inputs go through the bf16 kernels (converted in and out): fp16 outputs, bf16-level errors."""
+    q, k, v, do = make(1, 100, 2, 16, 32, torch.float16, TRITON_DEVICE)
+    got = fused.based_backward_triton(q, k, v, do, 16**-0.5)
+    for name, g, ref in zip("qkv", got, grads_float64(q, k, v, do)):
+        assert g.dtype == torch.float16
+        assert rel_err(g, ref) < BF16_TOL, f"d{name}"
+
+
 @needs_cuda
 def test_kernel_path(based):
     assert based.kernel_path(torch.empty(1, device="cuda", dtype=torch.bfloat16)) == "triton"
