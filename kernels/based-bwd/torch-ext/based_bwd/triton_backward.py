@@ -119,6 +119,18 @@ def _quad_grad(x, t0, T, row_stride, G, S, Z, w, V, K: tl.constexpr, BK: tl.cons
 
 
 @triton.jit
+def _sequence_row(pid_bh, T, H):
+    """The row of position 0 of sequence pid_bh = b H + h in a (B, T, H, .) tensor, in int64."""
+    return (pid_bh // H).to(tl.int64) * T * H + pid_bh % H
+
+
+@triton.jit
+def _chunk_state(pid_bh, n, N, K: tl.constexpr):
+    """The row of feature 0 of chunk n's state of sequence pid_bh in the (B H, N, P, .) state buffers."""
+    return pid_bh.to(tl.int64) * N * (1 + K + K * K) + n * (1 + K + K * K)
+
+
+@triton.jit
 def _state_scan(
     x, y, r_in, delta_in, states, norms,
     T, H, V, scale, N,
@@ -130,9 +142,7 @@ def _state_scan(
     pid_f = tl.program_id(0)
     pid_v = tl.program_id(1)
     pid_bh = tl.program_id(2)
-    b = pid_bh // H
-    h = pid_bh % H
-    row = b.to(tl.int64) * T * H + h
+    row = _sequence_row(pid_bh, T, H)
     x += row * K
     y += row * V
     r_in += pid_bh.to(tl.int64) * T
@@ -150,7 +160,7 @@ def _state_scan(
         c1 = 1.0
         c2 = 1.0
     cols = pid_v * BV + tl.arange(0, BV)
-    state_rows = pid_bh.to(tl.int64) * N * P + f
+    state_rows = _chunk_state(pid_bh, 0, N, K) + f
     store_mask = (f < P)[:, None] & (cols < V)[None, :]
     acc = tl.zeros([R, BV], dtype=tl.float32)
     z = tl.zeros([R], dtype=tl.float32)
@@ -191,15 +201,12 @@ def _chunk_forward_dq(
 ):
     n = tl.program_id(0)
     pid_bh = tl.program_id(1)
-    b = pid_bh // H
-    h = pid_bh % H
-    row = b.to(tl.int64) * T * H + h
+    row = _sequence_row(pid_bh, T, H)
     q, k, dq = q + row * K, k + row * K, dq + row * K
     v, do = v + row * V, do + row * V
     r_out += pid_bh.to(tl.int64) * T
     delta_out += pid_bh.to(tl.int64) * T
-    P = 1 + K + K * K
-    state = pid_bh.to(tl.int64) * N * P + n * P  # row of feature 0 of S_n
+    state = _chunk_state(pid_bh, n, N, K)  # S_n
     S, Z = states + state * V, norms + state
     t0 = n * C
 
@@ -255,15 +262,12 @@ def _chunk_dkdv(
 ):
     n = tl.program_id(0)
     pid_bh = tl.program_id(1)
-    b = pid_bh // H
-    h = pid_bh % H
-    row = b.to(tl.int64) * T * H + h
+    row = _sequence_row(pid_bh, T, H)
     q, k, dk = q + row * K, k + row * K, dk + row * K
     v, do, dv = v + row * V, do + row * V, dv + row * V
     r_in += pid_bh.to(tl.int64) * T
     delta_in += pid_bh.to(tl.int64) * T
-    P = 1 + K + K * K
-    state = pid_bh.to(tl.int64) * N * P + n * P  # row of feature 0 of dS_n
+    state = _chunk_state(pid_bh, n, N, K)  # dS_n
     dS, dZ = states + state * V, norms + state
     t0 = n * C
 
