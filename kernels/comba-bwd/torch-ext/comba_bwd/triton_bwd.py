@@ -229,17 +229,24 @@ def _transform_blocked_kernel(k, p, beta, g, A, N, H, K: tl.constexpr):
 
 
 @triton.jit
+def _scan_chunk(g, beta, state_out, state, n, bh, scal_base, N, H, cv, K: tl.constexpr, V: tl.constexpr):
+    """Chunk n of either scan: store the carried state (S_n, or dS'_n in the reverse scan), return the chunk's
+    first position, its gates and its index: (t0, gc, glast, bk, gam, chunk)."""
+    t0 = n * BT
+    gc, glast, bk = _gates(g, beta, scal_base, t0, H)
+    chunk = bh.to(tl.int64) * N + n
+    ck = tl.arange(0, K)
+    tl.store(state_out + (chunk * K + ck[:, None]) * V + cv[None, :], state.to(state_out.dtype.element_ty))
+    return t0, gc, glast, bk, tl.exp(gc), chunk
+
+
+@triton.jit
 def _forward_step(k, v, p, beta, g, A, S_out, Vn_out, S, n, bh, scal_base, N, H, cv, K: tl.constexpr,
                   V: tl.constexpr):
     """Chunk n of the forward scan: store S_n and Vn, return S_{n+1}."""
     T = N * BT
     r = tl.arange(0, BT)
-    ck = tl.arange(0, K)
-    t0 = n * BT
-    gc, glast, bk = _gates(g, beta, scal_base, t0, H)
-    gam = tl.exp(gc)
-    chunk = bh.to(tl.int64) * N + n
-    tl.store(S_out + (chunk * K + ck[:, None]) * V + cv[None, :], S.to(S_out.dtype.element_ty))
+    t0, gc, glast, bk, gam, chunk = _scan_chunk(g, beta, S_out, S, n, bh, scal_base, N, H, cv, K, V)
     Ainv = tl.load(A + chunk * BT * BT + r[:, None] * BT + r[None, :])
     vk = tl.load(v + scal_base * V + (t0 + r)[:, None] * (H * V) + cv[None, :]).to(tl.bfloat16)
     pk = tl.load(_rows(p, scal_base * K, t0, H * K, K)).to(tl.bfloat16)
@@ -271,12 +278,7 @@ def _reverse_step(q, k, p, beta, g, do, A, dS_out, dVn_out, dS, n, bh, scal_base
     """Chunk n of the reverse scan: store dS'_n and dVn, return the gradient of the state before the chunk."""
     T = N * BT
     r = tl.arange(0, BT)
-    ck = tl.arange(0, K)
-    t0 = n * BT
-    gc, glast, bk = _gates(g, beta, scal_base, t0, H)
-    gam = tl.exp(gc)
-    chunk = bh.to(tl.int64) * N + n
-    tl.store(dS_out + (chunk * K + ck[:, None]) * V + cv[None, :], dS.to(dS_out.dtype.element_ty))
+    t0, gc, glast, bk, gam, chunk = _scan_chunk(g, beta, dS_out, dS, n, bh, scal_base, N, H, cv, K, V)
     kk = tl.load(_rows(k, scal_base * K, t0, H * K, K)).to(tl.bfloat16)
     qt = tl.load(_rows_t(q, scal_base * K, t0, H * K, K)).to(tl.bfloat16)
     dok = tl.load(do + scal_base * V + (t0 + r)[:, None] * (H * V) + cv[None, :]).to(tl.bfloat16)
