@@ -236,13 +236,13 @@ TRITON_DEVICE = "cuda" if HAS_CUDA else "cpu"
 BF16_TOL = 1e-2
 
 # (B, T, H, K, V, config overrides): both K at the default launch (two chunks); ragged T, two heads, a V
-# that is not a power of two, several scan programs along V and along the features; a chunk of 32 with
-# 128 quadratic features a step; a single partial chunk
+# that is not a power of two, several scan programs along V and along the features; a chunk of 32 on 8
+# warps with the K = 16 packed pairs split over five scan programs; a single partial chunk
 TRITON_CASES = [
     (1, 128, 1, 16, 32, {}),
     (1, 128, 1, 8, 16, {}),
     (1, 100, 2, 8, 48, dict(chunk=32, scan_rows=32, scan_bv=16)),
-    (2, 96, 1, 16, 16, dict(chunk=32, quad_block=128, warps=4)),
+    (2, 96, 1, 16, 16, dict(chunk=32, warps=8, scan_rows=32)),
     (1, 20, 1, 16, 16, {}),
 ]
 

@@ -2,9 +2,10 @@
 
 Notation as in reference.py: q~ = scale q, s_ij = q~_i . k_j, A_ij = 1 + s_ij + s_ij^2 / 2 (j <= i),
 r_i = 1 / (den_i + 1e-6), delta_i = do_i . o_i, g_i = r_i do_i, h_i = -r_i delta_i. With the feature maps
-phi_k(k) = [1, k, k (x) k] and phi_q(q~) = [1, q~, q~ (x) q~ / 2] (P = 1 + K + K^2 features, the Taylor
-term's 1/2 on the query side), A_ij = phi_q(q~_i) . phi_k(k_j). Feature f of a row: f = 0 the constant,
-f = 1 .. K the linear block, f = 1 + K + a K + b the product x_a x_b.
+phi_k(k) = [1, k, k (x) k] and phi_q(q~) = [1, q~, q~ (x) q~ / 2] (the Taylor term's 1/2 on the query side),
+A_ij = phi_q(q~_i) . phi_k(k_j). Both maps are symmetric in the pair (a, b) of a product x_a x_b, so the
+states keep one row per unordered pair: P = 1 + K + K (K + 1) / 2 rows, row 0 the constant, rows 1 .. K the
+linear block, then the pairs a <= b row by row (`_pair_row`); 153 rows at K = 16 instead of 273.
 
 The sequence is cut in chunks of C positions. Per (b, h) and chunk n the launches below exchange, through
 one HBM buffer of N x P x V states (bf16 for 16-bit inputs) and an fp32 N x P normaliser buffer:
@@ -21,12 +22,13 @@ one HBM buffer of N x P x V states (bf16 for 16-bit inputs) and an fp32 N x P no
 4. `_chunk_dkdv`, one program per chunk: dv_j = sum_{i >= j in chunk} A_ij g_i + phi_k(k_j)^T dS_n and
        dk_j = sum_{i >= j in chunk} ds_ij q~_i + dS1 v_j + dz1 + 2 M'_j k_j,   M'_j[a, b] = dS2[ab] . v_j + dZ2[ab].
 
-The quadratic features are never stored: for num and dv each chunk kernel forms them QB at a time from two
-gathered loads of its rows (x_a and x_b of f = a K + b) and multiplies them with the matching QB state rows;
-the M x terms of dq and dk are sum_b (x_b G) S2[. K + b]^T, one product per b (`_quad_grad`). Matmuls take bf16 operands with fp32 accumulation
-(IEEE fp32 for fp32 inputs); the scans' running sums, the normaliser (den and its states), r, delta and
-every square are fp32. No transpose of a dot result (fla #640): where a product wants the other
-orientation, its operand is loaded transposed from memory.
+The quadratic features are never stored: num and dv are sum_a (x_a X) S2[a .], one product per a over the
+chunk's rows X, with the K rows S2[a .] gathered from the packed state (`_quad_readout`); the M x terms of dq
+and dk are sum_b x_b (G S2[. b]^T), one product per b (`_quad_grad`). Matmuls take bf16 operands with fp32
+accumulation (IEEE fp32 for fp32 inputs); the scans' running sums, the normaliser (den and its states), r,
+delta and the squares s^2 are fp32; a product x_a x_b is formed in fp32 and rounded to the matmul operand
+type. No transpose of a dot result (fla #640): where a product wants the other orientation, its operand is
+loaded transposed from memory.
 """
 
 from typing import NamedTuple
@@ -83,39 +85,64 @@ def _dot(DOT: tl.constexpr, a, b):
 
 
 @triton.jit
-def _pair_rows(x, t0, T, row_stride, f0, K: tl.constexpr, C: tl.constexpr, QB: tl.constexpr):
-    """([C, QB], [C, QB]) fp32: x_a and x_b of the quadratic features f0 .. f0 + QB (f = a K + b, counted
-    from the first quadratic feature) at positions t0 .. t0 + C; zero past T."""
+def _pair_row(a, b, K: tl.constexpr):
+    """The state row of the quadratic feature x_a x_b (either order): after the constant and the K linear
+    rows, the pairs a' <= b' row by row (a' = 0 first, with K pairs)."""
+    lo = tl.minimum(a, b)
+    hi = tl.maximum(a, b)
+    return 1 + K + lo * K - lo * (lo - 1) // 2 + (hi - lo)
+
+
+@triton.jit
+def _load_col(x, t0, T, row_stride, col, C: tl.constexpr):
+    """[C] fp32: column `col` of rows t0 .. t0 + C; zero past T."""
     rows = t0 + tl.arange(0, C)
-    f = f0 + tl.arange(0, QB)
-    ptrs = x + rows.to(tl.int64)[:, None] * row_stride
-    inside = (rows < T)[:, None]
-    xa = tl.load(ptrs + (f // K)[None, :], mask=inside, other=0.0).to(tl.float32)
-    xb = tl.load(ptrs + (f % K)[None, :], mask=inside, other=0.0).to(tl.float32)
-    return xa, xb
+    return tl.load(x + rows.to(tl.int64) * row_stride + col, mask=rows < T, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _quad_readout(x_c, x, t0, T, row_stride, S, Z, V, K: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                  C: tl.constexpr, DOT: tl.constexpr):
+    """([C, BV], [C]): sum over a, b of x_a x_b S2[ab] and of x_a x_b Z2[ab] for rows t0 .. t0 + C of a
+    (., K) tensor x (x_c: those rows, [C, BK]), S2 and Z2 the quadratic rows of the state at S and of the
+    normaliser at Z. One product per a, (x_a x_c) S2[a .], accumulating in place (x_a x_b is an fp32 product
+    rounded to the operand type, like every matmul operand); each packed row is read for both orders of its
+    pair. The normaliser's sum stays fp32."""
+    vc = tl.arange(0, BV)
+    kc = tl.arange(0, BK)
+    x32 = x_c.to(tl.float32)
+    y = tl.zeros([C, BV], dtype=tl.float32)
+    yz = tl.zeros([C], dtype=tl.float32)
+    for a in range(0, K):
+        rows = _pair_row(a, kc, K)
+        S2a = tl.load(S + rows[:, None] * V + vc[None, :], mask=(kc < K)[:, None] & (vc < V)[None, :], other=0.0)
+        Z2a = tl.load(Z + rows, mask=kc < K, other=0.0)
+        xa = _load_col(x, t0, T, row_stride, a, C)
+        y += _dot(DOT, xa[:, None] * x32, S2a)
+        yz += xa * tl.sum(x32 * Z2a[None, :], 1)
+    return y, yz
 
 
 @triton.jit
 def _quad_grad(x, t0, T, row_stride, G, S, Z, w, V, K: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                C: tl.constexpr, DOT: tl.constexpr):
-    """[C, BK]: y[i, a] = sum_b x_ib (S2[a K + b] . G_i + Z2[a K + b] w_i), S2 and Z2 the quadratic rows of
-    the state at S and of the normaliser at Z (symmetric in a, b), x = rows t0 .. t0 + C of a (., K) tensor.
+    """[C, BK]: y[i, a] = sum_b x_ib (S2[ab] . G_i + Z2[ab] w_i), S2 and Z2 the quadratic rows of the state
+    at S and of the normaliser at Z (symmetric in a, b), x = rows t0 .. t0 + C of a (., K) tensor.
 
-    One product per b, x_b G [C, V] times the [V, K] slice S2[. K + b]^T: no K^2-wide tile and no K x K
-    reshape of one (a reshape-and-sum of such a product gave wrong gradients on the H200 and faulted)."""
-    rows = t0 + tl.arange(0, C)
-    inside = rows < T
+    One product per b, G [C, V] times the [V, K] slice S2[. b]^T, scaled by x_b afterwards: no K^2-wide
+    tile and no K x K reshape of one (a reshape-and-sum of such a product gave wrong gradients on the H200
+    and faulted)."""
     vc = tl.arange(0, BV)
     kc = tl.arange(0, BK)
+    G = G.to(DOT)
     y = tl.zeros([C, BK], dtype=tl.float32)
     for b in range(0, K):
-        xb = tl.load(x + rows.to(tl.int64) * row_stride + b, mask=inside, other=0.0).to(tl.float32)
-        S2b_t = tl.load(S + (1 + K + kc[None, :] * K + b) * V + vc[:, None], mask=(vc < V)[:, None] & (kc < K)[None, :],
-                        other=0.0)
-        y += _dot(DOT, xb[:, None] * G, S2b_t)
-    x_c = _load_rows(x, t0, T, row_stride, K, C, BK).to(tl.float32)
-    Z2 = tl.load(Z + 1 + K + kc[:, None] * K + kc[None, :], mask=(kc < K)[:, None] & (kc < K)[None, :], other=0.0)
-    return y + w[:, None] * tl.dot(x_c, Z2, input_precision="ieee")
+        rows = _pair_row(kc, b, K)
+        S2b_t = tl.load(S + rows[None, :] * V + vc[:, None], mask=(vc < V)[:, None] & (kc < K)[None, :], other=0.0)
+        Z2b = tl.load(Z + rows, mask=kc < K, other=0.0)
+        xb = _load_col(x, t0, T, row_stride, b, C)
+        y += xb[:, None] * (_dot(DOT, G, S2b_t) + w[:, None] * Z2b[None, :])
+    return y
 
 
 @triton.jit
@@ -125,20 +152,44 @@ def _sequence_row(pid_bh, T, H):
 
 
 @triton.jit
-def _chunk_state(pid_bh, n, N, K: tl.constexpr):
+def _chunk_state(pid_bh, n, N, P: tl.constexpr):
     """The row of feature 0 of chunk n's state of sequence pid_bh in the (B H, N, P, .) state buffers."""
-    return pid_bh.to(tl.int64) * N * (1 + K + K * K) + n * (1 + K + K * K)
+    return (pid_bh.to(tl.int64) * N + n) * P
+
+
+@triton.jit
+def _scan_loads(x, y, r_in, delta_in, n, ia, ib, linear, quad, cols, T, H, V, K: tl.constexpr, C: tl.constexpr,
+                REVERSE: tl.constexpr):
+    """The raw loads of chunk n one scan step consumes: x_a and x_b [R, C], y [C, BV] and (reverse) r and
+    delta [C]; zero past T. Returned unconverted, so that the next chunk's loads can be in flight while the
+    current chunk is multiplied."""
+    t = n * C + tl.arange(0, C)
+    inside = t < T
+    xrow = x + t.to(tl.int64)[None, :] * (H * K)
+    xa = tl.load(xrow + ia[:, None], mask=inside[None, :] & (linear | quad)[:, None], other=0.0)
+    xb = tl.load(xrow + ib[:, None], mask=inside[None, :] & quad[:, None], other=0.0)
+    yy = tl.load(y + t.to(tl.int64)[:, None] * (H * V) + cols[None, :], mask=inside[:, None] & (cols < V)[None, :],
+                 other=0.0)
+    if REVERSE:
+        r = tl.load(r_in + t, mask=inside, other=0.0)
+        delta = tl.load(delta_in + t, mask=inside, other=0.0)
+    else:
+        r = inside.to(tl.float32)
+        delta = r
+    return xa, xb, yy, r, delta
 
 
 @triton.jit
 def _state_scan(
     x, y, r_in, delta_in, states, norms,
     T, H, V, scale, N,
-    K: tl.constexpr, R: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, REVERSE: tl.constexpr,
-    DOT: tl.constexpr,
+    K: tl.constexpr, P: tl.constexpr, R: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, REVERSE: tl.constexpr,
+    PREFETCH: tl.constexpr, DOT: tl.constexpr,
 ):
     """Forward (REVERSE false): x = k, y = v; stores S_n = sum_{m < n} phi_k(K_m)^T V_m and z_n (weights 1).
-    Reverse: x = q, y = do; stores dS_n = sum_{m > n} phi_q(Q~_m)^T (r do)_m and dz_n (weights h)."""
+    Reverse: x = q, y = do; stores dS_n = sum_{m > n} phi_q(Q~_m)^T (r do)_m and dz_n (weights h).
+    PREFETCH issues the next chunk's loads before the current chunk's product instead of after it: more
+    registers for more loads in flight."""
     pid_f = tl.program_id(0)
     pid_v = tl.program_id(1)
     pid_bh = tl.program_id(2)
@@ -147,56 +198,65 @@ def _state_scan(
     y += row * V
     r_in += pid_bh.to(tl.int64) * T
     delta_in += pid_bh.to(tl.int64) * T
-    P = 1 + K + K * K
     f = pid_f * R + tl.arange(0, R)
     linear = (f >= 1) & (f <= K)
     quad = (f > K) & (f < P)
-    ia = tl.where(linear, f - 1, tl.where(quad, (f - 1 - K) // K, 0))
-    ib = tl.where(quad, (f - 1 - K) % K, 0)
+    # Packed pair p = f - 1 - K -> (a, b), a <= b: a counts the rows a' >= 1 whose first pair is at or before p.
+    p = f - 1 - K
+    pa = tl.zeros([R], dtype=tl.int32)
+    for a in tl.static_range(1, K):
+        pa += (p >= a * K - a * (a - 1) // 2).to(tl.int32)
+    ia = tl.where(linear, f - 1, tl.where(quad, pa, 0))
+    ib = tl.where(quad, p - (pa * K - pa * (pa - 1) // 2) + pa, 0)
     if REVERSE:  # phi_q of q~ = scale q
         c1 = scale
         c2 = 0.5 * scale * scale
+        n_next = N - 1
     else:
         c1 = 1.0
         c2 = 1.0
+        n_next = 0
     cols = pid_v * BV + tl.arange(0, BV)
-    state_rows = _chunk_state(pid_bh, 0, N, K) + f
+    state_rows = _chunk_state(pid_bh, 0, N, P) + f
     store_mask = (f < P)[:, None] & (cols < V)[None, :]
     acc = tl.zeros([R, BV], dtype=tl.float32)
     z = tl.zeros([R], dtype=tl.float32)
+    xa, xb, yy, r, delta = _scan_loads(x, y, r_in, delta_in, n_next, ia, ib, linear, quad, cols, T, H, V, K, C,
+                                       REVERSE)
     for m in range(0, N):
         if REVERSE:
             n = N - 1 - m
+            n_next = tl.maximum(n - 1, 0)
         else:
             n = m
+            n_next = tl.minimum(n + 1, N - 1)
         rows = state_rows + n * P
         tl.store(states + rows[:, None] * V + cols[None, :], acc.to(states.dtype.element_ty), mask=store_mask)
         if pid_v == 0:
             tl.store(norms + rows, z, mask=f < P)
-        t = n * C + tl.arange(0, C)
-        inside = t < T
-        xrow = x + t.to(tl.int64)[None, :] * (H * K)
-        xa = tl.load(xrow + ia[:, None], mask=inside[None, :] & (linear | quad)[:, None], other=0.0).to(tl.float32)
-        xb = tl.load(xrow + ib[:, None], mask=inside[None, :] & quad[:, None], other=0.0).to(tl.float32)
-        phi_t = tl.where(linear[:, None], c1 * xa, c2 * xa * xb)
+        if PREFETCH:  # the next chunk's loads go out before this chunk's product (the last step reloads its own)
+            loaded_next = _scan_loads(x, y, r_in, delta_in, n_next, ia, ib, linear, quad, cols, T, H, V, K, C, REVERSE)
+        inside = n * C + tl.arange(0, C) < T
+        xa32, xb32 = xa.to(tl.float32), xb.to(tl.float32)
+        phi_t = tl.where(linear[:, None], c1 * xa32, c2 * xa32 * xb32)
         phi_t = tl.where((f == 0)[:, None] & inside[None, :], 1.0, phi_t)
-        yy = tl.load(y + t.to(tl.int64)[:, None] * (H * V) + cols[None, :],
-                     mask=inside[:, None] & (cols < V)[None, :], other=0.0)
         if REVERSE:
-            r = _load_vec(r_in, n * C, T, C)
-            w = -r * _load_vec(delta_in, n * C, T, C)
+            w = -r * delta
             yy = yy.to(tl.float32) * r[:, None]
         else:
-            w = inside.to(tl.float32)
+            w = r
         acc += _dot(DOT, phi_t, yy)
         z += tl.sum(phi_t * w[None, :], 1)
+        if not PREFETCH:
+            loaded_next = _scan_loads(x, y, r_in, delta_in, n_next, ia, ib, linear, quad, cols, T, H, V, K, C, REVERSE)
+        xa, xb, yy, r, delta = loaded_next
 
 
 @triton.jit
 def _chunk_forward_dq(
     q, k, v, do, states, norms, r_out, delta_out, dq,
     T, H, V, scale, N,
-    K: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, QB: tl.constexpr,
+    K: tl.constexpr, P: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
     DOT: tl.constexpr,
 ):
     n = tl.program_id(0)
@@ -206,7 +266,7 @@ def _chunk_forward_dq(
     v, do = v + row * V, do + row * V
     r_out += pid_bh.to(tl.int64) * T
     delta_out += pid_bh.to(tl.int64) * T
-    state = _chunk_state(pid_bh, n, N, K)  # S_n
+    state = _chunk_state(pid_bh, n, N, P)  # S_n
     S, Z = states + state * V, norms + state
     t0 = n * C
 
@@ -219,7 +279,7 @@ def _chunk_forward_dq(
     k_t = _load_cols(k, t0, T, H * K, K, BK, C)
     v_c = _load_rows(v, t0, T, H * V, V, C, BV)
     v_t = _load_cols(v, t0, T, H * V, V, BV, C)
-    do_c = _load_rows(do, t0, T, H * V, V, C, BV).to(tl.float32)
+    do_c = _load_rows(do, t0, T, H * V, V, C, BV)
     lin_mask = (kc < K)[:, None] & (vc < V)[None, :]
     S0 = tl.load(S + vc, mask=vc < V, other=0.0).to(tl.float32)
     S1 = tl.load(S + (1 + kc)[:, None] * V + vc[None, :], mask=lin_mask, other=0.0)
@@ -231,20 +291,17 @@ def _chunk_forward_dq(
     A = tl.where(causal, 1.0 + s + 0.5 * s * s, 0.0)
     num = S0[None, :] + scale * _dot(DOT, q_c, S1) + _dot(DOT, A, v_c)
     den = z0 + scale * tl.sum(q_c.to(tl.float32) * z1[None, :], 1) + tl.sum(A, 1)
-    for f0 in range(0, K * K, QB):
-        qa, qb = _pair_rows(q, t0, T, H * K, f0, K, C, QB)
-        quad_q = (0.5 * scale * scale) * qa * qb
-        fq = 1 + K + f0 + tl.arange(0, QB)
-        num += _dot(DOT, quad_q, tl.load(S + fq[:, None] * V + vc[None, :], mask=(vc < V)[None, :], other=0.0))
-        den += tl.sum(quad_q * tl.load(Z + fq)[None, :], 1)
+    num_quad, den_quad = _quad_readout(q_c, q, t0, T, H * K, S, Z, V, K, BK, BV, C, DOT)
+    num += (0.5 * scale * scale) * num_quad
+    den += (0.5 * scale * scale) * den_quad
     r = 1.0 / (den + _EPS)
-    delta = r * tl.sum(do_c * num, 1)
+    delta = r * tl.sum(do_c.to(tl.float32) * num, 1)
     inside = t0 + i_idx < T
     tl.store(r_out + t0 + i_idx, r, mask=inside)
     tl.store(delta_out + t0 + i_idx, delta, mask=inside)
 
     # dq~ = intra-chunk ds k + the state's part S1 g + z1 h + M q~
-    g = do_c * r[:, None]
+    g = do_c.to(tl.float32) * r[:, None]
     hn = -r * delta
     ds = tl.where(causal, (_dot(DOT, g, v_t) + hn[:, None]) * (1.0 + s), 0.0)
     S1_t = tl.load(S + (1 + kc)[None, :] * V + vc[:, None], mask=(vc < V)[:, None] & (kc < K)[None, :], other=0.0)
@@ -257,7 +314,7 @@ def _chunk_forward_dq(
 def _chunk_dkdv(
     q, k, v, do, states, norms, r_in, delta_in, dk, dv,
     T, H, V, scale, N,
-    K: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, QB: tl.constexpr,
+    K: tl.constexpr, P: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
     DOT: tl.constexpr,
 ):
     n = tl.program_id(0)
@@ -267,7 +324,7 @@ def _chunk_dkdv(
     v, do, dv = v + row * V, do + row * V, dv + row * V
     r_in += pid_bh.to(tl.int64) * T
     delta_in += pid_bh.to(tl.int64) * T
-    state = _chunk_state(pid_bh, n, N, K)  # dS_n
+    state = _chunk_state(pid_bh, n, N, P)  # dS_n
     dS, dZ = states + state * V, norms + state
     t0 = n * C
 
@@ -295,10 +352,7 @@ def _chunk_dkdv(
     ds_t = tl.where(causal_t, (_dot(DOT, v_c, g_t) + hn[None, :]) * (1.0 + s_t), 0.0)
     dv_c = _dot(DOT, a_t, g) + dS0[None, :] + _dot(DOT, k_c, dS1)
     dk_c = scale * _dot(DOT, ds_t, q_c) + _dot(DOT, v_c, dS1_t) + dz1[None, :]
-    for f0 in range(0, K * K, QB):
-        ka, kb = _pair_rows(k, t0, T, H * K, f0, K, C, QB)
-        fq = 1 + K + f0 + tl.arange(0, QB)
-        dv_c += _dot(DOT, ka * kb, tl.load(dS + fq[:, None] * V + vc[None, :], mask=(vc < V)[None, :], other=0.0))
+    dv_c += _quad_readout(k_c, k, t0, T, H * K, dS, dZ, V, K, BK, BV, C, DOT)[0]
     ones = tl.full([C], 1.0, tl.float32)
     dk_c += 2.0 * _quad_grad(k, t0, T, H * K, v_c.to(tl.float32), dS, dZ, ones, V, K, BK, BV, C, DOT)
     _store_rows(dk, dk_c, t0, T, H * K, K, C, BK)
@@ -306,25 +360,34 @@ def _chunk_dkdv(
 
 
 class Config(NamedTuple):
-    """One launch plan: the chunk C, quadratic features per step QB, and each kernel's warps; the scans'
-    feature rows and V columns per program."""
+    """One launch plan: the chunk C and the chunk kernels' warps; the scans' feature rows and V columns per
+    program, their warps, and whether each scan issues the next chunk's loads before the current product."""
 
     chunk: int = 64
-    quad_block: int = 64
-    warps: int = 8
+    warps: int = 4
     scan_rows: int = 64
     scan_bv: int = 64
     scan_warps: int = 8
+    prefetch_forward_scan: bool = False
+    prefetch_reverse_scan: bool = True
 
 
 # The launch the public op uses, per feature size K, and the alternatives the benchmark times beside it.
-# 64 quadratic features a step: 7.93 against 8.42 ms (32 a step) at (4, 8192, 24, 16, 128) and 4.60 against
-# 4.81 ms at (4, 8192, 32, 8, 128); chunks of 32 on 4 warps: 9.42 and 5.44 ms (bench/results/
-# 2026-11-29-29be16b-based, "other config" rows).
+# Per launch at the five measure shapes (bench/results/2026-11-29-d877b8c-based-launches.log): the chunk
+# kernels on 4 warps took 0.82-1.42 ms where 8 warps took 1.50-2.42; the reverse scan with its loads issued a
+# chunk ahead 0.50-1.10 ms against 0.58-1.32, while the forward scan was faster without at four shapes
+# (0.32-0.89 ms against 0.45-0.99: the prefetch costs it half its resident CTAs); 32 feature rows a scan
+# program lost.
 DEFAULT_CONFIG = {8: Config(), 16: Config()}
-CONFIG_CHOICES = [Config(quad_block=32), Config(chunk=32, warps=4)]
+CONFIG_CHOICES = [Config(prefetch_forward_scan=True), Config(prefetch_reverse_scan=False), Config(warps=8)]
 # V is held whole by a chunk program (delta_i = do_i . o_i needs all of it); wider V takes the reference.
 MAX_V = 256
+
+
+def n_features(K: int) -> int:
+    """P, the state rows: the constant, K linear features and the K (K + 1) / 2 distinct products x_a x_b
+    (a <= b; the state of x_b x_a is the same, so the kernels read one row for both orders)."""
+    return 1 + K + K * (K + 1) // 2
 
 
 def launch_plan(K: int, V: int, dtype: torch.dtype, config: Config | None = None) -> dict:
@@ -332,12 +395,13 @@ def launch_plan(K: int, V: int, dtype: torch.dtype, config: Config | None = None
     cfg = config or DEFAULT_CONFIG[K]
     DOT = tl.float32 if dtype == torch.float32 else tl.bfloat16
     BV = max(16, triton.next_power_of_2(V))
-    scan = dict(K=K, R=cfg.scan_rows, BV=min(cfg.scan_bv, BV), C=cfg.chunk, DOT=DOT)
-    chunk = dict(K=K, BK=max(16, K), BV=BV, C=cfg.chunk, QB=min(cfg.quad_block, K * K), DOT=DOT)
+    P = n_features(K)
+    scan = dict(K=K, P=P, R=cfg.scan_rows, BV=min(cfg.scan_bv, BV), C=cfg.chunk, DOT=DOT)
+    chunk = dict(K=K, P=P, BK=max(16, K), BV=BV, C=cfg.chunk, DOT=DOT)
     return {
-        "forward_scan": (_state_scan, dict(scan, REVERSE=False), cfg.scan_warps),
+        "forward_scan": (_state_scan, dict(scan, REVERSE=False, PREFETCH=cfg.prefetch_forward_scan), cfg.scan_warps),
         "forward_dq": (_chunk_forward_dq, chunk, cfg.warps),
-        "reverse_scan": (_state_scan, dict(scan, REVERSE=True), cfg.scan_warps),
+        "reverse_scan": (_state_scan, dict(scan, REVERSE=True, PREFETCH=cfg.prefetch_reverse_scan), cfg.scan_warps),
         "dkdv": (_chunk_dkdv, chunk, cfg.warps),
     }
 
@@ -356,7 +420,7 @@ def based_backward_triton(q, k, v, do, scale: float, config: Config | None = Non
         raise ValueError(f"the fused backward holds V whole in a program: V <= {MAX_V}, got V={V}")
     plan = launch_plan(K, V, q.dtype, config)
     C = plan["forward_dq"][1]["C"]
-    N, BH, P = triton.cdiv(T, C), B * H, 1 + K + K * K
+    N, BH, P = triton.cdiv(T, C), B * H, plan["forward_dq"][1]["P"]
     f32 = dict(device=q.device, dtype=torch.float32)
     states = torch.empty(BH, N, P, V, device=q.device, dtype=torch.float32 if q.dtype == torch.float32 else torch.bfloat16)
     norms = torch.empty(BH, N, P, **f32)
