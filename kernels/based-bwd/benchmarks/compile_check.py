@@ -31,7 +31,7 @@ TARGET = GPUTarget("cuda", 90, 32)
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 # pointer arguments that hold the inputs' dtype (the states too: bf16 for 16-bit inputs, fp32 for fp32);
 # every other pointer is an fp32 scratch
-INPUT_DTYPE_ARGS = {"q", "k", "v", "do", "dq", "dk", "dv", "x", "y", "states"}
+INPUT_DTYPE_ARGS = {"q", "k", "v", "do", "dq", "dk", "dv", "x", "y", "g_out", "g_in", "states"}
 SCALAR_TYPES = {"T": "i32", "H": "i32", "V": "i32", "N": "i32", "scale": "fp32"}
 # Integers Triton's launcher marks as multiples of 16 at the measure shapes (T, V and the chunk count there
 # are; H is 24 at one), as the GPU compile specializes them: without this the offline address arithmetic

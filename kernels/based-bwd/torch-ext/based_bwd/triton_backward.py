@@ -14,11 +14,12 @@ one HBM buffer of N x P x V states (bf16 for 16-bit inputs) and an fp32 N x P no
    program owns a block of feature rows and of V columns, so the scan is parallel over (features, V, b h);
    only the running sum is serial, and it is fp32 in registers.
 2. `_chunk_forward_dq`, one program per chunk, all of V: recomputes num and den from S_n, z_n and the
-   chunk's quadratic form, hence r and delta (written, 2 floats a position), and then the complete dq:
+   chunk's quadratic form, hence r and delta, and then the complete dq; it writes g = r do (in the matmul
+   operand type, which every later use rounds it to) and h (one float a position) for the launches after it:
        dq~_i = sum_{j <= i in chunk} ds_ij k_j + S1 g_i + z1 h_i + M_i q~_i,
        M_i[a, b] = S2[ab] . g_i + Z2[ab] h_i,   ds_ij = (g_i . v_j + h_i)(1 + s_ij).
 3. `_state_scan` (reverse) overwrites the state buffer with dS_n = sum over later chunks of phi_q(Q~)^T G
-   and dz_n = sum of phi_q(q~) h.
+   and dz_n = sum of phi_q(q~) h: the forward scan's loop with q, g and the weights h.
 4. `_chunk_dkdv`, one program per chunk: dv_j = sum_{i >= j in chunk} A_ij g_i + phi_k(k_j)^T dS_n and
        dk_j = sum_{i >= j in chunk} ds_ij q~_i + dS1 v_j + dz1 + 2 M'_j k_j,   M'_j[a, b] = dS2[ab] . v_j + dZ2[ab].
 
@@ -158,11 +159,11 @@ def _chunk_state(pid_bh, n, N, P: tl.constexpr):
 
 
 @triton.jit
-def _scan_loads(x, y, r_in, delta_in, n, ia, ib, linear, quad, cols, T, H, V, K: tl.constexpr, C: tl.constexpr,
-                REVERSE: tl.constexpr):
-    """The raw loads of chunk n one scan step consumes: x_a and x_b [R, C], y [C, BV] and (reverse) r and
-    delta [C]; zero past T. Returned unconverted, so that the next chunk's loads can be in flight while the
-    current chunk is multiplied."""
+def _scan_loads(x, y, w_in, n, ia, ib, linear, quad, cols, T, H, V, K: tl.constexpr, C: tl.constexpr,
+                WEIGHTED: tl.constexpr):
+    """The loads of chunk n one scan step consumes: x_a and x_b [R, C], y [C, BV] and the position weights
+    [C] (w_in's, or 1); zero past T. Returned unconverted, so that the next chunk's loads can be in flight
+    while the current chunk is multiplied."""
     t = n * C + tl.arange(0, C)
     inside = t < T
     xrow = x + t.to(tl.int64)[None, :] * (H * K)
@@ -170,24 +171,22 @@ def _scan_loads(x, y, r_in, delta_in, n, ia, ib, linear, quad, cols, T, H, V, K:
     xb = tl.load(xrow + ib[:, None], mask=inside[None, :] & quad[:, None], other=0.0)
     yy = tl.load(y + t.to(tl.int64)[:, None] * (H * V) + cols[None, :], mask=inside[:, None] & (cols < V)[None, :],
                  other=0.0)
-    if REVERSE:
-        r = tl.load(r_in + t, mask=inside, other=0.0)
-        delta = tl.load(delta_in + t, mask=inside, other=0.0)
+    if WEIGHTED:
+        w = tl.load(w_in + t, mask=inside, other=0.0)
     else:
-        r = inside.to(tl.float32)
-        delta = r
-    return xa, xb, yy, r, delta
+        w = inside.to(tl.float32)
+    return xa, xb, yy, w
 
 
 @triton.jit
 def _state_scan(
-    x, y, r_in, delta_in, states, norms,
+    x, y, w_in, states, norms,
     T, H, V, scale, N,
     K: tl.constexpr, P: tl.constexpr, R: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, REVERSE: tl.constexpr,
     PREFETCH: tl.constexpr, DOT: tl.constexpr,
 ):
     """Forward (REVERSE false): x = k, y = v; stores S_n = sum_{m < n} phi_k(K_m)^T V_m and z_n (weights 1).
-    Reverse: x = q, y = do; stores dS_n = sum_{m > n} phi_q(Q~_m)^T (r do)_m and dz_n (weights h).
+    Reverse: x = q, y = g; stores dS_n = sum_{m > n} phi_q(Q~_m)^T G_m and dz_n (weights w_in = h).
     PREFETCH issues the next chunk's loads before the current chunk's product instead of after it: more
     registers for more loads in flight."""
     pid_f = tl.program_id(0)
@@ -196,8 +195,7 @@ def _state_scan(
     row = _sequence_row(pid_bh, T, H)
     x += row * K
     y += row * V
-    r_in += pid_bh.to(tl.int64) * T
-    delta_in += pid_bh.to(tl.int64) * T
+    w_in += pid_bh.to(tl.int64) * T
     f = pid_f * R + tl.arange(0, R)
     linear = (f >= 1) & (f <= K)
     quad = (f > K) & (f < P)
@@ -221,8 +219,7 @@ def _state_scan(
     store_mask = (f < P)[:, None] & (cols < V)[None, :]
     acc = tl.zeros([R, BV], dtype=tl.float32)
     z = tl.zeros([R], dtype=tl.float32)
-    xa, xb, yy, r, delta = _scan_loads(x, y, r_in, delta_in, n_next, ia, ib, linear, quad, cols, T, H, V, K, C,
-                                       REVERSE)
+    xa, xb, yy, w = _scan_loads(x, y, w_in, n_next, ia, ib, linear, quad, cols, T, H, V, K, C, REVERSE)
     for m in range(0, N):
         if REVERSE:
             n = N - 1 - m
@@ -235,26 +232,21 @@ def _state_scan(
         if pid_v == 0:
             tl.store(norms + rows, z, mask=f < P)
         if PREFETCH:  # the next chunk's loads go out before this chunk's product (the last step reloads its own)
-            loaded_next = _scan_loads(x, y, r_in, delta_in, n_next, ia, ib, linear, quad, cols, T, H, V, K, C, REVERSE)
+            loaded_next = _scan_loads(x, y, w_in, n_next, ia, ib, linear, quad, cols, T, H, V, K, C, REVERSE)
         inside = n * C + tl.arange(0, C) < T
         xa32, xb32 = xa.to(tl.float32), xb.to(tl.float32)
         phi_t = tl.where(linear[:, None], c1 * xa32, c2 * xa32 * xb32)
         phi_t = tl.where((f == 0)[:, None] & inside[None, :], 1.0, phi_t)
-        if REVERSE:
-            w = -r * delta
-            yy = yy.to(tl.float32) * r[:, None]
-        else:
-            w = r
         acc += _dot(DOT, phi_t, yy)
         z += tl.sum(phi_t * w[None, :], 1)
         if not PREFETCH:
-            loaded_next = _scan_loads(x, y, r_in, delta_in, n_next, ia, ib, linear, quad, cols, T, H, V, K, C, REVERSE)
-        xa, xb, yy, r, delta = loaded_next
+            loaded_next = _scan_loads(x, y, w_in, n_next, ia, ib, linear, quad, cols, T, H, V, K, C, REVERSE)
+        xa, xb, yy, w = loaded_next
 
 
 @triton.jit
 def _chunk_forward_dq(
-    q, k, v, do, states, norms, r_out, delta_out, dq,
+    q, k, v, do, states, norms, h_out, g_out, dq,
     T, H, V, scale, N,
     K: tl.constexpr, P: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
     DOT: tl.constexpr,
@@ -263,9 +255,8 @@ def _chunk_forward_dq(
     pid_bh = tl.program_id(1)
     row = _sequence_row(pid_bh, T, H)
     q, k, dq = q + row * K, k + row * K, dq + row * K
-    v, do = v + row * V, do + row * V
-    r_out += pid_bh.to(tl.int64) * T
-    delta_out += pid_bh.to(tl.int64) * T
+    v, do, g_out = v + row * V, do + row * V, g_out + row * V
+    h_out += pid_bh.to(tl.int64) * T
     state = _chunk_state(pid_bh, n, N, P)  # S_n
     S, Z = states + state * V, norms + state
     t0 = n * C
@@ -296,13 +287,13 @@ def _chunk_forward_dq(
     den += (0.5 * scale * scale) * den_quad
     r = 1.0 / (den + _EPS)
     delta = r * tl.sum(do_c.to(tl.float32) * num, 1)
-    inside = t0 + i_idx < T
-    tl.store(r_out + t0 + i_idx, r, mask=inside)
-    tl.store(delta_out + t0 + i_idx, delta, mask=inside)
 
     # dq~ = intra-chunk ds k + the state's part S1 g + z1 h + M q~
     g = do_c.to(tl.float32) * r[:, None]
     hn = -r * delta
+    # g and h for the reverse scan and dk/dv; g in the matmul operand type, which they would round it to
+    tl.store(h_out + t0 + i_idx, hn, mask=t0 + i_idx < T)
+    _store_rows(g_out, g, t0, T, H * V, V, C, BV)
     ds = tl.where(causal, (_dot(DOT, g, v_t) + hn[:, None]) * (1.0 + s), 0.0)
     S1_t = tl.load(S + (1 + kc)[None, :] * V + vc[:, None], mask=(vc < V)[:, None] & (kc < K)[None, :], other=0.0)
     dqs = _dot(DOT, ds, k_c) + _dot(DOT, g, S1_t) + hn[:, None] * z1[None, :]
@@ -312,7 +303,7 @@ def _chunk_forward_dq(
 
 @triton.jit
 def _chunk_dkdv(
-    q, k, v, do, states, norms, r_in, delta_in, dk, dv,
+    q, k, v, g_in, states, norms, h_in, dk, dv,
     T, H, V, scale, N,
     K: tl.constexpr, P: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
     DOT: tl.constexpr,
@@ -321,9 +312,8 @@ def _chunk_dkdv(
     pid_bh = tl.program_id(1)
     row = _sequence_row(pid_bh, T, H)
     q, k, dk = q + row * K, k + row * K, dk + row * K
-    v, do, dv = v + row * V, do + row * V, dv + row * V
-    r_in += pid_bh.to(tl.int64) * T
-    delta_in += pid_bh.to(tl.int64) * T
+    v, g_in, dv = v + row * V, g_in + row * V, dv + row * V
+    h_in += pid_bh.to(tl.int64) * T
     state = _chunk_state(pid_bh, n, N, P)  # dS_n
     dS, dZ = states + state * V, norms + state
     t0 = n * C
@@ -336,10 +326,9 @@ def _chunk_dkdv(
     q_t = _load_cols(q, t0, T, H * K, K, BK, C)
     k_c = _load_rows(k, t0, T, H * K, K, C, BK)
     v_c = _load_rows(v, t0, T, H * V, V, C, BV)
-    r = _load_vec(r_in, t0, T, C)
-    hn = -r * _load_vec(delta_in, t0, T, C)
-    g = _load_rows(do, t0, T, H * V, V, C, BV).to(tl.float32) * r[:, None]
-    g_t = _load_cols(do, t0, T, H * V, V, BV, C).to(tl.float32) * r[None, :]
+    hn = _load_vec(h_in, t0, T, C)
+    g = _load_rows(g_in, t0, T, H * V, V, C, BV)
+    g_t = _load_cols(g_in, t0, T, H * V, V, BV, C)
     lin_mask = (kc < K)[:, None] & (vc < V)[None, :]
     dS0 = tl.load(dS + vc, mask=vc < V, other=0.0).to(tl.float32)
     dS1 = tl.load(dS + (1 + kc)[:, None] * V + vc[None, :], mask=lin_mask, other=0.0)
@@ -369,7 +358,7 @@ class Config(NamedTuple):
     scan_bv: int = 64
     scan_warps: int = 8
     prefetch_forward_scan: bool = False
-    prefetch_reverse_scan: bool = True
+    prefetch_reverse_scan: bool = False
 
 
 # The launch the public op uses, per feature size K, and the alternatives the benchmark times beside it.
@@ -379,7 +368,7 @@ class Config(NamedTuple):
 # (0.32-0.89 ms against 0.45-0.99: the prefetch costs it half its resident CTAs); 32 feature rows a scan
 # program lost.
 DEFAULT_CONFIG = {8: Config(), 16: Config()}
-CONFIG_CHOICES = [Config(prefetch_forward_scan=True), Config(prefetch_reverse_scan=False), Config(warps=8)]
+CONFIG_CHOICES = [Config(prefetch_forward_scan=True, prefetch_reverse_scan=True), Config(warps=8)]
 # V is held whole by a chunk program (delta_i = do_i . o_i needs all of it); wider V takes the reference.
 MAX_V = 256
 
@@ -424,7 +413,8 @@ def based_backward_triton(q, k, v, do, scale: float, config: Config | None = Non
     f32 = dict(device=q.device, dtype=torch.float32)
     states = torch.empty(BH, N, P, V, device=q.device, dtype=torch.float32 if q.dtype == torch.float32 else torch.bfloat16)
     norms = torch.empty(BH, N, P, **f32)
-    r, delta = torch.empty(BH, T, **f32), torch.empty(BH, T, **f32)
+    h = torch.empty(BH, T, **f32)
+    g = torch.empty_like(do)  # r do, rounded to the matmul operand type (the inputs')
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     scan = plan["forward_scan"][1]
     scan_grid = (triton.cdiv(P, scan["R"]), triton.cdiv(V, scan["BV"]), BH)
@@ -434,8 +424,8 @@ def based_backward_triton(q, k, v, do, scale: float, config: Config | None = Non
         fn, meta, warps = plan[name]
         fn[grid](*args, *common, **meta, num_warps=warps, num_stages=1)
 
-    launch("forward_scan", scan_grid, k, v, r, delta, states, norms)
-    launch("forward_dq", (N, BH), q, k, v, do, states, norms, r, delta, dq)
-    launch("reverse_scan", scan_grid, q, do, r, delta, states, norms)  # overwrites S_n with dS_n
-    launch("dkdv", (N, BH), q, k, v, do, states, norms, r, delta, dk, dv)
+    launch("forward_scan", scan_grid, k, v, h, states, norms)  # h is not read (unweighted)
+    launch("forward_dq", (N, BH), q, k, v, do, states, norms, h, g, dq)
+    launch("reverse_scan", scan_grid, q, g, h, states, norms)  # overwrites S_n with dS_n
+    launch("dkdv", (N, BH), q, k, v, g, states, norms, h, dk, dv)
     return dq, dk, dv
