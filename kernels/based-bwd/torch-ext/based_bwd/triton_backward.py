@@ -28,8 +28,8 @@ chunk's rows X, with the K rows S2[a .] gathered from the packed state (`_quad_r
 and dk are sum_b x_b (G S2[. b]^T), one product per b (`_quad_grad`). Matmuls take bf16 operands with fp32
 accumulation (IEEE fp32 for fp32 inputs); the scans' running sums, the normaliser (den and its states), r,
 delta and the squares s^2 are fp32; a product x_a x_b is formed in fp32 and rounded to the matmul operand
-type. No transpose of a dot result (fla #640): where a product wants the other orientation, its operand is
-loaded transposed from memory.
+type. Where a product wants the other orientation of an operand, it takes tl.trans of the loaded tile, never
+of a dot result (the wgmma miscompile of fla #640).
 """
 
 from typing import NamedTuple
@@ -52,15 +52,6 @@ def _load_rows(base, t0, T, row_stride, ncols, R: tl.constexpr, W: tl.constexpr)
     cols = tl.arange(0, W)
     ptrs = base + rows.to(tl.int64)[:, None] * row_stride + cols[None, :]
     return tl.load(ptrs, mask=(rows[:, None] < T) & (cols[None, :] < ncols), other=0.0)
-
-
-@triton.jit
-def _load_cols(base, t0, T, row_stride, ncols, W: tl.constexpr, R: tl.constexpr):
-    """[W, R]: the transpose of `_load_rows`, read straight from memory."""
-    rows = t0 + tl.arange(0, R)
-    cols = tl.arange(0, W)
-    ptrs = base + rows.to(tl.int64)[None, :] * row_stride + cols[:, None]
-    return tl.load(ptrs, mask=(cols[:, None] < ncols) & (rows[None, :] < T), other=0.0)
 
 
 @triton.jit
@@ -102,23 +93,34 @@ def _load_col(x, t0, T, row_stride, col, C: tl.constexpr):
 
 
 @triton.jit
-def _quad_readout(x_c, x, t0, T, row_stride, S, Z, V, K: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                  C: tl.constexpr, DOT: tl.constexpr):
-    """([C, BV], [C]): sum over a, b of x_a x_b S2[ab] and of x_a x_b Z2[ab] for rows t0 .. t0 + C of a
-    (., K) tensor x (x_c: those rows, [C, BK]), S2 and Z2 the quadratic rows of the state at S and of the
-    normaliser at Z. One product per a, (x_a x_c) S2[a .], accumulating in place (x_a x_b is an fp32 product
-    rounded to the operand type, like every matmul operand); each packed row is read for both orders of its
-    pair. The normaliser's sum stays fp32."""
+def _pair_block(x, t0, T, row_stride, S, Z, a, V, K: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                C: tl.constexpr):
+    """(S2[a .] [BK, BV], Z2[a .] [BK], x_a [C]): the state and normaliser rows of the pairs (a, b), b < K
+    (zero for b >= K), and column a of rows t0 .. t0 + C of the (., K) tensor x."""
     vc = tl.arange(0, BV)
     kc = tl.arange(0, BK)
+    rows = _pair_row(a, kc, K)
+    S2a = tl.load(S + rows[:, None] * V + vc[None, :], mask=(kc < K)[:, None] & (vc < V)[None, :], other=0.0)
+    Z2a = tl.load(Z + rows, mask=kc < K, other=0.0)
+    return S2a, Z2a, _load_col(x, t0, T, row_stride, a, C)
+
+
+@triton.jit
+def _quad_readout(y, yz, coef, x_c, x, t0, T, row_stride, S, Z, V, K: tl.constexpr, BK: tl.constexpr,
+                  BV: tl.constexpr, C: tl.constexpr, DOT: tl.constexpr):
+    """(y + coef sum_{a, b} x_a x_b S2[ab], yz + coef sum_{a, b} x_a x_b Z2[ab]) for rows t0 .. t0 + C of a
+    (., K) tensor x (x_c: those rows, [C, BK]); y [C, BV] and yz [C] the accumulators to add to (one live
+    [C, BV] accumulator, not two), S2 and Z2 the quadratic rows of the state at S and of the normaliser at Z.
+
+    One product per a, (coef x_a x_c) S2[a .], accumulating in place (coef x_a x_b is an fp32 product rounded
+    to the operand type, like every matmul operand); each packed row is read for both orders of its pair,
+    the next a's rows loaded before the current product. The normaliser's sum stays fp32."""
     x32 = x_c.to(tl.float32)
-    y = tl.zeros([C, BV], dtype=tl.float32)
-    yz = tl.zeros([C], dtype=tl.float32)
+    S2n, Z2n, xn = _pair_block(x, t0, T, row_stride, S, Z, 0, V, K, BK, BV, C)
     for a in range(0, K):
-        rows = _pair_row(a, kc, K)
-        S2a = tl.load(S + rows[:, None] * V + vc[None, :], mask=(kc < K)[:, None] & (vc < V)[None, :], other=0.0)
-        Z2a = tl.load(Z + rows, mask=kc < K, other=0.0)
-        xa = _load_col(x, t0, T, row_stride, a, C)
+        S2a, Z2a, xa = S2n, Z2n, xn
+        S2n, Z2n, xn = _pair_block(x, t0, T, row_stride, S, Z, tl.minimum(a + 1, K - 1), V, K, BK, BV, C)
+        xa = coef * xa
         y += _dot(DOT, xa[:, None] * x32, S2a)
         yz += xa * tl.sum(x32 * Z2a[None, :], 1)
     return y, yz
@@ -133,16 +135,13 @@ def _quad_grad(x, t0, T, row_stride, G, S, Z, w, V, K: tl.constexpr, BK: tl.cons
     One product per b, G [C, V] times the [V, K] slice S2[. b]^T, scaled by x_b afterwards: no K^2-wide
     tile and no K x K reshape of one (a reshape-and-sum of such a product gave wrong gradients on the H200
     and faulted)."""
-    vc = tl.arange(0, BV)
-    kc = tl.arange(0, BK)
     G = G.to(DOT)
     y = tl.zeros([C, BK], dtype=tl.float32)
+    S2n, Z2n, xn = _pair_block(x, t0, T, row_stride, S, Z, 0, V, K, BK, BV, C)
     for b in range(0, K):
-        rows = _pair_row(kc, b, K)
-        S2b_t = tl.load(S + rows[None, :] * V + vc[:, None], mask=(vc < V)[:, None] & (kc < K)[None, :], other=0.0)
-        Z2b = tl.load(Z + rows, mask=kc < K, other=0.0)
-        xb = _load_col(x, t0, T, row_stride, b, C)
-        y += xb[:, None] * (_dot(DOT, G, S2b_t) + w[:, None] * Z2b[None, :])
+        S2b, Z2b, xb = S2n, Z2n, xn  # S2[b .] = S2[. b]; the next b's rows loaded before this product
+        S2n, Z2n, xn = _pair_block(x, t0, T, row_stride, S, Z, tl.minimum(b + 1, K - 1), V, K, BK, BV, C)
+        y += xb[:, None] * (_dot(DOT, G, tl.trans(S2b)) + w[:, None] * Z2b[None, :])
     return y
 
 
@@ -162,8 +161,7 @@ def _chunk_state(pid_bh, n, N, P: tl.constexpr):
 def _scan_loads(x, y, w_in, n, ia, ib, linear, quad, cols, T, H, V, K: tl.constexpr, C: tl.constexpr,
                 WEIGHTED: tl.constexpr):
     """The loads of chunk n one scan step consumes: x_a and x_b [R, C], y [C, BV] and the position weights
-    [C] (w_in's, or 1); zero past T. Returned unconverted, so that the next chunk's loads can be in flight
-    while the current chunk is multiplied."""
+    [C] (w_in's, or 1); zero past T."""
     t = n * C + tl.arange(0, C)
     inside = t < T
     xrow = x + t.to(tl.int64)[None, :] * (H * K)
@@ -183,12 +181,10 @@ def _state_scan(
     x, y, w_in, states, norms,
     T, H, V, scale, N,
     K: tl.constexpr, P: tl.constexpr, R: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, REVERSE: tl.constexpr,
-    PREFETCH: tl.constexpr, DOT: tl.constexpr,
+    DOT: tl.constexpr,
 ):
     """Forward (REVERSE false): x = k, y = v; stores S_n = sum_{m < n} phi_k(K_m)^T V_m and z_n (weights 1).
-    Reverse: x = q, y = g; stores dS_n = sum_{m > n} phi_q(Q~_m)^T G_m and dz_n (weights w_in = h).
-    PREFETCH issues the next chunk's loads before the current chunk's product instead of after it: more
-    registers for more loads in flight."""
+    Reverse: x = q, y = g; stores dS_n = sum_{m > n} phi_q(Q~_m)^T G_m and dz_n (weights w_in = h)."""
     pid_f = tl.program_id(0)
     pid_v = tl.program_id(1)
     pid_bh = tl.program_id(2)
@@ -209,39 +205,30 @@ def _state_scan(
     if REVERSE:  # phi_q of q~ = scale q
         c1 = scale
         c2 = 0.5 * scale * scale
-        n_next = N - 1
     else:
         c1 = 1.0
         c2 = 1.0
-        n_next = 0
     cols = pid_v * BV + tl.arange(0, BV)
     state_rows = _chunk_state(pid_bh, 0, N, P) + f
     store_mask = (f < P)[:, None] & (cols < V)[None, :]
     acc = tl.zeros([R, BV], dtype=tl.float32)
     z = tl.zeros([R], dtype=tl.float32)
-    xa, xb, yy, w = _scan_loads(x, y, w_in, n_next, ia, ib, linear, quad, cols, T, H, V, K, C, REVERSE)
     for m in range(0, N):
         if REVERSE:
             n = N - 1 - m
-            n_next = tl.maximum(n - 1, 0)
         else:
             n = m
-            n_next = tl.minimum(n + 1, N - 1)
         rows = state_rows + n * P
         tl.store(states + rows[:, None] * V + cols[None, :], acc.to(states.dtype.element_ty), mask=store_mask)
         if pid_v == 0:
             tl.store(norms + rows, z, mask=f < P)
-        if PREFETCH:  # the next chunk's loads go out before this chunk's product (the last step reloads its own)
-            loaded_next = _scan_loads(x, y, w_in, n_next, ia, ib, linear, quad, cols, T, H, V, K, C, REVERSE)
+        xa, xb, yy, w = _scan_loads(x, y, w_in, n, ia, ib, linear, quad, cols, T, H, V, K, C, REVERSE)
         inside = n * C + tl.arange(0, C) < T
         xa32, xb32 = xa.to(tl.float32), xb.to(tl.float32)
         phi_t = tl.where(linear[:, None], c1 * xa32, c2 * xa32 * xb32)
         phi_t = tl.where((f == 0)[:, None] & inside[None, :], 1.0, phi_t)
         acc += _dot(DOT, phi_t, yy)
         z += tl.sum(phi_t * w[None, :], 1)
-        if not PREFETCH:
-            loaded_next = _scan_loads(x, y, w_in, n_next, ia, ib, linear, quad, cols, T, H, V, K, C, REVERSE)
-        xa, xb, yy, w = loaded_next
 
 
 @triton.jit
@@ -267,9 +254,8 @@ def _chunk_forward_dq(
     kc = tl.arange(0, BK)
     q_c = _load_rows(q, t0, T, H * K, K, C, BK)
     k_c = _load_rows(k, t0, T, H * K, K, C, BK)
-    k_t = _load_cols(k, t0, T, H * K, K, BK, C)
+    k_t = tl.trans(k_c)
     v_c = _load_rows(v, t0, T, H * V, V, C, BV)
-    v_t = _load_cols(v, t0, T, H * V, V, BV, C)
     do_c = _load_rows(do, t0, T, H * V, V, C, BV)
     lin_mask = (kc < K)[:, None] & (vc < V)[None, :]
     S0 = tl.load(S + vc, mask=vc < V, other=0.0).to(tl.float32)
@@ -282,9 +268,7 @@ def _chunk_forward_dq(
     A = tl.where(causal, 1.0 + s + 0.5 * s * s, 0.0)
     num = S0[None, :] + scale * _dot(DOT, q_c, S1) + _dot(DOT, A, v_c)
     den = z0 + scale * tl.sum(q_c.to(tl.float32) * z1[None, :], 1) + tl.sum(A, 1)
-    num_quad, den_quad = _quad_readout(q_c, q, t0, T, H * K, S, Z, V, K, BK, BV, C, DOT)
-    num += (0.5 * scale * scale) * num_quad
-    den += (0.5 * scale * scale) * den_quad
+    num, den = _quad_readout(num, den, 0.5 * scale * scale, q_c, q, t0, T, H * K, S, Z, V, K, BK, BV, C, DOT)
     r = 1.0 / (den + _EPS)
     delta = r * tl.sum(do_c.to(tl.float32) * num, 1)
 
@@ -294,9 +278,8 @@ def _chunk_forward_dq(
     # g and h for the reverse scan and dk/dv; g in the matmul operand type, which they would round it to
     tl.store(h_out + t0 + i_idx, hn, mask=t0 + i_idx < T)
     _store_rows(g_out, g, t0, T, H * V, V, C, BV)
-    ds = tl.where(causal, (_dot(DOT, g, v_t) + hn[:, None]) * (1.0 + s), 0.0)
-    S1_t = tl.load(S + (1 + kc)[None, :] * V + vc[:, None], mask=(vc < V)[:, None] & (kc < K)[None, :], other=0.0)
-    dqs = _dot(DOT, ds, k_c) + _dot(DOT, g, S1_t) + hn[:, None] * z1[None, :]
+    ds = tl.where(causal, (_dot(DOT, g, tl.trans(v_c)) + hn[:, None]) * (1.0 + s), 0.0)
+    dqs = _dot(DOT, ds, k_c) + _dot(DOT, g, tl.trans(S1)) + hn[:, None] * z1[None, :]
     dqs += scale * _quad_grad(q, t0, T, H * K, g, S, Z, hn, V, K, BK, BV, C, DOT)
     _store_rows(dq, scale * dqs, t0, T, H * K, K, C, BK)
 
@@ -323,25 +306,23 @@ def _chunk_dkdv(
     vc = tl.arange(0, BV)
     kc = tl.arange(0, BK)
     q_c = _load_rows(q, t0, T, H * K, K, C, BK)
-    q_t = _load_cols(q, t0, T, H * K, K, BK, C)
     k_c = _load_rows(k, t0, T, H * K, K, C, BK)
     v_c = _load_rows(v, t0, T, H * V, V, C, BV)
     hn = _load_vec(h_in, t0, T, C)
     g = _load_rows(g_in, t0, T, H * V, V, C, BV)
-    g_t = _load_cols(g_in, t0, T, H * V, V, BV, C)
     lin_mask = (kc < K)[:, None] & (vc < V)[None, :]
     dS0 = tl.load(dS + vc, mask=vc < V, other=0.0).to(tl.float32)
     dS1 = tl.load(dS + (1 + kc)[:, None] * V + vc[None, :], mask=lin_mask, other=0.0)
-    dS1_t = tl.load(dS + (1 + kc)[None, :] * V + vc[:, None], mask=(vc < V)[:, None] & (kc < K)[None, :], other=0.0)
     dz1 = tl.load(dZ + 1 + kc, mask=kc < K, other=0.0)
 
     # as [j, i]: the chunk's A^T and ds^T
-    s_t = scale * _dot(DOT, k_c, q_t)
+    s_t = scale * _dot(DOT, k_c, tl.trans(q_c))
     a_t = tl.where(causal_t, 1.0 + s_t + 0.5 * s_t * s_t, 0.0)
-    ds_t = tl.where(causal_t, (_dot(DOT, v_c, g_t) + hn[None, :]) * (1.0 + s_t), 0.0)
+    ds_t = tl.where(causal_t, (_dot(DOT, v_c, tl.trans(g)) + hn[None, :]) * (1.0 + s_t), 0.0)
     dv_c = _dot(DOT, a_t, g) + dS0[None, :] + _dot(DOT, k_c, dS1)
-    dk_c = scale * _dot(DOT, ds_t, q_c) + _dot(DOT, v_c, dS1_t) + dz1[None, :]
-    dv_c += _quad_readout(k_c, k, t0, T, H * K, dS, dZ, V, K, BK, BV, C, DOT)[0]
+    dk_c = scale * _dot(DOT, ds_t, q_c) + _dot(DOT, v_c, tl.trans(dS1)) + dz1[None, :]
+    dv_c = _quad_readout(dv_c, tl.zeros([C], dtype=tl.float32), 1.0, k_c, k, t0, T, H * K, dS, dZ, V, K, BK, BV,
+                         C, DOT)[0]
     ones = tl.full([C], 1.0, tl.float32)
     dk_c += 2.0 * _quad_grad(k, t0, T, H * K, v_c.to(tl.float32), dS, dZ, ones, V, K, BK, BV, C, DOT)
     _store_rows(dk, dk_c, t0, T, H * K, K, C, BK)
@@ -349,16 +330,16 @@ def _chunk_dkdv(
 
 
 class Config(NamedTuple):
-    """One launch plan: the chunk C and the chunk kernels' warps; the scans' feature rows and V columns per
-    program, their warps, and whether each scan issues the next chunk's loads before the current product."""
+    """One launch plan: the chunk C, the chunk kernels' warps and software pipelining depth (stages >= 2 lets
+    Triton issue the state-row loads of the per-feature loops ahead of their products); the scans' feature
+    rows and V columns per program and their warps."""
 
     chunk: int = 64
     warps: int = 4
+    stages: int = 1
     scan_rows: int = 64
     scan_bv: int = 64
     scan_warps: int = 8
-    prefetch_forward_scan: bool = False
-    prefetch_reverse_scan: bool = False
 
 
 # The launch the public op uses, per feature size K, and the alternatives the benchmark times beside it.
@@ -368,7 +349,7 @@ class Config(NamedTuple):
 # (0.32-0.89 ms against 0.45-0.99: the prefetch costs it half its resident CTAs); 32 feature rows a scan
 # program lost.
 DEFAULT_CONFIG = {8: Config(), 16: Config()}
-CONFIG_CHOICES = [Config(prefetch_forward_scan=True, prefetch_reverse_scan=True), Config(warps=8)]
+CONFIG_CHOICES = [Config(warps=8)]
 # V is held whole by a chunk program (delta_i = do_i . o_i needs all of it); wider V takes the reference.
 MAX_V = 256
 
@@ -380,7 +361,7 @@ def n_features(K: int) -> int:
 
 
 def launch_plan(K: int, V: int, dtype: torch.dtype, config: Config | None = None) -> dict:
-    """{kernel name: (jit function, constexpr arguments, num_warps)} for the four launches."""
+    """{kernel name: (jit function, constexpr arguments, num_warps, num_stages)} for the four launches."""
     cfg = config or DEFAULT_CONFIG[K]
     DOT = tl.float32 if dtype == torch.float32 else tl.bfloat16
     BV = max(16, triton.next_power_of_2(V))
@@ -388,10 +369,10 @@ def launch_plan(K: int, V: int, dtype: torch.dtype, config: Config | None = None
     scan = dict(K=K, P=P, R=cfg.scan_rows, BV=min(cfg.scan_bv, BV), C=cfg.chunk, DOT=DOT)
     chunk = dict(K=K, P=P, BK=max(16, K), BV=BV, C=cfg.chunk, DOT=DOT)
     return {
-        "forward_scan": (_state_scan, dict(scan, REVERSE=False, PREFETCH=cfg.prefetch_forward_scan), cfg.scan_warps),
-        "forward_dq": (_chunk_forward_dq, chunk, cfg.warps),
-        "reverse_scan": (_state_scan, dict(scan, REVERSE=True, PREFETCH=cfg.prefetch_reverse_scan), cfg.scan_warps),
-        "dkdv": (_chunk_dkdv, chunk, cfg.warps),
+        "forward_scan": (_state_scan, dict(scan, REVERSE=False), cfg.scan_warps, 1),
+        "forward_dq": (_chunk_forward_dq, chunk, cfg.warps, cfg.stages),
+        "reverse_scan": (_state_scan, dict(scan, REVERSE=True), cfg.scan_warps, 1),
+        "dkdv": (_chunk_dkdv, chunk, cfg.warps, cfg.stages),
     }
 
 
@@ -421,8 +402,8 @@ def based_backward_triton(q, k, v, do, scale: float, config: Config | None = Non
     common = (T, H, V, scale, N)
 
     def launch(name, grid, *args):
-        fn, meta, warps = plan[name]
-        fn[grid](*args, *common, **meta, num_warps=warps, num_stages=1)
+        fn, meta, warps, stages = plan[name]
+        fn[grid](*args, *common, **meta, num_warps=warps, num_stages=stages)
 
     launch("forward_scan", scan_grid, k, v, h, states, norms)  # h is not read (unweighted)
     launch("forward_dq", (N, BH), q, k, v, do, states, norms, h, g, dq)
