@@ -330,24 +330,22 @@ def _chunk_dkdv(
 
 
 class Config(NamedTuple):
-    """One launch plan: the chunk C, the chunk kernels' warps and software pipelining depth (stages >= 2 lets
-    Triton issue the state-row loads of the per-feature loops ahead of their products); the scans' feature
-    rows and V columns per program and their warps."""
+    """One launch plan: the chunk C and the chunk kernels' warps; the scans' feature rows and V columns per
+    program and their warps."""
 
     chunk: int = 64
     warps: int = 4
-    stages: int = 1
     scan_rows: int = 64
     scan_bv: int = 64
     scan_warps: int = 8
 
 
-# The launch the public op uses, per feature size K, and the alternatives the benchmark times beside it.
-# Per launch at the five measure shapes (bench/results/2026-11-29-d877b8c-based-launches.log): the chunk
-# kernels on 4 warps took 0.82-1.42 ms where 8 warps took 1.50-2.42; the reverse scan with its loads issued a
-# chunk ahead 0.50-1.10 ms against 0.58-1.32, while the forward scan was faster without at four shapes
-# (0.32-0.89 ms against 0.45-0.99: the prefetch costs it half its resident CTAs); 32 feature rows a scan
-# program lost.
+# The launch the public op uses, per feature size K, and the alternative the benchmark times beside it. Per
+# launch at the five measure shapes, the chunk kernels on 4 warps took 0.82-1.42 ms where 8 warps took
+# 1.50-2.42 (bench/results/2026-11-29-d877b8c-based-launches.log); 128 V columns a scan program instead of 64
+# lost at four of five shapes (2.25-4.07 ms in all against 2.23-3.86, -395651c-based-launches.log); loading
+# the next chunk ahead in the scans (-06be92d-based-launches.log) and Triton's software pipelining of the
+# chunk kernels (num_stages=2, -395651c-based-launches.log) lost or tied at every shape.
 DEFAULT_CONFIG = {8: Config(), 16: Config()}
 CONFIG_CHOICES = [Config(warps=8)]
 # V is held whole by a chunk program (delta_i = do_i . o_i needs all of it); wider V takes the reference.
@@ -361,7 +359,7 @@ def n_features(K: int) -> int:
 
 
 def launch_plan(K: int, V: int, dtype: torch.dtype, config: Config | None = None) -> dict:
-    """{kernel name: (jit function, constexpr arguments, num_warps, num_stages)} for the four launches."""
+    """{kernel name: (jit function, constexpr arguments, num_warps)} for the four launches."""
     cfg = config or DEFAULT_CONFIG[K]
     DOT = tl.float32 if dtype == torch.float32 else tl.bfloat16
     BV = max(16, triton.next_power_of_2(V))
@@ -369,10 +367,10 @@ def launch_plan(K: int, V: int, dtype: torch.dtype, config: Config | None = None
     scan = dict(K=K, P=P, R=cfg.scan_rows, BV=min(cfg.scan_bv, BV), C=cfg.chunk, DOT=DOT)
     chunk = dict(K=K, P=P, BK=max(16, K), BV=BV, C=cfg.chunk, DOT=DOT)
     return {
-        "forward_scan": (_state_scan, dict(scan, REVERSE=False), cfg.scan_warps, 1),
-        "forward_dq": (_chunk_forward_dq, chunk, cfg.warps, cfg.stages),
-        "reverse_scan": (_state_scan, dict(scan, REVERSE=True), cfg.scan_warps, 1),
-        "dkdv": (_chunk_dkdv, chunk, cfg.warps, cfg.stages),
+        "forward_scan": (_state_scan, dict(scan, REVERSE=False), cfg.scan_warps),
+        "forward_dq": (_chunk_forward_dq, chunk, cfg.warps),
+        "reverse_scan": (_state_scan, dict(scan, REVERSE=True), cfg.scan_warps),
+        "dkdv": (_chunk_dkdv, chunk, cfg.warps),
     }
 
 
@@ -402,8 +400,8 @@ def based_backward_triton(q, k, v, do, scale: float, config: Config | None = Non
     common = (T, H, V, scale, N)
 
     def launch(name, grid, *args):
-        fn, meta, warps, stages = plan[name]
-        fn[grid](*args, *common, **meta, num_warps=warps, num_stages=stages)
+        fn, meta, warps = plan[name]
+        fn[grid](*args, *common, **meta, num_warps=warps, num_stages=1)
 
     launch("forward_scan", scan_grid, k, v, h, states, norms)  # h is not read (unweighted)
     launch("forward_dq", (N, BH), q, k, v, do, states, norms, h, g, dq)
