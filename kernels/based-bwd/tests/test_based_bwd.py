@@ -335,7 +335,7 @@ def test_cuda_wide_values_take_the_reference(based, fused):
 def test_every_benchmarked_config_on_cuda(based, fused):
     """Every launch configuration the benchmark may pick, on both K, against the fp32 spec."""
     s = spec("based_backward")
-    for config in sorted(set(fused.CONFIG_CHOICES) | set(fused.DEFAULT_CONFIG.values())):
+    for config in sorted(set(fused.CONFIG_CHOICES) | set(fused.DEFAULT_CONFIG.values()), key=str):
         for shape in [(2, 1024, 8, 8, 64), (1, 1024, 6, 16, 128)]:
             (q, k, v, do), ref = spec_fp32_grads(s, shape)
             got = fused.based_backward_triton(q, k, v, do, shape[3] ** -0.5, config)

@@ -330,24 +330,29 @@ def _chunk_dkdv(
 
 
 class Config(NamedTuple):
-    """One launch plan: the chunk C and the chunk kernels' warps; the scans' feature rows and V columns per
-    program and their warps."""
+    """One launch plan: the chunk C, the chunk kernels' warps and the registers a thread of theirs may use
+    (ptxas' maxnreg; None: as many as it wants); the scans' feature rows and V columns per program and their
+    warps."""
 
     chunk: int = 64
     warps: int = 4
+    chunk_registers: int | None = 168  # three 4-warp CTAs an SM
     scan_rows: int = 64
     scan_bv: int = 64
     scan_warps: int = 8
 
 
-# The launch the public op uses, per feature size K, and the alternative the benchmark times beside it. Per
+# The launch the public op uses, per feature size K, and the alternatives the benchmark times beside it. Per
 # launch at the five measure shapes, the chunk kernels on 4 warps took 0.82-1.42 ms where 8 warps took
-# 1.50-2.42 (bench/results/2026-11-29-d877b8c-based-launches.log); 128 V columns a scan program instead of 64
-# lost at four of five shapes (2.25-4.07 ms in all against 2.23-3.86, -395651c-based-launches.log); loading
-# the next chunk ahead in the scans (-06be92d-based-launches.log) and Triton's software pipelining of the
-# chunk kernels (num_stages=2, -395651c-based-launches.log) lost or tied at every shape.
+# 1.50-2.42 (bench/results/2026-11-29-d877b8c-based-launches.log). Capped at 168 registers (three CTAs an SM
+# instead of two) dk/dv took 0.59-0.91 ms against 0.70-1.12, forward_dq 0.76-1.12 against 0.82-1.14 (a
+# fifth faster at V = 64, where the cap costs it no spill; 2% slower at (4, 8192, 24, 16, 128)); the four
+# launches 2.14-3.78 ms against 2.35-4.00 (-8643e8f-based-launches.log). 128 V columns a scan program instead
+# of 64 lost at four of five shapes (-395651c-based-launches.log); loading the next chunk ahead in the scans
+# (-06be92d-based-launches.log) and Triton's software pipelining of the chunk kernels (num_stages=2,
+# -395651c-based-launches.log) lost or tied at every shape.
 DEFAULT_CONFIG = {8: Config(), 16: Config()}
-CONFIG_CHOICES = [Config(warps=8)]
+CONFIG_CHOICES = [Config(chunk_registers=None), Config(warps=8, chunk_registers=None)]
 # V is held whole by a chunk program (delta_i = do_i . o_i needs all of it); wider V takes the reference.
 MAX_V = 256
 
@@ -359,7 +364,7 @@ def n_features(K: int) -> int:
 
 
 def launch_plan(K: int, V: int, dtype: torch.dtype, config: Config | None = None) -> dict:
-    """{kernel name: (jit function, constexpr arguments, num_warps)} for the four launches."""
+    """{kernel name: (jit function, constexpr arguments, num_warps, maxnreg)} for the four launches."""
     cfg = config or DEFAULT_CONFIG[K]
     DOT = tl.float32 if dtype == torch.float32 else tl.bfloat16
     BV = max(16, triton.next_power_of_2(V))
@@ -367,10 +372,10 @@ def launch_plan(K: int, V: int, dtype: torch.dtype, config: Config | None = None
     scan = dict(K=K, P=P, R=cfg.scan_rows, BV=min(cfg.scan_bv, BV), C=cfg.chunk, DOT=DOT)
     chunk = dict(K=K, P=P, BK=max(16, K), BV=BV, C=cfg.chunk, DOT=DOT)
     return {
-        "forward_scan": (_state_scan, dict(scan, REVERSE=False), cfg.scan_warps),
-        "forward_dq": (_chunk_forward_dq, chunk, cfg.warps),
-        "reverse_scan": (_state_scan, dict(scan, REVERSE=True), cfg.scan_warps),
-        "dkdv": (_chunk_dkdv, chunk, cfg.warps),
+        "forward_scan": (_state_scan, dict(scan, REVERSE=False), cfg.scan_warps, None),
+        "forward_dq": (_chunk_forward_dq, chunk, cfg.warps, cfg.chunk_registers),
+        "reverse_scan": (_state_scan, dict(scan, REVERSE=True), cfg.scan_warps, None),
+        "dkdv": (_chunk_dkdv, chunk, cfg.warps, cfg.chunk_registers),
     }
 
 
@@ -400,8 +405,8 @@ def based_backward_triton(q, k, v, do, scale: float, config: Config | None = Non
     common = (T, H, V, scale, N)
 
     def launch(name, grid, *args):
-        fn, meta, warps = plan[name]
-        fn[grid](*args, *common, **meta, num_warps=warps, num_stages=1)
+        fn, meta, warps, maxnreg = plan[name]
+        fn[grid](*args, *common, **meta, num_warps=warps, num_stages=1, maxnreg=maxnreg)
 
     launch("forward_scan", scan_grid, k, v, h, states, norms)  # h is not read (unweighted)
     launch("forward_dq", (N, BH), q, k, v, do, states, norms, h, g, dq)
