@@ -324,7 +324,7 @@ def _chunk_dkdv(
     dv_c = _quad_readout(dv_c, tl.zeros([C], dtype=tl.float32), 1.0, k_c, k, t0, T, H * K, dS, dZ, V, K, BK, BV,
                          C, DOT)[0]
     ones = tl.full([C], 1.0, tl.float32)
-    dk_c += 2.0 * _quad_grad(k, t0, T, H * K, v_c.to(tl.float32), dS, dZ, ones, V, K, BK, BV, C, DOT)
+    dk_c += 2.0 * _quad_grad(k, t0, T, H * K, v_c, dS, dZ, ones, V, K, BK, BV, C, DOT)
     _store_rows(dk, dk_c, t0, T, H * K, K, C, BK)
     _store_rows(dv, dv_c, t0, T, H * V, V, C, BV)
 
