@@ -69,7 +69,10 @@ DEFAULT_CONFIG = Config(flat=True)
 # Every config the package may pick, plus the runners-up kept for the benchmark's sweep; the GPU tests run
 # each of them. Dropped after runs where they lost everywhere: an L2 bulk prefetch of the tile, 32-band
 # blocks, 128-frame tiles on 8 warps, 32-frame tiles on 2 or 4 warps, 32-bin chunks and 16-band blocks, in
-# the nested loop and (f6e6021, 6b36bb1) in the flat one.
+# the nested loop and (f6e6021, 6b36bb1) in the flat one. Also lost on the flat loop (d877b8c-log-mel-maxnreg):
+# 8 warps on 64- or 128-frame tiles (slower or level at every measure shape), and register caps for more
+# resident CTAs (they spill): 64 registers slower everywhere, 80 slower at four shapes, 3% faster at
+# (416, 1500, 201, 128).
 SHIPPED_CONFIGS = (
     DEFAULT_CONFIG,
     Config(),  # the nested loop (band block, then its chunks): 2,599 / 2,481 GB/s at f6e6021
