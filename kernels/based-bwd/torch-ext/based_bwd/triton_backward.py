@@ -158,6 +158,15 @@ def _chunk_state(pid_bh, n, N, P: tl.constexpr):
 
 
 @triton.jit
+def _chunk_program(T, H, N, P: tl.constexpr, C: tl.constexpr):
+    """A chunk kernel's program (grid: chunk n, b H + h): b H + h, the row of its sequence's position 0
+    (`_sequence_row`), the row of its chunk's state (`_chunk_state`) and its first position n C."""
+    n = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    return pid_bh, _sequence_row(pid_bh, T, H), _chunk_state(pid_bh, n, N, P), n * C
+
+
+@triton.jit
 def _scan_loads(x, y, w_in, n, ia, ib, linear, quad, cols, T, H, V, K: tl.constexpr, C: tl.constexpr,
                 WEIGHTED: tl.constexpr):
     """The loads of chunk n one scan step consumes: x_a and x_b [R, C], y [C, BV] and the position weights
@@ -238,15 +247,11 @@ def _chunk_forward_dq(
     K: tl.constexpr, P: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
     DOT: tl.constexpr,
 ):
-    n = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    row = _sequence_row(pid_bh, T, H)
+    pid_bh, row, state, t0 = _chunk_program(T, H, N, P, C)
     q, k, dq = q + row * K, k + row * K, dq + row * K
     v, do, g_out = v + row * V, do + row * V, g_out + row * V
     h_out += pid_bh.to(tl.int64) * T
-    state = _chunk_state(pid_bh, n, N, P)  # S_n
-    S, Z = states + state * V, norms + state
-    t0 = n * C
+    S, Z = states + state * V, norms + state  # S_n
 
     i_idx = tl.arange(0, C)
     causal = i_idx[:, None] >= i_idx[None, :]  # [i, j]
@@ -291,15 +296,11 @@ def _chunk_dkdv(
     K: tl.constexpr, P: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
     DOT: tl.constexpr,
 ):
-    n = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    row = _sequence_row(pid_bh, T, H)
+    pid_bh, row, state, t0 = _chunk_program(T, H, N, P, C)
     q, k, dk = q + row * K, k + row * K, dk + row * K
     v, g_in, dv = v + row * V, g_in + row * V, dv + row * V
     h_in += pid_bh.to(tl.int64) * T
-    state = _chunk_state(pid_bh, n, N, P)  # dS_n
-    dS, dZ = states + state * V, norms + state
-    t0 = n * C
+    dS, dZ = states + state * V, norms + state  # dS_n
 
     i_idx = tl.arange(0, C)
     causal_t = i_idx[None, :] >= i_idx[:, None]  # [j, i]
