@@ -87,7 +87,7 @@ def test_build_rejects_committed_ops_file(scratch):
 
 
 def test_tools_have_help():
-    for tool in ("build", "hub", "lock", "publish", "demo", "gpu_bench", "gpu_profile"):
+    for tool in ("build", "hub", "lock", "publish", "demo", "gpu_bench", "gpu_profile", "compile_sm90"):
         out = subprocess.run([sys.executable, "-m", f"tools.{tool}", "--help"], cwd=REPO_ROOT,
                              capture_output=True, text=True)
         assert out.returncode == 0 and "usage:" in out.stdout, (tool, out.stderr)
@@ -102,3 +102,15 @@ def test_every_benchmark_has_one_case_to_profile(name):
     module, _ = load_benchmark(name)
     case = benchmark_case(module)
     assert [m for m in dir(case) if m.startswith("benchmark_")]
+
+
+@pytest.mark.parametrize("name", [k.name for k in all_kernels()])
+def test_every_benchmark_has_cases_to_compile(name):
+    """tools.compile_sm90 compiles each benchmark module's compile_cases: labelled calls, none run here."""
+    import testkit
+    from tools.gpu_bench import load_benchmark
+
+    module, package = load_benchmark(name)
+    cases = list(module.compile_cases(package, testkit.spec))
+    assert cases and all(isinstance(label, str) and callable(call) for label, call in cases)
+    assert len({label for label, _ in cases}) == len(cases)

@@ -127,3 +127,25 @@ def side_by_side(kernel, bench) -> list[dict]:
         del q, k, v, do, ref
         torch.cuda.empty_cache()
     return rows
+
+
+def compile_cases(kernel, spec):
+    """(label, call) pairs for `python -m tools.compile_sm90`: each launch plan the package uses or the
+    benchmark times, at every measure shape, on meta tensors; and the fp32 path (IEEE matmuls, the
+    interpreter tests' exact mode) with each K's default plan."""
+    fused = importlib.import_module(f"{kernel.__name__}.triton_backward")
+    shapes = spec("based_backward").measure_shapes
+
+    def case(shape, dtype, config):
+        B, T, H, K, V = shape
+        q, k = (torch.empty(B, T, H, K, dtype=dtype, device="meta") for _ in range(2))
+        v, do = (torch.empty(B, T, H, V, dtype=dtype, device="meta") for _ in range(2))
+        label = f"(B,T,H,K,V)={shape} {str(dtype)[6:]} {config}"
+        return label, lambda: fused.based_backward_triton(q, k, v, do, K**-0.5, config)
+
+    for shape in shapes:
+        K = shape[3]
+        for config in sorted(set(fused.CONFIG_CHOICES) | {fused.DEFAULT_CONFIG[K]}, key=str):
+            yield case(shape, torch.bfloat16, config)
+    for K in sorted({shape[3] for shape in shapes}):
+        yield case(next(s for s in shapes if s[3] == K), torch.float32, fused.DEFAULT_CONFIG[K])

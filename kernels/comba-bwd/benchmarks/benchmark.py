@@ -153,3 +153,22 @@ def side_by_side(kernel, bench, shapes=None, sweep_shapes=None, time_seed_refere
         if device == "cuda":
             torch.cuda.empty_cache()
     return rows
+
+
+def compile_cases(kernel, spec):
+    """(label, call) pairs for `python -m tools.compile_sm90`: every plan of triton_bwd.CONFIGS at every
+    measure shape, on meta tensors (bf16, g in float32)."""
+    tb = importlib.import_module(f"{kernel.__name__}.triton_bwd")
+
+    def case(shape, config):
+        B, T, H, K, V = shape
+        q, k, p = (torch.empty(B, T, H, K, dtype=torch.bfloat16, device="meta") for _ in range(3))
+        v, do = (torch.empty(B, T, H, V, dtype=torch.bfloat16, device="meta") for _ in range(2))
+        beta = torch.empty(B, T, H, dtype=torch.bfloat16, device="meta")
+        g = torch.empty(B, T, H, dtype=torch.float32, device="meta")
+        return f"(B,T,H,K,V)={shape} {config}", lambda: tb.comba_backward_triton(q, k, v, p, beta, g, do, K**-0.5,
+                                                                                  config)
+
+    for shape in spec("comba_backward").measure_shapes:
+        for config in tb.CONFIGS:
+            yield case(shape, config)

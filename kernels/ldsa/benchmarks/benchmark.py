@@ -246,3 +246,27 @@ def side_by_side(kernel, bench, shapes=None, backward_shapes=None, latency_shape
             torch.cuda.empty_cache()
     rows += _design_latency_rows(kernel, bench, *(latency_shape or LATENCY_SHAPE), device)
     return rows
+
+
+def compile_cases(kernel, spec):
+    """(label, call) pairs for `python -m tools.compile_sm90`: every forward and backward configuration of
+    both designs at three card shapes (one chunk a program, several, and the launch-bound one), both window
+    kinds, bf16 and fp32, on meta tensors."""
+    kernels = _triton_module(kernel)
+
+    def case(B, T, window, dtype, config, backward):
+        left, right = WINDOWS[window]
+        a = torch.empty(B, H, left + right + 1, T, dtype=dtype, device="meta")
+        v = torch.empty(B, H, DH, T, dtype=dtype, device="meta")
+        label = f"[{B},{T}] {window} {str(dtype)[6:]} {'bwd' if backward else 'fwd'} {config}"
+        if backward:
+            return label, lambda: kernels.ldsa_backward(a, v, torch.empty_like(v), left, right, config=config)
+        return label, lambda: kernels.ldsa_forward(a, v, left, right, config=config)
+
+    for B, T in [(64, 3000), (32, 1024), (16, 256)]:
+        for window in WINDOWS:
+            for dtype in (torch.bfloat16, torch.float32):
+                for config in kernels.FORWARD_CONFIGS:
+                    yield case(B, T, window, dtype, config, backward=False)
+                for config in kernels.BACKWARD_CONFIGS:
+                    yield case(B, T, window, dtype, config, backward=True)

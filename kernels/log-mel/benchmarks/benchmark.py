@@ -174,3 +174,20 @@ if __name__ == "__main__":
     lm = testkit.load("log-mel")
     for row in side_by_side(lm, FakeBench(), shapes=[(2, 37, 201, 128), (3, 20, 401, 80)], whisper_shape=(3, 25, 201)):
         print(row)
+
+
+def compile_cases(kernel, spec):
+    """(label, call) pairs for `python -m tools.compile_sm90`: both designs with every shipped config at every
+    measure shape, on meta tensors."""
+    fused = importlib.import_module(f"{kernel.__name__}.triton_log_mel")
+
+    def case(shape, design, config):
+        B, F, NF, NM = shape
+        stft = torch.empty(B, F, NF, dtype=torch.complex64, device="meta")
+        mel_filters = torch.empty(NM, NF, dtype=torch.float32, device="meta")
+        return f"{shape} {design} {config.name}", lambda: fused.log_mel_triton(stft, mel_filters, design, config)
+
+    for shape in spec(SPEC).measure_shapes:
+        for design in fused.DESIGNS:
+            for config in fused.SHIPPED_CONFIGS:
+                yield case(shape, design, config)
