@@ -17,10 +17,9 @@ as high).
     .venv/bin/python -m tools.compile_sm90                    # every kernel
     .venv/bin/python -m tools.compile_sm90 based-bwd --match "16, 128"
 
-Exit status 1 when a kernel fails to compile, or when a 16-bit kernel spills more than --max-spill bytes
-where its launch leaves the register count to ptxas; a launch that caps it (maxnreg) trades spills for
-occupancy on purpose, on the strength of a GPU measurement, and shows as "capped". Float32 kernels are the
-exact-arithmetic paths (IEEE fp32 matmuls): there only compiling counts.
+Exit status 1 when a kernel fails to compile, or when it spills more than --max-spill bytes where its launch
+leaves the register count to ptxas; a launch that caps it (maxnreg) trades spills for occupancy on purpose,
+on the strength of a GPU measurement, and shows as "capped".
 """
 
 import argparse
@@ -31,11 +30,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-from .common import REPO_ROOT, resolve
-from .gpu_bench import load_benchmark, prepare_run
+from .common import resolve
+from .gpu_bench import build_into_hub, load_benchmark
 
 TARGET_ARCH = 90
-SPECS = Path(os.environ.get("TESSERA_SPECS", REPO_ROOT.parent / "shared" / "specs"))
 # An H100/H200 SM: 64K 32-bit registers (allocated per warp in units of 256), 228 KiB of shared memory of
 # which a CTA may use 227 KiB and the driver keeps 1 KiB per CTA, at most 64 warps and 32 CTAs.
 SM_REGISTERS, SM_SHARED, SM_WARPS, SM_CTAS = 65536, 233472, 64, 32
@@ -106,10 +104,9 @@ class Compiler:
 def status(report: dict, max_spill: int) -> str:
     if "error" in report:
         return "FAILED: " + report["error"]
-    sixteen_bit = any(t in report["dtypes"].split(",") for t in ("bf16", "fp16"))
-    if report["maxnreg"] is None and sixteen_bit and report["spills"] > max_spill:
-        return "SPILLS"
-    return "capped" if report["maxnreg"] is not None else "ok"
+    if report["maxnreg"] is not None:
+        return "capped"
+    return "SPILLS" if report["spills"] > max_spill else "ok"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -117,16 +114,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("kernels", nargs="*", help="kernel names (default: all)")
     parser.add_argument("--match", help="only the cases whose label contains this text")
     parser.add_argument("--max-spill", type=int, default=128,
-                        help="spill bytes above which an uncapped 16-bit kernel fails the check (default: 128)")
+                        help="spill bytes above which an uncapped kernel fails the check (default: 128)")
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
         print("unset TRITON_INTERPRET: this compiles for the GPU", file=sys.stderr)
         return 2
-    os.environ["TESSERA_SPECS"] = str(SPECS)
     names = [k.name for k in resolve(args.kernels)]
-    prepare_run(names)  # builds the packages into the offline Hub cache they load from
-    sys.path.insert(0, str(REPO_ROOT))  # testkit, the specs loader
-    import testkit
+    build_into_hub(names)
+    import testkit  # the specs loader (gpu_bench put the repo on sys.path)
     from triton.runtime.jit import JITFunction
 
     compiler = Compiler()

@@ -103,14 +103,19 @@ def run_tests(out_dir: Path, names: list[str], all_tests: bool, timeout: float, 
     return {**summary, "failed": failed, "seconds": round(time.time() - start, 1), "exit_code": proc.returncode}
 
 
-def prepare_run(names: list[str]) -> tuple[str, Path]:
+def build_into_hub(names: list[str]) -> None:
     """Build the named kernels and lay them into the offline Hub cache this process (and its children) load
-    from; return the sha the run measures and the results path stem `<out>/<date>-<sha>` (out: $OUT when
-    set, for the device tool to bring back, else bench/results)."""
+    from."""
     os.environ.setdefault("HF_HUB_CACHE", str(HUB_CACHE))
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     for step in ("build", "hub"):
         subprocess.run([sys.executable, "-m", f"tools.{step}", *names], cwd=REPO_ROOT, check=True)
+
+
+def prepare_run(names: list[str]) -> tuple[str, Path]:
+    """`build_into_hub`, then the sha the run measures and the results path stem `<out>/<date>-<sha>` (out:
+    $OUT when set, for the device tool to bring back, else bench/results)."""
+    build_into_hub(names)
     sha = os.environ.get("TESSERA_GIT_SHA") or git("rev-parse", "HEAD") or "unknown"
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
     out_dir = Path(os.environ.get("OUT", RESULTS))
