@@ -142,7 +142,7 @@ INTERP_WINDOWS = [(0, 0), (14, 0), (7, 7), (0, 9), (31, 31), (64, 0), (40, 56)]
 # Every window at every ragged T; Dh and dtype rotate so that each pairing of T, Dh and dtype occurs.
 INTERP_CASES = [
     (left, right, T, (8, 24, 64)[i % 3], (torch.float32, torch.bfloat16, torch.float16)[(i + i // 3) % 3])
-    for i, ((left, right), T) in enumerate(itertools.product(INTERP_WINDOWS, (1, 97, 130)))
+    for i, ((left, right), T) in enumerate(itertools.product(INTERP_WINDOWS, (1, 97, 136)))
 ]
 needs_interpreter = pytest.mark.skipif(not INTERPRETED, reason="Triton interpreter tests run where there is no GPU")
 
@@ -223,7 +223,7 @@ def test_triton_interpreted_several_chunks_per_program(ldsa, poisoned_outputs, m
     kernels._band_plan.cache_clear()
     kernels._band_forward_plan.cache_clear()
     try:
-        assert kernels._band_plan(left + right + 1, 24, T, 2)[1]["CHUNKS"] > 1
+        assert kernels._band_plan(left + right + 1, left, 24, T, 2, dtype.itemsize)[2]["CHUNKS"] > 1
         a, v = make(1, 2, 24, T, left, right, dtype)
         go = torch.randn(v.shape).to(dtype)
         expected = ldsa_float64(a, v, left, right)
@@ -267,22 +267,23 @@ def test_cuda_takes_the_triton_path(ldsa):
     assert kernels.supports_window(2) and not kernels.supports_window(1)
 
 
-# Every window in every dtype; the channel count (and, backward, T) rotates so each pairing occurs.
+# Every window in every dtype; the channel count and T rotate so each pairing occurs. T = 3008 and 136 are
+# multiples of 8, where the band design aligns its value spans (_span_leads); 3001, 97 and 1 are not.
 FWD_TOL = {torch.float32: 1e-6, torch.bfloat16: 1e-2, torch.float16: 2e-3}
 CUDA_FWD_CASES = [
-    (left, right, dtype, (32, 64, 128, 80)[i % 4])
+    (left, right, dtype, (32, 64, 128, 80)[i % 4], (3001, 3008)[i % 2])
     for i, ((left, right), dtype) in enumerate(itertools.product(CUDA_WINDOWS, FWD_TOL))
 ]
 CUDA_BWD_CASES = [
-    (left, right, dtype, *((64, 3001), (80, 97), (256, 130), (32, 1))[i % 4])
+    (left, right, dtype, *((64, 3001), (80, 97), (256, 136), (32, 1))[i % 4])
     for i, ((left, right), dtype) in enumerate(itertools.product(CUDA_WINDOWS, TOL))
 ]
 
 
 @needs_cuda
-@pytest.mark.parametrize("left,right,dtype,Dh", CUDA_FWD_CASES)
-def test_cuda_forward_matches_float64(ldsa, left, right, dtype, Dh):
-    a, v = make(2, 3, Dh, 3001, left, right, dtype, "cuda")
+@pytest.mark.parametrize("left,right,dtype,Dh,T", CUDA_FWD_CASES)
+def test_cuda_forward_matches_float64(ldsa, left, right, dtype, Dh, T):
+    a, v = make(2, 3, Dh, T, left, right, dtype, "cuda")
     out = ldsa.ldsa_local_attention(a, v, left, right)
     assert out.dtype == dtype and rel_err(out, ldsa_float64(a, v, left, right)) < FWD_TOL[dtype]
 
@@ -305,13 +306,13 @@ def test_cuda_backward_matches_float64_autograd(ldsa, left, right, dtype, Dh, T)
 @pytest.mark.parametrize("case", range(len(CUDA_FWD_CASES)))
 def test_cuda_every_config_matches_float64(ldsa, case):
     kernels = submodule(ldsa, "ldsa_triton")
-    left, right, dtype, Dh = CUDA_FWD_CASES[case]
+    left, right, dtype, Dh, T = CUDA_FWD_CASES[case]
     forward = kernels.FORWARD_CONFIGS[case % len(kernels.FORWARD_CONFIGS)]
     _, _, _, Dh_b, T_b = CUDA_BWD_CASES[case]
     backward = kernels.BACKWARD_CONFIGS[(case + 2) % len(kernels.BACKWARD_CONFIGS)]
     W = left + right + 1
     forward, backward = runnable(kernels, forward, W), runnable(kernels, backward, W)
-    a, v = make(2, 3, Dh, 3001, left, right, dtype, "cuda")
+    a, v = make(2, 3, Dh, T, left, right, dtype, "cuda")
     out = kernels.ldsa_forward(a, v, left, right, config=forward)
     assert out.dtype == dtype and rel_err(out, ldsa_float64(a, v, left, right)) < FWD_TOL[dtype], forward
     a, v = make(2, 2, Dh_b, T_b, left, right, dtype, "cuda")

@@ -406,34 +406,61 @@ def test_band_support(lm, fused, block_m, kind, NM, NF):
         assert tuple(support[:, block].tolist()) == expected
 
 
+def unpack_chunk_entries(entries, bits):
+    """(band block, first bin, last flag) from packed int64 entries: 21-bit fields (first bin, the block's
+    hi, block), the sign bit at a block's last chunk."""
+    mask = (1 << bits) - 1
+    return [[(e >> 2 * bits) & mask, e & mask, int(e < 0)] for e in entries]
+
+
 @needs_triton
 @pytest.mark.kernels_ci
 @pytest.mark.parametrize("block_k", [16, 32])
 @pytest.mark.parametrize("kind,NM,NF", [("triangles", 80, 201), ("dense", 40, 65), ("empty_bands", 40, 65), ("whisper", 128, 201)])
 def test_chunk_list(lm, fused, block_k, kind, NM, NF):
     """Every band block's [lo, hi) in BLOCK_K steps, in block order, the last step flagged; an unused block
-    gets one step (its bands must still be written)."""
+    gets one step (its bands must still be written). Each entry also carries its block's hi."""
     w = lm.mel_filters(NM).to(DEVICE) if kind == "whisper" else filterbank(kind, NM, NF, DEVICE)
     support = fused.band_support(w, 8)
     chunks = fused.chunk_list(support, NF, block_k).cpu()
-    expected = []
+    expected, his = [], []
     for block, (lo, hi) in enumerate(support.cpu().t().tolist()):
         starts = list(range(lo, hi, block_k)) or [min(lo, hi)]
         expected += [[block, k0, int(k0 == starts[-1])] for k0 in starts]
+        his += [hi] * len(starts)
     assert chunks[0].item() == len(expected)
-    assert chunks[1 : 1 + 3 * len(expected)].view(-1, 3).tolist() == expected
+    bits = fused.FIELD_BITS.value
+    entries = chunks[1 : 1 + len(expected)].tolist()
+    assert unpack_chunk_entries(entries, bits) == expected
+    assert [(e >> bits) & ((1 << bits) - 1) for e in entries] == his
 
 
 @needs_triton
 @pytest.mark.parametrize("design", ["two_pass", "clip_resident"])
-@pytest.mark.parametrize("kind,NM,NF", [("dense", 40, 65), ("empty_bands", 40, 65), ("whisper", 80, 201)])
-def test_fused_flat_loop_filterbanks(lm, fused, design, kind, NM, NF):
-    """The flat chunk loop on filterbanks the shipped-config test does not use: dense (several chunks a
-    block), unused bands (one masked chunk), Whisper's."""
+@pytest.mark.parametrize("kind,NM,NF,F", [("dense", 40, 65, 70), ("empty_bands", 40, 65, 70), ("whisper", 80, 201, 70),
+                                          ("triangles", 36, 65, 33), ("dense", 1, 1, 1)])
+def test_fused_flat_loop_filterbanks(lm, fused, design, kind, NM, NF, F):
+    """Every shipped flat-loop config on filterbanks the shipped-config test does not use: dense (several
+    chunks a block), unused bands (one masked chunk), Whisper's; a ragged last tile (F = 70: the flat loop
+    shifts it back over its neighbour), clips shorter than a tile (F = 33, 1) and NM not a multiple of the
+    band block (36: the flat loop reads band NM - 1 for the missing bands). Silent clips stay exact."""
     w = lm.mel_filters(NM).to(DEVICE) if kind == "whisper" else filterbank(kind, NM, NF, DEVICE)
-    stft = with_silence(speech_stft(3, 70, NF, device=DEVICE))
-    out = fused.log_mel_triton(stft, w, design, fused.Config(flat=True))
-    assert rel_err(out, log_mel_float64(stft, w)) < 1e-6
+    stft = with_silence(speech_stft(3, F, NF, device=DEVICE))
+    expected = log_mel_float64(stft, w)
+    for config in [c for c in fused.SHIPPED_CONFIGS if c.flat]:
+        out = fused.log_mel_triton(stft, w, design, config)
+        assert rel_err(out, expected) < 1e-6, config.name
+        assert torch.equal(out[1], torch.full_like(out[1], -1.5)), config.name
+
+
+@needs_triton
+def test_fused_nan_every_shipped_config(fused):
+    stft = speech_stft(2, 70, 65, device=DEVICE)
+    stft[0, 66, 10] = float("nan")  # in the ragged last tile
+    w = triangles(40, 65, DEVICE)
+    for config in fused.SHIPPED_CONFIGS:
+        out = fused.log_mel_triton(stft, w, "two_pass", config)
+        assert out[0, 66].isnan().any() and not out[1].isnan().any(), config.name
 
 
 @needs_triton

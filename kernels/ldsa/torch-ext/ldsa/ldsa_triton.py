@@ -36,7 +36,7 @@ import triton
 import triton.language as tl
 from triton.compiler.compiler import CompiledKernel
 
-from .ldsa_taps import _taps_backward_kernel, _taps_forward_kernel, _taps_lse_kernel
+from .ldsa_taps import _aligned, _taps_backward_kernel, _taps_forward_kernel, _taps_lse_kernel
 
 # Frames per program: at most this many, to amortize the per-program setup over several chunks ...
 FRAMES_PER_PROGRAM = 128
@@ -99,10 +99,13 @@ def _band_weights(logits, tap_ok, band_tap, in_band):
 @triton.jit
 def _ldsa_forward_kernel(
     a_ptr, v_ptr, out_ptr,
-    T, Dh, W, left, n_ttiles,
+    T, Dh, W, left, lead, n_ttiles,
     N: tl.constexpr, K: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_D: tl.constexpr,
-    D_TILES: tl.constexpr, CHUNKS: tl.constexpr, PREFETCH: tl.constexpr,
+    D_TILES: tl.constexpr, CHUNKS: tl.constexpr, T_ALIGN: tl.constexpr, SPAN_ALIGN: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):  # fmt: skip
+    T = _aligned(T, T_ALIGN)
+    lead = _aligned(lead, SPAN_ALIGN)
     pid = tl.program_id(0)
     bh = (pid // n_ttiles).to(tl.int64)  # int64: B*H*Dh*T may pass 2^31
     first_frame = (pid % n_ttiles) * (CHUNKS * N)
@@ -115,8 +118,9 @@ def _ldsa_forward_kernel(
     span = tl.arange(0, K)
     tap_ok = taps[:, None] < W
     a_rows = a_base + taps.to(tl.int64)[:, None] * T
-    # Band tile [K, N]: span position j (value index t0 - left + j) feeds frame i (t0 + i) by tap j - i.
-    band_tap = span[:, None] - frames[None, :]
+    # Band tile [K, N]: span position j (value index t0 - lead + j) feeds frame i (t0 + i) by tap
+    # j - i - (lead - left).
+    band_tap = span[:, None] - frames[None, :] - (lead - left)
     in_band = (band_tap >= 0) & (band_tap < W)
     band_tap = tl.minimum(tl.maximum(band_tap, 0), BLOCK_W - 1)
 
@@ -127,13 +131,13 @@ def _ldsa_forward_kernel(
         d_ok = d[:, None] < Dh
         row = d.to(tl.int64)[:, None] * T
         logits_next = _load_logits(a_rows, first_frame, frames, tap_ok, T)
-        vals_next = _load_span(v_base, row, d_ok, first_frame - left + span, T)
+        vals_next = _load_span(v_base, row, d_ok, first_frame - lead + span, T)
         for c in range(CHUNKS):
             t0 = first_frame + c * N
             logits, vals = logits_next, vals_next
             more = c + 1 < CHUNKS
             logits_next = _load_logits(a_rows, t0 + N, frames, tap_ok & more, T)
-            vals_next = _load_span(v_base, row, d_ok & more, t0 + N - left + span, T)
+            vals_next = _load_span(v_base, row, d_ok & more, t0 + N - lead + span, T)
             out = _dot_float32_weights(vals, _band_weights(logits, tap_ok, band_tap, in_band))  # [BLOCK_D, N]
             t = t0 + frames
             tl.store(out_base + row + t[None, :], out.to(out_ptr.dtype.element_ty), mask=d_ok & (t[None, :] < T))
@@ -146,7 +150,7 @@ def _ldsa_forward_kernel(
                 d = dt * BLOCK_D + tl.arange(0, BLOCK_D)
                 d_ok = d[:, None] < Dh
                 row = d.to(tl.int64)[:, None] * T
-                vals = _load_span(v_base, row, d_ok, t0 - left + span, T)
+                vals = _load_span(v_base, row, d_ok, t0 - lead + span, T)
                 out = _dot_float32_weights(vals, band)  # [BLOCK_D, N]
                 tl.store(out_base + row + t[None, :], out.to(out_ptr.dtype.element_ty), mask=d_ok & (t[None, :] < T))
 
@@ -154,10 +158,13 @@ def _ldsa_forward_kernel(
 @triton.jit
 def _ldsa_backward_kernel(
     a_ptr, v_ptr, go_ptr, dlogits_ptr, dv_ptr,
-    T, Dh, W, left, n_ttiles,
+    T, Dh, W, left, lead, lead_right, n_ttiles,
     N: tl.constexpr, K: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_D: tl.constexpr,
-    D_TILES: tl.constexpr, CHUNKS: tl.constexpr,
+    D_TILES: tl.constexpr, CHUNKS: tl.constexpr, T_ALIGN: tl.constexpr, SPAN_ALIGN: tl.constexpr,
 ):  # fmt: skip
+    T = _aligned(T, T_ALIGN)
+    lead = _aligned(lead, SPAN_ALIGN)
+    lead_right = _aligned(lead_right, SPAN_ALIGN)
     pid = tl.program_id(0)
     bh = (pid // n_ttiles).to(tl.int64)
     first_frame = (pid % n_ttiles) * (CHUNKS * N)
@@ -173,18 +180,20 @@ def _ldsa_backward_kernel(
     span = tl.arange(0, K)
     tap_row = taps.to(tl.int64) * T
     tap_ok = taps[:, None] < W
-    # da: tap k of frame i read value index t0 - left + (i + k), row i + k of the [K, N] tile V^T G.
-    da_row = tl.minimum(frames[None, :] + taps[:, None], K - 1)  # [BLOCK_W, N]
-    # dv: the value at t0 + i is read by frame u = t0 - right + j through tap i - j + W - 1.
-    dv_tap = frames[None, :] - span[:, None] + (W - 1)  # [K, N]
+    # da: tap k of frame i read value index t0 - left + i + k, row i + k + (lead - left) of the [K, N]
+    # tile V^T G.
+    da_row = tl.minimum(frames[None, :] + taps[:, None] + (lead - left), K - 1)  # [BLOCK_W, N]
+    # dv: the value at t0 + i is read by frame u = t0 - lead_right + j through tap
+    # i - j + (lead_right - right) + W - 1.
+    dv_tap = frames[None, :] - span[:, None] + (lead_right - right) + (W - 1)  # [K, N]
     in_band = (dv_tap >= 0) & (dv_tap < W)
     dv_tap = tl.minimum(tl.maximum(dv_tap, 0), BLOCK_W - 1)
 
     for c in range(CHUNKS):
         t0 = first_frame + c * N
         t = t0 + frames  # this chunk's frames, and the value positions whose dv it writes
-        s = t0 - left + span  # value positions read by the chunk's frames
-        u = t0 - right + span  # frames whose windows read the chunk's value positions
+        s = t0 - lead + span  # value positions read by the chunk's frames
+        u = t0 - lead_right + span  # frames whose windows read the chunk's value positions
         t_ok = t[None, :] < T
         s_ok = (s[:, None] >= 0) & (s[:, None] < T)  # [K, 1]
         u_ok = (u >= 0) & (u < T)  # [K]
@@ -247,40 +256,53 @@ def supports_window(W: int) -> bool:
     return W >= 2 and K * block_w <= MAX_GATHER_TILE
 
 
+def _round_up(x: int, multiple: int) -> int:
+    return -(-x // multiple) * multiple
+
+
 @functools.cache
-def _band_plan(W: int, Dh: int, T: int, BH: int) -> tuple[int, dict, int]:
-    """(programs per (b, h), meta-parameters, num_warps) for W taps, Dh channels, T frames, B*H sequences."""
+def _span_leads(W: int, left: int, T: int, itemsize: int) -> tuple[int, int, int]:
+    """(SPAN_ALIGN, lead, lead_right): a chunk's value span starts `lead` >= left positions before its first
+    frame (the backward's second span, of the frames reading the chunk's values, `lead_right` >= right),
+    rounded up to SPAN_ALIGN so that every row of a span is whole aligned vectors. Triton vectorizes only
+    what it can prove aligned: spans starting at t0 - left compiled to a 2-byte load per bf16 value and a
+    2-byte store per output, and aligned they load through 16-byte cp.async, pipelined (forward 0.303 to
+    0.270 ms, backward 0.937 to 0.62 ms at [64, 3000], W = 15 bf16:
+    bench/results/2026-11-29-3b58449-dirty-ldsa-align.log). SPAN_ALIGN is the largest power of two up to 16 bytes that divides T and keeps the shifted band within
+    the window's K rows."""
+    N, K, _ = _band(W)
+    right = W - 1 - left
+    align = min(_t_align(T), 16 // itemsize)
+    while align > 1 and N + W - 1 + max(_round_up(left, align) - left, _round_up(right, align) - right) > K:
+        align //= 2
+    return align, _round_up(left, align), _round_up(right, align)
+
+
+@functools.cache
+def _band_plan(W: int, left: int, Dh: int, T: int, BH: int, itemsize: int) -> tuple[int, tuple, dict, int]:
+    """(programs per (b, h), the span leads, meta-parameters, num_warps) for W taps of which `left` before
+    the frame, Dh channels, T frames, B*H sequences and values of `itemsize` bytes."""
     if not supports_window(W):
         raise ValueError(f"the band design does not take a {W}-tap window (see supports_window)")
     N, K, block_w = _band(W)
+    span_align, *leads = _span_leads(W, left, T, itemsize)
     block_d = max(16, min(_pow2(Dh), 128, 16384 // K))  # a [BLOCK_D, K] value tile stays in registers
     all_chunks = BH * triton.cdiv(T, N)
     chunks = max(1, min(FRAMES_PER_PROGRAM // N, triton.cdiv(T, N), all_chunks // MIN_PROGRAMS))
     n_ttiles = triton.cdiv(T, chunks * N)
     num_warps = 4 if K * max(block_d, block_w, N) <= 4096 else 8
-    meta = dict(N=N, K=K, BLOCK_W=block_w, BLOCK_D=block_d, D_TILES=triton.cdiv(Dh, block_d), CHUNKS=chunks)
-    return n_ttiles, meta, num_warps
+    meta = dict(N=N, K=K, BLOCK_W=block_w, BLOCK_D=block_d, D_TILES=triton.cdiv(Dh, block_d), CHUNKS=chunks,
+                T_ALIGN=_t_align(T), SPAN_ALIGN=span_align)
+    return n_ttiles, tuple(leads), meta, num_warps
 
 
 @functools.cache
-def _band_forward_plan(config: str, W: int, Dh: int, T: int, BH: int, dtype: torch.dtype) -> tuple[int, dict, int]:
-    """`_band_plan` plus the forward's PREFETCH flag and launch options: built once per shape, since small
-    calls are host-bound."""
-    n_ttiles, meta, num_warps = _band_plan(W, Dh, T, BH)
+def _band_forward_plan(config: str, W: int, left: int, Dh: int, T: int, BH: int, dtype: torch.dtype):
+    """`_band_plan` plus the forward's PREFETCH flag, with the lead of its value spans: built once per shape,
+    since small calls are host-bound."""
+    n_ttiles, (lead, _), meta, num_warps = _band_plan(W, left, Dh, T, BH, dtype.itemsize)
     prefetch = config == BAND_PREFETCH and meta["D_TILES"] == 1
-    return n_ttiles, dict(meta, PREFETCH=prefetch, **_band_forward_launch_options(config, meta, dtype)), num_warps
-
-
-def _band_forward_launch_options(config: str, meta: dict, dtype: torch.dtype) -> dict:
-    """The band forward is latency-bound at 4 blocks an SM (125 registers a thread, ncu). For 16-bit values
-    and value tiles of at most 64 x 32 a register cap raises that: 80 fits 6 blocks (ptxas: 16 bytes of
-    spill) and measured 352 against 404 us at [64, 3000], W = 15 bf16, with no change at [32, 1024] (probe
-    of 2026-11-29). The prefetching variant holds the next chunk's tiles too; 96 is the lowest cap at
-    which ptxas reports no spill for it (80 spills 68 bytes), 5 blocks an SM; not yet timed. The backward
-    and float32 values only lost under a cap, and larger tiles were not measured, so they keep the default."""
-    if dtype != torch.float32 and meta["BLOCK_D"] * meta["K"] <= FORWARD_CAPPED_TILE:
-        return dict(maxnreg=FORWARD_MAXNREG[config])
-    return {}
+    return n_ttiles, lead, dict(meta, PREFETCH=prefetch), num_warps
 
 
 # ---- Candidate configurations of both designs, and the default table ----
@@ -289,8 +311,6 @@ BAND = "band"  # the banded tensor-core product above; its tiles follow from the
 # The same forward with the next chunk's loads issued before the current chunk's compute (one channel tile
 # only; with several it runs as "band"): ncu found the band forward waiting on L1 loads.
 BAND_PREFETCH = "band-prefetch"
-# Register caps of the 16-bit band forwards (see `_band_forward_launch_options`).
-FORWARD_MAXNREG, FORWARD_CAPPED_TILE = {BAND: 80, BAND_PREFETCH: 96}, 64 * 32
 # The tap loop: "taps-t<frames per program>-w<warps>".
 TAPS_FORWARD = {f"taps-t{bt}-w{nw}": (bt, nw) for bt, nw in ((32, 4), (64, 4), (64, 8), (128, 8))}
 TAPS_BACKWARD = {f"taps-t{bt}-w{nw}": (bt, nw) for bt, nw in ((32, 4), (32, 8), (64, 4), (64, 8))}
@@ -418,8 +438,8 @@ def ldsa_forward(a_logits: torch.Tensor, v: torch.Tensor, left: int, right: int,
     out = torch.empty_like(v)
     with _device_of(v):
         if config in (BAND, BAND_PREFETCH):
-            n_ttiles, meta, num_warps = _band_forward_plan(config, W, Dh, T, B * H, v.dtype)
-            args = (a_logits, v, out, T, Dh, W, left, n_ttiles)
+            n_ttiles, lead, meta, num_warps = _band_forward_plan(config, W, left, Dh, T, B * H, v.dtype)
+            args = (a_logits, v, out, T, Dh, W, left, lead, n_ttiles)
             _launch(_ldsa_forward_kernel, B * H * n_ttiles, args, meta, num_warps)
         else:
             n_ttiles, n_dtiles, meta, num_warps = _taps_forward_plan(config, W, left, Dh, T)
@@ -443,11 +463,11 @@ def ldsa_backward(
     dv = torch.empty_like(v)
     with _device_of(v):
         if config == BAND:
-            n_ttiles, meta, num_warps = _band_plan(W, Dh, T, B * H)
             vals = v
             if grad_out.dtype != v.dtype:
                 vals, grad_out = v.float(), grad_out.float()
-            args = (a_logits, vals, grad_out, dlogits, dv, T, Dh, W, left, n_ttiles)
+            n_ttiles, leads, meta, num_warps = _band_plan(W, left, Dh, T, B * H, vals.dtype.itemsize)
+            args = (a_logits, vals, grad_out, dlogits, dv, T, Dh, W, left, *leads, n_ttiles)
             _launch(_ldsa_backward_kernel, B * H * n_ttiles, args, meta, num_warps)
         else:
             n_ttiles, meta, num_warps = _taps_backward_plan(config, W, left, Dh, T)

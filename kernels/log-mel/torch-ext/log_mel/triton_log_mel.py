@@ -12,7 +12,8 @@ log-mel once. Three kernels:
    project with an fp32 `tl.dot` (`input_precision` "ieee": CUDA-core FMAs; or "tf32x3": three TF32
    tensor-core products, about fp32-accurate), then write `(log10(max(mel, 1e-10)) + 4) / 4` - the final
    value whenever the floor does not bite - and keep the tile's max and min of log10. With `Config.flat`
-   the same work runs as one loop over a chunk list that `_chunk_list_kernel` builds from the supports.
+   the same work runs as one loop over a chunk list that `_chunk_list_kernel` builds from the supports,
+   with the block epilogue (log10, store, statistics) only at a block's last chunk.
 3. The floor: the clip's maximum `hi` is the max of its tile maxima; only tiles whose minimum lies below
    `hi - 8` are re-read and rewritten as `max(out, (hi - 8 + 4) / 4)`. Because `x -> (x + 4) / 4` is
    monotone in fp32 too, this equals the spec's `(max(x, hi - 8) + 4) / 4` bit for bit. On speech without
@@ -38,6 +39,10 @@ LOG10_CLAMP = tl.constexpr(-10.0)
 SUPPORT_CHUNK = 128  # filterbank bins per step of the band-support scan
 FLOOR_CHUNK = 1024  # output elements per step of the floor pass
 STATS_CHUNK = 256  # tile statistics per step of the clip-maximum reduction
+# A chunk entry of the flat loop: first bin, the block's hi and the block in 21-bit fields of an int64, the
+# sign bit set at a block's last chunk. One 8-byte load per chunk, no load that depends on another.
+FIELD_BITS = tl.constexpr(21)
+FIELD_MASK = tl.constexpr((1 << FIELD_BITS.value) - 1)
 
 DESIGNS = ("two_pass", "clip_resident")
 
@@ -64,7 +69,11 @@ class Config:
 
 # One loop over the tile's chunk list, the next chunk's loads in flight: the fastest at both swept shapes
 # (bench/results/2026-11-29-f6e6021: 3,083 against 2,599 GB/s for the nested loop at (208, 3000, 201, 128),
-# 2,857 against 2,690 GB/s for the nested loop pipelined two deep at (104, 3000, 401, 80)).
+# 2,857 against 2,690 GB/s for the nested loop pipelined two deep at (104, 3000, 401, 80)). Its epilogue only
+# at a block's last chunk, packed chunk entries and unmasked loads (72 registers, was 96: 7 CTAs an SM)
+# took it from 0.443 / 0.392 / 0.485 ms to 0.425 / 0.379 / 0.403 ms at (208, 3000, 201, 128), (104, 3000,
+# 401, 80) and (208, 3000, 201, 80) (bench/results/2026-11-29-3b58449-dirty-log-mel-lean.md, sweep rows).
+# The hardware log2 approximation on top of it measured the same (0.426 / 0.378 / 0.402) and was dropped.
 DEFAULT_CONFIG = Config(flat=True)
 # Every config the package may pick, plus the runners-up kept for the benchmark's sweep; the GPU tests run
 # each of them. Dropped after runs where they lost everywhere: an L2 bulk prefetch of the tile, 32-band
@@ -101,19 +110,19 @@ def _band_support_kernel(w_ptr, lo_ptr, hi_ptr, NM, NF, BLOCK_M: tl.constexpr, C
 
 @triton.jit
 def _chunk_list_kernel(lo_ptr, hi_ptr, chunks_ptr, n_blocks, BLOCK_K: tl.constexpr):
-    """The flat main loop's work list, one program: chunks_ptr[0] = the number of chunks, then per chunk
-    (band block, first bin, 1 if it is its block's last chunk), blocks in order. A block with no used bin
-    (lo = NF > hi = 0) gets one chunk whose loads are all masked, so its bands are still written (silence)."""
+    """The flat main loop's work list, one program: chunks_ptr[0] = the number of chunks, then one packed
+    int64 entry per chunk (FIELD_BITS), blocks in order. A block with no used bin (lo = NF > hi = 0) gets
+    one chunk whose loads are all masked, so its bands are still written (silence)."""
     n = tl.zeros((), tl.int32)
     for block in range(0, n_blocks):
         hi = tl.load(hi_ptr + block)
         start = tl.minimum(tl.load(lo_ptr + block), hi)
         count = tl.maximum((hi - start + BLOCK_K - 1) // BLOCK_K, 1)
         for j in range(0, count):
-            entry = chunks_ptr + 1 + 3 * (n + j)
-            tl.store(entry, block)
-            tl.store(entry + 1, start + j * BLOCK_K)
-            tl.store(entry + 2, (j == count - 1).to(tl.int32))
+            entry = ((start + j * BLOCK_K).to(tl.int64) | (hi.to(tl.int64) << FIELD_BITS)
+                     | (tl.full((), block, tl.int64) << (2 * FIELD_BITS))
+                     | ((j == count - 1).to(tl.int64) << 63))
+            tl.store(chunks_ptr + 1 + n + j, entry)
         n += count
     tl.store(chunks_ptr, n)
 
@@ -144,50 +153,82 @@ def _log10_clamped(mel):
 
 
 @triton.jit
+def _unpack_chunk(entry):
+    """(first bin, the block's hi, band block) of a packed chunk entry; `entry < 0` at a block's last chunk."""
+    k0 = (entry & FIELD_MASK).to(tl.int32)
+    k_hi = ((entry >> FIELD_BITS) & FIELD_MASK).to(tl.int32)
+    block = ((entry >> (2 * FIELD_BITS)) & FIELD_MASK).to(tl.int32)
+    return k0, k_hi, block
+
+
+@triton.jit
 def _log_mel_tile(x_ptr, w_ptr, lo_ptr, hi_ptr, chunks_ptr, out_ptr, clip, tile, F, NF, NM,
                   BLOCK_F: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-                  PRECISION: tl.constexpr, FLAT: tl.constexpr):
+                  PRECISION: tl.constexpr, FLAT: tl.constexpr, SHORT_CLIP: tl.constexpr, STATIC_NF: tl.constexpr):
     """Write (log10(max(mel, 1e-10)) + 4) / 4 for frames [tile*BLOCK_F, +BLOCK_F) of `clip`; return the
     tile's (max, min) of log10(max(mel, 1e-10)).
 
     Nested (FLAT false): band block by band block, each block's bins chunk by chunk; a chunk's loads wait
     on nothing but are issued only when the previous chunk's product is done. Flat: one loop over the
     tile's chunk list (`_chunk_list_kernel`), each step issuing the next chunk's loads before projecting
-    its own, and a block's output written at its last chunk."""
-    frames = tile * BLOCK_F + tl.arange(0, BLOCK_F)
-    frame_ok = frames < F
-    rows = clip.to(tl.int64) * F + frames  # int64: B * F * 2 * NF can pass 2**31
-    x_rows = x_ptr + rows[:, None] * (2 * NF)  # the STFT as float32 pairs (re, im)
-    out_rows = out_ptr + rows[:, None] * NM
+    its own, and a block's output written at its last chunk (STATIC_NF: NF as a compile-time constant;
+    SHORT_CLIP: F < BLOCK_F)."""
+    if FLAT:
+        # Every lane computes a real value of the clip, so the loads need no frame or band mask, the tile's
+        # max and min no mask at all, and only the store is masked: a clip's last tile ends at frame F (it
+        # starts early and rewrites frames of the tile before it with the same values), a clip shorter than
+        # a tile reads frame F - 1 for the frames it lacks, and bands past NM (below) the weights of band
+        # NM - 1. One pointer to the tile's first frame plus affine int32 offsets: with NF a compile-time
+        # constant the rows are immediate offsets of that pointer, not one 64-bit pointer per row (two-pass:
+        # 72 registers, not 96, so 7 CTAs per SM, not 5).
+        NF = STATIC_NF
+        frames = tl.arange(0, BLOCK_F)
+        if SHORT_CLIP:  # F < BLOCK_F
+            frame_ok = frames < F
+            frames = tl.minimum(frames, F - 1)
+        else:
+            frame_ok = tl.full((BLOCK_F,), 1, tl.int1)
+        first = clip.to(tl.int64) * F + tl.maximum(tl.minimum(tile * BLOCK_F, F - BLOCK_F), 0)
+        x_rows = x_ptr + first * (2 * NF) + (frames * (2 * NF))[:, None]
+        out_rows = out_ptr + first * NM + (frames * NM)[:, None]
+    else:
+        frames = tile * BLOCK_F + tl.arange(0, BLOCK_F)
+        frame_ok = frames < F
+        rows = clip.to(tl.int64) * F + frames  # int64: B * F * 2 * NF can pass 2**31
+        x_rows = x_ptr + rows[:, None] * (2 * NF)  # the STFT as float32 pairs (re, im)
+        out_rows = out_ptr + rows[:, None] * NM
     lanes = tl.arange(0, BLOCK_M)
     # Elementwise running max/min, reduced once at the end: a reduction per band block would cost two
     # cross-warp exchanges (shared memory and barriers) per block.
     run_max = tl.full((BLOCK_F, BLOCK_M), float("-inf"), tl.float32)
     run_min = tl.full((BLOCK_F, BLOCK_M), float("inf"), tl.float32)
     if FLAT:
+        everything = tl.full((BLOCK_F,), 1, tl.int1)  # constant-true masks fold away
+        all_bands = tl.full((BLOCK_M,), 1, tl.int1)
         mel = tl.zeros((BLOCK_F, BLOCK_M), tl.float32)  # reset after each block's last chunk
-        n_chunks = tl.load(chunks_ptr)
-        entries = chunks_ptr + 1  # (band block, first bin, last chunk of its block) per chunk
-        block = tl.load(entries)
-        bands_next = block * BLOCK_M + lanes
-        last_next = tl.load(entries + 2) != 0
-        xy_next, w_next = _load_chunk(x_rows, w_ptr, frame_ok, bands_next, bands_next < NM, tl.load(entries + 1),
-                                      tl.load(hi_ptr + block), NF, BLOCK_K)
+        n_chunks = tl.load(chunks_ptr).to(tl.int32)
+        entries = chunks_ptr + 1  # packed (first bin, block's hi, block, last chunk of its block) per chunk
+        entry_next = tl.load(entries)
+        k0, k_hi, block = _unpack_chunk(entry_next)
+        xy_next, w_next = _load_chunk(x_rows, w_ptr, everything, tl.minimum(block * BLOCK_M + lanes, NM - 1),
+                                      all_bands, k0, k_hi, NF, BLOCK_K)
         for i in range(0, n_chunks):
-            xy, w, bands, last = xy_next, w_next, bands_next, last_next
-            following = entries + 3 * tl.minimum(i + 1, n_chunks - 1)  # the last step reloads its own chunk
-            block = tl.load(following)
-            bands_next = block * BLOCK_M + lanes
-            last_next = tl.load(following + 2) != 0
-            xy_next, w_next = _load_chunk(x_rows, w_ptr, frame_ok, bands_next, bands_next < NM, tl.load(following + 1),
-                                          tl.load(hi_ptr + block), NF, BLOCK_K)
+            xy, w, entry = xy_next, w_next, entry_next
+            entry_next = tl.load(entries + tl.minimum(i + 1, n_chunks - 1))  # the last step reloads its own
+            k0, k_hi, block = _unpack_chunk(entry_next)
+            xy_next, w_next = _load_chunk(x_rows, w_ptr, everything, tl.minimum(block * BLOCK_M + lanes, NM - 1),
+                                          all_bands, k0, k_hi, NF, BLOCK_K)
             mel = _project(mel, xy, w, BLOCK_F, BLOCK_K, PRECISION)
-            log_spec = _log10_clamped(mel)
-            ok = frame_ok[:, None] & (bands < NM)[None, :] & last
-            tl.store(out_rows + bands[None, :], (log_spec + 4.0) * 0.25, mask=ok)
-            run_max = tl.maximum(run_max, tl.where(ok, log_spec, float("-inf")))
-            run_min = tl.minimum(run_min, tl.where(ok, log_spec, float("inf")))
-            mel = tl.where(last, 0.0, mel)
+            # A uniform branch: the chunks before a block's last one only load and project.
+            if entry < 0:
+                _, _, block = _unpack_chunk(entry)
+                bands = block * BLOCK_M + lanes
+                log_spec = _log10_clamped(mel)
+                tl.store(out_rows + bands[None, :], (log_spec + 4.0) * 0.25,
+                         mask=frame_ok[:, None] & (bands < NM)[None, :])
+                run_max = tl.maximum(run_max, log_spec)
+                run_min = tl.minimum(run_min, log_spec)
+                mel = tl.zeros((BLOCK_F, BLOCK_M), tl.float32)
     else:
         for block in range(0, tl.cdiv(NM, BLOCK_M)):
             bands = block * BLOCK_M + lanes
@@ -231,13 +272,14 @@ def _floor_tile(out_ptr, clip, tile, F, NM, floor, BLOCK_F: tl.constexpr, CHUNK:
 @triton.jit
 def _tiles_kernel(x_ptr, w_ptr, lo_ptr, hi_ptr, chunks_ptr, out_ptr, stats_ptr, F, NF, NM, n_tiles,
                   BLOCK_F: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-                  PRECISION: tl.constexpr, FLAT: tl.constexpr):
+                  PRECISION: tl.constexpr, FLAT: tl.constexpr, SHORT_CLIP: tl.constexpr,
+                  STATIC_NF: tl.constexpr):
     """Two-pass design, pass 1: one program per (clip, frame tile), clip-major."""
     pid = tl.program_id(0)
     clip = pid // n_tiles
     tile = pid % n_tiles
     tile_max, tile_min = _log_mel_tile(x_ptr, w_ptr, lo_ptr, hi_ptr, chunks_ptr, out_ptr, clip, tile, F, NF, NM,
-                                       BLOCK_F, BLOCK_M, BLOCK_K, PRECISION, FLAT)
+                                       BLOCK_F, BLOCK_M, BLOCK_K, PRECISION, FLAT, SHORT_CLIP, STATIC_NF)
     stats = stats_ptr + pid.to(tl.int64) * 2
     tl.store(stats, tile_max)
     tl.store(stats + 1, tile_min)
@@ -260,13 +302,13 @@ def _floor_kernel(out_ptr, stats_ptr, F, NM, n_tiles, BLOCK_F: tl.constexpr,
 def _clip_resident_kernel(x_ptr, w_ptr, lo_ptr, hi_ptr, chunks_ptr, out_ptr, stats_ptr, F, NF, NM, n_tiles,
                           BLOCK_F: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
                           PRECISION: tl.constexpr, FLAT: tl.constexpr, STATS_CHUNK: tl.constexpr,
-                          FLOOR_CHUNK: tl.constexpr):
+                          FLOOR_CHUNK: tl.constexpr, SHORT_CLIP: tl.constexpr, STATIC_NF: tl.constexpr):
     """Clip-resident design: one program per clip computes all its tiles, then applies the floor."""
     clip = tl.program_id(0)
     stats = stats_ptr + clip.to(tl.int64) * n_tiles * 2
     for tile in range(0, n_tiles):
         tile_max, tile_min = _log_mel_tile(x_ptr, w_ptr, lo_ptr, hi_ptr, chunks_ptr, out_ptr, clip, tile, F, NF, NM,
-                                           BLOCK_F, BLOCK_M, BLOCK_K, PRECISION, FLAT)
+                                           BLOCK_F, BLOCK_M, BLOCK_K, PRECISION, FLAT, SHORT_CLIP, STATIC_NF)
         tl.store(stats + 2 * tile, tile_max)
         tl.store(stats + 2 * tile + 1, tile_min)
     # Other threads of this program wrote the statistics and the output rows read below.
@@ -312,10 +354,13 @@ def band_support(mel_filters: torch.Tensor, block_m: int) -> torch.Tensor:
 
 
 def chunk_list(support: torch.Tensor, NF: int, block_k: int) -> torch.Tensor:
-    """int32 [1 + 3 * L]: the number of chunks, then (band block, first bin, last-of-block flag) per chunk,
-    built on the device from `band_support`'s output (L bounds every block's chunk count by NF's)."""
+    """int64 [1 + L]: the number of chunks, then one packed entry per chunk (see FIELD_BITS and
+    `_unpack_chunk`), built on the device from `band_support`'s output (L bounds every block's chunk count
+    by NF's)."""
     n_blocks = support.shape[1]
-    chunks = torch.empty(1 + 3 * n_blocks * max(1, triton.cdiv(NF, block_k)), dtype=torch.int32, device=support.device)
+    if max(NF, n_blocks) > FIELD_MASK.value:
+        raise ValueError(f"the flat loop's chunk entries hold at most {FIELD_MASK.value} bins and band blocks")
+    chunks = torch.empty(1 + n_blocks * max(1, triton.cdiv(NF, block_k)), dtype=torch.int64, device=support.device)
     _chunk_list_kernel[(1,)](support[0], support[1], chunks, n_blocks, BLOCK_K=block_k)
     return chunks
 
@@ -338,8 +383,10 @@ def log_mel_triton(stft: torch.Tensor, mel_filters: torch.Tensor, design: str | 
     stats = torch.empty(B, n_tiles, 2, dtype=torch.float32, device=stft.device)
     out = torch.empty(B, F, NM, dtype=torch.float32, device=stft.device)
     tile_args = dict(BLOCK_F=config.block_f, BLOCK_M=config.block_m, BLOCK_K=config.block_k,
-                     PRECISION=config.precision, FLAT=config.flat, num_warps=config.num_warps,
-                     num_stages=config.num_stages)
+                     PRECISION=config.precision, FLAT=config.flat,
+                     # The flat loop's specializations; the nested loop takes NF at run time and masks short clips.
+                     SHORT_CLIP=config.flat and F < config.block_f, STATIC_NF=NF if config.flat else 0,
+                     num_warps=config.num_warps, num_stages=config.num_stages)
     main_args = (x, mel_filters, support[0], support[1], chunks, out, stats, F, NF, NM, n_tiles)
     if design == "two_pass":
         _tiles_kernel[(B * n_tiles,)](*main_args, **tile_args)
