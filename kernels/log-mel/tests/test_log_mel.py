@@ -399,11 +399,20 @@ def test_pick_table(fused):
 @pytest.mark.parametrize("kind,NM,NF", [("triangles", 80, 201), ("dense", 40, 65), ("empty_bands", 40, 65), ("whisper", 128, 201)])
 def test_band_support(lm, fused, block_m, kind, NM, NF):
     w = lm.mel_filters(NM).to(DEVICE) if kind == "whisper" else filterbank(kind, NM, NF, DEVICE)
-    support = fused.band_support(w, block_m).cpu()
-    for block, rows in enumerate(w.cpu().split(block_m)):
-        used = (rows != 0).any(dim=0).nonzero().flatten()
-        expected = (used.min().item(), used.max().item() + 1) if len(used) else (NF, 0)
+    support = fused.band_plan(w, block_m, 16)[0].cpu()
+    assert tuple(support.shape) == (2, -(-NM // block_m))
+    for block, expected in enumerate(block_supports(w, block_m)):
         assert tuple(support[:, block].tolist()) == expected
+
+
+def block_supports(w, block_m):
+    """[lo, hi) of the used bins of each block of block_m bands ((NF, 0) for an unused block), in Python."""
+    NF = w.shape[1]
+    supports = []
+    for rows in w.cpu().split(block_m):
+        used = (rows != 0).any(dim=0).nonzero().flatten()
+        supports.append((used.min().item(), used.max().item() + 1) if len(used) else (NF, 0))
+    return supports
 
 
 def unpack_chunk_entries(entries, bits):
@@ -415,16 +424,15 @@ def unpack_chunk_entries(entries, bits):
 
 @needs_triton
 @pytest.mark.kernels_ci
-@pytest.mark.parametrize("block_k", [16, 32])
+@pytest.mark.parametrize("block_m,block_k", [(8, 16), (16, 32), (8, 32)])
 @pytest.mark.parametrize("kind,NM,NF", [("triangles", 80, 201), ("dense", 40, 65), ("empty_bands", 40, 65), ("whisper", 128, 201)])
-def test_chunk_list(lm, fused, block_k, kind, NM, NF):
+def test_chunk_list(lm, fused, block_m, block_k, kind, NM, NF):
     """Every band block's [lo, hi) in BLOCK_K steps, in block order, the last step flagged; an unused block
     gets one step (its bands must still be written). Each entry also carries its block's hi."""
     w = lm.mel_filters(NM).to(DEVICE) if kind == "whisper" else filterbank(kind, NM, NF, DEVICE)
-    support = fused.band_support(w, 8)
-    chunks = fused.chunk_list(support, NF, block_k).cpu()
+    chunks = fused.band_plan(w, block_m, block_k)[1].cpu()
     expected, his = [], []
-    for block, (lo, hi) in enumerate(support.cpu().t().tolist()):
+    for block, (lo, hi) in enumerate(block_supports(w, block_m)):
         starts = list(range(lo, hi, block_k)) or [min(lo, hi)]
         expected += [[block, k0, int(k0 == starts[-1])] for k0 in starts]
         his += [hi] * len(starts)

@@ -3,16 +3,16 @@
 The op is a bandwidth kernel with a small matmul in it: read the complex64 STFT once, write the fp32
 log-mel once. Three kernels:
 
-1. `_band_support_kernel` reads the (NM, NF) filterbank and writes, for each block of BLOCK_M bands, the
-   bin range [lo, hi) outside which every weight of the block is exactly zero. It runs on every call (the
-   filterbank is at most 400 KB), so no cache can go stale; a dense filterbank gives [0, NF) everywhere and
-   the projection is then simply dense.
+1. `_band_plan_kernel` reads the (NM, NF) filterbank and writes, for each block of BLOCK_M bands, the
+   bin range [lo, hi) outside which every weight of the block is exactly zero, and the flat loop's chunk
+   list (below). It runs on every call (the filterbank is at most 400 KB), so no cache can go stale; a
+   dense filterbank gives [0, NF) everywhere and the projection is then simply dense.
 2. The main pass (`_log_mel_tile`, launched per frame tile or per clip): for a tile of BLOCK_F frames and
    one band block at a time, stream the block's bins [lo, hi) in chunks of BLOCK_K, square and add re/im,
    project with an fp32 `tl.dot` (`input_precision` "ieee": CUDA-core FMAs; or "tf32x3": three TF32
    tensor-core products, about fp32-accurate), then write `(log10(max(mel, 1e-10)) + 4) / 4` - the final
    value whenever the floor does not bite - and keep the tile's max and min of log10. With `Config.flat`
-   the same work runs as one loop over a chunk list that `_chunk_list_kernel` builds from the supports,
+   the same work runs as one loop over the chunk list `_band_plan_kernel` builds from the supports,
    with the block epilogue (log10, store, statistics) only at a block's last chunk.
 3. The floor: the clip's maximum `hi` is the max of its tile maxima; only tiles whose minimum lies below
    `hi - 8` are re-read and rewritten as `max(out, (hi - 8 + 4) / 4)`. Because `x -> (x + 4) / 4` is
@@ -36,9 +36,12 @@ import triton.language as tl
 LOG10_2 = tl.constexpr(0.301029995663981195)  # log10(x) = log2(x) * log10(2)
 # torch.log10(torch.tensor(1e-10)) is exactly -10.0 in fp32: the value of every clamped (silent) bin.
 LOG10_CLAMP = tl.constexpr(-10.0)
-SUPPORT_CHUNK = 128  # filterbank bins per step of the band-support scan
+PLAN_TILE = 8192  # filterbank weights per step of the band-support scan (one program, 8 warps)
 FLOOR_CHUNK = 1024  # output elements per step of the floor pass
 STATS_CHUNK = 256  # tile statistics per step of the clip-maximum reduction
+# Frame tiles a floor-pass program checks: one a program made 9,776 programs of a few loads each at
+# (208, 3000) and took 8.5 us (bench/results/2026-11-29-ed74914-ncu-log-mel.txt).
+FLOOR_TILES = 8
 # A chunk entry of the flat loop: first bin, the block's hi and the block in 21-bit fields of an int64, the
 # sign bit set at a block's last chunk. One 8-byte load per chunk, no load that depends on another.
 FIELD_BITS = tl.constexpr(21)
@@ -74,57 +77,63 @@ class Config:
 # took it from 0.443 / 0.392 / 0.485 ms to 0.425 / 0.379 / 0.403 ms at (208, 3000, 201, 128), (104, 3000,
 # 401, 80) and (208, 3000, 201, 80) (bench/results/2026-11-29-3b58449-dirty-log-mel-lean.md, sweep rows).
 # The hardware log2 approximation on top of it measured the same (0.426 / 0.378 / 0.402) and was dropped.
-DEFAULT_CONFIG = Config(flat=True)
+# Then, with that loop, 16-band blocks and 32-bin chunks: fewer, wider steps (128 registers, 4 CTAs an SM)
+# and 384-393 against 411 us at NM 128, 311 against 364 us at (104, 3000, 401, 80); 8-band blocks of 32
+# bins where the bands are narrower, 358 against 389 us at (208, 3000, 201, 80), where 16-band blocks are
+# level with the 16-bin default (bench/results/2026-11-29-ed74914-log-mel-configs.log, run 2).
+DEFAULT_CONFIG = Config(block_m=16, block_k=32, flat=True)
+NARROW_BANDS_CONFIG = Config(block_k=32, flat=True)
 # Every config the package may pick, plus the runners-up kept for the benchmark's sweep; the GPU tests run
 # each of them. Dropped after runs where they lost everywhere: an L2 bulk prefetch of the tile, 32-band
 # blocks, 128-frame tiles on 8 warps, 32-frame tiles on 2 or 4 warps, 32-bin chunks and 16-band blocks, in
-# the nested loop and (f6e6021, 6b36bb1) in the flat one. Also lost on the flat loop (d877b8c-log-mel-maxnreg):
-# 8 warps on 64- or 128-frame tiles (slower or level at every measure shape), and register caps for more
-# resident CTAs (they spill): 64 registers slower everywhere, 80 slower at four shapes, 3% faster at
-# (416, 1500, 201, 128).
+# the nested loop and (f6e6021, 6b36bb1) in the flat one before its epilogue moved to a block's last chunk.
+# Also lost on the flat loop (d877b8c-log-mel-maxnreg): 8 warps on 64- or 128-frame tiles (slower or level
+# at every measure shape), and register caps for more resident CTAs (they spill): 64 registers slower
+# everywhere, 80 slower at four shapes, 3% faster at (416, 1500, 201, 128). And (ed74914-log-mel-configs):
+# 32-band blocks, 64-bin chunks, 128-frame tiles, 32-frame tiles, 8 warps; the nested loop pipelined two
+# deep (2,415 / 2,690 GB/s at f6e6021).
 SHIPPED_CONFIGS = (
     DEFAULT_CONFIG,
+    NARROW_BANDS_CONFIG,
+    Config(flat=True),  # the flat loop's earlier 8 x 16 blocks: 411 / 364 / 389 us (ed74914-log-mel-configs)
     Config(),  # the nested loop (band block, then its chunks): 2,599 / 2,481 GB/s at f6e6021
-    Config(num_stages=2),  # the nested loop pipelined two deep: 2,415 / 2,690 GB/s
     Config(precision="ieee"),  # the CUDA-core fp32 projection (nested loop): 1,950 / 1,833 GB/s
 )
 
 
 @triton.jit
-def _band_support_kernel(w_ptr, lo_ptr, hi_ptr, NM, NF, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr):
-    """[lo, hi): the bins any band of band block `program_id` weights with a nonzero (or NaN) value."""
-    block = tl.program_id(0)
-    bands = block * BLOCK_M + tl.arange(0, BLOCK_M)
-    lo = tl.zeros((), tl.int32) + NF  # an empty block keeps lo = NF > hi = 0: its loop never runs
-    hi = tl.zeros((), tl.int32)
+def _band_plan_kernel(w_ptr, lo_ptr, hi_ptr, chunks_ptr, NM, NF, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+                      BLOCKS: tl.constexpr, CHUNK: tl.constexpr):
+    """One program. For each block of BLOCK_M bands, [lo, hi): the bins any of its bands weights with a
+    nonzero (or NaN) value; an empty block gets lo = NF > hi = 0. Then the flat loop's work list:
+    chunks_ptr[0] = the number of chunks, then one packed int64 entry per chunk (FIELD_BITS), blocks in
+    order, each block's [lo, hi) in BLOCK_K steps; an empty block gets one chunk whose loads are all masked,
+    so its bands are still written (silence). All blocks at once: BLOCKS (a power of two) blocks of bands
+    against CHUNK bins a step."""
+    bands = tl.arange(0, BLOCKS * BLOCK_M)
+    lo_band = tl.full((BLOCKS * BLOCK_M,), NF, tl.int32)
+    hi_band = tl.zeros((BLOCKS * BLOCK_M,), tl.int32)
     for k0 in range(0, NF, CHUNK):
         ks = k0 + tl.arange(0, CHUNK)
         inside = (bands < NM)[:, None] & (ks < NF)[None, :]
         w = tl.load(w_ptr + bands[:, None] * NF + ks[None, :], mask=inside, other=0.0)
         used = inside & (w != 0.0)
-        lo = tl.minimum(lo, tl.min(tl.where(used, ks[None, :], NF)))
-        hi = tl.maximum(hi, tl.max(tl.where(used, ks[None, :] + 1, 0)))
-    tl.store(lo_ptr + block, lo)
-    tl.store(hi_ptr + block, hi)
-
-
-@triton.jit
-def _chunk_list_kernel(lo_ptr, hi_ptr, chunks_ptr, n_blocks, BLOCK_K: tl.constexpr):
-    """The flat main loop's work list, one program: chunks_ptr[0] = the number of chunks, then one packed
-    int64 entry per chunk (FIELD_BITS), blocks in order. A block with no used bin (lo = NF > hi = 0) gets
-    one chunk whose loads are all masked, so its bands are still written (silence)."""
-    n = tl.zeros((), tl.int32)
-    for block in range(0, n_blocks):
-        hi = tl.load(hi_ptr + block)
-        start = tl.minimum(tl.load(lo_ptr + block), hi)
-        count = tl.maximum((hi - start + BLOCK_K - 1) // BLOCK_K, 1)
-        for j in range(0, count):
-            entry = ((start + j * BLOCK_K).to(tl.int64) | (hi.to(tl.int64) << FIELD_BITS)
-                     | (tl.full((), block, tl.int64) << (2 * FIELD_BITS))
-                     | ((j == count - 1).to(tl.int64) << 63))
-            tl.store(chunks_ptr + 1 + n + j, entry)
-        n += count
-    tl.store(chunks_ptr, n)
+        lo_band = tl.minimum(lo_band, tl.min(tl.where(used, ks[None, :], NF), 1))
+        hi_band = tl.maximum(hi_band, tl.max(tl.where(used, ks[None, :] + 1, 0), 1))
+    lo = tl.min(tl.reshape(lo_band, (BLOCKS, BLOCK_M)), 1)
+    hi = tl.max(tl.reshape(hi_band, (BLOCKS, BLOCK_M)), 1)
+    blocks = tl.arange(0, BLOCKS)
+    real = blocks * BLOCK_M < NM
+    tl.store(lo_ptr + blocks, lo, mask=real)
+    tl.store(hi_ptr + blocks, hi, mask=real)
+    start = tl.minimum(lo, hi)
+    count = tl.where(real, tl.maximum((hi - start + BLOCK_K - 1) // BLOCK_K, 1), 0)
+    first = tl.cumsum(count, 0) - count  # each block's first entry
+    for j in range(0, tl.max(count)):
+        entry = ((start + j * BLOCK_K).to(tl.int64) | (hi.to(tl.int64) << FIELD_BITS)
+                 | (blocks.to(tl.int64) << (2 * FIELD_BITS)) | ((j == count - 1).to(tl.int64) << 63))
+        tl.store(chunks_ptr + 1 + first + j, entry, mask=j < count)
+    tl.store(chunks_ptr, tl.sum(count).to(tl.int64))
 
 
 @triton.jit
@@ -170,7 +179,7 @@ def _log_mel_tile(x_ptr, w_ptr, lo_ptr, hi_ptr, chunks_ptr, out_ptr, clip, tile,
 
     Nested (FLAT false): band block by band block, each block's bins chunk by chunk; a chunk's loads wait
     on nothing but are issued only when the previous chunk's product is done. Flat: one loop over the
-    tile's chunk list (`_chunk_list_kernel`), each step issuing the next chunk's loads before projecting
+    tile's chunk list (`_band_plan_kernel`), each step issuing the next chunk's loads before projecting
     its own, and a block's output written at its last chunk (STATIC_NF: NF as a compile-time constant;
     SHORT_CLIP: F < BLOCK_F)."""
     if FLAT:
@@ -286,16 +295,18 @@ def _tiles_kernel(x_ptr, w_ptr, lo_ptr, hi_ptr, chunks_ptr, out_ptr, stats_ptr, 
 
 
 @triton.jit
-def _floor_kernel(out_ptr, stats_ptr, F, NM, n_tiles, BLOCK_F: tl.constexpr,
-                  STATS_CHUNK: tl.constexpr, FLOOR_CHUNK: tl.constexpr):
-    """Two-pass design, pass 2: one program per (clip, frame tile); touches the output only where the
-    80 dB floor bites."""
+def _floor_kernel(out_ptr, stats_ptr, F, NM, n_tiles, n_groups, BLOCK_F: tl.constexpr,
+                  STATS_CHUNK: tl.constexpr, FLOOR_CHUNK: tl.constexpr, FLOOR_TILES: tl.constexpr):
+    """Two-pass design, pass 2: one program per (clip, group of FLOOR_TILES frame tiles); touches the output
+    only where the 80 dB floor bites."""
     pid = tl.program_id(0)
-    clip = pid // n_tiles
-    tile = pid % n_tiles
+    clip = pid // n_groups
+    first = (pid % n_groups) * FLOOR_TILES
     floor = _clip_floor(stats_ptr, clip, n_tiles, STATS_CHUNK)
-    if tl.load(stats_ptr + pid.to(tl.int64) * 2 + 1) < floor:
-        _floor_tile(out_ptr, clip, tile, F, NM, floor, BLOCK_F, FLOOR_CHUNK)
+    stats = stats_ptr + clip.to(tl.int64) * n_tiles * 2
+    for tile in range(first, tl.minimum(first + FLOOR_TILES, n_tiles)):
+        if tl.load(stats + 2 * tile + 1) < floor:
+            _floor_tile(out_ptr, clip, tile, F, NM, floor, BLOCK_F, FLOOR_CHUNK)
 
 
 @triton.jit
@@ -330,9 +341,11 @@ class PickRule:
     config: Config
 
 
-# First matching row wins; the last row catches every shape. Set from the H200 sweep (benchmark.py,
-# "config sweep" rows at NF 201 and 401). Every config named here must be in SHIPPED_CONFIGS.
+# First matching row wins; the last row catches every shape. Set from the H200 runs (benchmark.py's
+# "config sweep" rows, ed74914-log-mel-configs): 80 bands over 201 bins are about 2.5 bins apart, so 8 of
+# them span about one 32-bin chunk. Every config named here must be in SHIPPED_CONFIGS.
 PICK_TABLE = (
+    PickRule(max_nf=201, max_nm=80, min_f=1, design="two_pass", config=NARROW_BANDS_CONFIG),
     PickRule(max_nf=float("inf"), max_nm=float("inf"), min_f=1, design="two_pass", config=DEFAULT_CONFIG),
 )
 
@@ -343,26 +356,20 @@ def pick(B: int, F: int, NF: int, NM: int) -> tuple[str, Config]:
     return rule.design, rule.config
 
 
-def band_support(mel_filters: torch.Tensor, block_m: int) -> torch.Tensor:
-    """(2, ceil(NM / block_m)) int32: row 0 the first, row 1 one past the last used bin of each band block."""
+def band_plan(mel_filters: torch.Tensor, block_m: int, block_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(support, chunks) of `_band_plan_kernel`: support (2, ceil(NM / block_m)) int32, row 0 the first and
+    row 1 one past the last used bin of each band block; chunks int64 [1 + L], the flat loop's work list
+    (L bounds every block's chunk count by NF's). One launch, on every call, so no cache can go stale."""
     NM, NF = mel_filters.shape
     n_blocks = triton.cdiv(NM, block_m)
-    support = torch.empty(2, n_blocks, dtype=torch.int32, device=mel_filters.device)
-    _band_support_kernel[(n_blocks,)](mel_filters, support[0], support[1], NM, NF,
-                                      BLOCK_M=block_m, CHUNK=SUPPORT_CHUNK)
-    return support
-
-
-def chunk_list(support: torch.Tensor, NF: int, block_k: int) -> torch.Tensor:
-    """int64 [1 + L]: the number of chunks, then one packed entry per chunk (see FIELD_BITS and
-    `_unpack_chunk`), built on the device from `band_support`'s output (L bounds every block's chunk count
-    by NF's)."""
-    n_blocks = support.shape[1]
     if max(NF, n_blocks) > FIELD_MASK.value:
         raise ValueError(f"the flat loop's chunk entries hold at most {FIELD_MASK.value} bins and band blocks")
-    chunks = torch.empty(1 + n_blocks * max(1, triton.cdiv(NF, block_k)), dtype=torch.int64, device=support.device)
-    _chunk_list_kernel[(1,)](support[0], support[1], chunks, n_blocks, BLOCK_K=block_k)
-    return chunks
+    support = torch.empty(2, n_blocks, dtype=torch.int32, device=mel_filters.device)
+    chunks = torch.empty(1 + n_blocks * max(1, triton.cdiv(NF, block_k)), dtype=torch.int64, device=mel_filters.device)
+    blocks = triton.next_power_of_2(n_blocks)
+    _band_plan_kernel[(1,)](mel_filters, support[0], support[1], chunks, NM, NF, BLOCK_M=block_m, BLOCK_K=block_k,
+                            BLOCKS=blocks, CHUNK=max(16, PLAN_TILE // (blocks * block_m)), num_warps=8)
+    return support, chunks
 
 
 def log_mel_triton(stft: torch.Tensor, mel_filters: torch.Tensor, design: str | None = None,
@@ -376,9 +383,8 @@ def log_mel_triton(stft: torch.Tensor, mel_filters: torch.Tensor, design: str | 
     if design not in DESIGNS:
         raise ValueError(f"design must be one of {DESIGNS}, got {design!r}")
     x = torch.view_as_real(stft)  # (B, F, NF, 2) float32, same memory
-    support = band_support(mel_filters, config.block_m)
-    # The flat loop's chunk list; the nested loop reads the support directly (the argument goes unread).
-    chunks = chunk_list(support, NF, config.block_k) if config.flat else support
+    # The flat loop reads the chunk list, the nested loop the support.
+    support, chunks = band_plan(mel_filters, config.block_m, config.block_k)
     n_tiles = triton.cdiv(F, config.block_f)
     stats = torch.empty(B, n_tiles, 2, dtype=torch.float32, device=stft.device)
     out = torch.empty(B, F, NM, dtype=torch.float32, device=stft.device)
@@ -390,8 +396,9 @@ def log_mel_triton(stft: torch.Tensor, mel_filters: torch.Tensor, design: str | 
     main_args = (x, mel_filters, support[0], support[1], chunks, out, stats, F, NF, NM, n_tiles)
     if design == "two_pass":
         _tiles_kernel[(B * n_tiles,)](*main_args, **tile_args)
-        _floor_kernel[(B * n_tiles,)](out, stats, F, NM, n_tiles, BLOCK_F=config.block_f,
-                                      STATS_CHUNK=STATS_CHUNK, FLOOR_CHUNK=FLOOR_CHUNK)
+        n_groups = triton.cdiv(n_tiles, FLOOR_TILES)
+        _floor_kernel[(B * n_groups,)](out, stats, F, NM, n_tiles, n_groups, BLOCK_F=config.block_f,
+                                       STATS_CHUNK=STATS_CHUNK, FLOOR_CHUNK=FLOOR_CHUNK, FLOOR_TILES=FLOOR_TILES)
     else:
         _clip_resident_kernel[(B,)](*main_args, STATS_CHUNK=STATS_CHUNK, FLOOR_CHUNK=FLOOR_CHUNK,
                                     **tile_args)
