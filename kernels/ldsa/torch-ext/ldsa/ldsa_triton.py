@@ -324,11 +324,10 @@ BACKWARD_CONFIGS = (BAND, *TAPS_BACKWARD)
 TAPS_ANY_WINDOW = "taps-t64-w4"
 # The configuration a call takes: (pass, window of at most 32 taps, float32 values) -> config name.
 # Wider windows keep the band design, whose tiles were sized for them. Float32 forward windows up to 32
-# taps take the tap loop: 1,261 against 688 GB/s at [64, 3000], W = 15 (bench/results/2026-11-29-3e9bbe5,
-# sweep rows); the band forward on float32 values compiles to 242 registers a thread (2 blocks an SM).
-# 16-bit forward windows up to 32 taps prefetch the next chunk: 0.305 against 0.350 ms at [64, 3000], W = 15,
-# causal and centered (bench/results/2026-11-29-6b36bb1-ldsa, sweep rows; 0.062 against 0.060 ms at
-# [32, 1024], where a program has one chunk and nothing to prefetch).
+# taps take the tap loop: 0.697 against 1.206 ms at [64, 3000], W = 15 (bench/results/2026-11-29-5d4bed3-ldsa,
+# sweep rows); the band forward on float32 values compiles to 198 registers a thread (2 blocks an SM).
+# 16-bit forward windows up to 32 taps prefetch the next chunk: 0.272 against 0.296 ms at [64, 3000], W = 15,
+# causal and centered (same rows; at [32, 1024] causal it loses, 0.052 against 0.048 ms).
 DEFAULT_CONFIG = {
     ("forward", True, False): BAND_PREFETCH,
     ("forward", True, True): "taps-t64-w4",
