@@ -268,8 +268,8 @@ def _span_leads(W: int, left: int, T: int, itemsize: int) -> tuple[int, int, int
     what it can prove aligned: spans starting at t0 - left compiled to a 2-byte load per bf16 value and a
     2-byte store per output, and aligned they load through 16-byte cp.async, pipelined (forward 0.303 to
     0.270 ms, backward 0.937 to 0.62 ms at [64, 3000], W = 15 bf16:
-    bench/results/2026-11-29-3b58449-dirty-ldsa-align.log). SPAN_ALIGN is the largest power of two up to 16 bytes that divides T and keeps the shifted band within
-    the window's K rows."""
+    bench/results/2026-11-29-3b58449-dirty-ldsa-align.log). SPAN_ALIGN is the largest power of two up to 16
+    bytes that divides T and keeps the shifted band within the window's K rows."""
     N, K, _ = _band(W)
     right = W - 1 - left
     align = min(_t_align(T), 16 // itemsize)

@@ -3,16 +3,17 @@
 The op is a bandwidth kernel with a small matmul in it: read the complex64 STFT once, write the fp32
 log-mel once. Three kernels:
 
-1. `_band_plan_kernel` reads the (NM, NF) filterbank and writes, for each block of BLOCK_M bands, the
-   bin range [lo, hi) outside which every weight of the block is exactly zero, and the flat loop's chunk
-   list (below). It runs on every call (the filterbank is at most 400 KB), so no cache can go stale; a
-   dense filterbank gives [0, NF) everywhere and the projection is then simply dense.
+1. `_band_support_kernel` reads the (NM, NF) filterbank and writes, for each block of BLOCK_M bands, the
+   bin range [lo, hi) outside which every weight of the block is exactly zero; `_chunk_list_kernel` turns
+   those into the flat loop's chunk list (below). Both run on every call (the filterbank is at most
+   400 KB), so no cache can go stale; a dense filterbank gives [0, NF) everywhere and the projection is
+   then simply dense.
 2. The main pass (`_log_mel_tile`, launched per frame tile or per clip): for a tile of BLOCK_F frames and
    one band block at a time, stream the block's bins [lo, hi) in chunks of BLOCK_K, square and add re/im,
    project with an fp32 `tl.dot` (`input_precision` "ieee": CUDA-core FMAs; or "tf32x3": three TF32
    tensor-core products, about fp32-accurate), then write `(log10(max(mel, 1e-10)) + 4) / 4` - the final
    value whenever the floor does not bite - and keep the tile's max and min of log10. With `Config.flat`
-   the same work runs as one loop over the chunk list `_band_plan_kernel` builds from the supports,
+   the same work runs as one loop over the chunk list `_chunk_list_kernel` builds from the supports,
    with the block epilogue (log10, store, statistics) only at a block's last chunk.
 3. The floor: the clip's maximum `hi` is the max of its tile maxima; only tiles whose minimum lies below
    `hi - 8` are re-read and rewritten as `max(out, (hi - 8 + 4) / 4)`. Because `x -> (x + 4) / 4` is
@@ -36,11 +37,12 @@ import triton.language as tl
 LOG10_2 = tl.constexpr(0.301029995663981195)  # log10(x) = log2(x) * log10(2)
 # torch.log10(torch.tensor(1e-10)) is exactly -10.0 in fp32: the value of every clamped (silent) bin.
 LOG10_CLAMP = tl.constexpr(-10.0)
-PLAN_TILE = 8192  # filterbank weights per step of the band-support scan (one program, 8 warps)
+SUPPORT_CHUNK = 128  # filterbank bins per step of the band-support scan
 FLOOR_CHUNK = 1024  # output elements per step of the floor pass
 STATS_CHUNK = 256  # tile statistics per step of the clip-maximum reduction
 # Frame tiles a floor-pass program checks: one a program made 9,776 programs of a few loads each at
-# (208, 3000) and took 8.5 us (bench/results/2026-11-29-ed74914-ncu-log-mel.txt).
+# (208, 3000) and took 8.5 us (bench/results/2026-11-29-ed74914-ncu-log-mel.txt), 8 a program 6.7 us
+# (-b520346-dirty-ncu-log-mel.txt).
 FLOOR_TILES = 8
 # A chunk entry of the flat loop: first bin, the block's hi and the block in 21-bit fields of an int64, the
 # sign bit set at a block's last chunk. One 8-byte load per chunk, no load that depends on another.
@@ -102,30 +104,34 @@ SHIPPED_CONFIGS = (
 
 
 @triton.jit
-def _band_plan_kernel(w_ptr, lo_ptr, hi_ptr, chunks_ptr, NM, NF, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-                      BLOCKS: tl.constexpr, CHUNK: tl.constexpr):
-    """One program. For each block of BLOCK_M bands, [lo, hi): the bins any of its bands weights with a
-    nonzero (or NaN) value; an empty block gets lo = NF > hi = 0. Then the flat loop's work list:
-    chunks_ptr[0] = the number of chunks, then one packed int64 entry per chunk (FIELD_BITS), blocks in
-    order, each block's [lo, hi) in BLOCK_K steps; an empty block gets one chunk whose loads are all masked,
-    so its bands are still written (silence). All blocks at once: BLOCKS (a power of two) blocks of bands
-    against CHUNK bins a step."""
-    bands = tl.arange(0, BLOCKS * BLOCK_M)
-    lo_band = tl.full((BLOCKS * BLOCK_M,), NF, tl.int32)
-    hi_band = tl.zeros((BLOCKS * BLOCK_M,), tl.int32)
+def _band_support_kernel(w_ptr, lo_ptr, hi_ptr, NM, NF, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr):
+    """[lo, hi): the bins any band of band block `program_id` weights with a nonzero (or NaN) value; an
+    empty block gets lo = NF > hi = 0."""
+    block = tl.program_id(0)
+    bands = block * BLOCK_M + tl.arange(0, BLOCK_M)
+    lo = tl.zeros((), tl.int32) + NF
+    hi = tl.zeros((), tl.int32)
     for k0 in range(0, NF, CHUNK):
         ks = k0 + tl.arange(0, CHUNK)
         inside = (bands < NM)[:, None] & (ks < NF)[None, :]
         w = tl.load(w_ptr + bands[:, None] * NF + ks[None, :], mask=inside, other=0.0)
         used = inside & (w != 0.0)
-        lo_band = tl.minimum(lo_band, tl.min(tl.where(used, ks[None, :], NF), 1))
-        hi_band = tl.maximum(hi_band, tl.max(tl.where(used, ks[None, :] + 1, 0), 1))
-    lo = tl.min(tl.reshape(lo_band, (BLOCKS, BLOCK_M)), 1)
-    hi = tl.max(tl.reshape(hi_band, (BLOCKS, BLOCK_M)), 1)
+        lo = tl.minimum(lo, tl.min(tl.where(used, ks[None, :], NF)))
+        hi = tl.maximum(hi, tl.max(tl.where(used, ks[None, :] + 1, 0)))
+    tl.store(lo_ptr + block, lo)
+    tl.store(hi_ptr + block, hi)
+
+
+@triton.jit
+def _chunk_list_kernel(lo_ptr, hi_ptr, chunks_ptr, n_blocks, BLOCK_K: tl.constexpr, BLOCKS: tl.constexpr):
+    """The flat loop's work list, one program, all blocks at once (BLOCKS: a power of two >= n_blocks):
+    chunks_ptr[0] = the number of chunks, then one packed int64 entry per chunk (FIELD_BITS), blocks in
+    order, each block's [lo, hi) in BLOCK_K steps. An empty block (lo = NF > hi = 0) gets one chunk whose
+    loads are all masked, so its bands are still written (silence)."""
     blocks = tl.arange(0, BLOCKS)
-    real = blocks * BLOCK_M < NM
-    tl.store(lo_ptr + blocks, lo, mask=real)
-    tl.store(hi_ptr + blocks, hi, mask=real)
+    real = blocks < n_blocks
+    lo = tl.load(lo_ptr + blocks, mask=real, other=0)
+    hi = tl.load(hi_ptr + blocks, mask=real, other=0)
     start = tl.minimum(lo, hi)
     count = tl.where(real, tl.maximum((hi - start + BLOCK_K - 1) // BLOCK_K, 1), 0)
     first = tl.cumsum(count, 0) - count  # each block's first entry
@@ -179,7 +185,7 @@ def _log_mel_tile(x_ptr, w_ptr, lo_ptr, hi_ptr, chunks_ptr, out_ptr, clip, tile,
 
     Nested (FLAT false): band block by band block, each block's bins chunk by chunk; a chunk's loads wait
     on nothing but are issued only when the previous chunk's product is done. Flat: one loop over the
-    tile's chunk list (`_band_plan_kernel`), each step issuing the next chunk's loads before projecting
+    tile's chunk list (`_chunk_list_kernel`), each step issuing the next chunk's loads before projecting
     its own, and a block's output written at its last chunk (STATIC_NF: NF as a compile-time constant;
     SHORT_CLIP: F < BLOCK_F)."""
     if FLAT:
@@ -357,18 +363,22 @@ def pick(B: int, F: int, NF: int, NM: int) -> tuple[str, Config]:
 
 
 def band_plan(mel_filters: torch.Tensor, block_m: int, block_k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(support, chunks) of `_band_plan_kernel`: support (2, ceil(NM / block_m)) int32, row 0 the first and
-    row 1 one past the last used bin of each band block; chunks int64 [1 + L], the flat loop's work list
-    (L bounds every block's chunk count by NF's). One launch, on every call, so no cache can go stale."""
+    """(support, chunks): support (2, ceil(NM / block_m)) int32, row 0 the first and row 1 one past the last
+    used bin of each band block (`_band_support_kernel`); chunks int64 [1 + L], the flat loop's work list
+    (`_chunk_list_kernel`; L bounds every block's chunk count by NF's). Built on every call, so no cache can
+    go stale. Two launches: one program doing both took 19 us at (208, 3000, 201, 128), against 6.5 us for
+    the support and a scalar-loop list (bench/results/2026-11-29-b520346-dirty-ncu-log-mel.txt,
+    -ed74914-ncu-log-mel.txt)."""
     NM, NF = mel_filters.shape
     n_blocks = triton.cdiv(NM, block_m)
     if max(NF, n_blocks) > FIELD_MASK.value:
         raise ValueError(f"the flat loop's chunk entries hold at most {FIELD_MASK.value} bins and band blocks")
     support = torch.empty(2, n_blocks, dtype=torch.int32, device=mel_filters.device)
+    _band_support_kernel[(n_blocks,)](mel_filters, support[0], support[1], NM, NF, BLOCK_M=block_m,
+                                      CHUNK=SUPPORT_CHUNK)
     chunks = torch.empty(1 + n_blocks * max(1, triton.cdiv(NF, block_k)), dtype=torch.int64, device=mel_filters.device)
-    blocks = triton.next_power_of_2(n_blocks)
-    _band_plan_kernel[(1,)](mel_filters, support[0], support[1], chunks, NM, NF, BLOCK_M=block_m, BLOCK_K=block_k,
-                            BLOCKS=blocks, CHUNK=max(16, PLAN_TILE // (blocks * block_m)), num_warps=8)
+    _chunk_list_kernel[(1,)](support[0], support[1], chunks, n_blocks, BLOCK_K=block_k,
+                             BLOCKS=triton.next_power_of_2(n_blocks))
     return support, chunks
 
 
