@@ -194,8 +194,8 @@ def _log_mel_tile(x_ptr, w_ptr, lo_ptr, hi_ptr, chunks_ptr, out_ptr, clip, tile,
         # starts early and rewrites frames of the tile before it with the same values), a clip shorter than
         # a tile reads frame F - 1 for the frames it lacks, and bands past NM (below) the weights of band
         # NM - 1. One pointer to the tile's first frame plus affine int32 offsets: with NF a compile-time
-        # constant the rows are immediate offsets of that pointer, not one 64-bit pointer per row (two-pass:
-        # 72 registers, not 96, so 7 CTAs per SM, not 5).
+        # constant the rows are immediate offsets of that pointer, not one 64-bit pointer per row (two-pass
+        # at 64x8x16: 72 registers, not 96, so 7 CTAs per SM, not 5).
         NF = STATIC_NF
         frames = tl.arange(0, BLOCK_F)
         if SHORT_CLIP:  # F < BLOCK_F
