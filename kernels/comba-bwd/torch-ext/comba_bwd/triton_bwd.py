@@ -411,6 +411,78 @@ def _grads_pb_kernel(k, p, beta, g, S_in, dS_in, Vn_in, X_in, dbeta_v, dgc_in, d
     tl.store(dg + rows_h, _reverse_cumsum(dgc))
 
 
+@triton.jit
+def _grads_kp_kernel(q, k, p, beta, g, do, S_in, dS_in, Vn_in, X_in, dbeta_v, dgc_in, dk, dp, dbeta, dg, scale, N,
+                     H, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr):
+    """_grads_k_kernel and _grads_pb_kernel in one program per chunk, so that Vn, the chunk's state and the
+    [64, 64] product X Vn^T are read or formed once for both ((X Vn^T)^T is what _grads_k_kernel forms).
+
+    dk is built transposed, [K, 64], so that both sides of the transform's adjoint take dLE = dL * E as it
+    comes out of its product (no tl.trans of a dot result, fla #640):
+      dp   = beta (gam Y + dLE K),  Y = -X S^T                             (first loop over V)
+      dk^T = scale Q^T ((dO Vn^T) * E) + (Gam / gam) dS' Vn^T + (beta P)^T dLE   (second loop over V)
+    Two loops keep two accumulators live at a time instead of five (the single loop spilled at 4 warps and
+    needed 255 registers at 8, sm_90 offline); the second re-reads Vn and the state, which the first has just
+    brought into L2. dO Vn^T is the dq kernel's product in the same orientation, so the nearly cancelling
+    q . dq and k . dk terms of d gc round the same bf16 values."""
+    scal_base, t0, chunk, rows = _chunk_offsets(N, H)
+    gc, glast, bk = _gates(g, beta, scal_base, t0, H)
+    r = tl.arange(0, BT)
+    ck = tl.arange(0, K)
+    rows_h = scal_base + (t0 + r) * H
+    x_vn = tl.zeros([BT, BT], dtype=tl.float32)                                  # X Vn^T
+    x_s = tl.zeros([BT, K], dtype=tl.float32)                                    # X S^T
+    for v0 in range(0, V, BV):
+        cv = v0 + tl.arange(0, BV)
+        xk = tl.load(X_in + rows[:, None] * V + cv[None, :])
+        x_vn += tl.dot(xk, tl.load(Vn_in + rows[None, :] * V + cv[:, None]))
+        x_s += tl.dot(xk, _state_t(S_in, chunk, cv, K, V))
+    E = _decay(gc, False, False)
+    dLE = tl.where(r[:, None] > r[None, :], -x_vn * E, 0.0)                      # dL * E, dL = -strict_lower(X Vn^T)
+    kt = tl.load(_rows_t(k, scal_base * K, t0, H * K, K))
+    pk = tl.load(_rows(p, scal_base * K, t0, H * K, K))
+    dL_L = dLE * tl.dot(pk.to(tl.bfloat16), kt.to(tl.bfloat16)) * bk[:, None]    # dL * L
+    # dp and dbeta, as in _grads_pb_kernel
+    pf = pk.to(tl.float32)
+    z = -tl.exp(gc)[:, None] * x_s
+    p_y = tl.sum(pf * z, 1)                                                      # gam (p . Y)
+    dLE_b = dLE.to(tl.bfloat16)
+    z = tl.dot(dLE_b, tl.load(_rows(k, scal_base * K, t0, H * K, K)).to(tl.bfloat16), acc=z)
+    n_pos = tl.num_programs(1) // H * N * BT * H                                  # B * T * H
+    db_c = tl.sum(pf * z, 1)
+    for iv in range(NV):
+        db_c += tl.load(dbeta_v + iv * n_pos + rows_h)
+    tl.store(_rows(dp, scal_base * K, t0, H * K, K), (bk[:, None] * z).to(dp.dtype.element_ty))
+    tl.store(dbeta + rows_h, db_c.to(dbeta.dtype.element_ty))
+    dgc = tl.load(dgc_in + rows_h) + tl.sum(dL_L, 1) - tl.sum(dL_L, 0) + bk * p_y
+
+    do_vn = tl.zeros([BT, BT], dtype=tl.float32)                                 # dO Vn^T
+    ds_vn = tl.zeros([K, BT], dtype=tl.float32)                                  # dS' Vn^T
+    s_ds = tl.zeros([K], dtype=tl.float32)                                       # <S_n, dS'_n> by row
+    for v0 in range(0, V, BV):
+        cv = v0 + tl.arange(0, BV)
+        vn_t = tl.load(Vn_in + rows[None, :] * V + cv[:, None])
+        dok = tl.load(do + scal_base * V + (t0 + r)[:, None] * (H * V) + cv[None, :]).to(tl.bfloat16)
+        ds_blk = tl.load(dS_in + (chunk * K + ck[:, None]) * V + cv[None, :])            # [K, BV]
+        do_vn += tl.dot(dok, vn_t)
+        ds_vn += tl.dot(ds_blk, vn_t)
+        s_blk = tl.load(S_in + (chunk * K + ck[:, None]) * V + cv[None, :])
+        s_ds += tl.sum(s_blk.to(tl.float32) * ds_blk.to(tl.float32), 1)
+    # dk^T, one [K, BT] tile: the state part, then the read part (the gate terms of d gc take k . dk of each),
+    # then the transform's K side
+    kf = kt.to(tl.float32)
+    dk_t = tl.exp(glast - gc)[None, :] * ds_vn
+    k_state = tl.sum(kf * dk_t, 0)
+    qt = tl.load(_rows_t(q, scal_base * K, t0, H * K, K)).to(tl.bfloat16)
+    dk_t = dk_t + scale * tl.dot(qt, (do_vn * E).to(tl.bfloat16))
+    k_read = tl.sum(kf * dk_t, 0) - k_state
+    pt = tl.load(_rows_t(p, scal_base * K, t0, H * K, K))
+    dk_t = tl.dot((pt * bk[None, :]).to(tl.bfloat16), dLE_b, acc=dk_t)
+    tl.store(_rows_t(dk, scal_base * K, t0, H * K, K), dk_t.to(dk.dtype.element_ty))
+    dgc += tl.where(r == BT - 1, tl.sum(k_state, 0) + tl.exp(glast) * tl.sum(s_ds, 0), 0.0) - k_read - k_state
+    tl.store(dg + rows_h, _reverse_cumsum(dgc))
+
+
 class Config(NamedTuple):
     """One launch plan of the backward (see CONFIGS)."""
 
@@ -420,17 +492,21 @@ class Config(NamedTuple):
     grads_warps: int = 8
     grads_bv: int = 64                  # V block of the gradient kernels' loops over V
     grads_stages: int = 1               # software pipelining of those loops
+    merged_kp: bool = False             # _grads_kp_kernel instead of _grads_k_kernel + _grads_pb_kernel
 
 
 # Every entry is exercised by the CUDA tests at the spec's correct shapes and one measure shape per K, and timed
 # side by side by the benchmark; change them only together with a GPU run of those tests. DEFAULT is what
-# comba_backward uses. Not yet timed on the H200: "base" is the plan without spills in the offline sm_90 compile
-# at K = 128 (8-warp gradient kernels); the others are the candidates the next GPU run compares it with.
+# comba_backward uses. H200, (8, 2048, 32, 128, 128), probe at c06f1ba: base 3.364 ms, grads4 3.012 ms (the
+# 4-warp gradient kernels: 0.54 + 0.50 ms against 0.71 + 0.70). Not yet timed: the merged k/p gradient kernel
+# and the 2-warp transform. A plan of 32-wide scan V blocks faulted on the H200 (illegal address; it is gone:
+# the scans move ~2-3 TB/s, and narrower V blocks only re-read k, p, q and A more often).
 CONFIGS = {
     "base": Config(),
-    "grads4": Config(grads_warps=4),          # 2 CTAs an SM, 96-388 B of spill at K = 128
-    "scan32": Config(scan_bv=32),             # twice the scan programs (latency-bound serial loops)
-    "grads_pipe": Config(grads_stages=2),     # the gradient kernels' V loops software-pipelined
+    "grads4": Config(grads_warps=4),                                  # 2 CTAs an SM, 96-388 B of spill at K = 128
+    "grads_pipe": Config(grads_stages=2),                             # gradient kernels' V loops pipelined
+    "kp": Config(merged_kp=True),                                     # one pass over Vn, X, dS' for dk and dp
+    "kp_tf2": Config(merged_kp=True, grads_warps=4, transform_warps=2),
 }
 DEFAULT = "base"
 
@@ -470,11 +546,15 @@ def comba_backward_stages(q, k, v, p, beta, g, do, scale: float, config: str = D
         "reverse_scan": lambda: _reverse_scan_kernel[(V // BV, BH)](q, k, v, p, beta, g, do, A, dS, X, dv, dbeta_v,
                                                                     scale, N, H, **scan),
         "grads_q": lambda: _grads_q_kernel[chunks](q, k, beta, g, do, S, Vn, dq, dgc_q, scale, N, H, **grads),
-        "grads_k": lambda: _grads_k_kernel[chunks](q, k, p, beta, g, do, dS, Vn, X, dgc_q, dk, dgc_qk, scale, N, H,
-                                                   **grads),
-        "grads_pb": lambda: _grads_pb_kernel[chunks](k, p, beta, g, S, dS, Vn, X, dbeta_v, dgc_qk, dp, dbeta, dg, N,
-                                                     H, NV=V // BV, **grads),
     }
+    if cfg.merged_kp:
+        stages["grads_kp"] = lambda: _grads_kp_kernel[chunks](q, k, p, beta, g, do, S, dS, Vn, X, dbeta_v, dgc_q, dk,
+                                                              dp, dbeta, dg, scale, N, H, NV=V // BV, **grads)
+    else:
+        stages["grads_k"] = lambda: _grads_k_kernel[chunks](q, k, p, beta, g, do, dS, Vn, X, dgc_q, dk, dgc_qk,
+                                                            scale, N, H, **grads)
+        stages["grads_pb"] = lambda: _grads_pb_kernel[chunks](k, p, beta, g, S, dS, Vn, X, dbeta_v, dgc_qk, dp,
+                                                              dbeta, dg, N, H, NV=V // BV, **grads)
     return stages, (dq, dk, dv, dp, dbeta, dg)
 
 
