@@ -299,7 +299,7 @@ def test_transform_kernel_inverts_the_chunk_system(triton_bwd):
 
 
 # The launch plans of triton_bwd.CONFIGS besides the default "base" (test_config_names_are_the_tested_ones).
-OTHER_CONFIGS = ["grads4", "grads_pipe", "kp", "kp_tf2"]
+OTHER_CONFIGS = ["grads4", "grads_pipe", "kp", "kp_tf2", "kp_tf1", "kp_tf2_tf32"]
 
 
 @needs_triton

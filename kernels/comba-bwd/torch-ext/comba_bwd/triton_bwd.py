@@ -106,23 +106,25 @@ def _l_block(pk, bk, gc_i, kt, gc_j, DIAGONAL: tl.constexpr):
 
 
 @triton.jit
-def _inv_unit_lower(Lb):
+def _inv_unit_lower(Lb, PRECISION: tl.constexpr):
     """(I + Lb)^-1 of a strictly lower [SUB, SUB] block in fp32: Lb is nilpotent (Lb^16 = 0), so the inverse
     is sum_k (-Lb)^k = (I - Lb)(I + Lb^2)(I + Lb^4)(I + Lb^8), six products of depth four. A row-by-row
     substitution is 15 dependent steps of two cross-thread reductions each, which made the transform the
     second slowest stage (0.72 ms at (8, 2048, 32, 128, 128) in bench/results/2026-11-29-f6e6021)."""
     r = tl.arange(0, SUB)
     eye = tl.where(r[:, None] == r[None, :], 1.0, 0.0)
-    L2 = _mm(Lb, Lb)
-    L4 = _mm(L2, L2)
-    D = _mm(eye - Lb, eye + L2)
-    D = _mm(D, eye + L4)
-    return _mm(D, eye + _mm(L4, L4))
+    L2 = _mm(Lb, Lb, PRECISION)
+    L4 = _mm(L2, L2, PRECISION)
+    D = _mm(eye - Lb, eye + L2, PRECISION)
+    D = _mm(D, eye + L4, PRECISION)
+    return _mm(D, eye + _mm(L4, L4, PRECISION), PRECISION)
 
 
 @triton.jit
-def _mm(a, b):
-    return tl.dot(a, b, input_precision="ieee")
+def _mm(a, b, PRECISION: tl.constexpr):
+    """fp32 product of two 16 x 16 blocks: "ieee" (fp32 FMAs) or "tf32" (tensor cores, 10-bit mantissas; A is
+    stored in bf16, 8 bits, afterwards)."""
+    return tl.dot(a, b, input_precision=PRECISION)
 
 
 @triton.jit
@@ -132,7 +134,7 @@ def _store_block(A, a_base, i: tl.constexpr, j: tl.constexpr, blk):
 
 
 @triton.jit
-def _transform_kernel(k, p, beta, g, A, N, H, K: tl.constexpr):
+def _transform_kernel(k, p, beta, g, A, N, H, K: tl.constexpr, PRECISION: tl.constexpr = "ieee"):
     """A = (I + L)^-1 of one chunk by 16 x 16 blocks, in fp32: the four diagonal blocks by _inv_unit_lower,
     then block row i of the lower part from A_ij = -D_i sum_{j <= m < i} L_im A_mj (fp32 products on CUDA
     cores); stored in A's dtype (bf16 for the scans' tensor-core operands, fp32 in the tests)."""
@@ -167,16 +169,16 @@ def _transform_kernel(k, p, beta, g, A, N, H, K: tl.constexpr):
     L22 = _l_block(p2, b2, gc2, kt2, gc2, True)
     L32 = _l_block(p3, b3, gc3, kt2, gc2, False)
     L33 = _l_block(p3, b3, gc3, kt3, gc3, True)
-    D0 = _inv_unit_lower(L00)
-    D1 = _inv_unit_lower(L11)
-    D2 = _inv_unit_lower(L22)
-    D3 = _inv_unit_lower(L33)
-    A10 = -_mm(D1, _mm(L10, D0))
-    A21 = -_mm(D2, _mm(L21, D1))
-    A20 = -_mm(D2, _mm(L20, D0) + _mm(L21, A10))
-    A32 = -_mm(D3, _mm(L32, D2))
-    A31 = -_mm(D3, _mm(L31, D1) + _mm(L32, A21))
-    A30 = -_mm(D3, _mm(L30, D0) + _mm(L31, A10) + _mm(L32, A20))
+    D0 = _inv_unit_lower(L00, PRECISION)
+    D1 = _inv_unit_lower(L11, PRECISION)
+    D2 = _inv_unit_lower(L22, PRECISION)
+    D3 = _inv_unit_lower(L33, PRECISION)
+    A10 = -_mm(D1, _mm(L10, D0, PRECISION), PRECISION)
+    A21 = -_mm(D2, _mm(L21, D1, PRECISION), PRECISION)
+    A20 = -_mm(D2, _mm(L20, D0, PRECISION) + _mm(L21, A10, PRECISION), PRECISION)
+    A32 = -_mm(D3, _mm(L32, D2, PRECISION), PRECISION)
+    A31 = -_mm(D3, _mm(L31, D1, PRECISION) + _mm(L32, A21, PRECISION), PRECISION)
+    A30 = -_mm(D3, _mm(L30, D0, PRECISION) + _mm(L31, A10, PRECISION) + _mm(L32, A20, PRECISION), PRECISION)
 
     a_base = (bh.to(tl.int64) * N + n) * BT * BT
     zero = tl.zeros([SUB, SUB], dtype=tl.float32)
@@ -439,22 +441,21 @@ def _grads_kp_kernel(q, k, p, beta, g, do, S_in, dS_in, Vn_in, X_in, dbeta_v, dg
         x_s += tl.dot(xk, _state_t(S_in, chunk, cv, K, V))
     E = _decay(gc, False, False)
     dLE = tl.where(r[:, None] > r[None, :], -x_vn * E, 0.0)                      # dL * E, dL = -strict_lower(X Vn^T)
-    kt = tl.load(_rows_t(k, scal_base * K, t0, H * K, K))
-    pk = tl.load(_rows(p, scal_base * K, t0, H * K, K))
-    dL_L = dLE * tl.dot(pk.to(tl.bfloat16), kt.to(tl.bfloat16)) * bk[:, None]    # dL * L
+    pk = tl.load(_rows(p, scal_base * K, t0, H * K, K)).to(tl.bfloat16)
+    dL_L = dLE * tl.dot(pk, tl.load(_rows_t(k, scal_base * K, t0, H * K, K)).to(tl.bfloat16)) * bk[:, None]
+    dgc = tl.sum(dL_L, 1) - tl.sum(dL_L, 0)                                      # dL * L, rows minus columns
     # dp and dbeta, as in _grads_pb_kernel
-    pf = pk.to(tl.float32)
     z = -tl.exp(gc)[:, None] * x_s
-    p_y = tl.sum(pf * z, 1)                                                      # gam (p . Y)
+    p_y = tl.sum(pk.to(tl.float32) * z, 1)                                       # gam (p . Y)
     dLE_b = dLE.to(tl.bfloat16)
     z = tl.dot(dLE_b, tl.load(_rows(k, scal_base * K, t0, H * K, K)).to(tl.bfloat16), acc=z)
     n_pos = tl.num_programs(1) // H * N * BT * H                                  # B * T * H
-    db_c = tl.sum(pf * z, 1)
+    db_c = tl.sum(pk.to(tl.float32) * z, 1)
     for iv in range(NV):
         db_c += tl.load(dbeta_v + iv * n_pos + rows_h)
     tl.store(_rows(dp, scal_base * K, t0, H * K, K), (bk[:, None] * z).to(dp.dtype.element_ty))
     tl.store(dbeta + rows_h, db_c.to(dbeta.dtype.element_ty))
-    dgc = tl.load(dgc_in + rows_h) + tl.sum(dL_L, 1) - tl.sum(dL_L, 0) + bk * p_y
+    dgc += tl.load(dgc_in + rows_h) + bk * p_y
 
     do_vn = tl.zeros([BT, BT], dtype=tl.float32)                                 # dO Vn^T
     ds_vn = tl.zeros([K, BT], dtype=tl.float32)                                  # dS' Vn^T
@@ -470,11 +471,12 @@ def _grads_kp_kernel(q, k, p, beta, g, do, S_in, dS_in, Vn_in, X_in, dbeta_v, dg
         s_ds += tl.sum(s_blk.to(tl.float32) * ds_blk.to(tl.float32), 1)
     # dk^T, one [K, BT] tile: the state part, then the read part (the gate terms of d gc take k . dk of each),
     # then the transform's K side
-    kf = kt.to(tl.float32)
+    # (k, E and the transposed tiles are loaded or formed again here rather than kept live across the loop)
+    kf = tl.load(_rows_t(k, scal_base * K, t0, H * K, K)).to(tl.float32)
     dk_t = tl.exp(glast - gc)[None, :] * ds_vn
     k_state = tl.sum(kf * dk_t, 0)
     qt = tl.load(_rows_t(q, scal_base * K, t0, H * K, K)).to(tl.bfloat16)
-    dk_t = dk_t + scale * tl.dot(qt, (do_vn * E).to(tl.bfloat16))
+    dk_t = dk_t + scale * tl.dot(qt, (do_vn * _decay(gc, False, False)).to(tl.bfloat16))
     k_read = tl.sum(kf * dk_t, 0) - k_state
     pt = tl.load(_rows_t(p, scal_base * K, t0, H * K, K))
     dk_t = tl.dot((pt * bk[None, :]).to(tl.bfloat16), dLE_b, acc=dk_t)
@@ -493,6 +495,7 @@ class Config(NamedTuple):
     grads_bv: int = 64                  # V block of the gradient kernels' loops over V
     grads_stages: int = 1               # software pipelining of those loops
     merged_kp: bool = False             # _grads_kp_kernel instead of _grads_k_kernel + _grads_pb_kernel
+    transform_precision: str = "ieee"   # of the transform's 16 x 16 fp32 block products (see _mm)
 
 
 # Every entry is exercised by the CUDA tests at the spec's correct shapes and one measure shape per K, and timed
@@ -507,6 +510,8 @@ CONFIGS = {
     "grads_pipe": Config(grads_stages=2),                             # gradient kernels' V loops pipelined
     "kp": Config(merged_kp=True),                                     # one pass over Vn, X, dS' for dk and dp
     "kp_tf2": Config(merged_kp=True, grads_warps=4, transform_warps=2),
+    "kp_tf1": Config(merged_kp=True, transform_warps=1),             # 8 transform CTAs an SM, 556 B of spill
+    "kp_tf2_tf32": Config(merged_kp=True, transform_warps=2, transform_precision="tf32"),
 }
 DEFAULT = "base"
 
@@ -540,8 +545,8 @@ def comba_backward_stages(q, k, v, p, beta, g, do, scale: float, config: str = D
     grads = dict(K=K, V=V, BV=GV, num_warps=cfg.grads_warps, num_stages=cfg.grads_stages)
     chunks = (N, BH)
     stages = {
-        "transform": lambda: _transform_kernel[chunks](k, p, beta, g, A, N, H, K, num_warps=cfg.transform_warps,
-                                                       num_stages=1),
+        "transform": lambda: _transform_kernel[chunks](k, p, beta, g, A, N, H, K, cfg.transform_precision,
+                                                       num_warps=cfg.transform_warps, num_stages=1),
         "forward_scan": lambda: _forward_scan_kernel[(V // BV, BH)](k, v, p, beta, g, A, S, Vn, N, H, **scan),
         "reverse_scan": lambda: _reverse_scan_kernel[(V // BV, BH)](q, k, v, p, beta, g, do, A, dS, X, dv, dbeta_v,
                                                                     scale, N, H, **scan),
