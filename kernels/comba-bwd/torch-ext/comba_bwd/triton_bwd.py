@@ -12,6 +12,8 @@ A = (I + L)^-1, Vn = A (beta V) - A (beta gam P) S, X = A^T dVn.
   4. _grads_q_kernel      (chunk-parallel)  dq and its term of d gc (fp32 scratch).
   5. _grads_k_kernel      (chunk-parallel)  dk and its terms of d gc, added to the dq kernel's.
   6. _grads_pb_kernel     (chunk-parallel)  dp, dbeta, and dg from all terms of d gc.
+  5+6. _grads_kp_kernel   (plans with merged_kp) 5 and 6 in one program per chunk, one read of what both read.
+     One of the two forms goes once the H200 has timed them side by side.
   The three gradient kernels loop over V in blocks, accumulating their products over V in fp32, so that
   no whole (K, V) state or [64, V] tile is live at once.
 
