@@ -287,26 +287,25 @@ def chunk_inverse_float64(k, p, beta, g, chunk=64):
 
 
 @needs_triton
-@pytest.mark.parametrize("kernel", ["_transform_kernel", "_transform_blocked_kernel"])
-def test_transform_kernels_invert_the_chunk_system(triton_bwd, kernel):
-    """Both chunk transforms against a float64 inverse of the same (bf16) inputs, every entry of A: the
-    blocked one assembles its off-diagonal 16 x 16 blocks from products, so a wrong block shows here."""
+def test_transform_kernel_inverts_the_chunk_system(triton_bwd):
+    """The chunk transform (fp32 A) against a float64 inverse of the same (bf16) inputs, every entry of A: it
+    assembles its off-diagonal 16 x 16 blocks from products, so a wrong block shows here."""
     B, T, H, K = 1, 128, 2, 64
     q, k, v, p, beta, g, do = make_inputs(B, T, H, K, 64, torch.bfloat16, TRITON_DEVICE, seed=3)
     A = torch.full((B * H, T // 64, 64, 64), float("nan"), device=TRITON_DEVICE)
-    getattr(triton_bwd, kernel)[(T // 64, B * H)](k, p, beta, g, A, T // 64, H, K)
+    triton_bwd._transform_kernel[(T // 64, B * H)](k, p, beta, g, A, T // 64, H, K)
     expected = chunk_inverse_float64(k.cpu(), p.cpu(), beta.cpu(), g.cpu())
     assert rel_err(A, expected) < 1e-5
 
 
-# The launch plans of triton_bwd.CONFIGS besides the default "blocked_two" (test_config_names_are_the_tested_ones).
-OTHER_CONFIGS = ["base", "split_blocked", "grads_two"]
+# The launch plans of triton_bwd.CONFIGS besides the default "base" (test_config_names_are_the_tested_ones).
+OTHER_CONFIGS = ["grads4", "grads_pipe", "kp", "kp_tf2", "kp_tf1", "kp_tf2_tf32"]
 
 
 @needs_triton
 @pytest.mark.kernels_ci
 def test_config_names_are_the_tested_ones(triton_bwd):
-    assert sorted(triton_bwd.CONFIGS) == sorted(["blocked_two", *OTHER_CONFIGS]) and triton_bwd.DEFAULT == "blocked_two"
+    assert sorted(triton_bwd.CONFIGS) == sorted(["base", *OTHER_CONFIGS]) and triton_bwd.DEFAULT == "base"
 
 
 @needs_triton
@@ -320,12 +319,11 @@ def test_triton_config_matches_float64(triton_bwd, config):
 
 
 @needs_triton
-@pytest.mark.parametrize("config,last", [("split_blocked", ("adjoint", "grads")),
-                                         ("blocked_two", ("adjoint", "grads_qk", "grads_pb"))])
-def test_stages_rerun_alone_give_the_same_gradients(triton_bwd, config, last):
+def test_stages_rerun_alone_give_the_same_gradients(triton_bwd):
     """The benchmark times each stage alone after one full pass: re-running a stage must not change anything."""
     inputs = make_inputs(1, 128, 1, 64, 64, torch.bfloat16, TRITON_DEVICE, seed=11)
-    stages, grads = triton_bwd.comba_backward_stages(*inputs, 0.125, config=config)
+    stages, grads = triton_bwd.comba_backward_stages(*inputs, 0.125)
+    last = ("grads_q", "grads_k", "grads_pb")
     assert tuple(stages) == ("transform", "forward_scan", "reverse_scan", *last)
     for launch in stages.values():
         launch()

@@ -1,27 +1,33 @@
-"""The fused Comba backward in Triton: four chunk kernels (chunk length 64), no autograd.
+"""The fused Comba backward in Triton: six chunk kernels (chunk length 64), no autograd.
 
 Notation as in reference.py: per (b, h) and chunk n, gc the inclusive cumsum of g inside the chunk,
 gam = exp(gc), Gam = exp(gc[-1]), E_ij = exp(gc_i - gc_j) (j <= i), L = strict_lower((beta P) K^T * E),
 A = (I + L)^-1, Vn = A (beta V) - A (beta gam P) S, X = A^T dVn.
 
-  1. _transform_kernel   (chunk-parallel)  A of each chunk by forward substitution in fp32 -> HBM (fp32).
+  1. _transform_kernel    (chunk-parallel)  A of each chunk in fp32 by 16 x 16 blocks -> HBM in bf16.
   2. _forward_scan_kernel (serial over chunks, per (b, h, V block))  S_n (bf16) and Vn (bf16) -> HBM.
-  3. _reverse_scan_kernel (serial over chunks, reversed)  dS'_n (bf16) and dVn (bf16) -> HBM; dS in fp32.
-  4. _grads_kernel       (chunk-parallel)  all six gradients of the chunk; dbeta and dg reduced in fp32.
-     With Config.split_grads, step 4 is two kernels: _adjoint_kernel (X = A^T dVn, dv and the v-part of dbeta;
-     X -> HBM in bf16) and _grads_kernel reading X, which then holds neither A nor dVn (less register pressure).
+  3. _reverse_scan_kernel (serial over chunks, reversed, dS in fp32)  dS'_n (bf16) -> HBM, and the chunk
+     transform's adjoint X = A^T dVn of its V block: X (bf16), dv = beta X, and the block's part of
+     sum_v(v X) (fp32) -> HBM; dVn itself never leaves registers.
+  4. _grads_q_kernel      (chunk-parallel)  dq and its term of d gc (fp32 scratch).
+  5. _grads_k_kernel      (chunk-parallel)  dk and its terms of d gc, added to the dq kernel's.
+  6. _grads_pb_kernel     (chunk-parallel)  dp, dbeta, and dg from all terms of d gc.
+  5+6. _grads_kp_kernel   (plans with merged_kp) 5 and 6 in one program per chunk, one read of what both read.
+     One of the two forms goes once the H200 has timed them side by side.
+  The three gradient kernels loop over V in blocks, accumulating their products over V in fp32, so that
+  no whole (K, V) state or [64, V] tile is live at once.
 
-The launch plan (warps, scan V block, loop pipelining, state dtype, split) is a named entry of CONFIGS; the
-benchmark times them side by side and the CUDA tests check every one against the spec.
+The launch plan (warps, V blocks) is a named entry of CONFIGS; the benchmark times them side by side and the
+CUDA tests check every one against the spec.
 
-Design choices (the GPU run must confirm them; see README "Design"):
-- The per-chunk A and states are materialised in HBM (the issue allows it "if measured faster"): the solve is
-  a 63-step dependent loop, too slow to sit on the serial path of the scans, and the chunk-parallel gradient
-  kernel needs the state of its chunk without a scan of its own.
+Design choices (see README "Design"):
+- The per-chunk A and states are materialised in HBM: the solve would sit on the serial path of the scans,
+  and the chunk-parallel gradient kernels need the states of their chunk without a scan of their own.
 - The adjoint needs ONE system solved transposed: X = A^T dVn. The other adjoint pieces follow from it
-  (A^T dW = -X S^T, dL = -strict_lower(X Vn^T)), so no second solve and no A^T dA A^T product.
-- Products with A use A split into two bf16 halves (hi + lo), which keeps A's fp32 accuracy on bf16 tensor
-  cores; the decay and beta scalings are folded into A's columns (fp32) before the split.
+  (A^T dW = -X S^T, dL = -strict_lower(X Vn^T), W^T dVn = (beta gam P)^T X), so no second solve and no
+  A^T dA A^T product.
+- A is solved in fp32 and used as a bf16 tensor-core operand (as fla does); beta and the decay are applied
+  to the other operand.
 - No tl.trans of a dot result (Triton 3.6 Hopper miscompile, fla #640): every transposed operand is either
   loaded transposed from memory or is an elementwise product of loaded data.
 """
@@ -35,22 +41,6 @@ import triton.language as tl
 from .reference import CHUNK, pad_time
 
 BT = tl.constexpr(CHUNK)
-
-
-@triton.jit
-def _dot_split(a, b):
-    """a @ b with fp32 `a` carried as two bf16 halves (about 16 mantissa bits) and bf16 `b`."""
-    hi = a.to(tl.bfloat16)
-    lo = (a - hi.to(tl.float32)).to(tl.bfloat16)
-    return tl.dot(hi, b) + tl.dot(lo, b)
-
-
-@triton.jit
-def _dot_split_right(a, b):
-    """a @ b with bf16 `a` and fp32 `b` carried as two bf16 halves."""
-    hi = b.to(tl.bfloat16)
-    lo = (b - hi.to(tl.float32)).to(tl.bfloat16)
-    return tl.dot(a, hi) + tl.dot(a, lo)
 
 
 @triton.jit
@@ -94,28 +84,6 @@ def _rows_t(x, base, t0, HD, D: tl.constexpr, R: tl.constexpr = BT):
     return x + base + (t0 + r)[None, :] * HD + tl.arange(0, D)[:, None]
 
 
-@triton.jit
-def _transform_kernel(k, p, beta, g, A, N, H, K: tl.constexpr):
-    n, bh = tl.program_id(0), tl.program_id(1)
-    T = N * BT
-    b, h = bh // H, bh % H
-    scal_base = b.to(tl.int64) * T * H + h
-    t0 = n * BT
-    gc, _, bk = _gates(g, beta, scal_base, t0, H)
-    kt = tl.load(_rows_t(k, scal_base * K, t0, H * K, K)).to(tl.bfloat16)
-    pk = tl.load(_rows(p, scal_base * K, t0, H * K, K)).to(tl.bfloat16)
-    L = tl.dot(pk, kt) * bk[:, None] * _decay(gc, False, True)          # strict_lower((beta P) K^T * E)
-    r = tl.arange(0, BT)
-    # Forward substitution, one row at a time: row i of A = e_i - L[i, :] A (rows j < i are final).
-    Ainv = tl.where(r[:, None] == r[None, :], 1.0, 0.0)
-    for i in range(1, BT):
-        l_i = tl.sum(tl.where(r[:, None] == i, L, 0.0), 0)              # L[i, :] as a column vector
-        a_i = tl.sum(l_i[:, None] * Ainv, 0)                             # (L[i, :] A)
-        Ainv = tl.where(r[:, None] == i, Ainv - a_i[None, :], Ainv)
-    a_base = (bh.to(tl.int64) * N + n) * BT * BT
-    tl.store(A + a_base + r[:, None] * BT + r[None, :], Ainv)
-
-
 SUB = tl.constexpr(16)  # sub-block of the blocked transform: 4 x 4 blocks of 16 x 16 per chunk
 
 
@@ -131,7 +99,7 @@ def _sub_gates(g, beta, scal_base, t0, H, offset):
 @triton.jit
 def _l_block(pk, bk, gc_i, kt, gc_j, DIAGONAL: tl.constexpr):
     """Block (i, j) of L = strict_lower((beta P) K^T * E) from P and beta on block i's rows (pk bf16 [SUB, K])
-    and K^T on block j's ([K, SUB]), beta applied in fp32 after the product as in _transform_kernel; a
+    and K^T on block j's ([K, SUB]), beta applied in fp32 after the product; a
     diagonal block keeps only its strictly lower part."""
     diff = gc_i[:, None] - gc_j[None, :]
     if DIAGONAL:
@@ -140,32 +108,38 @@ def _l_block(pk, bk, gc_i, kt, gc_j, DIAGONAL: tl.constexpr):
 
 
 @triton.jit
-def _inv_unit_lower(Lb):
-    """(I + Lb)^-1 of a strictly lower [SUB, SUB] block, by forward substitution in fp32."""
+def _inv_unit_lower(Lb, PRECISION: tl.constexpr):
+    """(I + Lb)^-1 of a strictly lower [SUB, SUB] block in fp32: Lb is nilpotent (Lb^16 = 0), so the inverse
+    is sum_k (-Lb)^k = (I - Lb)(I + Lb^2)(I + Lb^4)(I + Lb^8), six products of depth four. A row-by-row
+    substitution is 15 dependent steps of two cross-thread reductions each, which made the transform the
+    second slowest stage (0.72 ms at (8, 2048, 32, 128, 128) in bench/results/2026-11-29-f6e6021)."""
     r = tl.arange(0, SUB)
-    D = tl.where(r[:, None] == r[None, :], 1.0, 0.0)
-    for i in range(1, SUB):
-        l_i = tl.sum(tl.where(r[:, None] == i, Lb, 0.0), 0)
-        D = tl.where(r[:, None] == i, D - tl.sum(l_i[:, None] * D, 0)[None, :], D)
-    return D
+    eye = tl.where(r[:, None] == r[None, :], 1.0, 0.0)
+    L2 = _mm(Lb, Lb, PRECISION)
+    L4 = _mm(L2, L2, PRECISION)
+    D = _mm(eye - Lb, eye + L2, PRECISION)
+    D = _mm(D, eye + L4, PRECISION)
+    return _mm(D, eye + _mm(L4, L4, PRECISION), PRECISION)
 
 
 @triton.jit
-def _mm(a, b):
-    return tl.dot(a, b, input_precision="ieee")
+def _mm(a, b, PRECISION: tl.constexpr):
+    """fp32 product of two 16 x 16 blocks: "ieee" (fp32 FMAs) or "tf32" (tensor cores, 10-bit mantissas; A is
+    stored in bf16, 8 bits, afterwards)."""
+    return tl.dot(a, b, input_precision=PRECISION)
 
 
 @triton.jit
 def _store_block(A, a_base, i: tl.constexpr, j: tl.constexpr, blk):
     r = tl.arange(0, SUB)
-    tl.store(A + a_base + (r + i * SUB)[:, None] * BT + (r + j * SUB)[None, :], blk)
+    tl.store(A + a_base + (r + i * SUB)[:, None] * BT + (r + j * SUB)[None, :], blk.to(A.dtype.element_ty))
 
 
 @triton.jit
-def _transform_blocked_kernel(k, p, beta, g, A, N, H, K: tl.constexpr):
-    """The same A = (I + L)^-1 as _transform_kernel, by blocks: the four diagonal 16 x 16 blocks by forward
-    substitution (15 steps each instead of 63 for the whole chunk), then block row i of the lower part from
-    A_ij = -D_i sum_{j <= m < i} L_im A_mj, fp32 products on CUDA cores."""
+def _transform_kernel(k, p, beta, g, A, N, H, K: tl.constexpr, PRECISION: tl.constexpr = "ieee"):
+    """A = (I + L)^-1 of one chunk by 16 x 16 blocks, in fp32: the four diagonal blocks by _inv_unit_lower,
+    then block row i of the lower part from A_ij = -D_i sum_{j <= m < i} L_im A_mj (fp32 products on CUDA
+    cores); stored in A's dtype (bf16 for the scans' tensor-core operands, fp32 in the tests)."""
     n, bh = tl.program_id(0), tl.program_id(1)
     T = N * BT
     b, h = bh // H, bh % H
@@ -197,16 +171,16 @@ def _transform_blocked_kernel(k, p, beta, g, A, N, H, K: tl.constexpr):
     L22 = _l_block(p2, b2, gc2, kt2, gc2, True)
     L32 = _l_block(p3, b3, gc3, kt2, gc2, False)
     L33 = _l_block(p3, b3, gc3, kt3, gc3, True)
-    D0 = _inv_unit_lower(L00)
-    D1 = _inv_unit_lower(L11)
-    D2 = _inv_unit_lower(L22)
-    D3 = _inv_unit_lower(L33)
-    A10 = -_mm(D1, _mm(L10, D0))
-    A21 = -_mm(D2, _mm(L21, D1))
-    A20 = -_mm(D2, _mm(L20, D0) + _mm(L21, A10))
-    A32 = -_mm(D3, _mm(L32, D2))
-    A31 = -_mm(D3, _mm(L31, D1) + _mm(L32, A21))
-    A30 = -_mm(D3, _mm(L30, D0) + _mm(L31, A10) + _mm(L32, A20))
+    D0 = _inv_unit_lower(L00, PRECISION)
+    D1 = _inv_unit_lower(L11, PRECISION)
+    D2 = _inv_unit_lower(L22, PRECISION)
+    D3 = _inv_unit_lower(L33, PRECISION)
+    A10 = -_mm(D1, _mm(L10, D0, PRECISION), PRECISION)
+    A21 = -_mm(D2, _mm(L21, D1, PRECISION), PRECISION)
+    A20 = -_mm(D2, _mm(L20, D0, PRECISION) + _mm(L21, A10, PRECISION), PRECISION)
+    A32 = -_mm(D3, _mm(L32, D2, PRECISION), PRECISION)
+    A31 = -_mm(D3, _mm(L31, D1, PRECISION) + _mm(L32, A21, PRECISION), PRECISION)
+    A30 = -_mm(D3, _mm(L30, D0, PRECISION) + _mm(L31, A10, PRECISION) + _mm(L32, A20, PRECISION), PRECISION)
 
     a_base = (bh.to(tl.int64) * N + n) * BT * BT
     zero = tl.zeros([SUB, SUB], dtype=tl.float32)
@@ -247,11 +221,11 @@ def _forward_step(k, v, p, beta, g, A, S_out, Vn_out, S, n, bh, scal_base, N, H,
     T = N * BT
     r = tl.arange(0, BT)
     t0, gc, glast, bk, gam, chunk = _scan_chunk(g, beta, S_out, S, n, bh, scal_base, N, H, cv, K, V)
-    Ainv = tl.load(A + chunk * BT * BT + r[:, None] * BT + r[None, :])
-    vk = tl.load(v + scal_base * V + (t0 + r)[:, None] * (H * V) + cv[None, :]).to(tl.bfloat16)
-    pk = tl.load(_rows(p, scal_base * K, t0, H * K, K)).to(tl.bfloat16)
-    U = _dot_split(Ainv * bk[None, :], vk)
-    W = _dot_split(Ainv * (bk * gam)[None, :], pk)
+    a = tl.load(A + chunk * BT * BT + r[:, None] * BT + r[None, :])
+    vk = tl.load(v + scal_base * V + (t0 + r)[:, None] * (H * V) + cv[None, :])
+    pk = tl.load(_rows(p, scal_base * K, t0, H * K, K))
+    U = tl.dot(a, (vk * bk[:, None]).to(tl.bfloat16))                      # A (beta V)
+    W = tl.dot(a, (pk * (bk * gam)[:, None]).to(tl.bfloat16))              # A (beta gam P)
     Vn = U - tl.dot(W.to(tl.bfloat16), S.to(tl.bfloat16))
     tl.store(Vn_out + (bh.to(tl.int64) * T + t0 + r)[:, None] * V + cv[None, :], Vn.to(Vn_out.dtype.element_ty))
     kt = tl.load(_rows_t(k, scal_base * K, t0, H * K, K))
@@ -273,30 +247,37 @@ def _forward_scan_kernel(k, v, p, beta, g, A, S_out, Vn_out, N, H, K: tl.constex
 
 
 @triton.jit
-def _reverse_step(q, k, p, beta, g, do, A, dS_out, dVn_out, dS, n, bh, scal_base, scale, N, H, cv,
-                  K: tl.constexpr, V: tl.constexpr):
-    """Chunk n of the reverse scan: store dS'_n and dVn, return the gradient of the state before the chunk."""
+def _reverse_step(q, k, v, p, beta, g, do, A, dS_out, X_out, dv, dbeta_v, dS, n, bh, iv, scal_base, scale, N,
+                  H, cv, K: tl.constexpr, V: tl.constexpr):
+    """Chunk n of the reverse scan: store dS'_n, X = A^T dVn, dv and this V block's part of sum_v(v X); return
+    the gradient of the state before the chunk."""
     T = N * BT
     r = tl.arange(0, BT)
     t0, gc, glast, bk, gam, chunk = _scan_chunk(g, beta, dS_out, dS, n, bh, scal_base, N, H, cv, K, V)
-    kk = tl.load(_rows(k, scal_base * K, t0, H * K, K)).to(tl.bfloat16)
-    qt = tl.load(_rows_t(q, scal_base * K, t0, H * K, K)).to(tl.bfloat16)
+    kk = tl.load(_rows(k, scal_base * K, t0, H * K, K))
+    qt = tl.load(_rows_t(q, scal_base * K, t0, H * K, K))
     dok = tl.load(do + scal_base * V + (t0 + r)[:, None] * (H * V) + cv[None, :]).to(tl.bfloat16)
     # dVn = (scale lower(Q K^T) * E)^T dO + (K * Gam / gam) dS'
-    scores_t = (tl.dot(kk, qt) * scale * _decay(gc, True, False)).to(tl.bfloat16)
-    k_to_end = (kk * tl.exp(glast - gc)[:, None]).to(tl.bfloat16)
-    dVn = tl.dot(scores_t, dok) + tl.dot(k_to_end, dS.to(tl.bfloat16))
-    tl.store(dVn_out + (bh.to(tl.int64) * T + t0 + r)[:, None] * V + cv[None, :], dVn.to(dVn_out.dtype.element_ty))
-    # dS = Gam dS' + scale (gam Q)^T dO - W^T dVn,  W^T = P^T (A diag(beta gam))^T
+    # Ordered so that few tiles are live at once: dS' in bf16 for dVn, then dS updated in place (fp32).
+    dS_b = dS.to(tl.bfloat16)
+    scores_t = (tl.dot(kk.to(tl.bfloat16), qt.to(tl.bfloat16)) * scale * _decay(gc, True, False)).to(tl.bfloat16)
+    dS = tl.dot((qt * (gam * scale)[None, :]).to(tl.bfloat16), dok, acc=tl.exp(glast) * dS)
+    dVn = tl.dot(scores_t, dok, acc=tl.dot((kk * tl.exp(glast - gc)[:, None]).to(tl.bfloat16), dS_b))
+    # The chunk transform's adjoint on this V block: X = A^T dVn, dv = beta X, dbeta's v part.
     a_t = tl.load(A + chunk * BT * BT + r[None, :] * BT + r[:, None])              # A^T
-    pt = tl.load(_rows_t(p, scal_base * K, t0, H * K, K)).to(tl.bfloat16)
-    w_t = _dot_split_right(pt, a_t * (bk * gam)[:, None])
-    qt_gam = (qt * (gam * scale)[None, :]).to(tl.bfloat16)
-    return tl.exp(glast) * dS + tl.dot(qt_gam, dok) - tl.dot(w_t.to(tl.bfloat16), dVn.to(tl.bfloat16))
+    X = tl.dot(a_t, dVn.to(tl.bfloat16))
+    tl.store(X_out + (bh.to(tl.int64) * T + t0 + r)[:, None] * V + cv[None, :], X.to(X_out.dtype.element_ty))
+    vk = tl.load(v + scal_base * V + (t0 + r)[:, None] * (H * V) + cv[None, :]).to(tl.float32)
+    tl.store(dv + scal_base * V + (t0 + r)[:, None] * (H * V) + cv[None, :], (bk[:, None] * X).to(dv.dtype.element_ty))
+    n_pos = tl.num_programs(1) // H * T * H                                       # B * T * H
+    tl.store(dbeta_v + iv * n_pos + scal_base + (t0 + r) * H, tl.sum(vk * X, 1))
+    # dS = Gam dS' + scale (gam Q)^T dO - W^T dVn, with W^T dVn = (beta gam P)^T X
+    pt = tl.load(_rows_t(p, scal_base * K, t0, H * K, K))
+    return tl.dot((pt * -(bk * gam)[None, :]).to(tl.bfloat16), X.to(tl.bfloat16), acc=dS)
 
 
 @triton.jit
-def _reverse_scan_kernel(q, k, p, beta, g, do, A, dS_out, dVn_out, scale, N, H, K: tl.constexpr,
+def _reverse_scan_kernel(q, k, v, p, beta, g, do, A, dS_out, X_out, dv, dbeta_v, scale, N, H, K: tl.constexpr,
                          V: tl.constexpr, BV: tl.constexpr):
     iv, bh = tl.program_id(0), tl.program_id(1)
     scal_base = (bh // H).to(tl.int64) * N * BT * H + bh % H
@@ -304,67 +285,84 @@ def _reverse_scan_kernel(q, k, p, beta, g, do, A, dS_out, dVn_out, scale, N, H, 
     dS = tl.zeros([K, BV], dtype=tl.float32)
     n = N - 1
     while n >= 0:
-        dS = _reverse_step(q, k, p, beta, g, do, A, dS_out, dVn_out, dS, n, bh, scal_base, scale, N, H, cv, K, V)
+        dS = _reverse_step(q, k, v, p, beta, g, do, A, dS_out, X_out, dv, dbeta_v, dS, n, bh, iv, scal_base,
+                           scale, N, H, cv, K, V)
         n -= 1
 
 
 @triton.jit
-def _adjoint_kernel(v, beta, A, dVn_in, X_out, dv, dbeta_v, N, H, V: tl.constexpr):
-    """The split gradient path, part 1: X = A^T dVn (bf16 -> HBM), dv = beta X and sum_v(v X) (fp32)."""
+def _chunk_offsets(N, H):
+    """This program's chunk (grid: chunk, b * H + h): the (B, T, H) offset of its (b, h), its first row, its
+    index among all chunks, and the rows of its positions in a (B * H, T, ...) tensor."""
     n, bh = tl.program_id(0), tl.program_id(1)
     T = N * BT
     scal_base = (bh // H).to(tl.int64) * T * H + bh % H
-    t0 = n * BT
-    r = tl.arange(0, BT)
-    cv = tl.arange(0, V)
-    chunk = bh.to(tl.int64) * N + n
-    bk = tl.load(beta + scal_base + (t0 + r) * H).to(tl.float32)
-    a_t = tl.load(A + chunk * BT * BT + r[None, :] * BT + r[:, None])
-    vn_rows = (bh.to(tl.int64) * T + t0 + r)[:, None] * V + cv[None, :]
-    X = _dot_split(a_t, tl.load(dVn_in + vn_rows))
-    tl.store(X_out + vn_rows, X.to(X_out.dtype.element_ty))
-    vk = tl.load(_rows(v, scal_base * V, t0, H * V, V)).to(tl.float32)
-    tl.store(_rows(dv, scal_base * V, t0, H * V, V), (bk[:, None] * X).to(dv.dtype.element_ty))
-    tl.store(dbeta_v + scal_base + (t0 + r) * H, tl.sum(vk * X, 1))
+    return scal_base, n * BT, bh.to(tl.int64) * N + n, bh.to(tl.int64) * T + n * BT + tl.arange(0, BT)
 
 
 @triton.jit
-def _grads_q_k(qk, kk, pk, bk, dok, Vn, Vn_t, S_t, dS_t, Xb_t, E, E_t, gc, glast, scale):
-    """dq and dk of a chunk, and their terms of d gc (the last row's included)."""
-    gam = tl.exp(gc)
-    # Readout: o = scale [(gam Q) S + (lower(Q K^T) * E) Vn].
-    do_vn = (tl.dot(dok, Vn_t) * E).to(tl.bfloat16)                           # lower(dO Vn^T) * E
-    do_vn_t = (tl.dot(Vn, tl.trans(dok)) * E_t).to(tl.bfloat16)
-    dq_c = scale * (gam[:, None] * tl.dot(dok, S_t.to(tl.bfloat16)) + tl.dot(do_vn, kk))
-    dk_read = scale * tl.dot(do_vn_t, qk)
-    dk_state = tl.exp(glast - gc)[:, None] * tl.dot(Vn, dS_t.to(tl.bfloat16))
-    # The chunk transform's K side: dR = dL * E with dL = -strict_lower(X Vn^T), seen transposed.
-    r = tl.arange(0, BT)
-    dR_t = tl.where(r[:, None] < r[None, :], -tl.dot(Vn, Xb_t) * E_t, 0.0)
-    bp = (pk.to(tl.float32) * bk[:, None]).to(tl.bfloat16)
-    dk_c = dk_read + dk_state + tl.dot(dR_t.to(tl.bfloat16), bp)
-    k_state = tl.sum(kk.to(tl.float32) * dk_state, 1)
-    dgc = tl.sum(qk.to(tl.float32) * dq_c, 1) - tl.sum(kk.to(tl.float32) * dk_read, 1) - k_state
-    last = tl.sum(k_state, 0) + tl.exp(glast) * tl.sum(tl.sum(S_t.to(tl.float32) * dS_t.to(tl.float32), 1), 0)
-    return dq_c, dk_c, dgc + tl.where(r == BT - 1, last, 0.0)
+def _state_t(state, chunk, cv, K: tl.constexpr, V: tl.constexpr):
+    """The [BV, K] block (columns cv of the chunk's (K, V) state, transposed) of S_n or dS'_n."""
+    return tl.load(state + (chunk * K + tl.arange(0, K)[None, :]) * V + cv[:, None])
 
 
 @triton.jit
-def _grads_p_beta(pk, kk, bk, Xb, Vn_t, S_t, E, gam, db_v):
-    """dp and dbeta of a chunk (db_v: dbeta's v part), and their terms of d gc."""
-    # A^T dW = -X S^T; the chunk transform: L = strict_lower((beta P) K^T * E), dL = -strict_lower(X Vn^T).
-    Y = -tl.dot(Xb, S_t.to(tl.bfloat16))
+def _grads_q_kernel(q, k, beta, g, do, S_in, Vn_in, dq, dgc_out, scale, N, H, K: tl.constexpr, V: tl.constexpr,
+                    BV: tl.constexpr):
+    """dq = scale [gam (dO S^T) + (lower(dO Vn^T) * E) K] and its term of d gc, q . dq -> dgc_out (fp32)."""
+    scal_base, t0, chunk, rows = _chunk_offsets(N, H)
+    gc, _, _ = _gates(g, beta, scal_base, t0, H)
+    do_s = tl.zeros([BT, K], dtype=tl.float32)
+    do_vn = tl.zeros([BT, BT], dtype=tl.float32)
+    for v0 in range(0, V, BV):
+        cv = v0 + tl.arange(0, BV)
+        dok = tl.load(do + scal_base * V + (t0 + tl.arange(0, BT))[:, None] * (H * V) + cv[None, :]).to(tl.bfloat16)
+        do_s += tl.dot(dok, _state_t(S_in, chunk, cv, K, V))
+        do_vn += tl.dot(dok, tl.load(Vn_in + rows[None, :] * V + cv[:, None]))
+    qk = tl.load(_rows(q, scal_base * K, t0, H * K, K))
+    kk = tl.load(_rows(k, scal_base * K, t0, H * K, K)).to(tl.bfloat16)
+    dq_c = scale * tl.dot((do_vn * _decay(gc, False, False)).to(tl.bfloat16), kk, acc=tl.exp(gc)[:, None] * do_s)
+    tl.store(_rows(dq, scal_base * K, t0, H * K, K), dq_c.to(dq.dtype.element_ty))
+    tl.store(dgc_out + scal_base + (t0 + tl.arange(0, BT)) * H, tl.sum(qk.to(tl.float32) * dq_c, 1))
+
+
+@triton.jit
+def _grads_k_kernel(q, k, p, beta, g, do, dS_in, Vn_in, X_in, dgc_in, dk, dgc_out, scale, N, H,
+                    K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr):
+    """dk = scale (lower(dO Vn^T) * E)^T Q + (Gam / gam) Vn dS'^T + dR^T (beta P), with dR = dL * E and
+    dL = -strict_lower(X Vn^T) (the chunk transform's K side), and its terms of d gc, added to dgc_in's."""
+    scal_base, t0, chunk, rows = _chunk_offsets(N, H)
+    gc, glast, bk = _gates(g, beta, scal_base, t0, H)
+    vn_do = tl.zeros([BT, BT], dtype=tl.float32)                                # (dO Vn^T)^T
+    vn_x = tl.zeros([BT, BT], dtype=tl.float32)                                 # (X Vn^T)^T
+    vn_ds = tl.zeros([BT, K], dtype=tl.float32)
+    for v0 in range(0, V, BV):
+        cv = v0 + tl.arange(0, BV)
+        vn = tl.load(Vn_in + rows[:, None] * V + cv[None, :])
+        do_t = tl.load(do + scal_base * V + (t0 + tl.arange(0, BT))[None, :] * (H * V) + cv[:, None])
+        vn_do += tl.dot(vn, do_t.to(tl.bfloat16))
+        vn_x += tl.dot(vn, tl.load(X_in + rows[None, :] * V + cv[:, None]))
+        vn_ds += tl.dot(vn, _state_t(dS_in, chunk, cv, K, V))
     r = tl.arange(0, BT)
-    mask = r[:, None] > r[None, :]
-    L = tl.where(mask, tl.dot(pk, tl.trans(kk)) * bk[:, None] * E, 0.0)
-    dL = tl.where(mask, -tl.dot(Xb, Vn_t), 0.0)
-    dR_k = tl.dot((dL * E).to(tl.bfloat16), kk)
-    pf = pk.to(tl.float32)
-    dp_c = (bk * gam)[:, None] * Y + bk[:, None] * dR_k
-    p_y = tl.sum(pf * Y, 1)
-    db_c = db_v + gam * p_y + tl.sum(pf * dR_k, 1)
-    dL_L = dL * L
-    return dp_c, db_c, tl.sum(dL_L, 1) - tl.sum(dL_L, 0) + bk * gam * p_y
+    E_t = _decay(gc, True, False)
+    qk = tl.load(_rows(q, scal_base * K, t0, H * K, K)).to(tl.bfloat16)
+    kk = tl.load(_rows(k, scal_base * K, t0, H * K, K))
+    pk = tl.load(_rows(p, scal_base * K, t0, H * K, K))
+    # One [BT, K] tile, accumulated in place: the state part, then the read part (the gate terms of d gc take
+    # k . dk of each), then the transform's K side.
+    kf = kk.to(tl.float32)
+    dk_c = tl.exp(glast - gc)[:, None] * vn_ds
+    k_state = tl.sum(kf * dk_c, 1)
+    # scale after the product, as in the dq kernel: then (dO Vn^T * E) is rounded to the same bf16 values on
+    # both sides, and their terms of d gc (q . dq against k . dk, which nearly cancel) keep cancelling; scaled
+    # before the rounding, dg's error grew from 3.0e-3 to 8.7e-3 (interpreter, (1, 192, 2, 128, 128)).
+    dk_c = dk_c + scale * tl.dot((vn_do * E_t).to(tl.bfloat16), qk)
+    k_read = tl.sum(kf * dk_c, 1) - k_state
+    dR_t = tl.where(r[:, None] < r[None, :], -vn_x * E_t, 0.0)
+    dk_c = tl.dot(dR_t.to(tl.bfloat16), (pk * bk[:, None]).to(tl.bfloat16), acc=dk_c)
+    tl.store(_rows(dk, scal_base * K, t0, H * K, K), dk_c.to(dk.dtype.element_ty))
+    dgc = tl.load(dgc_in + scal_base + (t0 + r) * H) - k_read - k_state
+    tl.store(dgc_out + scal_base + (t0 + r) * H, dgc + tl.where(r == BT - 1, tl.sum(k_state, 0), 0.0))
 
 
 @triton.jit
@@ -374,137 +372,119 @@ def _reverse_cumsum(x):
 
 
 @triton.jit
-def _grads_kernel(q, k, v, p, beta, g, do, A, S_in, dS_in, Vn_in, dVn_in, X_in, dbeta_v,
-                  dq, dk, dv, dp, dbeta, dg, scale, N, H, K: tl.constexpr, V: tl.constexpr,
-                  X_IN_HBM: tl.constexpr):
-    """All gradients of one chunk; with X_IN_HBM, X (bf16), dv and sum_v(v X) come from _adjoint_kernel.
-
-    Its algebra is that of _grads_q_k and _grads_p_beta, written inline: this is the form checked on the
-    H200 (bench/results/2026-11-29-6d4fa9b-comba-pytest.log). Built from those helpers it compiles
-    differently (ptxas, sm_90: 220 against 920 bytes of spill at K = 64, 1,932 against 2,136 at K = 128,
-    split, 8 warps), so the switch waits for a GPU run that checks that build."""
-    n, bh = tl.program_id(0), tl.program_id(1)
-    T = N * BT
-    b, h = bh // H, bh % H
-    scal_base = b.to(tl.int64) * T * H + h
-    t0 = n * BT
-    r = tl.arange(0, BT)
-    ck = tl.arange(0, K)
-    cv = tl.arange(0, V)
-    chunk = bh.to(tl.int64) * N + n
+def _grads_pb_kernel(k, p, beta, g, S_in, dS_in, Vn_in, X_in, dbeta_v, dgc_in, dp, dbeta, dg, N, H,
+                     K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr):
+    """dp and dbeta (A^T dW = -X S^T; the chunk transform's P side), and dg from every term of d gc: dgc_in's,
+    the transform's, and the decay of the carried state, Gam <S_n, dS'_n>, on the chunk's last row."""
+    scal_base, t0, chunk, rows = _chunk_offsets(N, H)
     gc, glast, bk = _gates(g, beta, scal_base, t0, H)
     gam = tl.exp(gc)
+    x_s = tl.zeros([BT, K], dtype=tl.float32)
+    x_vn = tl.zeros([BT, BT], dtype=tl.float32)
+    s_ds = tl.zeros([K], dtype=tl.float32)                                       # <S_n, dS'_n> by column
+    for v0 in range(0, V, BV):
+        cv = v0 + tl.arange(0, BV)
+        xk = tl.load(X_in + rows[:, None] * V + cv[None, :])
+        s_t = _state_t(S_in, chunk, cv, K, V)
+        x_s += tl.dot(xk, s_t)
+        x_vn += tl.dot(xk, tl.load(Vn_in + rows[None, :] * V + cv[:, None]))
+        s_ds += tl.sum(s_t.to(tl.float32) * _state_t(dS_in, chunk, cv, K, V).to(tl.float32), 0)
+    r = tl.arange(0, BT)
     E = _decay(gc, False, False)
-    E_t = _decay(gc, True, False)
-
-    qk = tl.load(_rows(q, scal_base * K, t0, H * K, K)).to(tl.bfloat16)
-    kk = tl.load(_rows(k, scal_base * K, t0, H * K, K)).to(tl.bfloat16)
     pk = tl.load(_rows(p, scal_base * K, t0, H * K, K)).to(tl.bfloat16)
-    dok = tl.load(_rows(do, scal_base * V, t0, H * V, V)).to(tl.bfloat16)
-    vn_rows = (bh.to(tl.int64) * T + t0 + r)[:, None] * V + cv[None, :]
-    vn_cols = (bh.to(tl.int64) * T + t0 + r)[None, :] * V + cv[:, None]
-    Vn = tl.load(Vn_in + vn_rows)
-    Vn_t = tl.load(Vn_in + vn_cols)
-    state_t = (chunk * K + ck[None, :]) * V + cv[:, None]                     # [V, K] view of a (K, V) state
-    S_t = tl.load(S_in + state_t)
-    dS_t = tl.load(dS_in + state_t)
-
-    # The chunk transform's adjoint: X = A^T dVn (and X^T = dVn^T A), then A^T dW = -X S^T.
-    if X_IN_HBM:
-        Xb = tl.load(X_in + vn_rows)
-        Xb_t = tl.load(X_in + vn_cols)
-        db_v = tl.load(dbeta_v + scal_base + (t0 + r) * H)
-    else:
-        Ainv = tl.load(A + chunk * BT * BT + r[:, None] * BT + r[None, :])
-        a_t = tl.load(A + chunk * BT * BT + r[None, :] * BT + r[:, None])
-        X = _dot_split(a_t, tl.load(dVn_in + vn_rows))
-        Xb = X.to(tl.bfloat16)
-        Xb_t = _dot_split_right(tl.load(dVn_in + vn_cols), Ainv).to(tl.bfloat16)
-        vk = tl.load(_rows(v, scal_base * V, t0, H * V, V)).to(tl.float32)
-        db_v = tl.sum(vk * X, 1)
-        tl.store(_rows(dv, scal_base * V, t0, H * V, V), (bk[:, None] * X).to(dv.dtype.element_ty))
-    Y = -tl.dot(Xb, S_t.to(tl.bfloat16))
-    # Readout: o = scale [(gam Q) S + (lower(Q K^T) * E) Vn].
-    do_vn = (tl.dot(dok, Vn_t) * E).to(tl.bfloat16)                           # lower(dO Vn^T) * E
-    do_vn_t = (tl.dot(Vn, tl.trans(dok)) * E_t).to(tl.bfloat16)
-    dq_c = scale * (gam[:, None] * tl.dot(dok, S_t.to(tl.bfloat16)) + tl.dot(do_vn, kk))
-    dk_read = scale * tl.dot(do_vn_t, qk)
-    dk_state = tl.exp(glast - gc)[:, None] * tl.dot(Vn, dS_t.to(tl.bfloat16))
-    # The chunk transform: L = strict_lower((beta P) K^T * E), dL = -strict_lower(X Vn^T), dR = dL * E.
+    kk = tl.load(_rows(k, scal_base * K, t0, H * K, K)).to(tl.bfloat16)
     mask = r[:, None] > r[None, :]
-    L = tl.where(mask, tl.dot(pk, tl.trans(kk)) * bk[:, None] * E, 0.0)
-    dL = tl.where(mask, -tl.dot(Xb, Vn_t), 0.0)
-    dR_t = tl.where(r[:, None] < r[None, :], -tl.dot(Vn, Xb_t) * E_t, 0.0)
-    dR_k = tl.dot((dL * E).to(tl.bfloat16), kk)
-    bp = (pk.to(tl.float32) * bk[:, None]).to(tl.bfloat16)
-    dk_c = dk_read + dk_state + tl.dot(dR_t.to(tl.bfloat16), bp)
+    dL = tl.where(mask, -x_vn, 0.0)
+    dL_L = dL * tl.where(mask, tl.dot(pk, tl.trans(kk)) * bk[:, None] * E, 0.0)      # dL * L
+    # dp = beta (gam Y + dR K) with Y = A^T dW = -X S^T, dR = dL * E; one [BT, K] tile z = gam Y + dR K, whose
+    # p . z is dbeta's state and transform part.
     pf = pk.to(tl.float32)
-    dp_c = (bk * gam)[:, None] * Y + bk[:, None] * dR_k
-    p_y = tl.sum(pf * Y, 1)
-    db_c = db_v + gam * p_y + tl.sum(pf * dR_k, 1)
-    dL_L = dL * L
-    k_state = tl.sum(kk.to(tl.float32) * dk_state, 1)
-    dgc = (tl.sum(dL_L, 1) - tl.sum(dL_L, 0) + bk * gam * p_y + tl.sum(qk.to(tl.float32) * dq_c, 1)
-           - tl.sum(kk.to(tl.float32) * dk_read, 1) - k_state)
-    last = tl.sum(k_state, 0) + tl.exp(glast) * tl.sum(tl.sum(S_t.to(tl.float32) * dS_t.to(tl.float32), 1), 0)
-    dgc += tl.where(r == BT - 1, last, 0.0)
-    dg_c = tl.sum(dgc, 0) - tl.cumsum(dgc, 0) + dgc                             # reverse cumsum in the chunk
-
-    tl.store(_rows(dq, scal_base * K, t0, H * K, K), dq_c.to(dq.dtype.element_ty))
-    tl.store(_rows(dk, scal_base * K, t0, H * K, K), dk_c.to(dk.dtype.element_ty))
+    z = -gam[:, None] * x_s
+    p_y = tl.sum(pf * z, 1)                                                    # gam (p . Y)
+    z = tl.dot((dL * E).to(tl.bfloat16), kk, acc=z)
+    dp_c = bk[:, None] * z
+    rows_h = scal_base + (t0 + r) * H
+    n_pos = tl.num_programs(1) // H * N * BT * H                                  # B * T * H
+    db_c = tl.sum(pf * z, 1)
+    for iv in range(NV):
+        db_c += tl.load(dbeta_v + iv * n_pos + rows_h)
+    dgc = tl.load(dgc_in + rows_h) + tl.sum(dL_L, 1) - tl.sum(dL_L, 0) + bk * p_y
+    dgc += tl.where(r == BT - 1, tl.exp(glast) * tl.sum(s_ds, 0), 0.0)
     tl.store(_rows(dp, scal_base * K, t0, H * K, K), dp_c.to(dp.dtype.element_ty))
-    tl.store(dbeta + scal_base + (t0 + r) * H, db_c.to(dbeta.dtype.element_ty))
-    tl.store(dg + scal_base + (t0 + r) * H, dg_c)
+    tl.store(dbeta + rows_h, db_c.to(dbeta.dtype.element_ty))
+    tl.store(dg + rows_h, _reverse_cumsum(dgc))
 
 
 @triton.jit
-def _chunk_offsets(N, H, V: tl.constexpr):
-    """This program's chunk (grid: chunk, b * H + h): the (B, T, H) offset of its (b, h), its first row, its
-    index among all chunks, and the [BT, V] and [V, BT] offsets of its rows in a (B * H, T, V) tensor."""
-    n, bh = tl.program_id(0), tl.program_id(1)
-    T = N * BT
-    rows = bh.to(tl.int64) * T + n * BT + tl.arange(0, BT)
-    cv = tl.arange(0, V)
-    scal_base = (bh // H).to(tl.int64) * T * H + bh % H
-    return scal_base, n * BT, bh.to(tl.int64) * N + n, rows[:, None] * V + cv[None, :], rows[None, :] * V + cv[:, None]
+def _grads_kp_kernel(q, k, p, beta, g, do, S_in, dS_in, Vn_in, X_in, dbeta_v, dgc_in, dk, dp, dbeta, dg, scale, N,
+                     H, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr):
+    """_grads_k_kernel and _grads_pb_kernel in one program per chunk, so that Vn, the chunk's state and the
+    [64, 64] product X Vn^T are read or formed once for both ((X Vn^T)^T is what _grads_k_kernel forms).
 
-
-@triton.jit
-def _grads_qk_kernel(q, k, p, beta, g, do, S_in, dS_in, Vn_in, X_in, dq, dk, dgc_out, scale, N, H,
-                     K: tl.constexpr, V: tl.constexpr):
-    """The gradient kernel's first half (plan grads_two): dq, dk and their terms of d gc -> dgc_out (fp32)."""
-    scal_base, t0, chunk, vn_rows, vn_cols = _chunk_offsets(N, H, V)
+    dk is built transposed, [K, 64], so that both sides of the transform's adjoint take dLE = dL * E as it
+    comes out of its product (no tl.trans of a dot result, fla #640):
+      dp   = beta (gam Y + dLE K),  Y = -X S^T                             (first loop over V)
+      dk^T = scale Q^T ((dO Vn^T) * E) + (Gam / gam) dS' Vn^T + (beta P)^T dLE   (second loop over V)
+    Two loops keep two accumulators live at a time instead of five (the single loop spilled at 4 warps and
+    needed 255 registers at 8, sm_90 offline); the second re-reads Vn and the state, which the first has just
+    brought into L2. dO Vn^T is the dq kernel's product in the same orientation, so the nearly cancelling
+    q . dq and k . dk terms of d gc round the same bf16 values."""
+    scal_base, t0, chunk, rows = _chunk_offsets(N, H)
     gc, glast, bk = _gates(g, beta, scal_base, t0, H)
-    state_t = (chunk * K + tl.arange(0, K)[None, :]) * V + tl.arange(0, V)[:, None]  # [V, K] view of a (K, V) state
-    dq_c, dk_c, dgc = _grads_q_k(
-        tl.load(_rows(q, scal_base * K, t0, H * K, K)).to(tl.bfloat16),
-        tl.load(_rows(k, scal_base * K, t0, H * K, K)).to(tl.bfloat16),
-        tl.load(_rows(p, scal_base * K, t0, H * K, K)).to(tl.bfloat16), bk,
-        tl.load(_rows(do, scal_base * V, t0, H * V, V)).to(tl.bfloat16),
-        tl.load(Vn_in + vn_rows), tl.load(Vn_in + vn_cols), tl.load(S_in + state_t), tl.load(dS_in + state_t),
-        tl.load(X_in + vn_cols), _decay(gc, False, False), _decay(gc, True, False), gc, glast, scale)
-    tl.store(_rows(dq, scal_base * K, t0, H * K, K), dq_c.to(dq.dtype.element_ty))
-    tl.store(_rows(dk, scal_base * K, t0, H * K, K), dk_c.to(dk.dtype.element_ty))
-    tl.store(dgc_out + scal_base + (t0 + tl.arange(0, BT)) * H, dgc)
+    r = tl.arange(0, BT)
+    ck = tl.arange(0, K)
+    rows_h = scal_base + (t0 + r) * H
+    x_vn = tl.zeros([BT, BT], dtype=tl.float32)                                  # X Vn^T
+    x_s = tl.zeros([BT, K], dtype=tl.float32)                                    # X S^T
+    for v0 in range(0, V, BV):
+        cv = v0 + tl.arange(0, BV)
+        xk = tl.load(X_in + rows[:, None] * V + cv[None, :])
+        x_vn += tl.dot(xk, tl.load(Vn_in + rows[None, :] * V + cv[:, None]))
+        x_s += tl.dot(xk, _state_t(S_in, chunk, cv, K, V))
+    E = _decay(gc, False, False)
+    dLE = tl.where(r[:, None] > r[None, :], -x_vn * E, 0.0)                      # dL * E, dL = -strict_lower(X Vn^T)
+    pk = tl.load(_rows(p, scal_base * K, t0, H * K, K)).to(tl.bfloat16)
+    dL_L = dLE * tl.dot(pk, tl.load(_rows_t(k, scal_base * K, t0, H * K, K)).to(tl.bfloat16)) * bk[:, None]
+    dgc = tl.sum(dL_L, 1) - tl.sum(dL_L, 0)                                      # dL * L, rows minus columns
+    # dp and dbeta, as in _grads_pb_kernel
+    z = -tl.exp(gc)[:, None] * x_s
+    p_y = tl.sum(pk.to(tl.float32) * z, 1)                                       # gam (p . Y)
+    dLE_b = dLE.to(tl.bfloat16)
+    z = tl.dot(dLE_b, tl.load(_rows(k, scal_base * K, t0, H * K, K)).to(tl.bfloat16), acc=z)
+    n_pos = tl.num_programs(1) // H * N * BT * H                                  # B * T * H
+    db_c = tl.sum(pk.to(tl.float32) * z, 1)
+    for iv in range(NV):
+        db_c += tl.load(dbeta_v + iv * n_pos + rows_h)
+    tl.store(_rows(dp, scal_base * K, t0, H * K, K), (bk[:, None] * z).to(dp.dtype.element_ty))
+    tl.store(dbeta + rows_h, db_c.to(dbeta.dtype.element_ty))
+    dgc += tl.load(dgc_in + rows_h) + bk * p_y
 
-
-@triton.jit
-def _grads_pb_kernel(k, p, beta, g, S_in, Vn_in, X_in, dbeta_v, dgc_in, dp, dbeta, dg, N, H,
-                     K: tl.constexpr, V: tl.constexpr):
-    """The second half: dp, dbeta, and dg from both halves' terms of d gc."""
-    scal_base, t0, chunk, vn_rows, vn_cols = _chunk_offsets(N, H, V)
-    gc, _, bk = _gates(g, beta, scal_base, t0, H)
-    rows = scal_base + (t0 + tl.arange(0, BT)) * H
-    dp_c, db_c, dgc = _grads_p_beta(
-        tl.load(_rows(p, scal_base * K, t0, H * K, K)).to(tl.bfloat16),
-        tl.load(_rows(k, scal_base * K, t0, H * K, K)).to(tl.bfloat16), bk,
-        tl.load(X_in + vn_rows), tl.load(Vn_in + vn_cols),
-        tl.load(S_in + (chunk * K + tl.arange(0, K)[None, :]) * V + tl.arange(0, V)[:, None]),
-        _decay(gc, False, False), tl.exp(gc), tl.load(dbeta_v + rows))
-    dg_c = _reverse_cumsum(tl.load(dgc_in + rows) + dgc)
-    tl.store(_rows(dp, scal_base * K, t0, H * K, K), dp_c.to(dp.dtype.element_ty))
-    tl.store(dbeta + rows, db_c.to(dbeta.dtype.element_ty))
-    tl.store(dg + rows, dg_c)
+    do_vn = tl.zeros([BT, BT], dtype=tl.float32)                                 # dO Vn^T
+    ds_vn = tl.zeros([K, BT], dtype=tl.float32)                                  # dS' Vn^T
+    s_ds = tl.zeros([K], dtype=tl.float32)                                       # <S_n, dS'_n> by row
+    for v0 in range(0, V, BV):
+        cv = v0 + tl.arange(0, BV)
+        vn_t = tl.load(Vn_in + rows[None, :] * V + cv[:, None])
+        dok = tl.load(do + scal_base * V + (t0 + r)[:, None] * (H * V) + cv[None, :]).to(tl.bfloat16)
+        ds_blk = tl.load(dS_in + (chunk * K + ck[:, None]) * V + cv[None, :])            # [K, BV]
+        do_vn += tl.dot(dok, vn_t)
+        ds_vn += tl.dot(ds_blk, vn_t)
+        s_blk = tl.load(S_in + (chunk * K + ck[:, None]) * V + cv[None, :])
+        s_ds += tl.sum(s_blk.to(tl.float32) * ds_blk.to(tl.float32), 1)
+    # dk^T, one [K, BT] tile: the state part, then the read part (the gate terms of d gc take k . dk of each),
+    # then the transform's K side
+    # (k, E and the transposed tiles are loaded or formed again here rather than kept live across the loop)
+    kf = tl.load(_rows_t(k, scal_base * K, t0, H * K, K)).to(tl.float32)
+    dk_t = tl.exp(glast - gc)[None, :] * ds_vn
+    k_state = tl.sum(kf * dk_t, 0)
+    qt = tl.load(_rows_t(q, scal_base * K, t0, H * K, K)).to(tl.bfloat16)
+    dk_t = dk_t + scale * tl.dot(qt, (do_vn * _decay(gc, False, False)).to(tl.bfloat16))
+    k_read = tl.sum(kf * dk_t, 0) - k_state
+    pt = tl.load(_rows_t(p, scal_base * K, t0, H * K, K))
+    dk_t = tl.dot((pt * bk[None, :]).to(tl.bfloat16), dLE_b, acc=dk_t)
+    tl.store(_rows_t(dk, scal_base * K, t0, H * K, K), dk_t.to(dk.dtype.element_ty))
+    dgc += tl.where(r == BT - 1, tl.sum(k_state, 0) + tl.exp(glast) * tl.sum(s_ds, 0), 0.0) - k_read - k_state
+    tl.store(dg + rows_h, _reverse_cumsum(dgc))
 
 
 class Config(NamedTuple):
@@ -513,28 +493,29 @@ class Config(NamedTuple):
     transform_warps: int = 4
     scan_warps: int = 4
     scan_bv: int = 64                   # V block of a scan program: V / scan_bv programs per (b, h)
-    state_dtype: torch.dtype = torch.bfloat16   # S_n and dS'_n in HBM (the scans carry them in fp32)
     grads_warps: int = 8
-    split_grads: bool = False           # X = A^T dVn, dv in _adjoint_kernel; the rest in _grads_kernel
-    transform_blocked: bool = False     # A by 16 x 16 blocks (_transform_blocked_kernel)
-    grads_two: bool = False             # with split_grads: _grads_qk_kernel, then _grads_pb_kernel
+    grads_bv: int = 64                  # V block of the gradient kernels' loops over V
+    grads_stages: int = 1               # software pipelining of those loops
+    merged_kp: bool = False             # _grads_kp_kernel instead of _grads_k_kernel + _grads_pb_kernel
+    transform_precision: str = "ieee"   # of the transform's 16 x 16 fp32 block products (see _mm)
 
 
 # Every entry is exercised by the CUDA tests at the spec's correct shapes and one measure shape per K, and timed
 # side by side by the benchmark; change them only together with a GPU run of those tests. DEFAULT is what
-# comba_backward uses.
+# comba_backward uses. H200, (8, 2048, 32, 128, 128), probe at c06f1ba: base 3.364 ms, grads4 3.012 ms (the
+# 4-warp gradient kernels: 0.54 + 0.50 ms against 0.71 + 0.70). Not yet timed: the merged k/p gradient kernel
+# and the 2-warp transform. A plan of 32-wide scan V blocks faulted on the H200 (illegal address; it is gone:
+# the scans move ~2-3 TB/s, and narrower V blocks only re-read k, p, q and A more often).
 CONFIGS = {
     "base": Config(),
-    # The transform by blocks and the gradient kernel halved, each alone against grads_split (A^T dVn in
-    # its own kernel; bench/results/2026-11-29-f6e6021, sweep rows): split_blocked 5.45 / 6.56 ms against
-    # 6.65 / 9.01 ms at (8, 2048, 32, 128, 128) / (16, 2048, 32, 64, 128), the transform 1.93 -> 0.72 and
-    # 3.81 -> 1.36 ms; grads_two 5.75 / 8.26 ms, the gradient kernel 3.29 -> 1.80 + 0.59 and 3.13 -> 1.39 +
-    # 0.98 ms. The two change different stages, so the default takes both.
-    "split_blocked": Config(split_grads=True, transform_blocked=True),
-    "grads_two": Config(split_grads=True, grads_two=True),
-    "blocked_two": Config(split_grads=True, transform_blocked=True, grads_two=True),
+    "grads4": Config(grads_warps=4),                                  # 2 CTAs an SM, 96-388 B of spill at K = 128
+    "grads_pipe": Config(grads_stages=2),                             # gradient kernels' V loops pipelined
+    "kp": Config(merged_kp=True),                                     # one pass over Vn, X, dS' for dk and dp
+    "kp_tf2": Config(merged_kp=True, grads_warps=4, transform_warps=2),
+    "kp_tf1": Config(merged_kp=True, transform_warps=1),             # 8 transform CTAs an SM, 556 B of spill
+    "kp_tf2_tf32": Config(merged_kp=True, transform_warps=2, transform_precision="tf32"),
 }
-DEFAULT = "blocked_two"
+DEFAULT = "base"
 
 
 def comba_backward_stages(q, k, v, p, beta, g, do, scale: float, config: str = DEFAULT):
@@ -545,48 +526,42 @@ def comba_backward_stages(q, k, v, p, beta, g, do, scale: float, config: str = D
     float32, padded in time to a multiple of the chunk (comba_backward_triton trims them).
     """
     cfg = CONFIGS[config]
-    if cfg.grads_two and not cfg.split_grads:
-        raise ValueError(f"plan {config!r}: grads_two reads X and dbeta_v from the adjoint kernel (split_grads)")
     B, T, H, K = q.shape
     V = v.shape[-1]
     q, k, v, p, beta, g, do = (pad_time(x) for x in (q, k, v, p, beta, g, do))
     Tp = q.shape[1]
     N, BH = Tp // CHUNK, B * H
+    BV, GV = min(cfg.scan_bv, V), min(cfg.grads_bv, V)
     dev = q.device
-    A = torch.empty(BH, N, CHUNK, CHUNK, device=dev, dtype=torch.float32)
-    S = torch.empty(BH, N, K, V, device=dev, dtype=cfg.state_dtype)
+    A = torch.empty(BH, N, CHUNK, CHUNK, device=dev, dtype=torch.bfloat16)
+    S = torch.empty(BH, N, K, V, device=dev, dtype=torch.bfloat16)
     dS = torch.empty_like(S)
     Vn = torch.empty(BH, Tp, V, device=dev, dtype=torch.bfloat16)
-    dVn = torch.empty_like(Vn)
-    X = torch.empty_like(Vn) if cfg.split_grads else dVn            # unread unless split
-    dbeta_v = torch.empty(beta.shape, device=dev, dtype=torch.float32) if cfg.split_grads else g
+    X = torch.empty_like(Vn)
+    dbeta_v = torch.empty(V // BV, *beta.shape, device=dev, dtype=torch.float32)   # per scan V block
+    dgc_q, dgc_qk = (torch.empty(beta.shape, device=dev, dtype=torch.float32) for _ in range(2))
     dq, dk, dp = (torch.empty_like(x) for x in (q, k, p))
     dv, dbeta = torch.empty_like(v), torch.empty_like(beta)
     dg = torch.empty_like(g, dtype=torch.float32)
-    dgc_qk = torch.empty_like(dg) if cfg.grads_two else dg          # the first half's terms of d gc
-    BV = min(cfg.scan_bv, V)
     scan = dict(K=K, V=V, BV=BV, num_warps=cfg.scan_warps, num_stages=1)
-    transform = _transform_blocked_kernel if cfg.transform_blocked else _transform_kernel
+    grads = dict(K=K, V=V, BV=GV, num_warps=cfg.grads_warps, num_stages=cfg.grads_stages)
+    chunks = (N, BH)
     stages = {
-        "transform": lambda: transform[(N, BH)](k, p, beta, g, A, N, H, K, num_warps=cfg.transform_warps,
-                                                num_stages=1),
+        "transform": lambda: _transform_kernel[chunks](k, p, beta, g, A, N, H, K, cfg.transform_precision,
+                                                       num_warps=cfg.transform_warps, num_stages=1),
         "forward_scan": lambda: _forward_scan_kernel[(V // BV, BH)](k, v, p, beta, g, A, S, Vn, N, H, **scan),
-        "reverse_scan": lambda: _reverse_scan_kernel[(V // BV, BH)](q, k, p, beta, g, do, A, dS, dVn, scale, N,
-                                                                    H, **scan),
-        "adjoint": lambda: _adjoint_kernel[(N, BH)](v, beta, A, dVn, X, dv, dbeta_v, N, H, V, num_warps=4,
-                                                    num_stages=1),
-        "grads": lambda: _grads_kernel[(N, BH)](q, k, v, p, beta, g, do, A, S, dS, Vn, dVn, X, dbeta_v, dq, dk,
-                                                dv, dp, dbeta, dg, scale, N, H, K, V, cfg.split_grads,
-                                                num_warps=cfg.grads_warps, num_stages=1),
-        "grads_qk": lambda: _grads_qk_kernel[(N, BH)](q, k, p, beta, g, do, S, dS, Vn, X, dq, dk, dgc_qk, scale, N,
-                                                      H, K, V, num_warps=cfg.grads_warps, num_stages=1),
-        "grads_pb": lambda: _grads_pb_kernel[(N, BH)](k, p, beta, g, S, Vn, X, dbeta_v, dgc_qk, dp, dbeta, dg, N,
-                                                      H, K, V, num_warps=cfg.grads_warps, num_stages=1),
+        "reverse_scan": lambda: _reverse_scan_kernel[(V // BV, BH)](q, k, v, p, beta, g, do, A, dS, X, dv, dbeta_v,
+                                                                    scale, N, H, **scan),
+        "grads_q": lambda: _grads_q_kernel[chunks](q, k, beta, g, do, S, Vn, dq, dgc_q, scale, N, H, **grads),
     }
-    if not cfg.split_grads:
-        del stages["adjoint"]
-    for name in ("grads_qk", "grads_pb") if not cfg.grads_two else ("grads",):
-        del stages[name]
+    if cfg.merged_kp:
+        stages["grads_kp"] = lambda: _grads_kp_kernel[chunks](q, k, p, beta, g, do, S, dS, Vn, X, dbeta_v, dgc_q, dk,
+                                                              dp, dbeta, dg, scale, N, H, NV=V // BV, **grads)
+    else:
+        stages["grads_k"] = lambda: _grads_k_kernel[chunks](q, k, p, beta, g, do, dS, Vn, X, dgc_q, dk, dgc_qk,
+                                                            scale, N, H, **grads)
+        stages["grads_pb"] = lambda: _grads_pb_kernel[chunks](k, p, beta, g, S, dS, Vn, X, dbeta_v, dgc_qk, dp,
+                                                              dbeta, dg, N, H, NV=V // BV, **grads)
     return stages, (dq, dk, dv, dp, dbeta, dg)
 
 
