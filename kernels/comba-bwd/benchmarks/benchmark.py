@@ -108,7 +108,7 @@ def _config_sweep(bench, tb, case, tflop, inputs, ref, scale):
         split = {f"ms_{stage}": bench.time(launch) for stage, launch in stages.items()}
         rows.append(_row(case, f"sweep {name}", t_all, tflop, errs, config=str(tb.CONFIGS[name]), **split))
         del stages, grads
-    base = next(r["ms"] for r in rows if r["impl"] == f"sweep {tb.DEFAULT}")
+    base = next(r["ms"] for r in rows if r["impl"] == f"sweep {tb.DEFAULT_BY_K[inputs[0].shape[-1]]}")
     for r in rows:
         r["x_vs_default"] = base / r["ms"]
     return rows

@@ -298,20 +298,22 @@ def test_transform_kernel_inverts_the_chunk_system(triton_bwd):
     assert rel_err(A, expected) < 1e-5
 
 
-# The launch plans of triton_bwd.CONFIGS besides the default "base" (test_config_names_are_the_tested_ones).
-OTHER_CONFIGS = ["grads4", "grads_pipe", "kp", "kp_tf2", "kp_tf1", "kp_tf2_tf32"]
+# The launch plans of triton_bwd.CONFIGS (test_config_names_are_the_tested_ones).
+PLANS = ["grads4", "kp_tf2"]
 
 
 @needs_triton
 @pytest.mark.kernels_ci
 def test_config_names_are_the_tested_ones(triton_bwd):
-    assert sorted(triton_bwd.CONFIGS) == sorted(["base", *OTHER_CONFIGS]) and triton_bwd.DEFAULT == "base"
+    assert sorted(triton_bwd.CONFIGS) == sorted(PLANS)
+    assert sorted(triton_bwd.DEFAULT_BY_K) == [64, 128] and set(triton_bwd.DEFAULT_BY_K.values()) <= set(PLANS)
 
 
 @needs_triton
-@pytest.mark.parametrize("config", OTHER_CONFIGS)
+@pytest.mark.parametrize("config", PLANS)
 def test_triton_config_matches_float64(triton_bwd, config):
-    """Every launch plan besides the default, at one tiny padded shape with V = 2 scan blocks of 64."""
+    """Every launch plan, at one tiny padded shape with V = 2 scan blocks of 64 (the public-op tests run the
+    plan DEFAULT_BY_K picks)."""
     shape = (1, 100, 2, 64, 128)
     inputs = make_inputs(*shape, torch.bfloat16, TRITON_DEVICE, seed=10)
     grads = triton_bwd.comba_backward_triton(*inputs, 0.125, config=config)
@@ -319,11 +321,12 @@ def test_triton_config_matches_float64(triton_bwd, config):
 
 
 @needs_triton
-def test_stages_rerun_alone_give_the_same_gradients(triton_bwd):
+@pytest.mark.parametrize("config,last", [("grads4", ("grads_q", "grads_k", "grads_pb")),
+                                         ("kp_tf2", ("grads_q", "grads_kp"))])
+def test_stages_rerun_alone_give_the_same_gradients(triton_bwd, config, last):
     """The benchmark times each stage alone after one full pass: re-running a stage must not change anything."""
     inputs = make_inputs(1, 128, 1, 64, 64, torch.bfloat16, TRITON_DEVICE, seed=11)
-    stages, grads = triton_bwd.comba_backward_stages(*inputs, 0.125)
-    last = ("grads_q", "grads_k", "grads_pb")
+    stages, grads = triton_bwd.comba_backward_stages(*inputs, 0.125, config=config)
     assert tuple(stages) == ("transform", "forward_scan", "reverse_scan", *last)
     for launch in stages.values():
         launch()
@@ -363,19 +366,16 @@ def test_cuda_backward_matches_spec_measure_shapes(comba, shape):
     _check_against_spec(comba.comba_backward, shape)
 
 
-# One measure shape per K (the benchmark sweeps the configs at these two).
-CONFIG_MEASURE_SHAPES = [(8, 2048, 32, 128, 128), (16, 2048, 32, 64, 128)]
-
-
 @needs_cuda
-@pytest.mark.parametrize("shape", CORRECT_SHAPES + CONFIG_MEASURE_SHAPES)
+@pytest.mark.parametrize("shape", CORRECT_SHAPES + MEASURE_SHAPES)
 def test_cuda_every_config_matches_spec(triton_bwd, shape):
-    """Every launch plan the benchmark times, not only the default one (the reference is run once per shape)."""
+    """Every launch plan the benchmark times, not only the one DEFAULT_BY_K picks, at every correct and measure
+    shape of the spec (Triton 3.6 has miscompiled this family on Hopper; the reference runs once per shape)."""
     s = spec("comba_backward")
     inputs = s.make(*shape, 0)
     ref = s.ref(*(x.float() for x in inputs))
     errs = {}
-    for config in OTHER_CONFIGS:
+    for config in PLANS:
         got = triton_bwd.comba_backward_triton(*inputs, shape[3] ** -0.5, config=config)
         errs[config] = {n: ((a.double() - b.double()).norm() / b.double().norm()).item()
                         for n, a, b in zip(NAMES, got, ref)}

@@ -13,12 +13,12 @@ A = (I + L)^-1, Vn = A (beta V) - A (beta gam P) S, X = A^T dVn.
   5. _grads_k_kernel      (chunk-parallel)  dk and its terms of d gc, added to the dq kernel's.
   6. _grads_pb_kernel     (chunk-parallel)  dp, dbeta, and dg from all terms of d gc.
   5+6. _grads_kp_kernel   (plans with merged_kp) 5 and 6 in one program per chunk, one read of what both read.
-     One of the two forms goes once the H200 has timed them side by side.
+     Each form wins at one K on the H200 (see DEFAULT_BY_K).
   The three gradient kernels loop over V in blocks, accumulating their products over V in fp32, so that
   no whole (K, V) state or [64, V] tile is live at once.
 
-The launch plan (warps, V blocks) is a named entry of CONFIGS; the benchmark times them side by side and the
-CUDA tests check every one against the spec.
+The launch plan (warps, V blocks, merged or separate k/p gradients) is a named entry of CONFIGS, picked by K
+(DEFAULT_BY_K); the benchmark times them side by side and the CUDA tests check every one against the spec.
 
 Design choices (see README "Design"):
 - The per-chunk A and states are materialised in HBM: the solve would sit on the serial path of the scans,
@@ -108,25 +108,26 @@ def _l_block(pk, bk, gc_i, kt, gc_j, DIAGONAL: tl.constexpr):
 
 
 @triton.jit
-def _inv_unit_lower(Lb, PRECISION: tl.constexpr):
+def _inv_unit_lower(Lb):
     """(I + Lb)^-1 of a strictly lower [SUB, SUB] block in fp32: Lb is nilpotent (Lb^16 = 0), so the inverse
     is sum_k (-Lb)^k = (I - Lb)(I + Lb^2)(I + Lb^4)(I + Lb^8), six products of depth four. A row-by-row
     substitution is 15 dependent steps of two cross-thread reductions each, which made the transform the
     second slowest stage (0.72 ms at (8, 2048, 32, 128, 128) in bench/results/2026-11-29-f6e6021)."""
     r = tl.arange(0, SUB)
     eye = tl.where(r[:, None] == r[None, :], 1.0, 0.0)
-    L2 = _mm(Lb, Lb, PRECISION)
-    L4 = _mm(L2, L2, PRECISION)
-    D = _mm(eye - Lb, eye + L2, PRECISION)
-    D = _mm(D, eye + L4, PRECISION)
-    return _mm(D, eye + _mm(L4, L4, PRECISION), PRECISION)
+    L2 = _mm(Lb, Lb)
+    L4 = _mm(L2, L2)
+    D = _mm(eye - Lb, eye + L2)
+    D = _mm(D, eye + L4)
+    return _mm(D, eye + _mm(L4, L4))
 
 
 @triton.jit
-def _mm(a, b, PRECISION: tl.constexpr):
-    """fp32 product of two 16 x 16 blocks: "ieee" (fp32 FMAs) or "tf32" (tensor cores, 10-bit mantissas; A is
-    stored in bf16, 8 bits, afterwards)."""
-    return tl.dot(a, b, input_precision=PRECISION)
+def _mm(a, b):
+    """fp32 product of two 16 x 16 blocks (fp32 FMAs: the issue asks for the solve in fp32; TF32 products
+    made the transform 0.19 against 0.30-0.42 ms at (8, 2048, 32, 128, 128), at unchanged gradient errors,
+    bench/results/2026-11-30-8dd072c-dirty-comba-plans.log, but are not fp32)."""
+    return tl.dot(a, b, input_precision="ieee")
 
 
 @triton.jit
@@ -136,7 +137,7 @@ def _store_block(A, a_base, i: tl.constexpr, j: tl.constexpr, blk):
 
 
 @triton.jit
-def _transform_kernel(k, p, beta, g, A, N, H, K: tl.constexpr, PRECISION: tl.constexpr = "ieee"):
+def _transform_kernel(k, p, beta, g, A, N, H, K: tl.constexpr):
     """A = (I + L)^-1 of one chunk by 16 x 16 blocks, in fp32: the four diagonal blocks by _inv_unit_lower,
     then block row i of the lower part from A_ij = -D_i sum_{j <= m < i} L_im A_mj (fp32 products on CUDA
     cores); stored in A's dtype (bf16 for the scans' tensor-core operands, fp32 in the tests)."""
@@ -171,16 +172,16 @@ def _transform_kernel(k, p, beta, g, A, N, H, K: tl.constexpr, PRECISION: tl.con
     L22 = _l_block(p2, b2, gc2, kt2, gc2, True)
     L32 = _l_block(p3, b3, gc3, kt2, gc2, False)
     L33 = _l_block(p3, b3, gc3, kt3, gc3, True)
-    D0 = _inv_unit_lower(L00, PRECISION)
-    D1 = _inv_unit_lower(L11, PRECISION)
-    D2 = _inv_unit_lower(L22, PRECISION)
-    D3 = _inv_unit_lower(L33, PRECISION)
-    A10 = -_mm(D1, _mm(L10, D0, PRECISION), PRECISION)
-    A21 = -_mm(D2, _mm(L21, D1, PRECISION), PRECISION)
-    A20 = -_mm(D2, _mm(L20, D0, PRECISION) + _mm(L21, A10, PRECISION), PRECISION)
-    A32 = -_mm(D3, _mm(L32, D2, PRECISION), PRECISION)
-    A31 = -_mm(D3, _mm(L31, D1, PRECISION) + _mm(L32, A21, PRECISION), PRECISION)
-    A30 = -_mm(D3, _mm(L30, D0, PRECISION) + _mm(L31, A10, PRECISION) + _mm(L32, A20, PRECISION), PRECISION)
+    D0 = _inv_unit_lower(L00)
+    D1 = _inv_unit_lower(L11)
+    D2 = _inv_unit_lower(L22)
+    D3 = _inv_unit_lower(L33)
+    A10 = -_mm(D1, _mm(L10, D0))
+    A21 = -_mm(D2, _mm(L21, D1))
+    A20 = -_mm(D2, _mm(L20, D0) + _mm(L21, A10))
+    A32 = -_mm(D3, _mm(L32, D2))
+    A31 = -_mm(D3, _mm(L31, D1) + _mm(L32, A21))
+    A30 = -_mm(D3, _mm(L30, D0) + _mm(L31, A10) + _mm(L32, A20))
 
     a_base = (bh.to(tl.int64) * N + n) * BT * BT
     zero = tl.zeros([SUB, SUB], dtype=tl.float32)
@@ -495,38 +496,34 @@ class Config(NamedTuple):
     scan_bv: int = 64                   # V block of a scan program: V / scan_bv programs per (b, h)
     grads_warps: int = 8
     grads_bv: int = 64                  # V block of the gradient kernels' loops over V
-    grads_stages: int = 1               # software pipelining of those loops
     merged_kp: bool = False             # _grads_kp_kernel instead of _grads_k_kernel + _grads_pb_kernel
-    transform_precision: str = "ieee"   # of the transform's 16 x 16 fp32 block products (see _mm)
 
 
 # Every entry is exercised by the CUDA tests at the spec's correct shapes and one measure shape per K, and timed
-# side by side by the benchmark; change them only together with a GPU run of those tests. DEFAULT is what
-# comba_backward uses. H200, (8, 2048, 32, 128, 128), probe at c06f1ba: base 3.364 ms, grads4 3.012 ms (the
-# 4-warp gradient kernels: 0.54 + 0.50 ms against 0.71 + 0.70). Not yet timed: the merged k/p gradient kernel
-# and the 2-warp transform. A plan of 32-wide scan V blocks faulted on the H200 (illegal address; it is gone:
-# the scans move ~2-3 TB/s, and narrower V blocks only re-read k, p, q and A more often).
+# side by side by the benchmark; change them only together with a GPU run of those tests. DEFAULT_BY_K is what
+# comba_backward uses. H200, every measure shape, bench/results/2026-11-30-8dd072c-dirty-comba-plans.log: at
+# K = 128 the 4-warp gradient kernels are the fastest plan with an fp32 transform (2.98-7.94 ms against
+# 3.33-8.79 for 8 warps); at K = 64 the merged k/p kernel with a 2-warp transform (3.73 against 4.16 ms).
+# Timed there and dropped: 8-warp gradient kernels, their V loops pipelined two deep, the merged kernel at 8
+# warps with a 4- or 1-warp transform, and TF32 transform products (see _mm). A plan of 32-wide scan V blocks
+# faulted on the H200 (illegal address, c06f1ba; it is gone: the scans move ~2-3 TB/s, and narrower V blocks
+# only re-read k, p, q and A more often).
 CONFIGS = {
-    "base": Config(),
     "grads4": Config(grads_warps=4),                                  # 2 CTAs an SM, 96-388 B of spill at K = 128
-    "grads_pipe": Config(grads_stages=2),                             # gradient kernels' V loops pipelined
-    "kp": Config(merged_kp=True),                                     # one pass over Vn, X, dS' for dk and dp
-    "kp_tf2": Config(merged_kp=True, grads_warps=4, transform_warps=2),
-    "kp_tf1": Config(merged_kp=True, transform_warps=1),             # 8 transform CTAs an SM, 556 B of spill
-    "kp_tf2_tf32": Config(merged_kp=True, transform_warps=2, transform_precision="tf32"),
+    "kp_tf2": Config(merged_kp=True, grads_warps=4, transform_warps=2),  # one pass over Vn, X, dS' for dk and dp
 }
-DEFAULT = "base"
+DEFAULT_BY_K = {64: "kp_tf2", 128: "grads4"}
 
 
-def comba_backward_stages(q, k, v, p, beta, g, do, scale: float, config: str = DEFAULT):
+def comba_backward_stages(q, k, v, p, beta, g, do, scale: float, config: str | None = None):
     """The backward as ordered launches: ({stage name: fn() launching it}, the six gradients once all ran).
 
     Each stage reads only what earlier stages wrote, so after one full pass any stage can be re-run (timed)
     alone. Inputs contiguous, K and V in {64, 128}; the gradients are (dq, dk, dv, dp, dbeta, dg) with dg in
     float32, padded in time to a multiple of the chunk (comba_backward_triton trims them).
     """
-    cfg = CONFIGS[config]
     B, T, H, K = q.shape
+    cfg = CONFIGS[config or DEFAULT_BY_K[K]]
     V = v.shape[-1]
     q, k, v, p, beta, g, do = (pad_time(x) for x in (q, k, v, p, beta, g, do))
     Tp = q.shape[1]
@@ -544,11 +541,11 @@ def comba_backward_stages(q, k, v, p, beta, g, do, scale: float, config: str = D
     dv, dbeta = torch.empty_like(v), torch.empty_like(beta)
     dg = torch.empty_like(g, dtype=torch.float32)
     scan = dict(K=K, V=V, BV=BV, num_warps=cfg.scan_warps, num_stages=1)
-    grads = dict(K=K, V=V, BV=GV, num_warps=cfg.grads_warps, num_stages=cfg.grads_stages)
+    grads = dict(K=K, V=V, BV=GV, num_warps=cfg.grads_warps, num_stages=1)
     chunks = (N, BH)
     stages = {
-        "transform": lambda: _transform_kernel[chunks](k, p, beta, g, A, N, H, K, cfg.transform_precision,
-                                                       num_warps=cfg.transform_warps, num_stages=1),
+        "transform": lambda: _transform_kernel[chunks](k, p, beta, g, A, N, H, K, num_warps=cfg.transform_warps,
+                                                       num_stages=1),
         "forward_scan": lambda: _forward_scan_kernel[(V // BV, BH)](k, v, p, beta, g, A, S, Vn, N, H, **scan),
         "reverse_scan": lambda: _reverse_scan_kernel[(V // BV, BH)](q, k, v, p, beta, g, do, A, dS, X, dv, dbeta_v,
                                                                     scale, N, H, **scan),
@@ -565,7 +562,7 @@ def comba_backward_stages(q, k, v, p, beta, g, do, scale: float, config: str = D
     return stages, (dq, dk, dv, dp, dbeta, dg)
 
 
-def comba_backward_triton(q, k, v, p, beta, g, do, scale: float, config: str = DEFAULT):
+def comba_backward_triton(q, k, v, p, beta, g, do, scale: float, config: str | None = None):
     """(dq, dk, dv, dp, dbeta, dg) in their inputs' dtypes (dg float32); inputs contiguous, K, V in {64, 128}."""
     T = q.shape[1]
     stages, grads = comba_backward_stages(q, k, v, p, beta, g, do, scale, config)
