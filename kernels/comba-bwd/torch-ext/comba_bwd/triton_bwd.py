@@ -488,14 +488,17 @@ def _grads_kp_kernel(q, k, p, beta, g, do, S_in, dS_in, Vn_in, X_in, dbeta_v, dg
     tl.store(dg + rows_h, _reverse_cumsum(dgc))
 
 
+# What every plan shares: the scans run 4 warps a program, and V is cut in blocks of V_BLOCK both across the
+# scans' programs (V / V_BLOCK of them per (b, h)) and in the gradient kernels' loops over V.
+SCAN_WARPS = 4
+V_BLOCK = 64
+
+
 class Config(NamedTuple):
     """One launch plan of the backward (see CONFIGS)."""
 
     transform_warps: int = 4
-    scan_warps: int = 4
-    scan_bv: int = 64                   # V block of a scan program: V / scan_bv programs per (b, h)
     grads_warps: int = 8
-    grads_bv: int = 64                  # V block of the gradient kernels' loops over V
     merged_kp: bool = False             # _grads_kp_kernel instead of _grads_k_kernel + _grads_pb_kernel
 
 
@@ -528,7 +531,7 @@ def comba_backward_stages(q, k, v, p, beta, g, do, scale: float, config: str | N
     q, k, v, p, beta, g, do = (pad_time(x) for x in (q, k, v, p, beta, g, do))
     Tp = q.shape[1]
     N, BH = Tp // CHUNK, B * H
-    BV, GV = min(cfg.scan_bv, V), min(cfg.grads_bv, V)
+    BV = min(V_BLOCK, V)
     dev = q.device
     A = torch.empty(BH, N, CHUNK, CHUNK, device=dev, dtype=torch.bfloat16)
     S = torch.empty(BH, N, K, V, device=dev, dtype=torch.bfloat16)
@@ -540,8 +543,8 @@ def comba_backward_stages(q, k, v, p, beta, g, do, scale: float, config: str | N
     dq, dk, dp = (torch.empty_like(x) for x in (q, k, p))
     dv, dbeta = torch.empty_like(v), torch.empty_like(beta)
     dg = torch.empty_like(g, dtype=torch.float32)
-    scan = dict(K=K, V=V, BV=BV, num_warps=cfg.scan_warps, num_stages=1)
-    grads = dict(K=K, V=V, BV=GV, num_warps=cfg.grads_warps, num_stages=1)
+    scan = dict(K=K, V=V, BV=BV, num_warps=SCAN_WARPS, num_stages=1)
+    grads = dict(K=K, V=V, BV=BV, num_warps=cfg.grads_warps, num_stages=1)
     chunks = (N, BH)
     stages = {
         "transform": lambda: _transform_kernel[chunks](k, p, beta, g, A, N, H, K, num_warps=cfg.transform_warps,
