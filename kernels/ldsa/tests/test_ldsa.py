@@ -176,7 +176,7 @@ def test_triton_interpreted_matches_float64(ldsa, poisoned_outputs, left, right,
 
 def runnable(kernels, config, W):
     """`config`, or the tap loop where it is a band design and the window is one the band does not take."""
-    if config in (kernels.BAND, kernels.BAND_PREFETCH) and not kernels.supports_window(W):
+    if config in (kernels.BAND, kernels.BAND_PREFETCH, kernels.BAND_BY_TAP) and not kernels.supports_window(W):
         return kernels.TAPS_ANY_WINDOW
     return config
 
@@ -200,7 +200,7 @@ def test_triton_interpreted_every_config(ldsa, poisoned_outputs, case):
 
 
 @needs_interpreter
-@pytest.mark.parametrize("config", ["band", "band-prefetch"])
+@pytest.mark.parametrize("config", ["band", "band-prefetch", "band-by-tap"])
 def test_band_design_refuses_windows_it_does_not_take(ldsa, config):
     """A one-tap window runs the reference (supports_window); asked for the band design by name, it raises."""
     kernels = submodule(ldsa, "ldsa_triton")
@@ -227,7 +227,7 @@ def test_triton_interpreted_several_chunks_per_program(ldsa, poisoned_outputs, m
         a, v = make(1, 2, 24, T, left, right, dtype)
         go = torch.randn(v.shape).to(dtype)
         expected = ldsa_float64(a, v, left, right)
-        for config in (kernels.BAND, kernels.BAND_PREFETCH):
+        for config in (kernels.BAND, kernels.BAND_PREFETCH, kernels.BAND_BY_TAP):
             assert rel_err(kernels.ldsa_forward(a, v, left, right, config=config), expected) < TOL[dtype], config
         dlogits, dv = kernels.ldsa_backward(a, v, go, left, right, config=kernels.BAND)
         ga, gv = ldsa_float64_grads(a, v, go, left, right)
@@ -249,6 +249,16 @@ def test_triton_interpreted_two_channel_tiles_and_mixed_dtypes(ldsa, poisoned_ou
     ga, gv = ldsa_float64_grads(a, v.bfloat16(), go, 3, 2)
     assert dlogits.dtype == torch.bfloat16 and dv.dtype == torch.bfloat16
     assert rel_err(dlogits, ga) < 1e-2 and rel_err(dv, gv) < 1e-2
+
+
+@needs_interpreter
+@pytest.mark.parametrize("left,right,Dh,dtype", [(7, 7, 136, torch.bfloat16), (3, 0, 200, torch.float32)])
+def test_triton_interpreted_band_by_tap_two_channel_tiles(ldsa, poisoned_outputs, left, right, Dh, dtype):
+    """The tap-by-tap band on the path without prefetch: Dh > 128 walks two channel tiles per chunk."""
+    kernels = submodule(ldsa, "ldsa_triton")
+    a, v = make(1, 1, Dh, 45, left, right, dtype)
+    out = kernels.ldsa_forward(a, v, left, right, config=kernels.BAND_BY_TAP)
+    assert rel_err(out, ldsa_float64(a, v, left, right)) < TOL[dtype]
 
 
 # ---- The fused path on CUDA (the lead's GPU run) ----

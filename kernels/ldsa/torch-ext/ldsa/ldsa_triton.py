@@ -8,6 +8,8 @@ chunks of N frames. For a chunk it
      in float32 registers, once per frame;
   2. skews those weights into the band tile [K, N] (K >= N + W - 1 span positions) with `tl.gather`,
      so that span position j feeds frame i through tap j - i;
+     (the `band-by-tap` forward builds the same tile in registers instead, from one row load of logits a
+     tap: see `_band_weights_by_tap`);
   3. loads the span of v [Dh, K] once (the halo K - N overlaps the neighbouring chunk and comes from
      L1/L2, so each v element comes from HBM about once) and multiplies on the tensor cores.
 
@@ -97,12 +99,32 @@ def _band_weights(logits, tap_ok, band_tap, in_band):
 
 
 @triton.jit
+def _band_weights_by_tap(a_base, T, t, band_tap, TAPS: tl.constexpr):
+    """The same [K, N] band tile as `_band_weights`, built without shared memory: one [N] row of logits a
+    tap (TAPS = W row loads, unrolled), the softmax elementwise across the rows, and each tap's weights
+    selected into the band entries whose tap index (`band_tap`, unclamped) it is. tl.gather goes through
+    shared memory and a softmax over a tile axis through shuffles and barriers; here every step is a
+    register operation, for about 2 * TAPS selects a band element."""
+    t_ok = t < T
+    peak = tl.full(t.shape, float("-inf"), tl.float32)
+    for k in tl.static_range(TAPS):
+        peak = tl.maximum(peak, tl.load(a_base + k * T + t, mask=t_ok, other=0.0).to(tl.float32))
+    band = tl.zeros(band_tap.shape, tl.float32)
+    total = tl.zeros(t.shape, tl.float32)
+    for k in tl.static_range(TAPS):
+        e = tl.exp(tl.load(a_base + k * T + t, mask=t_ok, other=0.0).to(tl.float32) - peak)
+        total += e
+        band = tl.where(band_tap == k, e[None, :], band)
+    return band * (1.0 / total)[None, :]
+
+
+@triton.jit
 def _ldsa_forward_kernel(
     a_ptr, v_ptr, out_ptr,
     T, Dh, W, left, lead, n_ttiles,
     N: tl.constexpr, K: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_D: tl.constexpr,
     D_TILES: tl.constexpr, CHUNKS: tl.constexpr, T_ALIGN: tl.constexpr, SPAN_ALIGN: tl.constexpr,
-    PREFETCH: tl.constexpr,
+    PREFETCH: tl.constexpr, TAPS: tl.constexpr,
 ):  # fmt: skip
     T = _aligned(T, T_ALIGN)
     lead = _aligned(lead, SPAN_ALIGN)
@@ -122,30 +144,39 @@ def _ldsa_forward_kernel(
     # j - i - (lead - left).
     band_tap = span[:, None] - frames[None, :] - (lead - left)
     in_band = (band_tap >= 0) & (band_tap < W)
-    band_tap = tl.minimum(tl.maximum(band_tap, 0), BLOCK_W - 1)
+    gather_tap = tl.minimum(tl.maximum(band_tap, 0), BLOCK_W - 1)
 
     if PREFETCH:
-        # One channel tile (D_TILES == 1): the next chunk's logits and values are loaded before this chunk
-        # is computed, so their latency overlaps the softmax, the gather and the MMAs.
+        # One channel tile (D_TILES == 1): the next chunk's logits (with the gather) and values are loaded
+        # before this chunk is computed, so their latency overlaps the softmax, the gather and the MMAs.
         d = tl.arange(0, BLOCK_D)
         d_ok = d[:, None] < Dh
         row = d.to(tl.int64)[:, None] * T
-        logits_next = _load_logits(a_rows, first_frame, frames, tap_ok, T)
+        if TAPS == 0:
+            logits_next = _load_logits(a_rows, first_frame, frames, tap_ok, T)
         vals_next = _load_span(v_base, row, d_ok, first_frame - lead + span, T)
         for c in range(CHUNKS):
             t0 = first_frame + c * N
-            logits, vals = logits_next, vals_next
-            more = c + 1 < CHUNKS
-            logits_next = _load_logits(a_rows, t0 + N, frames, tap_ok & more, T)
-            vals_next = _load_span(v_base, row, d_ok & more, t0 + N - lead + span, T)
-            out = _dot_float32_weights(vals, _band_weights(logits, tap_ok, band_tap, in_band))  # [BLOCK_D, N]
             t = t0 + frames
+            vals = vals_next
+            more = c + 1 < CHUNKS
+            vals_next = _load_span(v_base, row, d_ok & more, t0 + N - lead + span, T)
+            if TAPS == 0:
+                logits = logits_next
+                logits_next = _load_logits(a_rows, t0 + N, frames, tap_ok & more, T)
+                band = _band_weights(logits, tap_ok, gather_tap, in_band)
+            else:
+                band = _band_weights_by_tap(a_base, T, t, band_tap, TAPS)
+            out = _dot_float32_weights(vals, band)  # [BLOCK_D, N]
             tl.store(out_base + row + t[None, :], out.to(out_ptr.dtype.element_ty), mask=d_ok & (t[None, :] < T))
     else:
         for c in range(CHUNKS):
             t0 = first_frame + c * N
             t = t0 + frames
-            band = _band_weights(_load_logits(a_rows, t0, frames, tap_ok, T), tap_ok, band_tap, in_band)  # [K, N]
+            if TAPS == 0:
+                band = _band_weights(_load_logits(a_rows, t0, frames, tap_ok, T), tap_ok, gather_tap, in_band)
+            else:
+                band = _band_weights_by_tap(a_base, T, t, band_tap, TAPS)
             for dt in tl.static_range(D_TILES):
                 d = dt * BLOCK_D + tl.arange(0, BLOCK_D)
                 d_ok = d[:, None] < Dh
@@ -298,11 +329,12 @@ def _band_plan(W: int, left: int, Dh: int, T: int, BH: int, itemsize: int) -> tu
 
 @functools.cache
 def _band_forward_plan(config: str, W: int, left: int, Dh: int, T: int, BH: int, dtype: torch.dtype):
-    """`_band_plan` plus the forward's PREFETCH flag, with the lead of its value spans: built once per shape,
-    since small calls are host-bound."""
+    """`_band_plan` plus the forward's PREFETCH and TAPS (0: the gather; W: `_band_weights_by_tap`) flags,
+    with the lead of its value spans: built once per shape, since small calls are host-bound."""
     n_ttiles, (lead, _), meta, num_warps = _band_plan(W, left, Dh, T, BH, dtype.itemsize)
-    prefetch = config == BAND_PREFETCH and meta["D_TILES"] == 1
-    return n_ttiles, lead, dict(meta, PREFETCH=prefetch), num_warps
+    prefetch = config in (BAND_PREFETCH, BAND_BY_TAP) and meta["D_TILES"] == 1
+    taps = W if config == BAND_BY_TAP else 0  # 0: the gather
+    return n_ttiles, lead, dict(meta, PREFETCH=prefetch, TAPS=taps), num_warps
 
 
 # ---- Candidate configurations of both designs, and the default table ----
@@ -311,13 +343,19 @@ BAND = "band"  # the banded tensor-core product above; its tiles follow from the
 # The same forward with the next chunk's loads issued before the current chunk's compute (one channel tile
 # only; with several it runs as "band"): ncu found the band forward waiting on L1 loads.
 BAND_PREFETCH = "band-prefetch"
+# The prefetching forward (values prefetched; logits loaded in the chunk, a row a tap) with the band built in
+# registers (`_band_weights_by_tap`) instead of through tl.gather: no shared memory or barriers for the
+# weights, twice the instructions a chunk at W = 15 (sm_90 SASS main loop 411 against 206 at 64 x 3000 bf16)
+# and 96 registers against 63. GPU speed not yet measured, so no default takes it. TAPS = W is a
+# compile-time constant: each window compiles its own kernel, unrolled over its taps (meant for short ones).
+BAND_BY_TAP = "band-by-tap"
 # The tap loop: "taps-t<frames per program>-w<warps>".
 TAPS_FORWARD = {f"taps-t{bt}-w{nw}": (bt, nw) for bt, nw in ((32, 4), (64, 4), (64, 8), (128, 8))}
 TAPS_BACKWARD = {f"taps-t{bt}-w{nw}": (bt, nw) for bt, nw in ((32, 4), (32, 8), (64, 4), (64, 8))}
 # Taps unrolled together (see ldsa_taps): 8 keeps the shift's alignment up to a 16-byte bf16 vector; the
 # backward, with two shifted tiles a tap, spills at 8 and takes 4.
 TAP_GROUP, TAP_GROUP_BACKWARD = 8, 4
-FORWARD_CONFIGS = (BAND, BAND_PREFETCH, *TAPS_FORWARD)
+FORWARD_CONFIGS = (BAND, BAND_PREFETCH, BAND_BY_TAP, *TAPS_FORWARD)
 BACKWARD_CONFIGS = (BAND, *TAPS_BACKWARD)
 
 # The tap loop takes every window; windows the band design does not take (supports_window) run it.
@@ -436,7 +474,7 @@ def ldsa_forward(a_logits: torch.Tensor, v: torch.Tensor, left: int, right: int,
     config = config or default_config("forward", W, v.dtype)
     out = torch.empty_like(v)
     with _device_of(v):
-        if config in (BAND, BAND_PREFETCH):
+        if config in (BAND, BAND_PREFETCH, BAND_BY_TAP):
             n_ttiles, lead, meta, num_warps = _band_forward_plan(config, W, left, Dh, T, B * H, v.dtype)
             args = (a_logits, v, out, T, Dh, W, left, lead, n_ttiles)
             _launch(_ldsa_forward_kernel, B * H * n_ttiles, args, meta, num_warps)
