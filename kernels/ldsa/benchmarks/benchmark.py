@@ -164,8 +164,8 @@ def _triton_module(kernel):
 
 
 def _sweep_rows(kernel, bench, B, T, window, dtype, device):
-    """Every candidate configuration, forward and backward, at one case: rows "fwd <config>" / "bwd <config>"
-    (configs: "band", the banded tensor-core design; "taps-t<frames>-w<warps>", the tap loop)."""
+    """Every candidate configuration (ldsa_triton.FORWARD_CONFIGS / BACKWARD_CONFIGS), forward and backward,
+    at one case: rows "fwd <config>" / "bwd <config>"."""
     kernels = _triton_module(kernel)
     left, right = WINDOWS[window]
     W, elt = left + right + 1, torch.finfo(dtype).bits // 8
@@ -192,13 +192,16 @@ def _sweep_rows(kernel, bench, B, T, window, dtype, device):
 
 @contextlib.contextmanager
 def _forward_default(kernels, config):
-    """Route every forward call to `config` for a while (the latency rows of each design)."""
+    """Route every forward call to `config` for a while (the latency rows of each design); the launches
+    cached from the default table are forgotten on the way in and out."""
     saved = dict(kernels.DEFAULT_CONFIG)
     kernels.DEFAULT_CONFIG.update({key: config for key in saved if key[0] == "forward"})
+    kernels._clear_plans()
     try:
         yield
     finally:
         kernels.DEFAULT_CONFIG.update(saved)
+        kernels._clear_plans()
 
 
 def _design_latency_rows(kernel, bench, B, T, device):
@@ -249,8 +252,8 @@ def side_by_side(kernel, bench, shapes=None, backward_shapes=None, latency_shape
 
 
 def compile_cases(kernel, spec):
-    """(label, call) pairs for `python -m tools.compile_sm90`: every forward and backward configuration of
-    both designs at three card shapes (one chunk a program, several, and the launch-bound one), both window
+    """(label, call) pairs for `python -m tools.compile_sm90`: every forward and backward configuration at
+    three card shapes (one chunk a program, several, and the launch-bound one), both window
     kinds, bf16 and fp32, on meta tensors."""
     kernels = _triton_module(kernel)
 

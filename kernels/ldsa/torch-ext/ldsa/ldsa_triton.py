@@ -14,7 +14,7 @@ chunks of N frames. For a chunk it
      L1/L2, so each v element comes from HBM about once) and multiplies on the tensor cores.
 
 A tap-by-tap loop would read every v element W times through L1 (15x the output for W = 15), which caps
-it well below the copy bandwidth; the band product reads it K / N = 2 times and does the W-fold reuse in
+it well below the copy bandwidth (such a design ran 4x slower in bf16 and was removed); the band product reads it K / N = 2 times and does the W-fold reuse in
 the MMA. Weights stay float32-accurate: for bf16/fp16 values they are split into a high and a low part
 in the values' dtype (two MMAs, about 16 mantissa bits); float32 values use an IEEE float32 product.
 
@@ -24,9 +24,8 @@ chunk's value positions it recomputes the weights of the frames whose windows re
 transposed window) and forms dv = G Y^T the same way as the forward. Each of a_logits, v and grad_out is
 read from HBM about once and dlogits, dv are written once: the minimal bytes.
 
-This module also holds the launchers of both designs (this band design and the tap loop of `ldsa_taps`):
-the candidate configurations, the default table that picks one per call, and a launch path that skips
-Triton's per-call argument binding. No autotuning: the first call of a shape costs one compile and later
+This module also holds the launchers: the candidate configurations, the default table that picks one per
+call, and a launch path that skips Triton's per-call argument binding. No autotuning: the first call of a shape costs one compile and later
 calls only the launch.
 """
 
@@ -38,13 +37,18 @@ import triton
 import triton.language as tl
 from triton.compiler.compiler import CompiledKernel
 
-from .ldsa_taps import _aligned, _taps_backward_kernel, _taps_forward_kernel, _taps_lse_kernel
-
 # Frames per program: at most this many, to amortize the per-program setup over several chunks ...
 FRAMES_PER_PROGRAM = 128
 # ... but fewer when the grid would drop below this many programs (about 8 per SM on an H200's 132), so
 # that small, launch-bound shapes run their chunks side by side rather than one after another.
 MIN_PROGRAMS = 1024
+
+
+@triton.jit
+def _aligned(T, T_ALIGN: tl.constexpr):
+    """T, with its known divisor T_ALIGN visible to the compiler's alignment analysis: Triton vectorizes
+    loads and stores only where it can prove the row starts aligned."""
+    return (T // T_ALIGN) * T_ALIGN
 
 
 @triton.jit
@@ -279,6 +283,7 @@ def _band(W: int) -> tuple[int, int, int]:
     return N, K, block_w
 
 
+@functools.cache
 def supports_window(W: int) -> bool:
     """Windows of 2 to 113 taps. A one-tap window (its softmax is 1, the op a copy) failed its float64 check
     on the H200 forward and backward (bench/results/2026-11-29-86c310e) while passing in the interpreter,
@@ -337,7 +342,7 @@ def _band_forward_plan(config: str, W: int, left: int, Dh: int, T: int, BH: int,
     return n_ttiles, lead, dict(meta, PREFETCH=prefetch, TAPS=taps), num_warps
 
 
-# ---- Candidate configurations of both designs, and the default table ----
+# ---- Candidate configurations and the default table ----
 
 BAND = "band"  # the banded tensor-core product above; its tiles follow from the window (`_band_plan`)
 # The same forward with the next chunk's loads issued before the current chunk's compute (one channel tile
@@ -346,29 +351,24 @@ BAND_PREFETCH = "band-prefetch"
 # The prefetching forward (values prefetched; logits loaded in the chunk, a row a tap) with the band built in
 # registers (`_band_weights_by_tap`) instead of through tl.gather: no shared memory or barriers for the
 # weights, twice the instructions a chunk at W = 15 (sm_90 SASS main loop 411 against 206 at 64 x 3000 bf16)
-# and 96 registers against 63. GPU speed not yet measured, so no default takes it. TAPS = W is a
-# compile-time constant: each window compiles its own kernel, unrolled over its taps (meant for short ones).
+# and 96 registers against 63. TAPS = W is a compile-time constant: each window compiles its own kernel,
+# unrolled over its taps, so only windows up to 32 taps take it by default.
 BAND_BY_TAP = "band-by-tap"
-# The tap loop: "taps-t<frames per program>-w<warps>".
-TAPS_FORWARD = {f"taps-t{bt}-w{nw}": (bt, nw) for bt, nw in ((32, 4), (64, 4), (64, 8), (128, 8))}
-TAPS_BACKWARD = {f"taps-t{bt}-w{nw}": (bt, nw) for bt, nw in ((32, 4), (32, 8), (64, 4), (64, 8))}
-# Taps unrolled together (see ldsa_taps): 8 keeps the shift's alignment up to a 16-byte bf16 vector; the
-# backward, with two shifted tiles a tap, spills at 8 and takes 4.
-TAP_GROUP, TAP_GROUP_BACKWARD = 8, 4
-FORWARD_CONFIGS = (BAND, BAND_PREFETCH, BAND_BY_TAP, *TAPS_FORWARD)
-BACKWARD_CONFIGS = (BAND, *TAPS_BACKWARD)
+FORWARD_CONFIGS = (BAND, BAND_PREFETCH, BAND_BY_TAP)
+BACKWARD_CONFIGS = (BAND,)
 
-# The tap loop takes every window; windows the band design does not take (supports_window) run it.
-TAPS_ANY_WINDOW = "taps-t64-w4"
 # The configuration a call takes: (pass, window of at most 32 taps, float32 values) -> config name.
 # Wider windows keep the band design, whose tiles were sized for them. Float32 forward windows up to 32
-# taps take the tap loop: 0.697 against 1.206 ms at [64, 3000], W = 15 (bench/results/2026-11-29-5d4bed3-ldsa,
-# sweep rows); the band forward on float32 values compiles to 198 registers a thread (2 blocks an SM).
-# 16-bit forward windows up to 32 taps prefetch the next chunk: 0.272 against 0.296 ms at [64, 3000], W = 15,
-# causal and centered (same rows; at [32, 1024] causal it loses, 0.052 against 0.048 ms).
+# taps build the band tap by tap: 0.644 / 0.643 ms at [64, 3000], W = 15, causal / centered, against 1.23
+# for the gathered band, which on float32 values compiles to 198 registers a thread, and 0.696 / 0.669 for
+# a tap loop (one shifted multiply-add a tap, removed at this change: no default took it any more)
+# (bench/results/2026-11-30-b476e55-ldsa-forward-fpp.log). 16-bit forward windows up to 32 taps
+# prefetch the next chunk: 0.272 against 0.296 ms at [64, 3000], W = 15, causal and centered
+# (bench/results/2026-11-29-5d4bed3-ldsa, sweep rows; at [32, 1024] causal it loses, 0.052 against 0.048 ms);
+# the tap-by-tap band is 0.283-0.286 ms there, and 128 frames a program beat 256 and 512 in both dtypes.
 DEFAULT_CONFIG = {
     ("forward", True, False): BAND_PREFETCH,
-    ("forward", True, True): "taps-t64-w4",
+    ("forward", True, True): BAND_BY_TAP,
     ("forward", False, False): BAND,
     ("forward", False, True): BAND,
     ("backward", True, False): BAND,
@@ -379,83 +379,54 @@ DEFAULT_CONFIG = {
 
 
 def default_config(direction: str, W: int, dtype: torch.dtype) -> str:
-    if not supports_window(W):
-        return TAPS_ANY_WINDOW
     return DEFAULT_CONFIG[(direction, W <= 32, dtype == torch.float32)]
 
 
 def _t_align(T: int) -> int:
-    """The largest power of two up to 16 dividing T: the taps kernels' T_ALIGN."""
+    """The largest power of two up to 16 dividing T: the kernels' T_ALIGN."""
     return min(16, T & -T)
-
-
-def _channel_tile(Dh: int, cap: int) -> int:
-    """Channels per tile: the largest power of two up to `cap` dividing Dh (no masked channels), unless that
-    is a sliver below 16 of a larger Dh, which takes a padded tile instead."""
-    exact = min(cap, Dh & -Dh)
-    return exact if exact >= 16 or exact == Dh else min(cap, _pow2(Dh))
-
-
-@functools.cache
-def _taps_forward_plan(config: str, W: int, left: int, Dh: int, T: int) -> tuple[int, int, dict, int]:
-    """(frame tiles, channel tiles, meta-parameters, num_warps).
-
-    A [BLOCK_D, BLOCK_T] tile is kept at <= 16 elements a thread: the compiler issues a tap group's loads
-    ahead of their FMAs, so TAP_GROUP value tiles are live at once."""
-    block_t, num_warps = TAPS_FORWARD[config]
-    block_d = _channel_tile(Dh, min(128, 16 * 32 * num_warps // block_t))
-    meta = dict(W=W, LEFT=left, T_ALIGN=_t_align(T), BLOCK_T=block_t, BLOCK_D=block_d, TAP_GROUP=TAP_GROUP)
-    return triton.cdiv(T, block_t), triton.cdiv(Dh, block_d), meta, num_warps
-
-
-@functools.cache
-def _taps_backward_plan(config: str, W: int, left: int, Dh: int, T: int) -> tuple[int, dict, int]:
-    """(frame tiles, meta-parameters, num_warps); [BLOCK_D, BLOCK_T] tiles are kept at <= 16 elements a
-    thread, as in the forward (grad_out and dv stay live through the tap loop, the shifted loads run ahead)."""
-    block_t, num_warps = TAPS_BACKWARD[config]
-    block_d = _channel_tile(Dh, min(128, 16 * 32 * num_warps // block_t))
-    meta = dict(
-        W=W, LEFT=left, T_ALIGN=_t_align(T), BLOCK_T=block_t, BLOCK_D=block_d, BLOCK_W=max(2, _pow2(W)),
-        D_TILES=triton.cdiv(Dh, block_d), TAP_GROUP=TAP_GROUP_BACKWARD,
-    )
-    return triton.cdiv(T, block_t), meta, num_warps
 
 
 # ---- Launching ----
 
-# Compiled kernels by (kernel, num_warps, device, meta values, argument specialization): see `_launch`.
+
+class _Launch:
+    """One kernel launch of a call shape: the kernel, its grid (programs), its integer arguments (they follow
+    its tensor arguments), meta-parameters and warps. Built once per shape by the cached plan functions below
+    and compared by identity, so the compiled-kernel cache keys on the object itself (and keeps it alive)."""
+
+    __slots__ = ("kernel", "programs", "ints", "meta", "num_warps")
+
+    def __init__(self, kernel, programs: int, ints: tuple, meta: dict, num_warps: int):
+        self.kernel, self.programs, self.ints, self.meta, self.num_warps = kernel, programs, ints, meta, num_warps
+
+
+# Launchers of compiled kernels by (_Launch, device, each tensor's dtype and 16-byte alignment): see `_launch`.
 _compiled: dict = {}
 
 
-def _specialization(x) -> tuple:
-    """What Triton 3.6 specializes a runtime argument on: a tensor's dtype and 16-byte alignment; an int's
-    being 1, being divisible by 16, and fitting in int32."""
-    if isinstance(x, torch.Tensor):
-        return x.dtype, x.data_ptr() % 16 == 0
-    return x == 1, x % 16 == 0, -(2**31) <= x < 2**31
+def _launch(launch: _Launch, tensors: tuple) -> None:
+    """launch.kernel[(launch.programs,)](*tensors, *launch.ints, **launch.meta, num_warps=launch.num_warps),
+    minus Triton's per-call binding, which costs more host time than a small call's kernel takes.
 
-
-def _launch(kernel, programs: int, args: tuple, meta: dict, num_warps: int) -> None:
-    """kernel[(programs,)](*args, **meta, num_warps=num_warps), minus Triton's per-call binding.
-
-    The first launch of a specialization goes through the JIT (compiling, or loading its cache) and keeps
-    the CompiledKernel it returns; later launches with the same specialization call its launcher directly,
-    with the arguments in the kernel's parameter order (constexprs included; the launcher skips them).
-    While a launch hook is registered (Triton's profiler) every launch takes the JIT path, which feeds it;
-    under the interpreter nothing is compiled, so nothing is kept."""
-    device = args[0].device.index
-    key = (kernel, num_warps, device, *meta.values(), *map(_specialization, args))
+    Triton specializes a launch on its tensors' dtypes and 16-byte alignment and on its integers (fixed by
+    the _Launch). The first launch of a specialization goes through the JIT (compiling, or loading its cache)
+    and keeps the CompiledKernel it returns; later ones call its launcher directly, with the arguments in the
+    kernel's parameter order (constexprs included; the launcher skips them). While a launch hook is
+    registered (Triton's profiler) every launch takes the JIT path, which feeds it; under the interpreter
+    nothing is compiled, so nothing is kept."""
+    device = tensors[0].device.index
+    key = (launch, device, *[(t.dtype, t.data_ptr() % 16 == 0) for t in tensors])
     hit = _compiled.get(key)
     if hit is not None and not triton.knobs.runtime.launch_enter_hook.calls:
-        compiled, constexprs = hit
-        compiled.run(
-            programs, 1, 1, triton.runtime.driver.active.get_current_stream(device), compiled.function, compiled.packed_metadata, None, None, None,
-            *args, *constexprs,
-        )  # fmt: skip
+        run, function, metadata, stream_of, trailing = hit
+        run(launch.programs, 1, 1, stream_of(device), function, metadata, None, None, None, *tensors, *trailing)
         return
-    compiled = kernel[(programs,)](*args, **meta, num_warps=num_warps)
+    compiled = launch.kernel[(launch.programs,)](*tensors, *launch.ints, **launch.meta, num_warps=launch.num_warps)
     if isinstance(compiled, CompiledKernel):
-        _compiled[key] = (compiled, tuple(meta[name] for name in kernel.arg_names[len(args) :]))
+        constexprs = tuple(launch.meta[name] for name in launch.kernel.arg_names[len(tensors) + len(launch.ints) :])
+        stream_of = triton.runtime.driver.active.get_current_stream
+        _compiled[key] = (compiled.run, compiled.function, compiled.packed_metadata, stream_of, (*launch.ints, *constexprs))
 
 
 def _device_of(x: torch.Tensor):
@@ -465,23 +436,42 @@ def _device_of(x: torch.Tensor):
     return contextlib.nullcontext()
 
 
+def _clear_plans() -> None:
+    """Forget every cached plan and launch: for tests, benchmarks and probes that change DEFAULT_CONFIG,
+    FRAMES_PER_PROGRAM or MIN_PROGRAMS."""
+    for plan in (_band, _span_leads, _band_plan, _band_forward_plan, _forward_launch, _backward_launch):
+        plan.cache_clear()
+
+
+@functools.cache
+def _forward_launch(config: str | None, W: int, left: int, Dh: int, T: int, BH: int, dtype: torch.dtype) -> _Launch:
+    """The forward's launch for values of `dtype`; config None takes the default table's choice."""
+    config = config or default_config("forward", W, dtype)
+    if config not in FORWARD_CONFIGS:
+        raise ValueError(f"unknown forward config {config!r}; the configs are {FORWARD_CONFIGS}")
+    n_ttiles, lead, meta, num_warps = _band_forward_plan(config, W, left, Dh, T, BH, dtype)
+    return _Launch(_ldsa_forward_kernel, BH * n_ttiles, (T, Dh, W, left, lead, n_ttiles), meta, num_warps)
+
+
+@functools.cache
+def _backward_launch(config: str | None, W: int, left: int, Dh: int, T: int, BH: int, dtype: torch.dtype) -> _Launch:
+    """The backward's launch for values (and grad_out) of `dtype`; config None takes the default table's."""
+    config = config or default_config("backward", W, dtype)
+    if config not in BACKWARD_CONFIGS:
+        raise ValueError(f"unknown backward config {config!r}; the configs are {BACKWARD_CONFIGS}")
+    n_ttiles, leads, meta, num_warps = _band_plan(W, left, Dh, T, BH, dtype.itemsize)
+    return _Launch(_ldsa_backward_kernel, BH * n_ttiles, (T, Dh, W, left, *leads, n_ttiles), meta, num_warps)
+
+
 def ldsa_forward(a_logits: torch.Tensor, v: torch.Tensor, left: int, right: int, config: str | None = None):
     """Fused forward on contiguous a_logits [B,H,W,T] and v [B,H,Dh,T] (validated by the caller).
 
     `config` names one of FORWARD_CONFIGS; None takes the default table's choice."""
     B, H, Dh, T = v.shape
-    W = left + right + 1
-    config = config or default_config("forward", W, v.dtype)
+    launch = _forward_launch(config, left + right + 1, left, Dh, T, B * H, v.dtype)
     out = torch.empty_like(v)
     with _device_of(v):
-        if config in (BAND, BAND_PREFETCH, BAND_BY_TAP):
-            n_ttiles, lead, meta, num_warps = _band_forward_plan(config, W, left, Dh, T, B * H, v.dtype)
-            args = (a_logits, v, out, T, Dh, W, left, lead, n_ttiles)
-            _launch(_ldsa_forward_kernel, B * H * n_ttiles, args, meta, num_warps)
-        else:
-            n_ttiles, n_dtiles, meta, num_warps = _taps_forward_plan(config, W, left, Dh, T)
-            args = (a_logits, v, out, T, Dh, n_ttiles, n_dtiles)
-            _launch(_taps_forward_kernel, B * H * n_dtiles * n_ttiles, args, meta, num_warps)
+        _launch(launch, (a_logits, v, out))
     return out
 
 
@@ -491,26 +481,15 @@ def ldsa_backward(
     """Fused backward: (dlogits in a_logits' dtype, dv in v's dtype) from contiguous saved inputs.
 
     `config` names one of BACKWARD_CONFIGS; None takes the default table's choice. Autograd hands grad_out
-    in v's dtype; with another dtype the band design runs both in float32 (exact upcasts, since its V^T G
-    product needs one operand dtype), while the tap loop reads each in its own dtype."""
+    in v's dtype; with another dtype both run in float32 (exact upcasts, since the V^T G product needs one
+    operand dtype)."""
     B, H, Dh, T = v.shape
-    W = left + right + 1
-    config = config or default_config("backward", W, v.dtype)
+    vals = v
+    if grad_out.dtype != v.dtype:
+        vals, grad_out = v.float(), grad_out.float()
+    launch = _backward_launch(config, left + right + 1, left, Dh, T, B * H, vals.dtype)
     dlogits = torch.empty_like(a_logits)
     dv = torch.empty_like(v)
     with _device_of(v):
-        if config == BAND:
-            vals = v
-            if grad_out.dtype != v.dtype:
-                vals, grad_out = v.float(), grad_out.float()
-            n_ttiles, leads, meta, num_warps = _band_plan(W, left, Dh, T, B * H, vals.dtype.itemsize)
-            args = (a_logits, vals, grad_out, dlogits, dv, T, Dh, W, left, *leads, n_ttiles)
-            _launch(_ldsa_backward_kernel, B * H * n_ttiles, args, meta, num_warps)
-        else:
-            n_ttiles, meta, num_warps = _taps_backward_plan(config, W, left, Dh, T)
-            lse = torch.empty((B * H, T), dtype=torch.float32, device=v.device)
-            lse_meta = dict(W=W, T_ALIGN=meta["T_ALIGN"], BLOCK_T=meta["BLOCK_T"])
-            _launch(_taps_lse_kernel, B * H * n_ttiles, (a_logits, lse, T, n_ttiles), lse_meta, num_warps)
-            args = (a_logits, v, grad_out, lse, dlogits, dv, T, Dh, n_ttiles)
-            _launch(_taps_backward_kernel, B * H * n_ttiles, args, meta, num_warps)
+        _launch(launch, (a_logits, vals, grad_out, dlogits, dv))
     return dlogits, dv
