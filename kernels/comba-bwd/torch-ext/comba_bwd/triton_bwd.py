@@ -44,12 +44,16 @@ BT = tl.constexpr(CHUNK)
 
 
 @triton.jit
-def _gates(g, beta, scal_base, t0, H):
-    """gc (inclusive cumsum of g in the chunk), the chunk's total log-decay, and beta, all fp32 [BT]."""
-    r = tl.arange(0, BT)
+def _gates(g, beta, scal_base, t0, H, R: tl.constexpr = BT, offset=None):
+    """On the R rows from t0 (a chunk, or a block of one), all fp32 [R]: gc (inclusive cumsum of g), the
+    log-decay to the last row, and beta; `offset` is the log-decay before t0 inside the chunk (for a block)."""
+    r = tl.arange(0, R)
     gk = tl.load(g + scal_base + (t0 + r) * H).to(tl.float32)
     bk = tl.load(beta + scal_base + (t0 + r) * H).to(tl.float32)
-    return tl.cumsum(gk, 0), tl.sum(gk, 0), bk
+    gc, total = tl.cumsum(gk, 0), tl.sum(gk, 0)
+    if offset is not None:
+        gc, total = offset + gc, offset + total
+    return gc, total, bk
 
 
 @triton.jit
@@ -85,15 +89,6 @@ def _rows_t(x, base, t0, HD, D: tl.constexpr, R: tl.constexpr = BT):
 
 
 SUB = tl.constexpr(16)  # sub-block of the blocked transform: 4 x 4 blocks of 16 x 16 per chunk
-
-
-@triton.jit
-def _sub_gates(g, beta, scal_base, t0, H, offset):
-    """gc on rows t0 .. t0 + SUB (offset = the chunk's log-decay before them), beta, and the new offset."""
-    r = tl.arange(0, SUB)
-    gk = tl.load(g + scal_base + (t0 + r) * H).to(tl.float32)
-    bk = tl.load(beta + scal_base + (t0 + r) * H).to(tl.float32)
-    return offset + tl.cumsum(gk, 0), bk, offset + tl.sum(gk, 0)
 
 
 @triton.jit
@@ -147,10 +142,10 @@ def _transform_kernel(k, p, beta, g, A, N, H, K: tl.constexpr):
     scal_base = b.to(tl.int64) * T * H + h
     t0 = n * BT
     kbase = scal_base * K
-    gc0, b0, off = _sub_gates(g, beta, scal_base, t0, H, 0.0)
-    gc1, b1, off = _sub_gates(g, beta, scal_base, t0 + SUB, H, off)
-    gc2, b2, off = _sub_gates(g, beta, scal_base, t0 + 2 * SUB, H, off)
-    gc3, b3, off = _sub_gates(g, beta, scal_base, t0 + 3 * SUB, H, off)
+    gc0, off, b0 = _gates(g, beta, scal_base, t0, H, SUB)
+    gc1, off, b1 = _gates(g, beta, scal_base, t0 + SUB, H, SUB, off)
+    gc2, off, b2 = _gates(g, beta, scal_base, t0 + 2 * SUB, H, SUB, off)
+    gc3, _, b3 = _gates(g, beta, scal_base, t0 + 3 * SUB, H, SUB, off)
     # P on each block's rows, K^T on each block's columns (loaded transposed)
     p0 = tl.load(_rows(p, kbase, t0, H * K, K, SUB)).to(tl.bfloat16)
     p1 = tl.load(_rows(p, kbase, t0 + SUB, H * K, K, SUB)).to(tl.bfloat16)
@@ -373,13 +368,29 @@ def _reverse_cumsum(x):
 
 
 @triton.jit
+def _store_dp_dbeta(x_s, dLE, kk, pk, gc, bk, dbeta_v, dp_rows, dbeta, rows_h, n_pos, NV: tl.constexpr):
+    """The transform's P side: dp = beta (gam Y + dLE K) with Y = A^T dW = -X S^T (x_s = X S^T, fp32) and
+    dLE = dL * E (bf16), and dbeta = p . (gam Y + dLE K) plus the scans' V-block parts (dbeta_v, NV of them,
+    n_pos apart); stores both and returns dbeta's gate term of d gc, beta gam (p . Y)."""
+    pf = pk.to(tl.float32)
+    z = -tl.exp(gc)[:, None] * x_s
+    p_y = tl.sum(pf * z, 1)
+    z = tl.dot(dLE, kk, acc=z)
+    db = tl.sum(pf * z, 1)
+    for iv in range(NV):
+        db += tl.load(dbeta_v + iv * n_pos + rows_h)
+    tl.store(dp_rows, (bk[:, None] * z).to(dp_rows.dtype.element_ty))
+    tl.store(dbeta + rows_h, db.to(dbeta.dtype.element_ty))
+    return bk * p_y
+
+
+@triton.jit
 def _grads_pb_kernel(k, p, beta, g, S_in, dS_in, Vn_in, X_in, dbeta_v, dgc_in, dp, dbeta, dg, N, H,
                      K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr):
     """dp and dbeta (A^T dW = -X S^T; the chunk transform's P side), and dg from every term of d gc: dgc_in's,
     the transform's, and the decay of the carried state, Gam <S_n, dS'_n>, on the chunk's last row."""
     scal_base, t0, chunk, rows = _chunk_offsets(N, H)
     gc, glast, bk = _gates(g, beta, scal_base, t0, H)
-    gam = tl.exp(gc)
     x_s = tl.zeros([BT, K], dtype=tl.float32)
     x_vn = tl.zeros([BT, BT], dtype=tl.float32)
     s_ds = tl.zeros([K], dtype=tl.float32)                                       # <S_n, dS'_n> by column
@@ -397,22 +408,12 @@ def _grads_pb_kernel(k, p, beta, g, S_in, dS_in, Vn_in, X_in, dbeta_v, dgc_in, d
     mask = r[:, None] > r[None, :]
     dL = tl.where(mask, -x_vn, 0.0)
     dL_L = dL * tl.where(mask, tl.dot(pk, tl.trans(kk)) * bk[:, None] * E, 0.0)      # dL * L
-    # dp = beta (gam Y + dR K) with Y = A^T dW = -X S^T, dR = dL * E; one [BT, K] tile z = gam Y + dR K, whose
-    # p . z is dbeta's state and transform part.
-    pf = pk.to(tl.float32)
-    z = -gam[:, None] * x_s
-    p_y = tl.sum(pf * z, 1)                                                    # gam (p . Y)
-    z = tl.dot((dL * E).to(tl.bfloat16), kk, acc=z)
-    dp_c = bk[:, None] * z
     rows_h = scal_base + (t0 + r) * H
     n_pos = tl.num_programs(1) // H * N * BT * H                                  # B * T * H
-    db_c = tl.sum(pf * z, 1)
-    for iv in range(NV):
-        db_c += tl.load(dbeta_v + iv * n_pos + rows_h)
-    dgc = tl.load(dgc_in + rows_h) + tl.sum(dL_L, 1) - tl.sum(dL_L, 0) + bk * p_y
+    dgc = tl.load(dgc_in + rows_h) + tl.sum(dL_L, 1) - tl.sum(dL_L, 0) + _store_dp_dbeta(
+        x_s, (dL * E).to(tl.bfloat16), kk, pk, gc, bk, dbeta_v, _rows(dp, scal_base * K, t0, H * K, K), dbeta, rows_h,
+        n_pos, NV)
     dgc += tl.where(r == BT - 1, tl.exp(glast) * tl.sum(s_ds, 0), 0.0)
-    tl.store(_rows(dp, scal_base * K, t0, H * K, K), dp_c.to(dp.dtype.element_ty))
-    tl.store(dbeta + rows_h, db_c.to(dbeta.dtype.element_ty))
     tl.store(dg + rows_h, _reverse_cumsum(dgc))
 
 
@@ -447,18 +448,11 @@ def _grads_kp_kernel(q, k, p, beta, g, do, S_in, dS_in, Vn_in, X_in, dbeta_v, dg
     pk = tl.load(_rows(p, scal_base * K, t0, H * K, K)).to(tl.bfloat16)
     dL_L = dLE * tl.dot(pk, tl.load(_rows_t(k, scal_base * K, t0, H * K, K)).to(tl.bfloat16)) * bk[:, None]
     dgc = tl.sum(dL_L, 1) - tl.sum(dL_L, 0)                                      # dL * L, rows minus columns
-    # dp and dbeta, as in _grads_pb_kernel
-    z = -tl.exp(gc)[:, None] * x_s
-    p_y = tl.sum(pk.to(tl.float32) * z, 1)                                       # gam (p . Y)
     dLE_b = dLE.to(tl.bfloat16)
-    z = tl.dot(dLE_b, tl.load(_rows(k, scal_base * K, t0, H * K, K)).to(tl.bfloat16), acc=z)
     n_pos = tl.num_programs(1) // H * N * BT * H                                  # B * T * H
-    db_c = tl.sum(pk.to(tl.float32) * z, 1)
-    for iv in range(NV):
-        db_c += tl.load(dbeta_v + iv * n_pos + rows_h)
-    tl.store(_rows(dp, scal_base * K, t0, H * K, K), (bk[:, None] * z).to(dp.dtype.element_ty))
-    tl.store(dbeta + rows_h, db_c.to(dbeta.dtype.element_ty))
-    dgc += tl.load(dgc_in + rows_h) + bk * p_y
+    dgc += tl.load(dgc_in + rows_h) + _store_dp_dbeta(
+        x_s, dLE_b, tl.load(_rows(k, scal_base * K, t0, H * K, K)).to(tl.bfloat16), pk, gc, bk, dbeta_v,
+        _rows(dp, scal_base * K, t0, H * K, K), dbeta, rows_h, n_pos, NV)
 
     do_vn = tl.zeros([BT, BT], dtype=tl.float32)                                 # dO Vn^T
     ds_vn = tl.zeros([K, BT], dtype=tl.float32)                                  # dS' Vn^T
