@@ -14,9 +14,10 @@ chunks of N frames. For a chunk it
      L1/L2, so each v element comes from HBM about once) and multiplies on the tensor cores.
 
 A tap-by-tap loop would read every v element W times through L1 (15x the output for W = 15), which caps
-it well below the copy bandwidth (such a design ran 4x slower in bf16 and was removed); the band product reads it K / N = 2 times and does the W-fold reuse in
-the MMA. Weights stay float32-accurate: for bf16/fp16 values they are split into a high and a low part
-in the values' dtype (two MMAs, about 16 mantissa bits); float32 values use an IEEE float32 product.
+it well below the copy bandwidth (such a design ran 4x slower in bf16 and was removed); the band product
+reads it K / N = 2 times and does the W-fold reuse in the MMA. Weights stay float32-accurate: for bf16/fp16
+values they are split into a high and a low part in the values' dtype (two MMAs, about 16 mantissa bits);
+float32 values use an IEEE float32 product.
 
 The backward is one kernel on the same grid. For the chunk's frames it forms V^T G on the span (the
 windowed reduction over Dh), gathers da[k, t] from its band and applies the softmax Jacobian; for the
@@ -25,8 +26,8 @@ transposed window) and forms dv = G Y^T the same way as the forward. Each of a_l
 read from HBM about once and dlogits, dv are written once: the minimal bytes.
 
 This module also holds the launchers: the candidate configurations, the default table that picks one per
-call, and a launch path that skips Triton's per-call argument binding. No autotuning: the first call of a shape costs one compile and later
-calls only the launch.
+call, and a launch path that skips Triton's per-call argument binding. No autotuning: the first call of a
+shape costs one compile and later calls only the launch.
 """
 
 import contextlib
@@ -359,13 +360,13 @@ BACKWARD_CONFIGS = (BAND,)
 
 # The configuration a call takes: (pass, window of at most 32 taps, float32 values) -> config name.
 # Wider windows keep the band design, whose tiles were sized for them. Float32 forward windows up to 32
-# taps build the band tap by tap: 0.644 / 0.643 ms at [64, 3000], W = 15, causal / centered, against 1.23
-# for the gathered band, which on float32 values compiles to 198 registers a thread, and 0.696 / 0.669 for
-# a tap loop (one shifted multiply-add a tap, removed at this change: no default took it any more)
-# (bench/results/2026-11-30-b476e55-ldsa-forward-fpp.log). 16-bit forward windows up to 32 taps
-# prefetch the next chunk: 0.272 against 0.296 ms at [64, 3000], W = 15, causal and centered
-# (bench/results/2026-11-29-5d4bed3-ldsa, sweep rows; at [32, 1024] causal it loses, 0.052 against 0.048 ms);
-# the tap-by-tap band is 0.283-0.286 ms there, and 128 frames a program beat 256 and 512 in both dtypes.
+# taps build the band tap by tap: 0.636 ms at [64, 3000], W = 15, causal, against 1.207 for the gathered
+# band, which on float32 values compiles to 198 registers a thread (bench/results/2026-11-30-2f04362-ldsa,
+# sweep rows), and 0.696 / 0.669 causal / centered for a tap loop (one shifted multiply-add a tap, removed
+# when no default took it any more; 2026-11-30-b476e55-ldsa-forward-fpp.log). 16-bit forward windows up to
+# 32 taps prefetch the next chunk: 0.272 / 0.273 ms at [64, 3000], W = 15, causal / centered, against 0.298
+# for `band` and 0.286 / 0.287 for `band-by-tap` (2f04362 sweep rows; at [32, 1024] causal it loses to
+# `band`, 0.053 against 0.049 ms). 128 frames a program beat 256 and 512 in both dtypes (the b476e55 log).
 DEFAULT_CONFIG = {
     ("forward", True, False): BAND_PREFETCH,
     ("forward", True, True): BAND_BY_TAP,
@@ -407,7 +408,7 @@ _compiled: dict = {}
 
 def _launch(launch: _Launch, tensors: tuple) -> None:
     """launch.kernel[(launch.programs,)](*tensors, *launch.ints, **launch.meta, num_warps=launch.num_warps),
-    minus Triton's per-call binding, which costs more host time than a small call's kernel takes.
+    minus Triton's per-call binding (host time that launch-bound calls cannot spare).
 
     Triton specializes a launch on its tensors' dtypes and 16-byte alignment and on its integers (fixed by
     the _Launch). The first launch of a specialization goes through the JIT (compiling, or loading its cache)
@@ -426,7 +427,8 @@ def _launch(launch: _Launch, tensors: tuple) -> None:
     if isinstance(compiled, CompiledKernel):
         constexprs = tuple(launch.meta[name] for name in launch.kernel.arg_names[len(tensors) + len(launch.ints) :])
         stream_of = triton.runtime.driver.active.get_current_stream
-        _compiled[key] = (compiled.run, compiled.function, compiled.packed_metadata, stream_of, (*launch.ints, *constexprs))
+        trailing = (*launch.ints, *constexprs)
+        _compiled[key] = (compiled.run, compiled.function, compiled.packed_metadata, stream_of, trailing)
 
 
 def _device_of(x: torch.Tensor):
