@@ -65,13 +65,19 @@ def _dot_float32_weights(x, w):
     """x @ w for values x (input dtype) and float32 weights w, products as accurate as in float32.
 
     Tensor-core operands share one dtype, so bf16/fp16 values take w as hi + lo in that dtype (the
-    residual of the first rounding); float32 values use an IEEE product (TF32 would lose 13 bits)."""
+    residual of the first rounding); float32 values use an IEEE product (TF32 would lose 13 bits). hi and
+    lo are interleaved as the columns of one [K, 2N] operand, so that one MMA reads x once for both, and
+    the two products of a column are neighbours in the result (one thread's pair in the accumulator)."""
     if x.dtype == tl.float32:
         return tl.dot(x, w, input_precision="ieee")
     else:
         hi = w.to(x.dtype)
         lo = (w - hi.to(tl.float32)).to(x.dtype)
-        return tl.dot(x, lo, tl.dot(x, hi))
+        K: tl.constexpr = w.shape[0]
+        N: tl.constexpr = w.shape[1]
+        both = tl.dot(x, tl.reshape(tl.join(hi, lo), [K, 2 * N]))
+        from_hi, from_lo = tl.split(tl.reshape(both, [x.shape[0], N, 2]))
+        return from_hi + from_lo
 
 
 @triton.jit
