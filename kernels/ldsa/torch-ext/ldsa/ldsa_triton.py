@@ -61,23 +61,27 @@ def _window_softmax(logits, tap_ok, axis: tl.constexpr):
 
 
 @triton.jit
-def _dot_float32_weights(x, w):
+def _dot_float32_weights(x, w, ONE_MMA: tl.constexpr):
     """x @ w for values x (input dtype) and float32 weights w, products as accurate as in float32.
 
     Tensor-core operands share one dtype, so bf16/fp16 values take w as hi + lo in that dtype (the
-    residual of the first rounding); float32 values use an IEEE product (TF32 would lose 13 bits). hi and
-    lo are interleaved as the columns of one [K, 2N] operand, so that one MMA reads x once for both, and
-    the two products of a column are neighbours in the result (one thread's pair in the accumulator)."""
+    residual of the first rounding); float32 values use an IEEE product (TF32 would lose 13 bits).
+    ONE_MMA interleaves hi and lo as the columns of one [K, 2N] operand, so that one MMA reads x once for
+    both and the two products of a column are neighbours in the result (a thread's pair in the
+    accumulator): the forward's choice (0.273 -> 0.250 ms at [64, 3000] bf16,
+    bench/results/2026-11-30-e3649dd-dirty-ldsa-one-mma.log). The backward keeps two MMAs: with one, its
+    gradients came out wrong on the H200 at 21 and 113 taps (2026-11-30-f43d67b-ldsa-pytest.log)."""
     if x.dtype == tl.float32:
         return tl.dot(x, w, input_precision="ieee")
-    else:
-        hi = w.to(x.dtype)
-        lo = (w - hi.to(tl.float32)).to(x.dtype)
+    hi = w.to(x.dtype)
+    lo = (w - hi.to(tl.float32)).to(x.dtype)
+    if ONE_MMA:
         K: tl.constexpr = w.shape[0]
         N: tl.constexpr = w.shape[1]
         both = tl.dot(x, tl.reshape(tl.join(hi, lo), [K, 2 * N]))
         from_hi, from_lo = tl.split(tl.reshape(both, [x.shape[0], N, 2]))
         return from_hi + from_lo
+    return tl.dot(x, lo, tl.dot(x, hi))
 
 
 @triton.jit
@@ -178,7 +182,7 @@ def _ldsa_forward_kernel(
                 band = _band_weights(logits, tap_ok, gather_tap, in_band)
             else:
                 band = _band_weights_by_tap(a_base, T, t, band_tap, TAPS)
-            out = _dot_float32_weights(vals, band)  # [BLOCK_D, N]
+            out = _dot_float32_weights(vals, band, True)  # [BLOCK_D, N]
             tl.store(out_base + row + t[None, :], out.to(out_ptr.dtype.element_ty), mask=d_ok & (t[None, :] < T))
     else:
         for c in range(CHUNKS):
@@ -193,7 +197,7 @@ def _ldsa_forward_kernel(
                 d_ok = d[:, None] < Dh
                 row = d.to(tl.int64)[:, None] * T
                 vals = _load_span(v_base, row, d_ok, t0 - lead + span, T)
-                out = _dot_float32_weights(vals, band)  # [BLOCK_D, N]
+                out = _dot_float32_weights(vals, band, True)  # [BLOCK_D, N]
                 tl.store(out_base + row + t[None, :], out.to(out_ptr.dtype.element_ty), mask=d_ok & (t[None, :] < T))
 
 
@@ -254,7 +258,7 @@ def _ldsa_backward_kernel(
             row = d.to(tl.int64) * T
             # Grad-out outside [0, T) is zero, so frames past the ends add nothing to dv.
             g_u = tl.load(go_base + row[:, None] + u[None, :], mask=d_ok[:, None] & u_ok[None, :], other=0.0)
-            dv = _dot_float32_weights(g_u, band_t)  # [BLOCK_D, N]
+            dv = _dot_float32_weights(g_u, band_t, False)  # [BLOCK_D, N]
             tl.store(dv_base + row[:, None] + t[None, :], dv.to(dv_ptr.dtype.element_ty), mask=d_ok[:, None] & t_ok)
             vals_t = tl.load(v_base + row[None, :] + s[:, None], mask=d_ok[None, :] & s_ok, other=0.0)
             g_t = tl.load(go_base + row[:, None] + t[None, :], mask=d_ok[:, None] & t_ok, other=0.0)
