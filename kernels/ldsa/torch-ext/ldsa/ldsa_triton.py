@@ -370,13 +370,13 @@ BACKWARD_CONFIGS = (BAND,)
 
 # The configuration a call takes: (pass, window of at most 32 taps, float32 values) -> config name.
 # Wider windows keep the band design, whose tiles were sized for them. Float32 forward windows up to 32
-# taps build the band tap by tap: 0.636 ms at [64, 3000], W = 15, causal, against 1.207 for the gathered
-# band, which on float32 values compiles to 198 registers a thread (bench/results/2026-11-30-2f04362-ldsa,
+# taps build the band tap by tap: 0.633 ms at [64, 3000], W = 15, causal, against 1.206 for the gathered
+# band, which on float32 values compiles to 198 registers a thread (bench/results/2026-11-30-dddaffc-ldsa,
 # sweep rows), and 0.696 / 0.669 causal / centered for a tap loop (one shifted multiply-add a tap, removed
 # when no default took it any more; 2026-11-30-b476e55-ldsa-forward-fpp.log). 16-bit forward windows up to
-# 32 taps prefetch the next chunk: 0.272 / 0.273 ms at [64, 3000], W = 15, causal / centered, against 0.298
-# for `band` and 0.286 / 0.287 for `band-by-tap` (2f04362 sweep rows; at [32, 1024] causal it loses to
-# `band`, 0.053 against 0.049 ms). 128 frames a program beat 256 and 512 in both dtypes (the b476e55 log).
+# 32 taps prefetch the next chunk: 0.250 ms at [64, 3000], W = 15, causal and centered, against 0.260 for
+# `band` and 0.290 for `band-by-tap` (dddaffc sweep rows; at [32, 1024] causal it loses to `band`, 0.050
+# against 0.041 ms). 128 frames a program beat 256 and 512 in both dtypes (the b476e55 log).
 DEFAULT_CONFIG = {
     ("forward", True, False): BAND_PREFETCH,
     ("forward", True, True): BAND_BY_TAP,
