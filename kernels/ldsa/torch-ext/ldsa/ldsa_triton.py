@@ -16,8 +16,8 @@ chunks of N frames. For a chunk it
 A tap-by-tap loop would read every v element W times through L1 (15x the output for W = 15), which caps
 it well below the copy bandwidth (such a design ran 4x slower in bf16 and was removed); the band product
 reads it K / N = 2 times and does the W-fold reuse in the MMA. Weights stay float32-accurate: for bf16/fp16
-values they are split into a high and a low part in the values' dtype (two MMAs, about 16 mantissa bits);
-float32 values use an IEEE float32 product.
+values they are split into a high and a low part in the values' dtype (about 16 mantissa bits; both parts
+in one MMA in the forward, see `_dot_float32_weights`); float32 values use an IEEE float32 product.
 
 The backward is one kernel on the same grid. For the chunk's frames it forms V^T G on the span (the
 windowed reduction over Dh), gathers da[k, t] from its band and applies the softmax Jacobian; for the
@@ -343,16 +343,6 @@ def _band_plan(W: int, left: int, Dh: int, T: int, BH: int, itemsize: int) -> tu
     return n_ttiles, tuple(leads), meta, num_warps
 
 
-@functools.cache
-def _band_forward_plan(config: str, W: int, left: int, Dh: int, T: int, BH: int, dtype: torch.dtype):
-    """`_band_plan` plus the forward's PREFETCH and TAPS (0: the gather; W: `_band_weights_by_tap`) flags,
-    with the lead of its value spans: built once per shape, since small calls are host-bound."""
-    n_ttiles, (lead, _), meta, num_warps = _band_plan(W, left, Dh, T, BH, dtype.itemsize)
-    prefetch = config in (BAND_PREFETCH, BAND_BY_TAP) and meta["D_TILES"] == 1
-    taps = W if config == BAND_BY_TAP else 0  # 0: the gather
-    return n_ttiles, lead, dict(meta, PREFETCH=prefetch, TAPS=taps), num_warps
-
-
 # ---- Candidate configurations and the default table ----
 
 BAND = "band"  # the banded tensor-core product above; its tiles follow from the window (`_band_plan`)
@@ -449,19 +439,23 @@ def _device_of(x: torch.Tensor):
 
 
 def _clear_plans() -> None:
-    """Forget every cached plan and launch: for tests, benchmarks and probes that change DEFAULT_CONFIG,
-    FRAMES_PER_PROGRAM or MIN_PROGRAMS."""
-    for plan in (_band, _span_leads, _band_plan, _band_forward_plan, _forward_launch, _backward_launch):
+    """Forget the cached plans and launches that depend on DEFAULT_CONFIG, FRAMES_PER_PROGRAM or MIN_PROGRAMS:
+    for tests, benchmarks and probes that change those."""
+    for plan in (_band_plan, _forward_launch, _backward_launch):
         plan.cache_clear()
 
 
 @functools.cache
 def _forward_launch(config: str | None, W: int, left: int, Dh: int, T: int, BH: int, dtype: torch.dtype) -> _Launch:
-    """The forward's launch for values of `dtype`; config None takes the default table's choice."""
+    """The forward's launch for values of `dtype`, built once per shape since small calls are host-bound:
+    `_band_plan` plus the PREFETCH and TAPS (0: the gather; W: `_band_weights_by_tap`) flags. config None
+    takes the default table's choice."""
     config = config or default_config("forward", W, dtype)
     if config not in FORWARD_CONFIGS:
         raise ValueError(f"unknown forward config {config!r}; the configs are {FORWARD_CONFIGS}")
-    n_ttiles, lead, meta, num_warps = _band_forward_plan(config, W, left, Dh, T, BH, dtype)
+    n_ttiles, (lead, _), meta, num_warps = _band_plan(W, left, Dh, T, BH, dtype.itemsize)
+    prefetch = config in (BAND_PREFETCH, BAND_BY_TAP) and meta["D_TILES"] == 1
+    meta = dict(meta, PREFETCH=prefetch, TAPS=W if config == BAND_BY_TAP else 0)
     return _Launch(_ldsa_forward_kernel, BH * n_ttiles, (T, Dh, W, left, lead, n_ttiles), meta, num_warps)
 
 
