@@ -88,6 +88,16 @@ def _rows_t(x, base, t0, HD, D: tl.constexpr, R: tl.constexpr = BT):
     return x + base + (t0 + r)[None, :] * HD + tl.arange(0, D)[:, None]
 
 
+@triton.jit
+def _chunk_offsets(N, H):
+    """This program's chunk (grid: chunk, b * H + h): the (B, T, H) offset of its (b, h), its first row, its
+    index among all chunks, and the rows of its positions in a (B * H, T, ...) tensor."""
+    n, bh = tl.program_id(0), tl.program_id(1)
+    T = N * BT
+    scal_base = (bh // H).to(tl.int64) * T * H + bh % H
+    return scal_base, n * BT, bh.to(tl.int64) * N + n, bh.to(tl.int64) * T + n * BT + tl.arange(0, BT)
+
+
 SUB = tl.constexpr(16)  # sub-block of the blocked transform: 4 x 4 blocks of 16 x 16 per chunk
 
 
@@ -136,11 +146,7 @@ def _transform_kernel(k, p, beta, g, A, N, H, K: tl.constexpr):
     """A = (I + L)^-1 of one chunk by 16 x 16 blocks, in fp32: the four diagonal blocks by _inv_unit_lower,
     then block row i of the lower part from A_ij = -D_i sum_{j <= m < i} L_im A_mj (fp32 products on CUDA
     cores); stored in A's dtype (bf16 for the scans' tensor-core operands, fp32 in the tests)."""
-    n, bh = tl.program_id(0), tl.program_id(1)
-    T = N * BT
-    b, h = bh // H, bh % H
-    scal_base = b.to(tl.int64) * T * H + h
-    t0 = n * BT
+    scal_base, t0, chunk, _ = _chunk_offsets(N, H)
     kbase = scal_base * K
     gc0, off, b0 = _gates(g, beta, scal_base, t0, H, SUB)
     gc1, off, b1 = _gates(g, beta, scal_base, t0 + SUB, H, SUB, off)
@@ -178,7 +184,7 @@ def _transform_kernel(k, p, beta, g, A, N, H, K: tl.constexpr):
     A31 = -_mm(D3, _mm(L31, D1) + _mm(L32, A21))
     A30 = -_mm(D3, _mm(L30, D0) + _mm(L31, A10) + _mm(L32, A20))
 
-    a_base = (bh.to(tl.int64) * N + n) * BT * BT
+    a_base = chunk * BT * BT
     zero = tl.zeros([SUB, SUB], dtype=tl.float32)
     _store_block(A, a_base, 0, 0, D0)
     _store_block(A, a_base, 0, 1, zero)
@@ -284,16 +290,6 @@ def _reverse_scan_kernel(q, k, v, p, beta, g, do, A, dS_out, X_out, dv, dbeta_v,
         dS = _reverse_step(q, k, v, p, beta, g, do, A, dS_out, X_out, dv, dbeta_v, dS, n, bh, iv, scal_base,
                            scale, N, H, cv, K, V)
         n -= 1
-
-
-@triton.jit
-def _chunk_offsets(N, H):
-    """This program's chunk (grid: chunk, b * H + h): the (B, T, H) offset of its (b, h), its first row, its
-    index among all chunks, and the rows of its positions in a (B * H, T, ...) tensor."""
-    n, bh = tl.program_id(0), tl.program_id(1)
-    T = N * BT
-    scal_base = (bh // H).to(tl.int64) * T * H + bh % H
-    return scal_base, n * BT, bh.to(tl.int64) * N + n, bh.to(tl.int64) * T + n * BT + tl.arange(0, BT)
 
 
 @triton.jit
