@@ -98,6 +98,14 @@ def _chunk_offsets(N, H):
     return scal_base, n * BT, bh.to(tl.int64) * N + n, bh.to(tl.int64) * T + n * BT + tl.arange(0, BT)
 
 
+@triton.jit
+def _n_pos(T, H):
+    """B * T * H (T padded to whole chunks), the stride between dbeta_v's parts, one per scan V block: B taken
+    from the grid, whose axis 1 is b * H + h in the scans and the chunk kernels alike, rather than passed as one
+    more launch argument."""
+    return tl.num_programs(1) // H * T * H
+
+
 SUB = tl.constexpr(16)  # sub-block of the blocked transform: 4 x 4 blocks of 16 x 16 per chunk
 
 
@@ -271,8 +279,7 @@ def _reverse_step(q, k, v, p, beta, g, do, A, dS_out, X_out, dv, dbeta_v, dS, n,
     tl.store(X_out + (bh.to(tl.int64) * T + t0 + r)[:, None] * V + cv[None, :], X.to(X_out.dtype.element_ty))
     vk = tl.load(v + scal_base * V + (t0 + r)[:, None] * (H * V) + cv[None, :]).to(tl.float32)
     tl.store(dv + scal_base * V + (t0 + r)[:, None] * (H * V) + cv[None, :], (bk[:, None] * X).to(dv.dtype.element_ty))
-    n_pos = tl.num_programs(1) // H * T * H                                       # B * T * H
-    tl.store(dbeta_v + iv * n_pos + scal_base + (t0 + r) * H, tl.sum(vk * X, 1))
+    tl.store(dbeta_v + iv * _n_pos(T, H) + scal_base + (t0 + r) * H, tl.sum(vk * X, 1))
     # dS = Gam dS' + scale (gam Q)^T dO - W^T dVn, with W^T dVn = (beta gam P)^T X
     pt = tl.load(_rows_t(p, scal_base * K, t0, H * K, K))
     return tl.dot((pt * -(bk * gam)[None, :]).to(tl.bfloat16), X.to(tl.bfloat16), acc=dS)
@@ -405,7 +412,7 @@ def _grads_pb_kernel(k, p, beta, g, S_in, dS_in, Vn_in, X_in, dbeta_v, dgc_in, d
     dL = tl.where(mask, -x_vn, 0.0)
     dL_L = dL * tl.where(mask, tl.dot(pk, tl.trans(kk)) * bk[:, None] * E, 0.0)      # dL * L
     rows_h = scal_base + (t0 + r) * H
-    n_pos = tl.num_programs(1) // H * N * BT * H                                  # B * T * H
+    n_pos = _n_pos(N * BT, H)
     dgc = tl.load(dgc_in + rows_h) + tl.sum(dL_L, 1) - tl.sum(dL_L, 0) + _store_dp_dbeta(
         x_s, (dL * E).to(tl.bfloat16), kk, pk, gc, bk, dbeta_v, _rows(dp, scal_base * K, t0, H * K, K), dbeta, rows_h,
         n_pos, NV)
@@ -445,7 +452,7 @@ def _grads_kp_kernel(q, k, p, beta, g, do, S_in, dS_in, Vn_in, X_in, dbeta_v, dg
     dL_L = dLE * tl.dot(pk, tl.load(_rows_t(k, scal_base * K, t0, H * K, K)).to(tl.bfloat16)) * bk[:, None]
     dgc = tl.sum(dL_L, 1) - tl.sum(dL_L, 0)                                      # dL * L, rows minus columns
     dLE_b = dLE.to(tl.bfloat16)
-    n_pos = tl.num_programs(1) // H * N * BT * H                                  # B * T * H
+    n_pos = _n_pos(N * BT, H)
     dgc += tl.load(dgc_in + rows_h) + _store_dp_dbeta(
         x_s, dLE_b, tl.load(_rows(k, scal_base * K, t0, H * K, K)).to(tl.bfloat16), pk, gc, bk, dbeta_v,
         _rows(dp, scal_base * K, t0, H * K, K), dbeta, rows_h, n_pos, NV)
