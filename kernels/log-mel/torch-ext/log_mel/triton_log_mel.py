@@ -4,8 +4,8 @@ The op is a bandwidth kernel with a small matmul in it: read the complex64 STFT 
 log-mel once. Three kernels:
 
 1. `_band_support_kernel` reads the (NM, NF) filterbank and writes, for each block of BLOCK_M bands, the
-   bin range [lo, hi) outside which every weight of the block is exactly zero; `_chunk_list_kernel` turns
-   those into the flat loop's chunk list (below). Both run on every call (the filterbank is at most
+   bin range [lo, hi) outside which every weight of the block is exactly zero; for the flat loop (below)
+   `_chunk_list_kernel` turns those into its chunk list. They run on every call (the filterbank is at most
    400 KB), so no cache can go stale; a dense filterbank gives [0, NF) everywhere and the projection is
    then simply dense.
 2. The main pass (`_log_mel_tile`, launched per frame tile or per clip): for a tile of BLOCK_F frames and
@@ -377,20 +377,23 @@ def pick(B: int, F: int, NF: int, NM: int) -> tuple[str, Config]:
     return rule.design, rule.config
 
 
-def band_plan(mel_filters: torch.Tensor, block_m: int, block_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def band_plan(mel_filters: torch.Tensor, block_m: int, block_k: int,
+              flat: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(support, chunks): support (2, ceil(NM / block_m)) int32, row 0 the first and row 1 one past the last
     used bin of each band block (`_band_support_kernel`); chunks int64 [1 + L], the flat loop's work list
-    (`_chunk_list_kernel`; L bounds every block's chunk count by NF's). Built on every call, so no cache can
-    go stale. Two launches: one program doing both took 19 us at (208, 3000, 201, 128), against 6.5 us for
-    the support and a scalar-loop list (bench/results/2026-11-29-b520346-dirty-ncu-log-mel.txt,
-    -ed74914-ncu-log-mel.txt)."""
+    (`_chunk_list_kernel`; L bounds every block's chunk count by NF's), or None unless `flat` (the nested
+    loop reads only the support). Built on every call, so no cache can go stale. Two launches for the flat
+    loop: one program doing both took 19 us at (208, 3000, 201, 128), against 6.5 us for the support and a
+    scalar-loop list (bench/results/2026-11-29-b520346-dirty-ncu-log-mel.txt, -ed74914-ncu-log-mel.txt)."""
     NM, NF = mel_filters.shape
     n_blocks = triton.cdiv(NM, block_m)
-    if max(NF, n_blocks) > FIELD_MASK.value:
+    if flat and max(NF, n_blocks) > FIELD_MASK.value:
         raise ValueError(f"the flat loop's chunk entries hold at most {FIELD_MASK.value} bins and band blocks")
     support = torch.empty(2, n_blocks, dtype=torch.int32, device=mel_filters.device)
     _band_support_kernel[(n_blocks,)](mel_filters, support[0], support[1], NM, NF, BLOCK_M=block_m,
                                       CHUNK=SUPPORT_CHUNK)
+    if not flat:
+        return support, None
     chunks = torch.empty(1 + n_blocks * max(1, triton.cdiv(NF, block_k)), dtype=torch.int64, device=mel_filters.device)
     _chunk_list_kernel[(1,)](support[0], support[1], chunks, n_blocks, BLOCK_K=block_k,
                              BLOCKS=triton.next_power_of_2(n_blocks))
@@ -408,8 +411,9 @@ def log_mel_triton(stft: torch.Tensor, mel_filters: torch.Tensor, design: str | 
     if design not in DESIGNS:
         raise ValueError(f"design must be one of {DESIGNS}, got {design!r}")
     x = torch.view_as_real(stft)  # (B, F, NF, 2) float32, same memory
-    # The flat loop reads the chunk list, the nested loop the support.
-    support, chunks = band_plan(mel_filters, config.block_m, config.block_k)
+    # The flat loop reads the chunk list, the nested loop only the support: its chunks is None, which Triton
+    # takes as a constexpr, and the nested loop never reads it.
+    support, chunks = band_plan(mel_filters, config.block_m, config.block_k, config.flat)
     n_tiles = triton.cdiv(F, config.block_f)
     stats = torch.empty(B, n_tiles, 2, dtype=torch.float32, device=stft.device)
     out = torch.empty(B, F, NM, dtype=torch.float32, device=stft.device)
