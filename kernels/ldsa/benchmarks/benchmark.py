@@ -178,7 +178,7 @@ def _sweep_rows(kernel, bench, B, T, window, dtype, device):
         out = kernels.ldsa_forward(a, v, left, right, config=config)
         ms = bench.time(lambda: kernels.ldsa_forward(a, v, left, right, config=config))
         rows.append(_row(f"sweep fwd {shape}", f"fwd {config}", ms, B * H * T * (W + 2 * DH) * elt, bench,
-                         *_errors(bench, out, ref), default=config == kernels.default_config("forward", W, dtype)))
+                         *_errors(bench, out, ref), default=config == kernels.forward_launch(a, v, left, right).config))
     del out, ref
     ref_dl, ref_dv = kernel.ldsa_backward_reference(a, v, go, left, right)
     for config in kernels.BACKWARD_CONFIGS:

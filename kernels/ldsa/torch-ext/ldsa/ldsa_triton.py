@@ -17,7 +17,12 @@ A tap-by-tap loop would read every v element W times through L1 (15x the output 
 it well below the copy bandwidth (such a design ran 4x slower in bf16 and was removed); the band product
 reads it K / N = 2 times and does the W-fold reuse in the MMA. Weights stay float32-accurate: for bf16/fp16
 values they are split into a high and a low part in the values' dtype (about 16 mantissa bits; both parts
-in one MMA in the forward, see `_dot_float32_weights`); float32 values use an IEEE float32 product.
+in one MMA in the forward, see `_dot_float32_weights`); float32 values use three TF32 products (tf32x3).
+
+Large forward calls take the same band product fed by the tensor memory accelerator
+(`_ldsa_forward_tma_kernel`): a persistent grid whose programs walk chunks in a pipelined loop, the copy
+engine bringing the next chunks' logits and value spans into shared memory while the current one is
+computed, and storing the output tiles.
 
 The backward is one kernel on the same grid. For the chunk's frames it forms V^T G on the span (the
 windowed reduction over Dh), gathers da[k, t] from its band and applies the softmax Jacobian; for the
@@ -37,6 +42,7 @@ import torch
 import triton
 import triton.language as tl
 from triton.compiler.compiler import CompiledKernel
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 # Frames per program: at most this many, to amortize the per-program setup over several chunks ...
 FRAMES_PER_PROGRAM = 128
@@ -65,14 +71,17 @@ def _dot_float32_weights(x, w, ONE_MMA: tl.constexpr):
     """x @ w for values x (input dtype) and float32 weights w, products as accurate as in float32.
 
     Tensor-core operands share one dtype, so bf16/fp16 values take w as hi + lo in that dtype (the
-    residual of the first rounding); float32 values use an IEEE product (TF32 would lose 13 bits).
+    residual of the first rounding); float32 values use three TF32 products (tf32x3: each operand split in
+    a TF32 high part and residual, about 1e-7 relative, where one TF32 product would lose 13 bits and an
+    IEEE product runs on the CUDA cores: 1.79 against 0.42 ms for the TMA forward at [64, 3000], W = 15,
+    bench/results/2026-11-30-0ab2d9c-dirty-ldsa-tma.log).
     ONE_MMA interleaves hi and lo as the columns of one [K, 2N] operand, so that one MMA reads x once for
     both and the two products of a column are neighbours in the result (a thread's pair in the
     accumulator): the forward's choice (0.273 -> 0.250 ms at [64, 3000] bf16,
     bench/results/2026-11-30-e3649dd-dirty-ldsa-one-mma.log). The backward keeps two MMAs: with one, its
     gradients came out wrong on the H200 at 21 and 113 taps (2026-11-30-f43d67b-ldsa-pytest.log)."""
     if x.dtype == tl.float32:
-        return tl.dot(x, w, input_precision="ieee")
+        return tl.dot(x, w, input_precision="tf32x3")
     hi = w.to(x.dtype)
     lo = (w - hi.to(tl.float32)).to(x.dtype)
     if ONE_MMA:
@@ -86,9 +95,10 @@ def _dot_float32_weights(x, w, ONE_MMA: tl.constexpr):
 
 @triton.jit
 def _dot_values(x, y):
-    """x @ y of two value-dtype tiles with a float32 result (exact products for bf16/fp16)."""
+    """x @ y of two value-dtype tiles with a float32 result (exact products for bf16/fp16, tf32x3 for
+    float32 as in `_dot_float32_weights`)."""
     if x.dtype == tl.float32:
-        return tl.dot(x, y, input_precision="ieee")
+        return tl.dot(x, y, input_precision="tf32x3")
     else:
         return tl.dot(x, y)
 
@@ -199,6 +209,34 @@ def _ldsa_forward_kernel(
                 vals = _load_span(v_base, row, d_ok, t0 - lead + span, T)
                 out = _dot_float32_weights(vals, band, True)  # [BLOCK_D, N]
                 tl.store(out_base + row + t[None, :], out.to(out_ptr.dtype.element_ty), mask=d_ok & (t[None, :] < T))
+
+
+@triton.jit
+def _ldsa_forward_tma_kernel(
+    a_desc, v_desc, out_desc, W, left, lead, n_chunks, all_chunks,
+    N: tl.constexpr, K: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_D: tl.constexpr, STAGES: tl.constexpr,
+):  # fmt: skip
+    """The band forward fed by the tensor memory accelerator, on a persistent grid.
+
+    The descriptors view a_logits as [B*H*W, T] and v, out as [B*H*Dh, T] (Dh = BLOCK_D). Each program walks
+    chunks i = pid, pid + programs, ... of all (b, h, chunk) in one pipelined loop, so its STAGES - 1 next
+    chunks' logits and values are in flight (copied to shared memory by TMA, no registers held) while it
+    computes one; the copy engine zero-fills what lies outside the tensor (values before 0 or past T, the
+    last head's padded taps), which is what the band needs. A value span starts `lead` >= left positions
+    before its chunk, a multiple of 16 bytes: TMA faulted on the H200 with a column offset that was not."""
+    taps = tl.arange(0, BLOCK_W)
+    frames = tl.arange(0, N)
+    span = tl.arange(0, K)
+    tap_ok = taps[:, None] < W  # rows past W are the next head's taps (or zero fill): weight 0
+    band_tap = span[:, None] - frames[None, :] - (lead - left)
+    in_band = (band_tap >= 0) & (band_tap < W)
+    gather_tap = tl.minimum(tl.maximum(band_tap, 0), BLOCK_W - 1)
+    for i in tl.range(tl.program_id(0), all_chunks, tl.num_programs(0), num_stages=STAGES):
+        bh = i // n_chunks
+        t0 = (i % n_chunks) * N
+        band = _band_weights(a_desc.load([bh * W, t0]), tap_ok, gather_tap, in_band)
+        vals = v_desc.load([bh * BLOCK_D, t0 - lead])
+        out_desc.store([bh * BLOCK_D, t0], _dot_float32_weights(vals, band, True).to(vals.dtype))
 
 
 @triton.jit
@@ -326,6 +364,25 @@ def _span_leads(W: int, left: int, T: int, itemsize: int) -> tuple[int, int, int
 
 
 @functools.cache
+def _tma_tiles(W: int, left: int, Dh: int, T: int, BH: int, itemsize: int) -> tuple[int, int, int] | None:
+    """(N frames per chunk, K span positions, lead) of the TMA forward, or None where it cannot take the call.
+
+    TMA reads rows whose byte stride is a multiple of 16 (T a multiple of 8 covers every dtype) at int32
+    coordinates, and a column offset must be a multiple of 16 bytes, so the span starts `lead` (left
+    rounded up to 16 bytes) before the chunk and K >= N + W - 1 + lead - left. Chunks of 32 frames with
+    K = 64 ran 0.18 ms at [64, 3000], W = 15, bf16, against 0.24 for 16 and 0.30 for 64 (bench/results/
+    2026-11-30-0ab2d9c-dirty-ldsa-tma.log); windows too wide for K = 64 take 64 and K = 128, wider ones
+    none. One channel tile: Dh a power of two from 16 (the MMA's least rows) to 128."""
+    lead = _round_up(left, 16 // itemsize)
+    if T % 8 or Dh not in (16, 32, 64, 128) or BH * max(Dh, _pow2(W)) >= 2**31:
+        return None
+    for N, K in ((32, 64), (64, 128)):
+        if N + W - 1 + lead - left <= K:
+            return N, K, lead
+    return None
+
+
+@functools.cache
 def _band_plan(W: int, left: int, Dh: int, T: int, BH: int, itemsize: int) -> tuple[int, tuple, dict, int]:
     """(programs per (b, h), the span leads, meta-parameters, num_warps) for W taps of which `left` before
     the frame, Dh channels, T frames, B*H sequences and values of `itemsize` bytes."""
@@ -355,7 +412,10 @@ BAND_PREFETCH = "band-prefetch"
 # and 96 registers against 63. TAPS = W is a compile-time constant: each window compiles its own kernel,
 # unrolled over its taps, so only windows up to 32 taps take it by default.
 BAND_BY_TAP = "band-by-tap"
-FORWARD_CONFIGS = (BAND, BAND_PREFETCH, BAND_BY_TAP)
+# The band forward with its tiles copied by the tensor memory accelerator (`_ldsa_forward_tma_kernel`) on a
+# persistent grid. It takes calls whose rows TMA can address (`_tma_tiles`); others run as band-prefetch.
+BAND_TMA = "band-tma"
+FORWARD_CONFIGS = (BAND, BAND_PREFETCH, BAND_BY_TAP, BAND_TMA)
 BACKWARD_CONFIGS = (BAND,)
 
 # The configuration a call takes: (pass, window of at most 32 taps, float32 values) -> config name.
@@ -379,7 +439,18 @@ DEFAULT_CONFIG = {
 }
 
 
-def default_config(direction: str, W: int, dtype: torch.dtype) -> str:
+# Forward calls that `_tma_tiles` takes run band-tma from this many frames (B * H * T) up; smaller calls are
+# launch-bound, and building three tensor descriptors a call costs host time.
+TMA_MIN_FRAMES = 1 << 17
+TMA_PROGRAMS_PER_SM = 4
+TMA_STAGES = 3  # chunks in flight a program: the one computed and two being copied
+
+
+def default_config(direction: str, W: int, dtype: torch.dtype, tma: bool = False) -> str:
+    """The configuration a call takes; `tma`: a forward call that `_tma_tiles` takes, of at least
+    TMA_MIN_FRAMES frames."""
+    if direction == "forward" and tma:
+        return BAND_TMA
     return DEFAULT_CONFIG[(direction, W <= 32, dtype == torch.float32)]
 
 
@@ -396,10 +467,13 @@ class _Launch:
     its tensor arguments), meta-parameters and warps. Built once per shape by the cached plan functions below
     and compared by identity, so the compiled-kernel cache keys on the object itself (and keeps it alive)."""
 
-    __slots__ = ("kernel", "programs", "ints", "meta", "num_warps")
+    __slots__ = ("kernel", "programs", "ints", "meta", "num_warps", "config", "descriptors")
 
-    def __init__(self, kernel, programs: int, ints: tuple, meta: dict, num_warps: int):
+    def __init__(self, kernel, programs: int, ints: tuple, meta: dict, num_warps: int, config: str,
+                 descriptors: tuple | None = None):  # fmt: skip
         self.kernel, self.programs, self.ints, self.meta, self.num_warps = kernel, programs, ints, meta, num_warps
+        # The configuration that runs, and for a TMA kernel each tensor's descriptor (2-D shape, block).
+        self.config, self.descriptors = config, descriptors
 
 
 # Launchers of compiled kernels by (_Launch, device, each tensor's dtype and 16-byte alignment): see `_launch`.
@@ -415,10 +489,15 @@ def _launch(launch: _Launch, tensors: tuple) -> None:
     and keeps the CompiledKernel it returns; later ones call its launcher directly, with the arguments in the
     kernel's parameter order (constexprs included; the launcher skips them). While a launch hook is
     registered (Triton's profiler) every launch takes the JIT path, which feeds it; under the interpreter
-    nothing is compiled, so nothing is kept."""
+    nothing is compiled, so nothing is kept. A TMA kernel takes its tensors as descriptors, built here each
+    call (they hold the data pointers)."""
     device = tensors[0].device.index
     key = (launch, device, *[(t.dtype, t.data_ptr() % 16 == 0) for t in tensors])
     hit = _compiled.get(key)
+    if launch.descriptors:
+        tensors = tuple(
+            TensorDescriptor(t, rows, (rows[1], 1), block) for t, (rows, block) in zip(tensors, launch.descriptors)
+        )
     if hit is not None and not triton.knobs.runtime.launch_enter_hook.calls:
         run, function, metadata, stream_of, trailing = hit
         run(launch.programs, 1, 1, stream_of(device), function, metadata, None, None, None, *tensors, *trailing)
@@ -439,24 +518,41 @@ def _device_of(x: torch.Tensor):
 
 
 def _clear_plans() -> None:
-    """Forget the cached plans and launches that depend on DEFAULT_CONFIG, FRAMES_PER_PROGRAM or MIN_PROGRAMS:
-    for tests, benchmarks and probes that change those."""
+    """Forget the cached plans and launches that depend on the tunables (DEFAULT_CONFIG, FRAMES_PER_PROGRAM,
+    MIN_PROGRAMS and the TMA_ constants): for tests, benchmarks and probes that change those."""
     for plan in (_band_plan, _forward_launch, _backward_launch):
         plan.cache_clear()
 
 
 @functools.cache
-def _forward_launch(config: str | None, W: int, left: int, Dh: int, T: int, BH: int, dtype: torch.dtype) -> _Launch:
-    """The forward's launch for values of `dtype`, built once per shape since small calls are host-bound:
-    `_band_plan` plus the PREFETCH and TAPS (0: the gather; W: `_band_weights_by_tap`) flags. config None
-    takes the default table's choice."""
-    config = config or default_config("forward", W, dtype)
+def _forward_launch(
+    config: str | None, W: int, left: int, Dh: int, T: int, BH: int, dtype: torch.dtype, aligned: bool, n_sm: int
+) -> _Launch:
+    """The forward's launch for values of `dtype`, built once per shape since small calls are host-bound.
+    `aligned`: every tensor starts on 16 bytes (TMA's condition); n_sm: the device's multiprocessors.
+    config None takes the default table's choice.
+
+    band-tma: `_tma_tiles` and a persistent grid of TMA_PROGRAMS_PER_SM programs an SM. The others:
+    `_band_plan` plus the PREFETCH and TAPS (0: the gather; W: `_band_weights_by_tap`) flags."""
+    tiles = _tma_tiles(W, left, Dh, T, BH, dtype.itemsize) if aligned else None
+    config = config or default_config("forward", W, dtype, tiles is not None and BH * T >= TMA_MIN_FRAMES)
     if config not in FORWARD_CONFIGS:
         raise ValueError(f"unknown forward config {config!r}; the configs are {FORWARD_CONFIGS}")
+    if config == BAND_TMA and tiles is not None:
+        N, K, lead = tiles
+        block_w = _band(W)[2]
+        all_chunks = BH * triton.cdiv(T, N)
+        descriptors = (((BH * W, T), (block_w, N)), ((BH * Dh, T), (Dh, K)), ((BH * Dh, T), (Dh, N)))
+        meta = dict(N=N, K=K, BLOCK_W=block_w, BLOCK_D=Dh, STAGES=TMA_STAGES)
+        return _Launch(_ldsa_forward_tma_kernel, min(all_chunks, n_sm * TMA_PROGRAMS_PER_SM),
+                       (W, left, lead, triton.cdiv(T, N), all_chunks), meta, 4 if K * N <= 2048 else 8, config,
+                       descriptors)  # fmt: skip
+    if config == BAND_TMA:
+        config = BAND_PREFETCH
     n_ttiles, (lead, _), meta, num_warps = _band_plan(W, left, Dh, T, BH, dtype.itemsize)
     prefetch = config in (BAND_PREFETCH, BAND_BY_TAP) and meta["D_TILES"] == 1
     meta = dict(meta, PREFETCH=prefetch, TAPS=W if config == BAND_BY_TAP else 0)
-    return _Launch(_ldsa_forward_kernel, BH * n_ttiles, (T, Dh, W, left, lead, n_ttiles), meta, num_warps)
+    return _Launch(_ldsa_forward_kernel, BH * n_ttiles, (T, Dh, W, left, lead, n_ttiles), meta, num_warps, config)
 
 
 @functools.cache
@@ -466,19 +562,32 @@ def _backward_launch(config: str | None, W: int, left: int, Dh: int, T: int, BH:
     if config not in BACKWARD_CONFIGS:
         raise ValueError(f"unknown backward config {config!r}; the configs are {BACKWARD_CONFIGS}")
     n_ttiles, leads, meta, num_warps = _band_plan(W, left, Dh, T, BH, dtype.itemsize)
-    return _Launch(_ldsa_backward_kernel, BH * n_ttiles, (T, Dh, W, left, *leads, n_ttiles), meta, num_warps)
+    return _Launch(_ldsa_backward_kernel, BH * n_ttiles, (T, Dh, W, left, *leads, n_ttiles), meta, num_warps, config)
 
 
 def ldsa_forward(a_logits: torch.Tensor, v: torch.Tensor, left: int, right: int, config: str | None = None):
     """Fused forward on contiguous a_logits [B,H,W,T] and v [B,H,Dh,T] (validated by the caller).
 
     `config` names one of FORWARD_CONFIGS; None takes the default table's choice."""
-    B, H, Dh, T = v.shape
-    launch = _forward_launch(config, left + right + 1, left, Dh, T, B * H, v.dtype)
+    launch = forward_launch(a_logits, v, left, right, config)
     out = torch.empty_like(v)
     with _device_of(v):
         _launch(launch, (a_logits, v, out))
     return out
+
+
+def forward_launch(a_logits: torch.Tensor, v: torch.Tensor, left: int, right: int, config: str | None = None):
+    """The launch `ldsa_forward` makes for these inputs (its `.config` names the configuration that runs).
+    The output, a fresh allocation, starts on 16 bytes like every block of torch's allocators."""
+    B, H, Dh, T = v.shape
+    aligned = a_logits.data_ptr() % 16 == 0 and v.data_ptr() % 16 == 0
+    return _forward_launch(config, left + right + 1, left, Dh, T, B * H, v.dtype, aligned, _sm_count(v.device))
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    """Multiprocessors of a CUDA device (one for the interpreter's CPU tensors), for persistent grids."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
 
 
 def ldsa_backward(
