@@ -204,7 +204,7 @@ def test_triton_interpreted_every_config(ldsa, poisoned_outputs, case):
 
 
 @needs_interpreter
-@pytest.mark.parametrize("config", ["band", "band-prefetch", "band-by-tap"])
+@pytest.mark.parametrize("config", ["band", "band-prefetch"])
 def test_band_design_refuses_windows_it_does_not_take(ldsa, config):
     """A one-tap window runs the reference (supports_window); asked for the band design by name, it raises."""
     kernels = submodule(ldsa, "ldsa_triton")
@@ -230,7 +230,7 @@ def test_triton_interpreted_several_chunks_per_program(ldsa, poisoned_outputs, m
         a, v = make(1, 2, 24, T, left, right, dtype)
         go = torch.randn(v.shape).to(dtype)
         expected = ldsa_float64(a, v, left, right)
-        for config in (kernels.BAND, kernels.BAND_PREFETCH, kernels.BAND_BY_TAP):
+        for config in (kernels.BAND, kernels.BAND_PREFETCH):
             assert rel_err(kernels.ldsa_forward(a, v, left, right, config=config), expected) < TOL[dtype], config
         dlogits, dv = kernels.ldsa_backward(a, v, go, left, right, config=kernels.BAND)
         ga, gv = ldsa_float64_grads(a, v, go, left, right)
@@ -251,16 +251,6 @@ def test_triton_interpreted_two_channel_tiles_and_mixed_dtypes(ldsa, poisoned_ou
     ga, gv = ldsa_float64_grads(a, v.bfloat16(), go, 3, 2)
     assert dlogits.dtype == torch.bfloat16 and dv.dtype == torch.bfloat16
     assert rel_err(dlogits, ga) < 1e-2 and rel_err(dv, gv) < 1e-2
-
-
-@needs_interpreter
-@pytest.mark.parametrize("left,right,Dh,dtype", [(7, 7, 136, torch.bfloat16), (3, 0, 200, torch.float32)])
-def test_triton_interpreted_band_by_tap_two_channel_tiles(ldsa, poisoned_outputs, left, right, Dh, dtype):
-    """The tap-by-tap band on the path without prefetch: Dh > 128 walks two channel tiles per chunk."""
-    kernels = submodule(ldsa, "ldsa_triton")
-    a, v = make(1, 1, Dh, 45, left, right, dtype)
-    out = kernels.ldsa_forward(a, v, left, right, config=kernels.BAND_BY_TAP)
-    assert rel_err(out, ldsa_float64(a, v, left, right)) < TOL[dtype]
 
 
 # The TMA forward: chunks of 32 frames with K = 64 (windows up to 33 taps) and of 64 with K = 128 (up to 65), T
@@ -290,18 +280,21 @@ def test_triton_interpreted_tma_forward(ldsa, poisoned_outputs, left, right, T, 
 @needs_interpreter
 def test_tma_forward_takes_only_what_tma_can_address(ldsa):
     """band-tma runs as band-prefetch where TMA cannot take the call, and the default takes it only for
-    large calls it can take."""
+    large 16-bit calls it can take."""
     kernels = submodule(ldsa, "ldsa_triton")
 
     def config(T=3000, Dh=64, W=15, left=14, BH=512, dtype=torch.bfloat16, aligned=True, asked=kernels.BAND_TMA):
-        return kernels._forward_launch(asked, W, left, Dh, T, BH, dtype, aligned, 132).config
+        return kernels._forward_launch(asked, W, left, Dh, T, BH, dtype, aligned, -1).config
 
     assert config() == kernels.BAND_TMA and config(dtype=torch.float32) == kernels.BAND_TMA
+    assert config(W=2, left=1) == kernels.BAND_TMA
     assert config(W=65, left=64) == kernels.BAND_TMA and config(W=63, left=62) == kernels.BAND_TMA
     for refused in (dict(T=3001), dict(T=3004), dict(Dh=80), dict(Dh=256), dict(Dh=8), dict(aligned=False),
                     dict(W=66, left=65), dict(W=63, left=61)):  # W = 63, left = 61: 64 + 62 + 3 > 128 span
         assert config(**refused) == kernels.BAND_PREFETCH, refused
     assert config(asked=None) == kernels.BAND_TMA
+    assert config(asked=None, dtype=torch.float16) == kernels.BAND_TMA
+    assert config(asked=None, dtype=torch.float32) == kernels.default_config("forward", 15, torch.float32)
     small = kernels.TMA_MIN_FRAMES // 3000
     assert config(asked=None, BH=small) == kernels.default_config("forward", 15, torch.bfloat16) != kernels.BAND_TMA
     assert config(asked=None, T=3001) == kernels.default_config("forward", 15, torch.bfloat16)
@@ -381,10 +374,10 @@ def test_cuda_every_config_matches_float64(ldsa, case):
 
 
 # The TMA forward over its tile rule's windows (2 to 65 taps), each dtype and Dh, T short of one chunk to
-# past the card's lengths, and B * H large enough that each of the persistent grid's programs walks
-# hundreds of chunks.
+# past the card's lengths, and B * H large enough that the persistent grid's programs walk several chunks
+# each (B = 4 at T = 3008 keeps the float64 reference's unfold within memory).
 CUDA_TMA_CASES = [
-    (left, right, dtype, (16, 32, 64, 128)[i % 4], (8, 136, 3008)[i % 3], (1, 4, 64)[i % 3])
+    (left, right, dtype, (16, 32, 64, 128)[i % 4], (8, 136, 3008)[i % 3], (1, 64, 4)[i % 3])
     for i, ((left, right), dtype) in enumerate(
         itertools.product([(1, 0), (14, 0), (7, 7), (0, 9), (3, 11), (20, 0), (31, 31), (64, 0)], FWD_TOL)
     )

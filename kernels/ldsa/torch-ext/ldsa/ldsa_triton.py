@@ -8,8 +8,6 @@ chunks of N frames. For a chunk it
      in float32 registers, once per frame;
   2. skews those weights into the band tile [K, N] (K >= N + W - 1 span positions) with `tl.gather`,
      so that span position j feeds frame i through tap j - i;
-     (the `band-by-tap` forward builds the same tile in registers instead, from one row load of logits a
-     tap: see `_band_weights_by_tap`);
   3. loads the span of v [Dh, K] once (the halo K - N overlaps the neighbouring chunk and comes from
      L1/L2, so each v element comes from HBM about once) and multiplies on the tensor cores.
 
@@ -124,32 +122,12 @@ def _band_weights(logits, tap_ok, band_tap, in_band):
 
 
 @triton.jit
-def _band_weights_by_tap(a_base, T, t, band_tap, TAPS: tl.constexpr):
-    """The same [K, N] band tile as `_band_weights`, built without shared memory: one [N] row of logits a
-    tap (TAPS = W row loads, unrolled), the softmax elementwise across the rows, and each tap's weights
-    selected into the band entries whose tap index (`band_tap`, unclamped) it is. tl.gather goes through
-    shared memory and a softmax over a tile axis through shuffles and barriers; here every step is a
-    register operation, for about 2 * TAPS selects a band element."""
-    t_ok = t < T
-    peak = tl.full(t.shape, float("-inf"), tl.float32)
-    for k in tl.static_range(TAPS):
-        peak = tl.maximum(peak, tl.load(a_base + k * T + t, mask=t_ok, other=0.0).to(tl.float32))
-    band = tl.zeros(band_tap.shape, tl.float32)
-    total = tl.zeros(t.shape, tl.float32)
-    for k in tl.static_range(TAPS):
-        e = tl.exp(tl.load(a_base + k * T + t, mask=t_ok, other=0.0).to(tl.float32) - peak)
-        total += e
-        band = tl.where(band_tap == k, e[None, :], band)
-    return band * (1.0 / total)[None, :]
-
-
-@triton.jit
 def _ldsa_forward_kernel(
     a_ptr, v_ptr, out_ptr,
     T, Dh, W, left, lead, n_ttiles,
     N: tl.constexpr, K: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_D: tl.constexpr,
     D_TILES: tl.constexpr, CHUNKS: tl.constexpr, T_ALIGN: tl.constexpr, SPAN_ALIGN: tl.constexpr,
-    PREFETCH: tl.constexpr, TAPS: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):  # fmt: skip
     T = _aligned(T, T_ALIGN)
     lead = _aligned(lead, SPAN_ALIGN)
@@ -177,8 +155,7 @@ def _ldsa_forward_kernel(
         d = tl.arange(0, BLOCK_D)
         d_ok = d[:, None] < Dh
         row = d.to(tl.int64)[:, None] * T
-        if TAPS == 0:
-            logits_next = _load_logits(a_rows, first_frame, frames, tap_ok, T)
+        logits_next = _load_logits(a_rows, first_frame, frames, tap_ok, T)
         vals_next = _load_span(v_base, row, d_ok, first_frame - lead + span, T)
         for c in range(CHUNKS):
             t0 = first_frame + c * N
@@ -186,22 +163,16 @@ def _ldsa_forward_kernel(
             vals = vals_next
             more = c + 1 < CHUNKS
             vals_next = _load_span(v_base, row, d_ok & more, t0 + N - lead + span, T)
-            if TAPS == 0:
-                logits = logits_next
-                logits_next = _load_logits(a_rows, t0 + N, frames, tap_ok & more, T)
-                band = _band_weights(logits, tap_ok, gather_tap, in_band)
-            else:
-                band = _band_weights_by_tap(a_base, T, t, band_tap, TAPS)
+            logits = logits_next
+            logits_next = _load_logits(a_rows, t0 + N, frames, tap_ok & more, T)
+            band = _band_weights(logits, tap_ok, gather_tap, in_band)
             out = _dot_float32_weights(vals, band, True)  # [BLOCK_D, N]
             tl.store(out_base + row + t[None, :], out.to(out_ptr.dtype.element_ty), mask=d_ok & (t[None, :] < T))
     else:
         for c in range(CHUNKS):
             t0 = first_frame + c * N
             t = t0 + frames
-            if TAPS == 0:
-                band = _band_weights(_load_logits(a_rows, t0, frames, tap_ok, T), tap_ok, gather_tap, in_band)
-            else:
-                band = _band_weights_by_tap(a_base, T, t, band_tap, TAPS)
+            band = _band_weights(_load_logits(a_rows, t0, frames, tap_ok, T), tap_ok, gather_tap, in_band)
             for dt in tl.static_range(D_TILES):
                 d = dt * BLOCK_D + tl.arange(0, BLOCK_D)
                 d_ok = d[:, None] < Dh
@@ -406,30 +377,24 @@ BAND = "band"  # the banded tensor-core product above; its tiles follow from the
 # The same forward with the next chunk's loads issued before the current chunk's compute (one channel tile
 # only; with several it runs as "band"): ncu found the band forward waiting on L1 loads.
 BAND_PREFETCH = "band-prefetch"
-# The prefetching forward (values prefetched; logits loaded in the chunk, a row a tap) with the band built in
-# registers (`_band_weights_by_tap`) instead of through tl.gather: no shared memory or barriers for the
-# weights, twice the instructions a chunk at W = 15 (sm_90 SASS main loop 411 against 206 at 64 x 3000 bf16)
-# and 96 registers against 63. TAPS = W is a compile-time constant: each window compiles its own kernel,
-# unrolled over its taps, so only windows up to 32 taps take it by default.
-BAND_BY_TAP = "band-by-tap"
 # The band forward with its tiles copied by the tensor memory accelerator (`_ldsa_forward_tma_kernel`) on a
 # persistent grid. It takes calls whose rows TMA can address (`_tma_tiles`); others run as band-prefetch.
 BAND_TMA = "band-tma"
-FORWARD_CONFIGS = (BAND, BAND_PREFETCH, BAND_BY_TAP, BAND_TMA)
+FORWARD_CONFIGS = (BAND, BAND_PREFETCH, BAND_TMA)
 BACKWARD_CONFIGS = (BAND,)
 
-# The configuration a call takes: (pass, window of at most 32 taps, float32 values) -> config name.
-# Wider windows keep the band design, whose tiles were sized for them. Float32 forward windows up to 32
-# taps build the band tap by tap: 0.633 ms at [64, 3000], W = 15, causal, against 1.206 for the gathered
-# band, which on float32 values compiles to 198 registers a thread (bench/results/2026-11-30-dddaffc-ldsa,
-# sweep rows), and 0.696 / 0.669 causal / centered for a tap loop (one shifted multiply-add a tap, removed
-# when no default took it any more; 2026-11-30-b476e55-ldsa-forward-fpp.log). 16-bit forward windows up to
-# 32 taps prefetch the next chunk: 0.250 ms at [64, 3000], W = 15, causal and centered, against 0.260 for
-# `band` and 0.290 for `band-by-tap` (dddaffc sweep rows; at [32, 1024] causal it loses to `band`, 0.050
-# against 0.041 ms). 128 frames a program beat 256 and 512 in both dtypes (the b476e55 log).
+# The configuration a call takes, below band-tma's reach (`default_config`): (pass, window of at most 32
+# taps, float32 values) -> config name. Wider windows keep the band design, whose tiles were sized for
+# them. 16-bit forward windows up to 32 taps prefetch the next chunk: 0.252 ms at [64, 3000], W = 15, causal
+# and centered, against 0.264 for `band` (bench/results/2026-11-30-5fbbf92-ldsa, sweep rows; at [32, 1024]
+# causal it loses to `band`, 0.050 against 0.041 ms). Float32 takes `band`: with tf32x3 products 0.329 ms
+# at [64, 3000], W = 15, against 0.429 for `band-prefetch`, 0.413 for `band-tma` and 1.109 for a band built
+# in registers tap by tap (removed: it was the float32 default, 0.633 ms, while float32 products were IEEE;
+# the same sweep). 128 frames a program beat 256 and 512 in both dtypes
+# (2026-11-30-b476e55-ldsa-forward-fpp.log).
 DEFAULT_CONFIG = {
     ("forward", True, False): BAND_PREFETCH,
-    ("forward", True, True): BAND_BY_TAP,
+    ("forward", True, True): BAND,
     ("forward", False, False): BAND,
     ("forward", False, True): BAND,
     ("backward", True, False): BAND,
@@ -439,17 +404,22 @@ DEFAULT_CONFIG = {
 }
 
 
-# Forward calls that `_tma_tiles` takes run band-tma from this many frames (B * H * T) up; smaller calls are
-# launch-bound, and building three tensor descriptors a call costs host time.
-TMA_MIN_FRAMES = 1 << 17
+# 16-bit forward calls that `_tma_tiles` takes run band-tma from this many frames (B * H * T) up. Below, calls
+# are launch-bound, and band-tma's host time is longer: its three tensor descriptors, encoded every call,
+# took the public op from 14 to 25-41 us a call at [16, 256] to [16, 1024] (H = 8), while at [32, 1024] it
+# ran 40 us against 46 for band-prefetch (bench/results/2026-11-30-5fbbf92-ldsa-probe.log).
+TMA_MIN_FRAMES = 1 << 18
+# Persistent programs an SM and pipeline depth: 4 and 3 (0.183 ms at [64, 3000], W = 15, bf16) against 2,
+# 3 or 6 programs (0.247, 0.198, 0.216 ms) and 2 stages (0.202); 4 stages were level (0.181; the probe log).
 TMA_PROGRAMS_PER_SM = 4
 TMA_STAGES = 3  # chunks in flight a program: the one computed and two being copied
 
 
 def default_config(direction: str, W: int, dtype: torch.dtype, tma: bool = False) -> str:
     """The configuration a call takes; `tma`: a forward call that `_tma_tiles` takes, of at least
-    TMA_MIN_FRAMES frames."""
-    if direction == "forward" and tma:
+    TMA_MIN_FRAMES frames, which band-tma runs for 16-bit values (float32 runs `band` faster, see
+    DEFAULT_CONFIG)."""
+    if direction == "forward" and tma and dtype != torch.float32:
         return BAND_TMA
     return DEFAULT_CONFIG[(direction, W <= 32, dtype == torch.float32)]
 
@@ -526,32 +496,31 @@ def _clear_plans() -> None:
 
 @functools.cache
 def _forward_launch(
-    config: str | None, W: int, left: int, Dh: int, T: int, BH: int, dtype: torch.dtype, aligned: bool, n_sm: int
+    config: str | None, W: int, left: int, Dh: int, T: int, BH: int, dtype: torch.dtype, aligned: bool, device: int
 ) -> _Launch:
     """The forward's launch for values of `dtype`, built once per shape since small calls are host-bound.
-    `aligned`: every tensor starts on 16 bytes (TMA's condition); n_sm: the device's multiprocessors.
-    config None takes the default table's choice.
+    `aligned`: every tensor starts on 16 bytes (TMA's condition); `device`: the CUDA device's index (-1 for
+    the interpreter's CPU tensors). config None takes the default table's choice.
 
     band-tma: `_tma_tiles` and a persistent grid of TMA_PROGRAMS_PER_SM programs an SM. The others:
-    `_band_plan` plus the PREFETCH and TAPS (0: the gather; W: `_band_weights_by_tap`) flags."""
+    `_band_plan` plus the PREFETCH flag."""
     tiles = _tma_tiles(W, left, Dh, T, BH, dtype.itemsize) if aligned else None
     config = config or default_config("forward", W, dtype, tiles is not None and BH * T >= TMA_MIN_FRAMES)
     if config not in FORWARD_CONFIGS:
         raise ValueError(f"unknown forward config {config!r}; the configs are {FORWARD_CONFIGS}")
     if config == BAND_TMA and tiles is not None:
         N, K, lead = tiles
-        block_w = _band(W)[2]
+        block_w = max(4, _band(W)[2])  # a 2-row logits tile (W = 2) failed to compile (Triton 3.6, sm_90)
         all_chunks = BH * triton.cdiv(T, N)
         descriptors = (((BH * W, T), (block_w, N)), ((BH * Dh, T), (Dh, K)), ((BH * Dh, T), (Dh, N)))
         meta = dict(N=N, K=K, BLOCK_W=block_w, BLOCK_D=Dh, STAGES=TMA_STAGES)
-        return _Launch(_ldsa_forward_tma_kernel, min(all_chunks, n_sm * TMA_PROGRAMS_PER_SM),
+        return _Launch(_ldsa_forward_tma_kernel, min(all_chunks, _sm_count(device) * TMA_PROGRAMS_PER_SM),
                        (W, left, lead, triton.cdiv(T, N), all_chunks), meta, 4 if K * N <= 2048 else 8, config,
                        descriptors)  # fmt: skip
     if config == BAND_TMA:
         config = BAND_PREFETCH
     n_ttiles, (lead, _), meta, num_warps = _band_plan(W, left, Dh, T, BH, dtype.itemsize)
-    prefetch = config in (BAND_PREFETCH, BAND_BY_TAP) and meta["D_TILES"] == 1
-    meta = dict(meta, PREFETCH=prefetch, TAPS=W if config == BAND_BY_TAP else 0)
+    meta = dict(meta, PREFETCH=config == BAND_PREFETCH and meta["D_TILES"] == 1)
     return _Launch(_ldsa_forward_kernel, BH * n_ttiles, (T, Dh, W, left, lead, n_ttiles), meta, num_warps, config)
 
 
@@ -581,13 +550,12 @@ def forward_launch(a_logits: torch.Tensor, v: torch.Tensor, left: int, right: in
     The output, a fresh allocation, starts on 16 bytes like every block of torch's allocators."""
     B, H, Dh, T = v.shape
     aligned = a_logits.data_ptr() % 16 == 0 and v.data_ptr() % 16 == 0
-    return _forward_launch(config, left + right + 1, left, Dh, T, B * H, v.dtype, aligned, _sm_count(v.device))
+    return _forward_launch(config, left + right + 1, left, Dh, T, B * H, v.dtype, aligned, v.get_device())
 
 
-@functools.cache
-def _sm_count(device: torch.device) -> int:
-    """Multiprocessors of a CUDA device (one for the interpreter's CPU tensors), for persistent grids."""
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+def _sm_count(device: int) -> int:
+    """Multiprocessors of CUDA device `device` (one for -1, the interpreter's CPU tensors), for persistent grids."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device >= 0 else 1
 
 
 def ldsa_backward(
