@@ -186,7 +186,7 @@ def _sweep_rows(kernel, bench, B, T, window, dtype, device):
         err = max(bench.rel_err(dl, ref_dl), bench.rel_err(dv, ref_dv))
         ms = bench.time(lambda: kernels.ldsa_backward(a, v, go, left, right, config=config))
         rows.append(_row(f"sweep bwd {shape}", f"bwd {config}", ms, B * H * T * (2 * W + 3 * DH) * elt, bench, err,
-                         default=config == kernels.default_config("backward", W, dtype)))
+                         default=config == kernels.backward_launch(a, v, go, left, right).config))
     return rows
 
 

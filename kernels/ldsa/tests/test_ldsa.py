@@ -253,7 +253,7 @@ def test_triton_interpreted_two_channel_tiles_and_mixed_dtypes(ldsa, poisoned_ou
     assert rel_err(dlogits, ga) < 1e-2 and rel_err(dv, gv) < 1e-2
 
 
-# The TMA forward: chunks of 32 frames with K = 64 (windows up to 33 taps) and of 64 with K = 128 (up to 65), T
+# The TMA kernels: chunks of 32 frames with K = 64 (windows up to 33 taps) and of 64 with K = 128 (up to 65), T
 # a multiple of 8 (shorter than a chunk too), Dh 16 to 128, mixed dtypes; one program an SM on the CPU, so
 # the four programs of the persistent grid walk several chunks and heads each.
 INTERP_TMA_CASES = [
@@ -268,36 +268,45 @@ INTERP_TMA_CASES = [
 
 @needs_interpreter
 @pytest.mark.parametrize("left,right,T,Dh,dtype,BH", INTERP_TMA_CASES)
-def test_triton_interpreted_tma_forward(ldsa, poisoned_outputs, left, right, T, Dh, dtype, BH):
+def test_triton_interpreted_tma_kernels(ldsa, poisoned_outputs, left, right, T, Dh, dtype, BH):
     kernels = submodule(ldsa, "ldsa_triton")
     a, v = make(1, BH, Dh, T, left, right, dtype)
-    launch = kernels.forward_launch(a, v, left, right, kernels.BAND_TMA)
-    assert launch.config == kernels.BAND_TMA and launch.programs < launch.ints[-1]  # programs < chunks
+    go = torch.randn(v.shape).to(dtype)
+    launches = (kernels.forward_launch(a, v, left, right, kernels.BAND_TMA),
+                kernels.backward_launch(a, v, v, left, right, kernels.BAND_TMA))
+    for launch in launches:
+        assert launch.config == kernels.BAND_TMA and launch.programs < launch.ints[-1]  # programs < chunks
     out = kernels.ldsa_forward(a, v, left, right, config=kernels.BAND_TMA)
     assert out.dtype == dtype and rel_err(out, ldsa_float64(a, v, left, right)) < TOL[dtype]
+    dlogits, dv = kernels.ldsa_backward(a, v, go, left, right, config=kernels.BAND_TMA)
+    ga, gv = ldsa_float64_grads(a, v, go, left, right)
+    assert rel_err(dlogits, ga) < TOL[dtype] and rel_err(dv, gv) < TOL[dtype]
 
 
 @needs_interpreter
-def test_tma_forward_takes_only_what_tma_can_address(ldsa):
-    """band-tma runs as band-prefetch where TMA cannot take the call, and the default takes it only for
-    large 16-bit calls it can take."""
+@pytest.mark.parametrize("direction", ["forward", "backward"])
+def test_tma_kernels_take_only_what_tma_can_address(ldsa, direction):
+    """band-tma runs as band-prefetch (forward) or band (backward) where TMA cannot take the call, and the
+    default takes it only for large 16-bit calls it can take."""
     kernels = submodule(ldsa, "ldsa_triton")
+    plan = kernels._forward_launch if direction == "forward" else kernels._backward_launch
+    fallback = kernels.BAND_PREFETCH if direction == "forward" else kernels.BAND
 
     def config(T=3000, Dh=64, W=15, left=14, BH=512, dtype=torch.bfloat16, aligned=True, asked=kernels.BAND_TMA):
-        return kernels._forward_launch(asked, W, left, Dh, T, BH, dtype, aligned, -1).config
+        return plan(asked, W, left, Dh, T, BH, dtype, aligned, -1).config
 
     assert config() == kernels.BAND_TMA and config(dtype=torch.float32) == kernels.BAND_TMA
     assert config(W=2, left=1) == kernels.BAND_TMA
     assert config(W=65, left=64) == kernels.BAND_TMA and config(W=63, left=62) == kernels.BAND_TMA
     for refused in (dict(T=3001), dict(T=3004), dict(Dh=80), dict(Dh=256), dict(Dh=8), dict(aligned=False),
-                    dict(W=66, left=65), dict(W=63, left=61)):  # W = 63, left = 61: 64 + 62 + 3 > 128 span
-        assert config(**refused) == kernels.BAND_PREFETCH, refused
+                    dict(W=66, left=65), dict(W=63, left=61)):  # W = 63, left = 61: 64 + 62 + 7 > 128 span
+        assert config(**refused) == fallback, refused
     assert config(asked=None) == kernels.BAND_TMA
     assert config(asked=None, dtype=torch.float16) == kernels.BAND_TMA
-    assert config(asked=None, dtype=torch.float32) == kernels.default_config("forward", 15, torch.float32)
+    assert config(asked=None, dtype=torch.float32) == kernels.default_config(direction, 15, torch.float32)
     small = kernels.TMA_MIN_FRAMES // 3000
-    assert config(asked=None, BH=small) == kernels.default_config("forward", 15, torch.bfloat16) != kernels.BAND_TMA
-    assert config(asked=None, T=3001) == kernels.default_config("forward", 15, torch.bfloat16)
+    assert config(asked=None, BH=small) == kernels.default_config(direction, 15, torch.bfloat16) != kernels.BAND_TMA
+    assert config(asked=None, T=3001) == kernels.default_config(direction, 15, torch.bfloat16)
 
 
 # ---- The fused path on CUDA (the lead's GPU run) ----
@@ -373,11 +382,11 @@ def test_cuda_every_config_matches_float64(ldsa, case):
     assert rel_err(dlogits, ga) < TOL[dtype] and rel_err(dv, gv) < TOL[dtype], backward
 
 
-# The TMA forward over its tile rule's windows (2 to 65 taps), each dtype and Dh, T short of one chunk to
+# The TMA kernels over their tile rule's windows (2 to 65 taps), each dtype and Dh, T short of one chunk to
 # past the card's lengths, and B * H large enough that the persistent grid's programs walk several chunks
-# each (B = 4 at T = 3008 keeps the float64 reference's unfold within memory).
+# each (B = 2 at T = 3008 keeps the float64 reference's unfold within memory).
 CUDA_TMA_CASES = [
-    (left, right, dtype, (16, 32, 64, 128)[i % 4], (8, 136, 3008)[i % 3], (1, 64, 4)[i % 3])
+    (left, right, dtype, (16, 32, 64, 128)[i % 4], (8, 136, 3008)[i % 3], (1, 64, 2)[i % 3])
     for i, ((left, right), dtype) in enumerate(
         itertools.product([(1, 0), (14, 0), (7, 7), (0, 9), (3, 11), (20, 0), (31, 31), (64, 0)], FWD_TOL)
     )
@@ -386,13 +395,19 @@ CUDA_TMA_CASES = [
 
 @needs_cuda
 @pytest.mark.parametrize("left,right,dtype,Dh,T,B", CUDA_TMA_CASES)
-def test_cuda_tma_forward_matches_float64(ldsa, left, right, dtype, Dh, T, B):
+def test_cuda_tma_kernels_match_float64(ldsa, left, right, dtype, Dh, T, B):
     kernels = submodule(ldsa, "ldsa_triton")
     a, v = make(B, 8, Dh, T, left, right, dtype, "cuda")
+    go = torch.randn(v.shape, device="cuda").to(dtype)
     assert kernels.forward_launch(a, v, left, right, kernels.BAND_TMA).config == kernels.BAND_TMA
     out = kernels.ldsa_forward(a, v, left, right, config=kernels.BAND_TMA)
     assert torch.equal(kernels.ldsa_forward(a, v, left, right, config=kernels.BAND_TMA), out)  # the cached launch
     assert rel_err(out, ldsa_float64(a, v, left, right)) < FWD_TOL[dtype]
+    dlogits, dv = kernels.ldsa_backward(a, v, go, left, right, config=kernels.BAND_TMA)
+    again = kernels.ldsa_backward(a, v, go, left, right, config=kernels.BAND_TMA)
+    assert torch.equal(again[0], dlogits) and torch.equal(again[1], dv)
+    ga, gv = ldsa_float64_grads(a, v, go, left, right)
+    assert rel_err(dlogits, ga) < TOL[dtype] and rel_err(dv, gv) < TOL[dtype]
 
 
 @needs_cuda

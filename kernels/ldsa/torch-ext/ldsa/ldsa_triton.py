@@ -194,7 +194,8 @@ def _ldsa_forward_tma_kernel(
     chunks' logits and values are in flight (copied to shared memory by TMA, no registers held) while it
     computes one; the copy engine zero-fills what lies outside the tensor (values before 0 or past T, the
     last head's padded taps), which is what the band needs. A value span starts `lead` >= left positions
-    before its chunk, a multiple of 16 bytes: TMA faulted on the H200 with a column offset that was not."""
+    before its chunk, a multiple of 8 (16 bytes or more): TMA faulted on the H200 with a column offset that
+    was not a multiple of 16 bytes."""
     taps = tl.arange(0, BLOCK_W)
     frames = tl.arange(0, N)
     span = tl.arange(0, K)
@@ -207,7 +208,7 @@ def _ldsa_forward_tma_kernel(
         t0 = (i % n_chunks) * N
         band = _band_weights(a_desc.load([bh * W, t0]), tap_ok, gather_tap, in_band)
         vals = v_desc.load([bh * BLOCK_D, t0 - lead])
-        out_desc.store([bh * BLOCK_D, t0], _dot_float32_weights(vals, band, True).to(vals.dtype))
+        out_desc.store([bh * BLOCK_D, t0], _dot_float32_weights(vals, band, True).to(out_desc.dtype))
 
 
 @triton.jit
@@ -278,6 +279,44 @@ def _ldsa_backward_kernel(
         tl.store(dl_base + tap_row[:, None] + t[None, :], dlogits.to(dlogits_ptr.dtype.element_ty), mask=tap_ok & t_ok)
 
 
+@triton.jit
+def _ldsa_backward_tma_kernel(
+    a_n, a_k, v_k, g_k, g_n, dv_n, dlogits_ptr, T, W, left, lead, lead_right, n_chunks, all_chunks,
+    N: tl.constexpr, K: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_D: tl.constexpr, STAGES: tl.constexpr,
+):  # fmt: skip
+    """The backward of `_ldsa_backward_kernel` (one channel tile) fed by TMA on a persistent grid, as the
+    TMA forward. Descriptors over a_logits ([B*H*W, T]: blocks of N and K frames), v ([B*H*Dh, T]: K
+    positions), grad_out (K and N positions) and dv (N); dlogits is stored through a pointer, since a block
+    of BLOCK_W rows would overwrite the next head's taps."""
+    right = W - 1 - left
+    taps = tl.arange(0, BLOCK_W)
+    frames = tl.arange(0, N)
+    span = tl.arange(0, K)
+    tap_ok = taps[:, None] < W
+    tap_ok_u = taps[None, :] < W
+    da_row = tl.minimum(frames[None, :] + taps[:, None] + (lead - left), K - 1)  # as in _ldsa_backward_kernel
+    dv_tap = frames[None, :] - span[:, None] + (lead_right - right) + (W - 1)
+    in_band = (dv_tap >= 0) & (dv_tap < W)
+    dv_tap = tl.minimum(tl.maximum(dv_tap, 0), BLOCK_W - 1)
+    for i in tl.range(tl.program_id(0), all_chunks, tl.num_programs(0), num_stages=STAGES):
+        bh = i // n_chunks
+        t0 = (i % n_chunks) * N
+        weights = _window_softmax(a_n.load([bh * W, t0]), tap_ok, 0)  # [BLOCK_W, N]
+        # Frames t0 - lead_right + j, whose windows read the chunk's values; outside [0, T) their logits are
+        # zero-filled and their grad_out too, so they add nothing.
+        weights_u = _window_softmax(tl.trans(a_k.load([bh * W, t0 - lead_right])), tap_ok_u, 1)  # [K, BLOCK_W]
+        band_t = tl.where(in_band, tl.gather(weights_u, dv_tap, 1), 0.0)  # [K, N]
+        dv = _dot_float32_weights(g_k.load([bh * BLOCK_D, t0 - lead_right]), band_t, False)
+        dv_n.store([bh * BLOCK_D, t0], dv.to(dv_n.dtype))
+        vals_t = tl.trans(v_k.load([bh * BLOCK_D, t0 - lead]))  # [K, Dh]
+        da = tl.gather(_dot_values(vals_t, g_n.load([bh * BLOCK_D, t0])), da_row, 0)  # [BLOCK_W, N]
+        dlogits = weights * (da - tl.sum(weights * da, 0)[None, :])
+        t = t0 + frames
+        rows = (bh * W + taps).to(tl.int64) * T
+        tl.store(dlogits_ptr + rows[:, None] + t[None, :], dlogits.to(dlogits_ptr.dtype.element_ty),
+                 mask=tap_ok & (t[None, :] < T))
+
+
 def _pow2(n: int) -> int:
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
 
@@ -335,21 +374,24 @@ def _span_leads(W: int, left: int, T: int, itemsize: int) -> tuple[int, int, int
 
 
 @functools.cache
-def _tma_tiles(W: int, left: int, Dh: int, T: int, BH: int, itemsize: int) -> tuple[int, int, int] | None:
-    """(N frames per chunk, K span positions, lead) of the TMA forward, or None where it cannot take the call.
+def _tma_tiles(W: int, left: int, Dh: int, T: int, BH: int) -> tuple[int, int, int, int] | None:
+    """(N frames per chunk, K span positions, lead, lead_right) of the TMA kernels, or None where they cannot
+    take the call.
 
-    TMA reads rows whose byte stride is a multiple of 16 (T a multiple of 8 covers every dtype) at int32
-    coordinates, and a column offset must be a multiple of 16 bytes, so the span starts `lead` (left
-    rounded up to 16 bytes) before the chunk and K >= N + W - 1 + lead - left. Chunks of 32 frames with
-    K = 64 ran 0.18 ms at [64, 3000], W = 15, bf16, against 0.24 for 16 and 0.30 for 64 (bench/results/
-    2026-11-30-0ab2d9c-dirty-ldsa-tma.log); windows too wide for K = 64 take 64 and K = 128, wider ones
-    none. One channel tile: Dh a power of two from 16 (the MMA's least rows) to 128."""
-    lead = _round_up(left, 16 // itemsize)
+    TMA reads rows whose byte stride is a multiple of 16 (T a multiple of 8, for every dtype) at int32
+    coordinates, and a column offset must be a multiple of 16 bytes: spans start at multiples of 8 frames,
+    `lead` (left rounded up to 8) before the chunk for the values its frames read, `lead_right` (right
+    rounded up) before it for the frames that read its values, so K >= N + W - 1 plus the larger rounding.
+    Chunks of 32 frames with K = 64 ran 0.18 ms at [64, 3000], W = 15, bf16, against 0.24 for 16 and 0.30 for
+    64 (bench/results/2026-11-30-0ab2d9c-dirty-ldsa-tma.log); windows too wide for K = 64 take 64 and
+    K = 128, wider ones none. One channel tile: Dh a power of two from 16 (the MMA's least rows) to 128."""
+    right = W - 1 - left
+    lead, lead_right = _round_up(left, 8), _round_up(right, 8)
     if T % 8 or Dh not in (16, 32, 64, 128) or BH * max(Dh, _pow2(W)) >= 2**31:
         return None
     for N, K in ((32, 64), (64, 128)):
-        if N + W - 1 + lead - left <= K:
-            return N, K, lead
+        if N + W - 1 + max(lead - left, lead_right - right) <= K:
+            return N, K, lead, lead_right
     return None
 
 
@@ -377,11 +419,12 @@ BAND = "band"  # the banded tensor-core product above; its tiles follow from the
 # The same forward with the next chunk's loads issued before the current chunk's compute (one channel tile
 # only; with several it runs as "band"): ncu found the band forward waiting on L1 loads.
 BAND_PREFETCH = "band-prefetch"
-# The band forward with its tiles copied by the tensor memory accelerator (`_ldsa_forward_tma_kernel`) on a
-# persistent grid. It takes calls whose rows TMA can address (`_tma_tiles`); others run as band-prefetch.
+# The band kernels with their tiles copied by the tensor memory accelerator (`_ldsa_forward_tma_kernel`,
+# `_ldsa_backward_tma_kernel`) on a persistent grid. They take calls whose rows TMA can address
+# (`_tma_tiles`); others run as band-prefetch (forward) and band (backward).
 BAND_TMA = "band-tma"
 FORWARD_CONFIGS = (BAND, BAND_PREFETCH, BAND_TMA)
-BACKWARD_CONFIGS = (BAND,)
+BACKWARD_CONFIGS = (BAND, BAND_TMA)
 
 # The configuration a call takes, below band-tma's reach (`default_config`): (pass, window of at most 32
 # taps, float32 values) -> config name. Wider windows keep the band design, whose tiles were sized for
@@ -404,22 +447,22 @@ DEFAULT_CONFIG = {
 }
 
 
-# 16-bit forward calls that `_tma_tiles` takes run band-tma from this many frames (B * H * T) up. Below, calls
-# are launch-bound, and band-tma's host time is longer: its three tensor descriptors, encoded every call,
-# took the public op from 14 to 25-41 us a call at [16, 256] to [16, 1024] (H = 8), while at [32, 1024] it
-# ran 40 us against 46 for band-prefetch (bench/results/2026-11-30-5fbbf92-ldsa-probe.log).
+# 16-bit calls that `_tma_tiles` takes run band-tma from this many frames (B * H * T) up. Below, calls are
+# launch-bound, and band-tma's host time is longer: the forward's three tensor descriptors, encoded every
+# call, took the public op from 14 to 25-41 us a call at [16, 256] to [16, 1024] (H = 8), while at
+# [32, 1024] it ran 40 us against 46 for band-prefetch (bench/results/2026-11-30-5fbbf92-ldsa-probe.log).
 TMA_MIN_FRAMES = 1 << 18
-# Persistent programs an SM and pipeline depth: 4 and 3 (0.183 ms at [64, 3000], W = 15, bf16) against 2,
-# 3 or 6 programs (0.247, 0.198, 0.216 ms) and 2 stages (0.202); 4 stages were level (0.181; the probe log).
-TMA_PROGRAMS_PER_SM = 4
+# Persistent programs an SM, and pipeline depth. Forward: 4 and 3 (0.183 ms at [64, 3000], W = 15, bf16)
+# against 2, 3 or 6 programs (0.247, 0.198, 0.216 ms) and 2 stages (0.202); 4 stages were level (0.181; the
+# probe log). Backward: its 80 KB of shared memory a program (bf16, W = 15) leave room for 2 an SM.
+TMA_PROGRAMS_PER_SM = {"forward": 4, "backward": 2}
 TMA_STAGES = 3  # chunks in flight a program: the one computed and two being copied
 
 
 def default_config(direction: str, W: int, dtype: torch.dtype, tma: bool = False) -> str:
-    """The configuration a call takes; `tma`: a forward call that `_tma_tiles` takes, of at least
-    TMA_MIN_FRAMES frames, which band-tma runs for 16-bit values (float32 runs `band` faster, see
-    DEFAULT_CONFIG)."""
-    if direction == "forward" and tma and dtype != torch.float32:
+    """The configuration a call takes; `tma`: a call that `_tma_tiles` takes, of at least TMA_MIN_FRAMES
+    frames, which band-tma runs for 16-bit values (float32 runs `band` faster, see DEFAULT_CONFIG)."""
+    if tma and dtype != torch.float32:
         return BAND_TMA
     return DEFAULT_CONFIG[(direction, W <= 32, dtype == torch.float32)]
 
@@ -437,13 +480,14 @@ class _Launch:
     its tensor arguments), meta-parameters and warps. Built once per shape by the cached plan functions below
     and compared by identity, so the compiled-kernel cache keys on the object itself (and keeps it alive)."""
 
-    __slots__ = ("kernel", "programs", "ints", "meta", "num_warps", "config", "descriptors")
+    __slots__ = ("kernel", "programs", "ints", "meta", "num_warps", "config", "arguments")
 
     def __init__(self, kernel, programs: int, ints: tuple, meta: dict, num_warps: int, config: str,
-                 descriptors: tuple | None = None):  # fmt: skip
+                 arguments: tuple | None = None):  # fmt: skip
         self.kernel, self.programs, self.ints, self.meta, self.num_warps = kernel, programs, ints, meta, num_warps
-        # The configuration that runs, and for a TMA kernel each tensor's descriptor (2-D shape, block).
-        self.config, self.descriptors = config, descriptors
+        # The configuration that runs, and for a TMA kernel its tensor arguments: each the index of a tensor
+        # handed to `_launch`, or (index, 2-D shape, block) for a descriptor of that tensor.
+        self.config, self.arguments = config, arguments
 
 
 # Launchers of compiled kernels by (_Launch, device, each tensor's dtype and 16-byte alignment): see `_launch`.
@@ -459,14 +503,15 @@ def _launch(launch: _Launch, tensors: tuple) -> None:
     and keeps the CompiledKernel it returns; later ones call its launcher directly, with the arguments in the
     kernel's parameter order (constexprs included; the launcher skips them). While a launch hook is
     registered (Triton's profiler) every launch takes the JIT path, which feeds it; under the interpreter
-    nothing is compiled, so nothing is kept. A TMA kernel takes its tensors as descriptors, built here each
-    call (they hold the data pointers)."""
+    nothing is compiled, so nothing is kept. A TMA kernel's descriptors are built here each call (they hold
+    the data pointers)."""
     device = tensors[0].device.index
     key = (launch, device, *[(t.dtype, t.data_ptr() % 16 == 0) for t in tensors])
     hit = _compiled.get(key)
-    if launch.descriptors:
+    if launch.arguments is not None:
         tensors = tuple(
-            TensorDescriptor(t, rows, (rows[1], 1), block) for t, (rows, block) in zip(tensors, launch.descriptors)
+            tensors[a] if type(a) is int else TensorDescriptor(tensors[a[0]], a[1], (a[1][1], 1), a[2])
+            for a in launch.arguments
         )
     if hit is not None and not triton.knobs.runtime.launch_enter_hook.calls:
         run, function, metadata, stream_of, trailing = hit
@@ -494,6 +539,22 @@ def _clear_plans() -> None:
         plan.cache_clear()
 
 
+def _tma_plan(direction: str, tiles: tuple, W: int, Dh: int, T: int, BH: int, device: int) -> tuple:
+    """(tiles, programs, (chunks a head, all chunks), meta-parameters, num_warps) of a TMA kernel: a persistent
+    grid of TMA_PROGRAMS_PER_SM programs an SM, or one a chunk when there are fewer chunks."""
+    N, K = tiles[:2]
+    n_chunks = triton.cdiv(T, N)
+    programs = min(BH * n_chunks, _sm_count(device) * TMA_PROGRAMS_PER_SM[direction])
+    # A 2-row logits tile (W = 2) failed Triton 3.6's thread-locality pass for sm_90; 4 rows compile.
+    meta = dict(N=N, K=K, BLOCK_W=max(4, _band(W)[2]), BLOCK_D=Dh, STAGES=TMA_STAGES)
+    return tiles, programs, (n_chunks, BH * n_chunks), meta, 4 if K * N <= 2048 else 8
+
+
+def _sm_count(device: int) -> int:
+    """Multiprocessors of CUDA device `device` (one for -1, the interpreter's CPU tensors), for persistent grids."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device >= 0 else 1
+
+
 @functools.cache
 def _forward_launch(
     config: str | None, W: int, left: int, Dh: int, T: int, BH: int, dtype: torch.dtype, aligned: bool, device: int
@@ -502,21 +563,16 @@ def _forward_launch(
     `aligned`: every tensor starts on 16 bytes (TMA's condition); `device`: the CUDA device's index (-1 for
     the interpreter's CPU tensors). config None takes the default table's choice.
 
-    band-tma: `_tma_tiles` and a persistent grid of TMA_PROGRAMS_PER_SM programs an SM. The others:
-    `_band_plan` plus the PREFETCH flag."""
-    tiles = _tma_tiles(W, left, Dh, T, BH, dtype.itemsize) if aligned else None
+    band-tma: `_tma_plan`. The others: `_band_plan` plus the PREFETCH flag."""
+    tiles = _tma_tiles(W, left, Dh, T, BH) if aligned else None
     config = config or default_config("forward", W, dtype, tiles is not None and BH * T >= TMA_MIN_FRAMES)
     if config not in FORWARD_CONFIGS:
         raise ValueError(f"unknown forward config {config!r}; the configs are {FORWARD_CONFIGS}")
     if config == BAND_TMA and tiles is not None:
-        N, K, lead = tiles
-        block_w = max(4, _band(W)[2])  # a 2-row logits tile (W = 2) failed to compile (Triton 3.6, sm_90)
-        all_chunks = BH * triton.cdiv(T, N)
-        descriptors = (((BH * W, T), (block_w, N)), ((BH * Dh, T), (Dh, K)), ((BH * Dh, T), (Dh, N)))
-        meta = dict(N=N, K=K, BLOCK_W=block_w, BLOCK_D=Dh, STAGES=TMA_STAGES)
-        return _Launch(_ldsa_forward_tma_kernel, min(all_chunks, _sm_count(device) * TMA_PROGRAMS_PER_SM),
-                       (W, left, lead, triton.cdiv(T, N), all_chunks), meta, 4 if K * N <= 2048 else 8, config,
-                       descriptors)  # fmt: skip
+        (N, K, lead, _), programs, ints, meta, num_warps = _tma_plan("forward", tiles, W, Dh, T, BH, device)
+        rows, values = (BH * W, T), (BH * Dh, T)
+        arguments = ((0, rows, (meta["BLOCK_W"], N)), (1, values, (Dh, K)), (2, values, (Dh, N)))
+        return _Launch(_ldsa_forward_tma_kernel, programs, (W, left, lead, *ints), meta, num_warps, config, arguments)
     if config == BAND_TMA:
         config = BAND_PREFETCH
     n_ttiles, (lead, _), meta, num_warps = _band_plan(W, left, Dh, T, BH, dtype.itemsize)
@@ -525,13 +581,41 @@ def _forward_launch(
 
 
 @functools.cache
-def _backward_launch(config: str | None, W: int, left: int, Dh: int, T: int, BH: int, dtype: torch.dtype) -> _Launch:
-    """The backward's launch for values (and grad_out) of `dtype`; config None takes the default table's."""
-    config = config or default_config("backward", W, dtype)
+def _backward_launch(
+    config: str | None, W: int, left: int, Dh: int, T: int, BH: int, dtype: torch.dtype, aligned: bool, device: int
+) -> _Launch:
+    """The backward's launch for values (and grad_out) of `dtype`, as `_forward_launch`: band-tma where
+    `_tma_tiles` takes the call (band otherwise), band."""
+    tiles = _tma_tiles(W, left, Dh, T, BH) if aligned else None
+    config = config or default_config("backward", W, dtype, tiles is not None and BH * T >= TMA_MIN_FRAMES)
     if config not in BACKWARD_CONFIGS:
         raise ValueError(f"unknown backward config {config!r}; the configs are {BACKWARD_CONFIGS}")
+    if config == BAND_TMA and tiles is not None:
+        (N, K, lead, lead_right), programs, ints, meta, num_warps = _tma_plan("backward", tiles, W, Dh, T, BH, device)
+        rows, values, block_w = (BH * W, T), (BH * Dh, T), meta["BLOCK_W"]
+        # a_logits 0, values 1, grad_out 2, dlogits 3, dv 4
+        arguments = ((0, rows, (block_w, N)), (0, rows, (block_w, K)), (1, values, (Dh, K)), (2, values, (Dh, K)),
+                     (2, values, (Dh, N)), (4, values, (Dh, N)), 3)  # fmt: skip
+        return _Launch(_ldsa_backward_tma_kernel, programs, (T, W, left, lead, lead_right, *ints), meta, num_warps,
+                       config, arguments)  # fmt: skip
+    config = BAND
     n_ttiles, leads, meta, num_warps = _band_plan(W, left, Dh, T, BH, dtype.itemsize)
     return _Launch(_ldsa_backward_kernel, BH * n_ttiles, (T, Dh, W, left, *leads, n_ttiles), meta, num_warps, config)
+
+
+def forward_launch(a_logits: torch.Tensor, v: torch.Tensor, left: int, right: int, config: str | None = None):
+    """The launch `ldsa_forward` makes for these inputs (its `.config` names the configuration that runs).
+    The output, a fresh allocation, starts on 16 bytes like every block of torch's allocators."""
+    B, H, Dh, T = v.shape
+    aligned = a_logits.data_ptr() % 16 == 0 and v.data_ptr() % 16 == 0
+    return _forward_launch(config, left + right + 1, left, Dh, T, B * H, v.dtype, aligned, v.get_device())
+
+
+def backward_launch(a_logits, v, grad_out, left: int, right: int, config: str | None = None) -> _Launch:
+    """The launch `ldsa_backward` makes for these inputs (v and grad_out of one dtype), as `forward_launch`."""
+    B, H, Dh, T = v.shape
+    aligned = a_logits.data_ptr() % 16 == 0 and v.data_ptr() % 16 == 0 and grad_out.data_ptr() % 16 == 0
+    return _backward_launch(config, left + right + 1, left, Dh, T, B * H, v.dtype, aligned, v.get_device())
 
 
 def ldsa_forward(a_logits: torch.Tensor, v: torch.Tensor, left: int, right: int, config: str | None = None):
@@ -545,19 +629,6 @@ def ldsa_forward(a_logits: torch.Tensor, v: torch.Tensor, left: int, right: int,
     return out
 
 
-def forward_launch(a_logits: torch.Tensor, v: torch.Tensor, left: int, right: int, config: str | None = None):
-    """The launch `ldsa_forward` makes for these inputs (its `.config` names the configuration that runs).
-    The output, a fresh allocation, starts on 16 bytes like every block of torch's allocators."""
-    B, H, Dh, T = v.shape
-    aligned = a_logits.data_ptr() % 16 == 0 and v.data_ptr() % 16 == 0
-    return _forward_launch(config, left + right + 1, left, Dh, T, B * H, v.dtype, aligned, v.get_device())
-
-
-def _sm_count(device: int) -> int:
-    """Multiprocessors of CUDA device `device` (one for -1, the interpreter's CPU tensors), for persistent grids."""
-    return torch.cuda.get_device_properties(device).multi_processor_count if device >= 0 else 1
-
-
 def ldsa_backward(
     a_logits: torch.Tensor, v: torch.Tensor, grad_out: torch.Tensor, left: int, right: int, config: str | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -566,11 +637,10 @@ def ldsa_backward(
     `config` names one of BACKWARD_CONFIGS; None takes the default table's choice. Autograd hands grad_out
     in v's dtype; with another dtype both run in float32 (exact upcasts, since the V^T G product needs one
     operand dtype)."""
-    B, H, Dh, T = v.shape
     vals = v
     if grad_out.dtype != v.dtype:
         vals, grad_out = v.float(), grad_out.float()
-    launch = _backward_launch(config, left + right + 1, left, Dh, T, B * H, vals.dtype)
+    launch = backward_launch(a_logits, vals, grad_out, left, right, config)
     dlogits = torch.empty_like(a_logits)
     dv = torch.empty_like(v)
     with _device_of(v):
