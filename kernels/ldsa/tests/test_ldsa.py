@@ -266,14 +266,22 @@ INTERP_TMA_CASES = [
 ]
 
 
+def backward_takes_tma(kernels, left, right, Dh, T, BH):
+    """The backward's TMA rule, stated again: `_tma_tiles`' K = 64 tiles and Dh <= 64 (larger ones passed the
+    H200's shared memory)."""
+    tiles = kernels._tma_tiles(left + right + 1, left, Dh, T, BH)
+    return tiles is not None and tiles[1] == 64 and Dh <= 64
+
+
 @needs_interpreter
 @pytest.mark.parametrize("left,right,T,Dh,dtype,BH", INTERP_TMA_CASES)
 def test_triton_interpreted_tma_kernels(ldsa, poisoned_outputs, left, right, T, Dh, dtype, BH):
     kernels = submodule(ldsa, "ldsa_triton")
     a, v = make(1, BH, Dh, T, left, right, dtype)
     go = torch.randn(v.shape).to(dtype)
-    launches = (kernels.forward_launch(a, v, left, right, kernels.BAND_TMA),
-                kernels.backward_launch(a, v, v, left, right, kernels.BAND_TMA))
+    launches = [kernels.forward_launch(a, v, left, right, kernels.BAND_TMA)]
+    if backward_takes_tma(kernels, left, right, Dh, T, BH):
+        launches.append(kernels.backward_launch(a, v, v, left, right, kernels.BAND_TMA))
     for launch in launches:
         assert launch.config == kernels.BAND_TMA and launch.programs < launch.ints[-1]  # programs < chunks
     out = kernels.ldsa_forward(a, v, left, right, config=kernels.BAND_TMA)
@@ -296,8 +304,12 @@ def test_tma_kernels_take_only_what_tma_can_address(ldsa, direction):
         return plan(asked, W, left, Dh, T, BH, dtype, aligned, -1).config
 
     assert config() == kernels.BAND_TMA and config(dtype=torch.float32) == kernels.BAND_TMA
-    assert config(W=2, left=1) == kernels.BAND_TMA
-    assert config(W=65, left=64) == kernels.BAND_TMA and config(W=63, left=62) == kernels.BAND_TMA
+    assert config(W=2, left=1) == kernels.BAND_TMA and config(W=33, left=32) == kernels.BAND_TMA
+    # K = 128 tiles (W = 63, 65) and Dh = 128: the forward only.
+    wide = (dict(W=65, left=64), dict(W=63, left=62), dict(Dh=128), dict(W=65, left=64, Dh=128))
+    for case in wide:
+        assert config(**case) == (kernels.BAND_TMA if direction == "forward" else fallback), case
+    assert config(W=65, left=64, Dh=128, dtype=torch.float32) == fallback  # 64 KB value tiles
     for refused in (dict(T=3001), dict(T=3004), dict(Dh=80), dict(Dh=256), dict(Dh=8), dict(aligned=False),
                     dict(W=66, left=65), dict(W=63, left=61)):  # W = 63, left = 61: 64 + 62 + 7 > 128 span
         assert config(**refused) == fallback, refused
@@ -400,6 +412,9 @@ def test_cuda_tma_kernels_match_float64(ldsa, left, right, dtype, Dh, T, B):
     a, v = make(B, 8, Dh, T, left, right, dtype, "cuda")
     go = torch.randn(v.shape, device="cuda").to(dtype)
     assert kernels.forward_launch(a, v, left, right, kernels.BAND_TMA).config == kernels.BAND_TMA
+    takes = backward_takes_tma(kernels, left, right, Dh, T, B * 8)
+    assert kernels.backward_launch(a, v, go, left, right, kernels.BAND_TMA).config == (
+        kernels.BAND_TMA if takes else kernels.BAND)
     out = kernels.ldsa_forward(a, v, left, right, config=kernels.BAND_TMA)
     assert torch.equal(kernels.ldsa_forward(a, v, left, right, config=kernels.BAND_TMA), out)  # the cached launch
     assert rel_err(out, ldsa_float64(a, v, left, right)) < FWD_TOL[dtype]

@@ -452,11 +452,13 @@ DEFAULT_CONFIG = {
 # call, took the public op from 14 to 25-41 us a call at [16, 256] to [16, 1024] (H = 8), while at
 # [32, 1024] it ran 40 us against 46 for band-prefetch (bench/results/2026-11-30-5fbbf92-ldsa-probe.log).
 TMA_MIN_FRAMES = 1 << 18
-# Persistent programs an SM, and pipeline depth. Forward: 4 and 3 (0.183 ms at [64, 3000], W = 15, bf16)
-# against 2, 3 or 6 programs (0.247, 0.198, 0.216 ms) and 2 stages (0.202); 4 stages were level (0.181; the
-# probe log). Backward: its 80 KB of shared memory a program (bf16, W = 15) leave room for 2 an SM.
-TMA_PROGRAMS_PER_SM = {"forward": 4, "backward": 2}
-TMA_STAGES = 3  # chunks in flight a program: the one computed and two being copied
+# Persistent programs an SM, and pipeline depth (chunks in flight a program, the one computed included).
+# Forward: 4 and 3 (0.183 ms at [64, 3000], W = 15, bf16) against 2, 3 or 6 programs (0.247, 0.198,
+# 0.216 ms) and 2 stages (0.202); 4 stages were level (0.181; the probe log). Backward, whose stages hold
+# five tiles: 3 and 2 (0.567 ms) against 2 and 2 or 3 (0.739, 0.754), 3 and 3 (0.995: the shared memory of
+# only 2 fits an SM) and 4 and 2 (0.773; bench/results/2026-11-30-f232f4a-ldsa-probe.log).
+TMA_PROGRAMS_PER_SM = {"forward": 4, "backward": 3}
+TMA_STAGES = {"forward": 3, "backward": 2}
 
 
 def default_config(direction: str, W: int, dtype: torch.dtype, tma: bool = False) -> str:
@@ -546,7 +548,7 @@ def _tma_plan(direction: str, tiles: tuple, W: int, Dh: int, T: int, BH: int, de
     n_chunks = triton.cdiv(T, N)
     programs = min(BH * n_chunks, _sm_count(device) * TMA_PROGRAMS_PER_SM[direction])
     # A 2-row logits tile (W = 2) failed Triton 3.6's thread-locality pass for sm_90; 4 rows compile.
-    meta = dict(N=N, K=K, BLOCK_W=max(4, _band(W)[2]), BLOCK_D=Dh, STAGES=TMA_STAGES)
+    meta = dict(N=N, K=K, BLOCK_W=max(4, _band(W)[2]), BLOCK_D=Dh, STAGES=TMA_STAGES[direction])
     return tiles, programs, (n_chunks, BH * n_chunks), meta, 4 if K * N <= 2048 else 8
 
 
@@ -565,6 +567,9 @@ def _forward_launch(
 
     band-tma: `_tma_plan`. The others: `_band_plan` plus the PREFETCH flag."""
     tiles = _tma_tiles(W, left, Dh, T, BH) if aligned else None
+    # Three stages of float32 values at Dh = K = 128 (64 KB each) pass the 227 KB of shared memory a program.
+    if tiles is not None and Dh * tiles[1] * dtype.itemsize > 32768:
+        tiles = None
     config = config or default_config("forward", W, dtype, tiles is not None and BH * T >= TMA_MIN_FRAMES)
     if config not in FORWARD_CONFIGS:
         raise ValueError(f"unknown forward config {config!r}; the configs are {FORWARD_CONFIGS}")
@@ -587,6 +592,10 @@ def _backward_launch(
     """The backward's launch for values (and grad_out) of `dtype`, as `_forward_launch`: band-tma where
     `_tma_tiles` takes the call (band otherwise), band."""
     tiles = _tma_tiles(W, left, Dh, T, BH) if aligned else None
+    # Five tiles a stage: with K = 128 or Dh = 128 they passed the H200's 227 KB of shared memory a program
+    # (2026-11-30-f232f4a-ldsa-pytest.log), so the backward takes TMA up to K = 64 and Dh = 64.
+    if tiles is not None and (tiles[1] > 64 or Dh > 64):
+        tiles = None
     config = config or default_config("backward", W, dtype, tiles is not None and BH * T >= TMA_MIN_FRAMES)
     if config not in BACKWARD_CONFIGS:
         raise ValueError(f"unknown backward config {config!r}; the configs are {BACKWARD_CONFIGS}")
