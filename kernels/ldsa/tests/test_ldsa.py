@@ -266,11 +266,11 @@ INTERP_TMA_CASES = [
 ]
 
 
-def backward_takes_tma(kernels, left, right, Dh, T, BH):
-    """The backward's TMA rule, stated again: `_tma_tiles`' K = 64 tiles and Dh <= 64 (larger ones passed the
-    H200's shared memory)."""
+def backward_takes_tma(kernels, left, right, Dh, T, BH, dtype):
+    """The backward's TMA rule, stated again: `_tma_tiles`' K = 64 tiles, Dh <= 64 (larger ones passed the
+    H200's shared memory) and 16-bit values."""
     tiles = kernels._tma_tiles(left + right + 1, left, Dh, T, BH)
-    return tiles is not None and tiles[1] == 64 and Dh <= 64
+    return tiles is not None and tiles[1] == 64 and Dh <= 64 and dtype != torch.float32
 
 
 @needs_interpreter
@@ -280,7 +280,7 @@ def test_triton_interpreted_tma_kernels(ldsa, poisoned_outputs, left, right, T, 
     a, v = make(1, BH, Dh, T, left, right, dtype)
     go = torch.randn(v.shape).to(dtype)
     launches = [kernels.forward_launch(a, v, left, right, kernels.BAND_TMA)]
-    if backward_takes_tma(kernels, left, right, Dh, T, BH):
+    if backward_takes_tma(kernels, left, right, Dh, T, BH, dtype):
         launches.append(kernels.backward_launch(a, v, v, left, right, kernels.BAND_TMA))
     for launch in launches:
         assert launch.config == kernels.BAND_TMA and launch.programs < launch.ints[-1]  # programs < chunks
@@ -303,7 +303,8 @@ def test_tma_kernels_take_only_what_tma_can_address(ldsa, direction):
     def config(T=3000, Dh=64, W=15, left=14, BH=512, dtype=torch.bfloat16, aligned=True, asked=kernels.BAND_TMA):
         return plan(asked, W, left, Dh, T, BH, dtype, aligned, -1).config
 
-    assert config() == kernels.BAND_TMA and config(dtype=torch.float32) == kernels.BAND_TMA
+    assert config() == kernels.BAND_TMA and config(dtype=torch.float16) == kernels.BAND_TMA
+    assert config(dtype=torch.float32) == (kernels.BAND_TMA if direction == "forward" else fallback)
     assert config(W=2, left=1) == kernels.BAND_TMA and config(W=33, left=32) == kernels.BAND_TMA
     # K = 128 tiles (W = 63, 65) and Dh = 128: the forward only.
     wide = (dict(W=65, left=64), dict(W=63, left=62), dict(Dh=128), dict(W=65, left=64, Dh=128))
@@ -412,7 +413,7 @@ def test_cuda_tma_kernels_match_float64(ldsa, left, right, dtype, Dh, T, B):
     a, v = make(B, 8, Dh, T, left, right, dtype, "cuda")
     go = torch.randn(v.shape, device="cuda").to(dtype)
     assert kernels.forward_launch(a, v, left, right, kernels.BAND_TMA).config == kernels.BAND_TMA
-    takes = backward_takes_tma(kernels, left, right, Dh, T, B * 8)
+    takes = backward_takes_tma(kernels, left, right, Dh, T, B * 8, dtype)
     assert kernels.backward_launch(a, v, go, left, right, kernels.BAND_TMA).config == (
         kernels.BAND_TMA if takes else kernels.BAND)
     out = kernels.ldsa_forward(a, v, left, right, config=kernels.BAND_TMA)

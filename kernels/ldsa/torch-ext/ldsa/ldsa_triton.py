@@ -15,7 +15,8 @@ A tap-by-tap loop would read every v element W times through L1 (15x the output 
 it well below the copy bandwidth (such a design ran 4x slower in bf16 and was removed); the band product
 reads it K / N = 2 times and does the W-fold reuse in the MMA. Weights stay float32-accurate: for bf16/fp16
 values they are split into a high and a low part in the values' dtype (about 16 mantissa bits; both parts
-in one MMA in the forward, see `_dot_float32_weights`); float32 values use three TF32 products (tf32x3).
+in one MMA in the forward, see `_dot_float32_weights`); float32 values use three TF32 products (tf32x3)
+in the forward and IEEE products in the backward.
 
 Large forward calls take the same band product fed by the tensor memory accelerator
 (`_ldsa_forward_tma_kernel`): a persistent grid whose programs walk chunks in a pipelined loop, the copy
@@ -65,24 +66,29 @@ def _window_softmax(logits, tap_ok, axis: tl.constexpr):
 
 
 @triton.jit
-def _dot_float32_weights(x, w, ONE_MMA: tl.constexpr):
-    """x @ w for values x (input dtype) and float32 weights w, products as accurate as in float32.
+def _dot_float32_weights(x, w, FORWARD: tl.constexpr):
+    """x @ w for values x (input dtype) and float32 weights w, products as accurate as in float32, in the
+    forward's way or the backward's (FORWARD), each measured on the H200.
 
     Tensor-core operands share one dtype, so bf16/fp16 values take w as hi + lo in that dtype (the
-    residual of the first rounding); float32 values use three TF32 products (tf32x3: each operand split in
-    a TF32 high part and residual, about 1e-7 relative, where one TF32 product would lose 13 bits and an
-    IEEE product runs on the CUDA cores: 1.79 against 0.42 ms for the TMA forward at [64, 3000], W = 15,
-    bench/results/2026-11-30-0ab2d9c-dirty-ldsa-tma.log).
-    ONE_MMA interleaves hi and lo as the columns of one [K, 2N] operand, so that one MMA reads x once for
-    both and the two products of a column are neighbours in the result (a thread's pair in the
-    accumulator): the forward's choice (0.273 -> 0.250 ms at [64, 3000] bf16,
-    bench/results/2026-11-30-e3649dd-dirty-ldsa-one-mma.log). The backward keeps two MMAs: with one, its
-    gradients came out wrong on the H200 at 21 and 113 taps (2026-11-30-f43d67b-ldsa-pytest.log)."""
+    residual of the first rounding). The forward interleaves hi and lo as the columns of one [K, 2N]
+    operand, so that one MMA reads x once for both and the two products of a column are neighbours in the
+    result (a thread's pair in the accumulator): 0.273 -> 0.250 ms at [64, 3000] bf16
+    (bench/results/2026-11-30-e3649dd-dirty-ldsa-one-mma.log). The backward keeps two MMAs: with one, its
+    gradients came out wrong at 21 and 113 taps (2026-11-30-f43d67b-ldsa-pytest.log).
+    Float32 values: the forward takes three TF32 products (tf32x3: each operand split in a TF32 high part
+    and a residual, about 1e-7 relative, where one TF32 product would lose 13 bits), against which an IEEE
+    product on the CUDA cores ran 1.79 against 0.42 ms in the TMA forward and 1.21 against 0.33 in the band
+    forward at [64, 3000], W = 15 (2026-11-30-0ab2d9c-dirty-ldsa-tma.log, -dddaffc-ldsa and -5fbbf92-ldsa
+    sweep rows); the backward keeps IEEE products, 1.336 ms there against 1.402 with tf32x3 (the dddaffc and
+    0ee460a runs)."""
     if x.dtype == tl.float32:
-        return tl.dot(x, w, input_precision="tf32x3")
+        if FORWARD:
+            return tl.dot(x, w, input_precision="tf32x3")
+        return tl.dot(x, w, input_precision="ieee")
     hi = w.to(x.dtype)
     lo = (w - hi.to(tl.float32)).to(x.dtype)
-    if ONE_MMA:
+    if FORWARD:
         K: tl.constexpr = w.shape[0]
         N: tl.constexpr = w.shape[1]
         both = tl.dot(x, tl.reshape(tl.join(hi, lo), [K, 2 * N]))
@@ -93,10 +99,10 @@ def _dot_float32_weights(x, w, ONE_MMA: tl.constexpr):
 
 @triton.jit
 def _dot_values(x, y):
-    """x @ y of two value-dtype tiles with a float32 result (exact products for bf16/fp16, tf32x3 for
-    float32 as in `_dot_float32_weights`)."""
+    """x @ y of two value-dtype tiles with a float32 result, for the backward (exact products for bf16/fp16,
+    IEEE for float32 as in `_dot_float32_weights`)."""
     if x.dtype == tl.float32:
-        return tl.dot(x, y, input_precision="tf32x3")
+        return tl.dot(x, y, input_precision="ieee")
     else:
         return tl.dot(x, y)
 
@@ -593,8 +599,10 @@ def _backward_launch(
     `_tma_tiles` takes the call (band otherwise), band."""
     tiles = _tma_tiles(W, left, Dh, T, BH) if aligned else None
     # Five tiles a stage: with K = 128 or Dh = 128 they passed the H200's 227 KB of shared memory a program
-    # (2026-11-30-f232f4a-ldsa-pytest.log), so the backward takes TMA up to K = 64 and Dh = 64.
-    if tiles is not None and (tiles[1] > 64 or Dh > 64):
+    # (2026-11-30-f232f4a-ldsa-pytest.log), so the backward takes TMA up to K = 64 and Dh = 64, and for 16-bit
+    # values: with float32 ones it ran 1.518 against 1.402 ms for band (tf32x3 products, 0ee460a sweep), and
+    # with the backward's IEEE products it spills 740 bytes (offline sm_90a compile).
+    if tiles is not None and (tiles[1] > 64 or Dh > 64 or dtype == torch.float32):
         tiles = None
     config = config or default_config("backward", W, dtype, tiles is not None and BH * T >= TMA_MIN_FRAMES)
     if config not in BACKWARD_CONFIGS:
