@@ -4,10 +4,15 @@ fused path against float64 on CUDA, and the paper's LDSA block kernelized throug
 
 import copy
 import itertools
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
+import testkit
 from testkit import HAS_CUDA, INTERPRETED, load, needs_cuda, rel_err, submodule
 
 WINDOWS = [(0, 0), (14, 0), (7, 7), (3, 11), (0, 5), (31, 31), (64, 0)]
@@ -322,11 +327,26 @@ def test_tma_kernels_take_only_what_tma_can_address(ldsa, direction):
     assert config(asked=None, T=3001) == kernels.default_config(direction, 15, torch.bfloat16)
 
 
+def test_small_windows_compile_for_sm90():
+    """Windows of 2 to 8 taps, every configuration, compiled for sm_90a without a GPU (tools.compile_sm90 on
+    the benchmark's "taps" cases): their 2- and 4-row logits tiles once failed Triton's thread-locality pass,
+    which the interpreter cannot see."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-m", "tools.compile_sm90", "ldsa", "--match", "taps"], env=env,
+                         cwd=Path(testkit.__file__).parent, capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    kernels = {line.split("|")[2].strip() for line in out.stdout.splitlines() if "taps" in line}
+    assert kernels == {"_ldsa_forward_kernel", "_ldsa_backward_kernel", "_ldsa_forward_tma_kernel",
+                       "_ldsa_backward_tma_kernel"}
+
+
 # ---- The fused path on CUDA (the lead's GPU run) ----
 
 # Every band configuration `_plan` picks: N = 16, 32, 64 frames per chunk; K = 16 to 128; 4 and 8 warps;
-# (100, 12) is the widest fused window (113 taps), (100, 28) runs the reference.
-CUDA_WINDOWS = [(0, 0), (14, 0), (7, 7), (0, 9), (3, 11), (20, 0), (31, 31), (64, 0), (48, 48), (100, 12), (100, 28)]
+# (1, 0), (1, 1) and (3, 4) the smallest logits tile (BLOCK_W = 8); (100, 12) is the widest fused window
+# (113 taps), (100, 28) runs the reference.
+CUDA_WINDOWS = [(0, 0), (1, 0), (1, 1), (3, 4), (14, 0), (7, 7), (0, 9), (3, 11), (20, 0), (31, 31), (64, 0), (48, 48),
+                (100, 12), (100, 28)]
 
 
 @needs_cuda

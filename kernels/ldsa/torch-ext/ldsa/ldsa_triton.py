@@ -338,8 +338,10 @@ def _band(W: int) -> tuple[int, int, int]:
 
     N is the smallest power of two >= W - 1 in [16, 64], so the band K >= N + W - 1 wastes at most about
     half of the MMA; N shrinks while the [K, N] band tile would pass 8192 elements or the backward's
-    [K, BLOCK_W] gather tile would pass MAX_GATHER_TILE."""
-    block_w = max(2, _pow2(W))
+    [K, BLOCK_W] gather tile would pass MAX_GATHER_TILE. BLOCK_W is at least 8: logits tiles of 2 or 4 rows
+    (W = 2 to 4) failed Triton 3.6's thread-locality pass for sm_90 in the band kernels and the TMA forward
+    (the offline sm_90a compile, and the H200 at 5fbbf92 and 0c21e60), which no GPU test had met before."""
+    block_w = max(8, _pow2(W))
     N = min(max(16, _pow2(W - 1)), 64)
     K = _pow2(N + W - 1)
     while N > 16 and (K * N > 8192 or K * block_w > MAX_GATHER_TILE):
@@ -553,8 +555,7 @@ def _tma_plan(direction: str, tiles: tuple, W: int, Dh: int, T: int, BH: int, de
     N, K = tiles[:2]
     n_chunks = triton.cdiv(T, N)
     programs = min(BH * n_chunks, _sm_count(device) * TMA_PROGRAMS_PER_SM[direction])
-    # A 2-row logits tile (W = 2) failed Triton 3.6's thread-locality pass for sm_90; 4 rows compile.
-    meta = dict(N=N, K=K, BLOCK_W=max(4, _band(W)[2]), BLOCK_D=Dh, STAGES=TMA_STAGES[direction])
+    meta = dict(N=N, K=K, BLOCK_W=_band(W)[2], BLOCK_D=Dh, STAGES=TMA_STAGES[direction])
     return tiles, programs, (n_chunks, BH * n_chunks), meta, 4 if K * N <= 2048 else 8
 
 
