@@ -18,10 +18,10 @@ values they are split into a high and a low part in the values' dtype (about 16 
 in one MMA in the forward, see `_dot_float32_weights`); float32 values use three TF32 products (tf32x3)
 in the forward and IEEE products in the backward.
 
-Large forward calls take the same band product fed by the tensor memory accelerator
-(`_ldsa_forward_tma_kernel`): a persistent grid whose programs walk chunks in a pipelined loop, the copy
-engine bringing the next chunks' logits and value spans into shared memory while the current one is
-computed, and storing the output tiles.
+Large 16-bit calls take the same band products fed by the tensor memory accelerator
+(`_ldsa_forward_tma_kernel`, `_ldsa_backward_tma_kernel`): a persistent grid whose programs walk chunks in
+a pipelined loop, the copy engine bringing the next chunks' tiles into shared memory while the current one
+is computed, and storing the output tiles.
 
 The backward is one kernel on the same grid. For the chunk's frames it forms V^T G on the span (the
 windowed reduction over Dh), gathers da[k, t] from its band and applies the softmax Jacobian; for the
