@@ -274,7 +274,7 @@ INTERP_TMA_CASES = [
 def backward_takes_tma(kernels, left, right, Dh, T, BH, dtype):
     """The backward's TMA rule, stated again: `_tma_tiles`' K = 64 tiles, Dh <= 64 (larger ones passed the
     H200's shared memory) and 16-bit values."""
-    tiles = kernels._tma_tiles(left + right + 1, left, Dh, T, BH)
+    tiles = kernels._tma_tiles("forward", left + right + 1, left, Dh, T, BH, torch.bfloat16)  # the geometry
     return tiles is not None and tiles[1] == 64 and Dh <= 64 and dtype != torch.float32
 
 

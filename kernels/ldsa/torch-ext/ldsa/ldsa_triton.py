@@ -382,9 +382,11 @@ def _span_leads(W: int, left: int, T: int, itemsize: int) -> tuple[int, int, int
 
 
 @functools.cache
-def _tma_tiles(W: int, left: int, Dh: int, T: int, BH: int) -> tuple[int, int, int, int] | None:
-    """(N frames per chunk, K span positions, lead, lead_right) of the TMA kernels, or None where they cannot
-    take the call.
+def _tma_tiles(
+    direction: str, W: int, left: int, Dh: int, T: int, BH: int, dtype: torch.dtype
+) -> tuple[int, int, int, int] | None:
+    """(N frames per chunk, K span positions, lead, lead_right) of the `direction` TMA kernel for values of
+    `dtype`, or None where it cannot take the call.
 
     TMA reads rows whose byte stride is a multiple of 16 (T a multiple of 8, for every dtype) at int32
     coordinates, and a column offset must be a multiple of 16 bytes: spans start at multiples of 8 frames,
@@ -392,15 +394,26 @@ def _tma_tiles(W: int, left: int, Dh: int, T: int, BH: int) -> tuple[int, int, i
     rounded up) before it for the frames that read its values, so K >= N + W - 1 plus the larger rounding.
     Chunks of 32 frames with K = 64 ran 0.18 ms at [64, 3000], W = 15, bf16, against 0.24 for 16 and 0.30 for
     64 (bench/results/2026-11-30-0ab2d9c-dirty-ldsa-tma.log); windows too wide for K = 64 take 64 and
-    K = 128, wider ones none. One channel tile: Dh a power of two from 16 (the MMA's least rows) to 128."""
+    K = 128, wider ones none. One channel tile: Dh a power of two from 16 (the MMA's least rows) to 128.
+
+    Shared memory bounds each direction further. The forward's three stages of float32 values at
+    Dh = K = 128 (64 KB each) pass the 227 KB a program. The backward holds five tiles a stage: with K = 128
+    or Dh = 128 they passed it (2026-11-30-f232f4a-ldsa-pytest.log), so it takes K = 64 and Dh <= 64, and
+    only 16-bit values: with float32 ones it ran 1.518 against 1.402 ms for band (tf32x3 products, 0ee460a
+    sweep), and with the backward's IEEE products it spills 740 bytes (offline sm_90a compile)."""
     right = W - 1 - left
     lead, lead_right = _round_up(left, 8), _round_up(right, 8)
     if T % 8 or Dh not in (16, 32, 64, 128) or BH * max(Dh, _pow2(W)) >= 2**31:
         return None
-    for N, K in ((32, 64), (64, 128)):
-        if N + W - 1 + max(lead - left, lead_right - right) <= K:
-            return N, K, lead, lead_right
-    return None
+    fitting = [(N, K) for N, K in ((32, 64), (64, 128)) if N + W - 1 + max(lead - left, lead_right - right) <= K]
+    if not fitting:
+        return None
+    N, K = fitting[0]
+    if direction == "forward" and Dh * K * dtype.itemsize > 32768:
+        return None
+    if direction == "backward" and (K > 64 or Dh > 64 or dtype == torch.float32):
+        return None
+    return N, K, lead, lead_right
 
 
 @functools.cache
@@ -549,14 +562,24 @@ def _clear_plans() -> None:
         plan.cache_clear()
 
 
-def _tma_plan(direction: str, tiles: tuple, W: int, Dh: int, T: int, BH: int, device: int) -> tuple:
-    """(tiles, programs, (chunks a head, all chunks), meta-parameters, num_warps) of a TMA kernel: a persistent
-    grid of TMA_PROGRAMS_PER_SM programs an SM, or one a chunk when there are fewer chunks."""
-    N, K = tiles[:2]
+def _tma_plan(direction: str, N: int, K: int, W: int, Dh: int, T: int, BH: int, device: int) -> tuple:
+    """(programs, (chunks a head, all chunks), meta-parameters, num_warps) of a TMA kernel with N-frame chunks
+    and K-position spans: a persistent grid of TMA_PROGRAMS_PER_SM programs an SM, or one a chunk when there
+    are fewer chunks."""
     n_chunks = triton.cdiv(T, N)
     programs = min(BH * n_chunks, _sm_count(device) * TMA_PROGRAMS_PER_SM[direction])
     meta = dict(N=N, K=K, BLOCK_W=_band(W)[2], BLOCK_D=Dh, STAGES=TMA_STAGES[direction])
-    return tiles, programs, (n_chunks, BH * n_chunks), meta, 4 if K * N <= 2048 else 8
+    return programs, (n_chunks, BH * n_chunks), meta, 4 if K * N <= 2048 else 8
+
+
+def _chosen_config(direction: str, config: str | None, W: int, dtype: torch.dtype, tiles, frames: int) -> str:
+    """`config`, checked against the direction's configurations, or the default's choice for a call of
+    `frames` frames (B * H * T) whose TMA tiles are `tiles`."""
+    configs = FORWARD_CONFIGS if direction == "forward" else BACKWARD_CONFIGS
+    config = config or default_config(direction, W, dtype, tiles is not None and frames >= TMA_MIN_FRAMES)
+    if config not in configs:
+        raise ValueError(f"unknown {direction} config {config!r}; the configs are {configs}")
+    return config
 
 
 def _sm_count(device: int) -> int:
@@ -573,15 +596,11 @@ def _forward_launch(
     the interpreter's CPU tensors). config None takes the default table's choice.
 
     band-tma: `_tma_plan`. The others: `_band_plan` plus the PREFETCH flag."""
-    tiles = _tma_tiles(W, left, Dh, T, BH) if aligned else None
-    # Three stages of float32 values at Dh = K = 128 (64 KB each) pass the 227 KB of shared memory a program.
-    if tiles is not None and Dh * tiles[1] * dtype.itemsize > 32768:
-        tiles = None
-    config = config or default_config("forward", W, dtype, tiles is not None and BH * T >= TMA_MIN_FRAMES)
-    if config not in FORWARD_CONFIGS:
-        raise ValueError(f"unknown forward config {config!r}; the configs are {FORWARD_CONFIGS}")
+    tiles = _tma_tiles("forward", W, left, Dh, T, BH, dtype) if aligned else None
+    config = _chosen_config("forward", config, W, dtype, tiles, BH * T)
     if config == BAND_TMA and tiles is not None:
-        (N, K, lead, _), programs, ints, meta, num_warps = _tma_plan("forward", tiles, W, Dh, T, BH, device)
+        N, K, lead, _ = tiles
+        programs, ints, meta, num_warps = _tma_plan("forward", N, K, W, Dh, T, BH, device)
         rows, values = (BH * W, T), (BH * Dh, T)
         arguments = ((0, rows, (meta["BLOCK_W"], N)), (1, values, (Dh, K)), (2, values, (Dh, N)))
         return _Launch(_ldsa_forward_tma_kernel, programs, (W, left, lead, *ints), meta, num_warps, config, arguments)
@@ -598,18 +617,11 @@ def _backward_launch(
 ) -> _Launch:
     """The backward's launch for values (and grad_out) of `dtype`, as `_forward_launch`: band-tma where
     `_tma_tiles` takes the call (band otherwise), band."""
-    tiles = _tma_tiles(W, left, Dh, T, BH) if aligned else None
-    # Five tiles a stage: with K = 128 or Dh = 128 they passed the H200's 227 KB of shared memory a program
-    # (2026-11-30-f232f4a-ldsa-pytest.log), so the backward takes TMA up to K = 64 and Dh = 64, and for 16-bit
-    # values: with float32 ones it ran 1.518 against 1.402 ms for band (tf32x3 products, 0ee460a sweep), and
-    # with the backward's IEEE products it spills 740 bytes (offline sm_90a compile).
-    if tiles is not None and (tiles[1] > 64 or Dh > 64 or dtype == torch.float32):
-        tiles = None
-    config = config or default_config("backward", W, dtype, tiles is not None and BH * T >= TMA_MIN_FRAMES)
-    if config not in BACKWARD_CONFIGS:
-        raise ValueError(f"unknown backward config {config!r}; the configs are {BACKWARD_CONFIGS}")
+    tiles = _tma_tiles("backward", W, left, Dh, T, BH, dtype) if aligned else None
+    config = _chosen_config("backward", config, W, dtype, tiles, BH * T)
     if config == BAND_TMA and tiles is not None:
-        (N, K, lead, lead_right), programs, ints, meta, num_warps = _tma_plan("backward", tiles, W, Dh, T, BH, device)
+        N, K, lead, lead_right = tiles
+        programs, ints, meta, num_warps = _tma_plan("backward", N, K, W, Dh, T, BH, device)
         rows, values, block_w = (BH * W, T), (BH * Dh, T), meta["BLOCK_W"]
         # a_logits 0, values 1, grad_out 2, dlogits 3, dv 4
         arguments = ((0, rows, (block_w, N)), (0, rows, (block_w, K)), (1, values, (Dh, K)), (2, values, (Dh, K)),
