@@ -59,10 +59,14 @@ def _aligned(T, T_ALIGN: tl.constexpr):
 
 @triton.jit
 def _window_softmax(logits, tap_ok, axis: tl.constexpr):
-    """Softmax over the window axis in float32; padded taps (tap_ok false) get weight 0."""
+    """Softmax over the window axis in float32; padded taps (tap_ok false) get weight 0.
+
+    exp2 and a division to 2 ulp (div.full) are within float32's accuracy here and take fewer instructions
+    than tl.exp and the IEEE division, whose range handling the TMA forward paid for on every weight
+    (bench/results/2026-11-30-1eb73c1-dirty-ldsa-fwd-variants.log, v1 against v3)."""
     x = tl.where(tap_ok, logits.to(tl.float32), float("-inf"))
-    e = tl.exp(x - tl.expand_dims(tl.max(x, axis), axis))
-    return e / tl.expand_dims(tl.sum(e, axis), axis)
+    e = tl.exp2((x - tl.expand_dims(tl.max(x, axis), axis)) * 1.4426950408889634)
+    return tl.fdiv(e, tl.expand_dims(tl.sum(e, axis), axis))
 
 
 @triton.jit
@@ -70,12 +74,9 @@ def _dot_float32_weights(x, w, FORWARD: tl.constexpr):
     """x @ w for values x (input dtype) and float32 weights w, products as accurate as in float32, in the
     forward's way or the backward's (FORWARD), each measured on the H200.
 
-    Tensor-core operands share one dtype, so bf16/fp16 values take w as hi + lo in that dtype (the
-    residual of the first rounding). The forward interleaves hi and lo as the columns of one [K, 2N]
-    operand, so that one MMA reads x once for both and the two products of a column are neighbours in the
-    result (a thread's pair in the accumulator): 0.273 -> 0.250 ms at [64, 3000] bf16
-    (bench/results/2026-11-30-e3649dd-dirty-ldsa-one-mma.log). The backward keeps two MMAs: with one, its
-    gradients came out wrong at 21 and 113 taps (2026-11-30-f43d67b-ldsa-pytest.log).
+    Tensor-core operands share one dtype, so bf16/fp16 values take w as hi + lo in that dtype
+    (`_split_hi_lo`); the forward multiplies them in one MMA (`_dot_hi_lo_pairs`). The backward keeps two
+    MMAs: with one, its gradients came out wrong at 21 and 113 taps (2026-11-30-f43d67b-ldsa-pytest.log).
     Float32 values: the forward takes three TF32 products (tf32x3: each operand split in a TF32 high part
     and a residual, about 1e-7 relative, where one TF32 product would lose 13 bits), against which an IEEE
     product on the CUDA cores ran 1.79 against 0.42 ms in the TMA forward and 1.21 against 0.33 in the band
@@ -83,18 +84,47 @@ def _dot_float32_weights(x, w, FORWARD: tl.constexpr):
     sweep rows); the backward keeps IEEE products, 1.336 ms there against 1.402 with tf32x3 (the dddaffc and
     0ee460a runs)."""
     if x.dtype == tl.float32:
-        if FORWARD:
-            return tl.dot(x, w, input_precision="tf32x3")
-        return tl.dot(x, w, input_precision="ieee")
-    hi = w.to(x.dtype)
-    lo = (w - hi.to(tl.float32)).to(x.dtype)
-    if FORWARD:
-        K: tl.constexpr = w.shape[0]
-        N: tl.constexpr = w.shape[1]
-        both = tl.dot(x, tl.reshape(tl.join(hi, lo), [K, 2 * N]))
-        from_hi, from_lo = tl.split(tl.reshape(both, [x.shape[0], N, 2]))
-        return from_hi + from_lo
-    return tl.dot(x, lo, tl.dot(x, hi))
+        product = tl.dot(x, w, input_precision="tf32x3" if FORWARD else "ieee")
+    elif FORWARD:
+        product = _dot_hi_lo_pairs(x, _hi_lo_pairs(w, x.dtype))
+    else:
+        hi, lo = _split_hi_lo(w, x.dtype)
+        product = tl.dot(x, lo, tl.dot(x, hi))
+    return product
+
+
+@triton.jit
+def _split_hi_lo(w, dtype: tl.constexpr):
+    """float32 w as hi + lo in the 16-bit `dtype`, lo the residual of the first rounding (about 16 bits of
+    w's mantissa together)."""
+    hi = w.to(dtype)
+    return hi, (w - hi.to(tl.float32)).to(dtype)
+
+
+@triton.jit
+def _hi_lo_pairs(w, dtype: tl.constexpr):
+    """`_split_hi_lo` of w packed into one int32 word an element (hi in the low half), so that the TMA
+    forward skews both halves into the band with one gather, after splitting only the [BLOCK_W, N] weights
+    rather than the [K, N] band (0.182 -> 0.166 ms at [64, 3000], W = 15, bf16:
+    bench/results/2026-11-30-1eb73c1-dirty-ldsa-fwd-variants.log, v0 against v1)."""
+    hi, lo = _split_hi_lo(w, dtype)
+    return (hi.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF) | (lo.to(tl.int16, bitcast=True).to(tl.int32) << 16)
+
+
+@triton.jit
+def _dot_hi_lo_pairs(x, pairs):
+    """x @ (hi + lo) for 16-bit x and a [K, N] tile of `_hi_lo_pairs` words, float32 result [M, N].
+
+    hi and lo are interleaved as the columns of one [K, 2N] operand, so that one MMA reads x once for both
+    and the two products of a column are neighbours in the result (a thread's pair in the accumulator):
+    0.273 -> 0.250 ms at [64, 3000] bf16 against two MMAs (bench/results/2026-11-30-e3649dd-dirty-ldsa-one-mma.log)."""
+    K: tl.constexpr = pairs.shape[0]
+    N: tl.constexpr = pairs.shape[1]
+    hi = pairs.to(tl.int16).to(x.dtype, bitcast=True)
+    lo = (pairs >> 16).to(tl.int16).to(x.dtype, bitcast=True)
+    both = tl.dot(x, tl.reshape(tl.join(hi, lo), [K, 2 * N]))
+    from_hi, from_lo = tl.split(tl.reshape(both, [x.shape[0], N, 2]))
+    return from_hi + from_lo
 
 
 @triton.jit
@@ -189,9 +219,20 @@ def _ldsa_forward_kernel(
 
 
 @triton.jit
+def _band_product(vals, weights, gather_tap):
+    """vals [BLOCK_D, K] @ the band [K, N] that gather_tap skews out of the window weights [BLOCK_W, N]."""
+    if vals.dtype == tl.float32:
+        product = _dot_float32_weights(vals, tl.gather(weights, gather_tap, 0), True)
+    else:
+        product = _dot_hi_lo_pairs(vals, tl.gather(_hi_lo_pairs(weights, vals.dtype), gather_tap, 0))
+    return product
+
+
+@triton.jit
 def _ldsa_forward_tma_kernel(
     a_desc, v_desc, out_desc, W, left, lead, n_chunks, all_chunks,
-    N: tl.constexpr, K: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_D: tl.constexpr, STAGES: tl.constexpr,
+    N: tl.constexpr, K: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_D: tl.constexpr, PARTS: tl.constexpr,
+    STAGES: tl.constexpr,
 ):  # fmt: skip
     """The band forward fed by the tensor memory accelerator, on a persistent grid.
 
@@ -201,20 +242,33 @@ def _ldsa_forward_tma_kernel(
     computes one; the copy engine zero-fills what lies outside the tensor (values before 0 or past T, the
     last head's padded taps), which is what the band needs. A value span starts `lead` >= left positions
     before its chunk, a multiple of 8 (16 bytes or more): TMA faulted on the H200 with a column offset that
-    was not a multiple of 16 bytes."""
+    was not a multiple of 16 bytes.
+
+    A chunk is PARTS parts of N frames, each with its own value span and band product, that share the
+    logits load, the softmax and the gather: two parts of 32 frames ran 0.154 ms at [64, 3000], W = 15,
+    bf16, against 0.164 for one (the per-chunk pipeline and loop work is spread over twice the frames;
+    bench/results/2026-11-30-1eb73c1-dirty-ldsa-fwd-variants.log, v4:3:3 against v3). The band's
+    out-of-band positions read tap row BLOCK_W - 1 >= W, whose weight is 0."""
     taps = tl.arange(0, BLOCK_W)
-    frames = tl.arange(0, N)
+    frames = tl.arange(0, PARTS * N) % N  # a frame's place in its part
     span = tl.arange(0, K)
     tap_ok = taps[:, None] < W  # rows past W are the next head's taps (or zero fill): weight 0
     band_tap = span[:, None] - frames[None, :] - (lead - left)
-    in_band = (band_tap >= 0) & (band_tap < W)
-    gather_tap = tl.minimum(tl.maximum(band_tap, 0), BLOCK_W - 1)
+    gather_tap = tl.where((band_tap >= 0) & (band_tap < W), band_tap, BLOCK_W - 1)
     for i in tl.range(tl.program_id(0), all_chunks, tl.num_programs(0), num_stages=STAGES):
         bh = i // n_chunks
-        t0 = (i % n_chunks) * N
-        band = _band_weights(a_desc.load([bh * W, t0]), tap_ok, gather_tap, in_band)
+        t0 = (i % n_chunks) * (PARTS * N)
+        weights = _window_softmax(a_desc.load([bh * W, t0]), tap_ok, 0)  # [BLOCK_W, PARTS * N]
         vals = v_desc.load([bh * BLOCK_D, t0 - lead])
-        out_desc.store([bh * BLOCK_D, t0], _dot_float32_weights(vals, band, True).to(out_desc.dtype))
+        if PARTS == 1:
+            out_desc.store([bh * BLOCK_D, t0], _band_product(vals, weights, gather_tap).to(out_desc.dtype))
+        else:
+            tl.static_assert(vals.dtype != tl.float32, "two-part chunks take 16-bit values")
+            vals_second = v_desc.load([bh * BLOCK_D, t0 + N - lead])
+            band = tl.gather(_hi_lo_pairs(weights, vals.dtype), gather_tap, 0)  # [K, 2N]: both parts' bands
+            band_first, band_second = tl.split(tl.permute(tl.reshape(band, [K, 2, N]), (0, 2, 1)))
+            out_desc.store([bh * BLOCK_D, t0], _dot_hi_lo_pairs(vals, band_first).to(out_desc.dtype))
+            out_desc.store([bh * BLOCK_D, t0 + N], _dot_hi_lo_pairs(vals_second, band_second).to(out_desc.dtype))
 
 
 @triton.jit
@@ -474,11 +528,12 @@ DEFAULT_CONFIG = {
 # [32, 1024] it ran 40 us against 46 for band-prefetch (bench/results/2026-11-30-5fbbf92-ldsa-probe.log).
 TMA_MIN_FRAMES = 1 << 18
 # Persistent programs an SM, and pipeline depth (chunks in flight a program, the one computed included).
-# Forward: 4 and 3 (0.183 ms at [64, 3000], W = 15, bf16) against 2, 3 or 6 programs (0.247, 0.198,
-# 0.216 ms) and 2 stages (0.202); 4 stages were level (0.181; the probe log). Backward, whose stages hold
+# Forward, with two-part chunks: 3 and 3 (0.154 ms at [64, 3000], W = 15, bf16) against 4 and 2 (0.157),
+# 5 and 2 (0.209) and 4 and 3 (0.222: the shared memory of only 3 fits an SM;
+# bench/results/2026-11-30-1eb73c1-dirty-ldsa-fwd-variants.log). Backward, whose stages hold
 # five tiles: 3 and 2 (0.567 ms) against 2 and 2 or 3 (0.739, 0.754), 3 and 3 (0.995: the shared memory of
 # only 2 fits an SM) and 4 and 2 (0.773; bench/results/2026-11-30-f232f4a-ldsa-probe.log).
-TMA_PROGRAMS_PER_SM = {"forward": 4, "backward": 3}
+TMA_PROGRAMS_PER_SM = {"forward": 3, "backward": 3}
 TMA_STAGES = {"forward": 3, "backward": 2}
 
 
@@ -562,13 +617,26 @@ def _clear_plans() -> None:
         plan.cache_clear()
 
 
-def _tma_plan(direction: str, N: int, K: int, W: int, Dh: int, T: int, BH: int, device: int) -> tuple:
-    """(programs, (chunks a head, all chunks), meta-parameters, num_warps) of a TMA kernel with N-frame chunks
+def _tma_plan(
+    direction: str, N: int, K: int, W: int, Dh: int, T: int, BH: int, dtype: torch.dtype, device: int
+) -> tuple:  # fmt: skip
+    """(programs, (chunks a head, all chunks), meta-parameters, num_warps) of a TMA kernel with N-frame parts
     and K-position spans: a persistent grid of TMA_PROGRAMS_PER_SM programs an SM, or one a chunk when there
-    are fewer chunks."""
-    n_chunks = triton.cdiv(T, N)
+    are fewer chunks.
+
+    The forward's chunks are two parts where the tiles are N = 32, K = 64 with Dh <= 64 and 16-bit values
+    (larger value tiles, two a stage, would leave shared memory for one program an SM), one part otherwise;
+    its logits tiles have a row of zero weight past the window (BLOCK_W > W) for the band's out-of-band
+    positions. The backward's chunks are one part, its logits tiles the band kernels'."""
+    if direction == "forward":
+        parts = 2 if (N, K) == (32, 64) and Dh <= 64 and dtype != torch.float32 else 1
+        meta = dict(N=N, K=K, BLOCK_W=max(8, _pow2(W + 1)), BLOCK_D=Dh, PARTS=parts)
+    else:
+        parts = 1
+        meta = dict(N=N, K=K, BLOCK_W=_band(W)[2], BLOCK_D=Dh)
+    n_chunks = triton.cdiv(T, parts * N)
     programs = min(BH * n_chunks, _sm_count(device) * TMA_PROGRAMS_PER_SM[direction])
-    meta = dict(N=N, K=K, BLOCK_W=_band(W)[2], BLOCK_D=Dh, STAGES=TMA_STAGES[direction])
+    meta["STAGES"] = TMA_STAGES[direction]
     return programs, (n_chunks, BH * n_chunks), meta, 4 if K * N <= 2048 else 8
 
 
@@ -600,9 +668,9 @@ def _forward_launch(
     config = _chosen_config("forward", config, W, dtype, tiles, BH * T)
     if config == BAND_TMA and tiles is not None:
         N, K, lead, _ = tiles
-        programs, ints, meta, num_warps = _tma_plan("forward", N, K, W, Dh, T, BH, device)
+        programs, ints, meta, num_warps = _tma_plan("forward", N, K, W, Dh, T, BH, dtype, device)
         rows, values = (BH * W, T), (BH * Dh, T)
-        arguments = ((0, rows, (meta["BLOCK_W"], N)), (1, values, (Dh, K)), (2, values, (Dh, N)))
+        arguments = ((0, rows, (meta["BLOCK_W"], meta["PARTS"] * N)), (1, values, (Dh, K)), (2, values, (Dh, N)))
         return _Launch(_ldsa_forward_tma_kernel, programs, (W, left, lead, *ints), meta, num_warps, config, arguments)
     if config == BAND_TMA:
         config = BAND_PREFETCH
@@ -621,7 +689,7 @@ def _backward_launch(
     config = _chosen_config("backward", config, W, dtype, tiles, BH * T)
     if config == BAND_TMA and tiles is not None:
         N, K, lead, lead_right = tiles
-        programs, ints, meta, num_warps = _tma_plan("backward", N, K, W, Dh, T, BH, device)
+        programs, ints, meta, num_warps = _tma_plan("backward", N, K, W, Dh, T, BH, dtype, device)
         rows, values, block_w = (BH * W, T), (BH * Dh, T), meta["BLOCK_W"]
         # a_logits 0, values 1, grad_out 2, dlogits 3, dv 4
         arguments = ((0, rows, (block_w, N)), (0, rows, (block_w, K)), (1, values, (Dh, K)), (2, values, (Dh, K)),
