@@ -321,7 +321,12 @@ def test_tma_kernels_take_only_what_tma_can_address(ldsa, direction):
         assert config(**refused) == fallback, refused
     assert config(asked=None) == kernels.BAND_TMA
     assert config(asked=None, dtype=torch.float16) == kernels.BAND_TMA
-    assert config(asked=None, dtype=torch.float32) == kernels.default_config(direction, 15, torch.float32)
+    # float32: the forward's K = 64 tiles at Dh <= 64; the backward takes no float32 call
+    assert config(asked=None, dtype=torch.float32) == (
+        kernels.BAND_TMA if direction == "forward" else kernels.default_config(direction, 15, torch.float32))
+    for untaken in (dict(Dh=128), dict(W=63, left=62)):  # value tiles of 32 KB
+        assert config(asked=None, dtype=torch.float32, **untaken) == kernels.default_config(
+            direction, untaken.get("W", 15), torch.float32), untaken
     small = kernels.TMA_MIN_FRAMES // 3000
     assert config(asked=None, BH=small) == kernels.default_config(direction, 15, torch.bfloat16) != kernels.BAND_TMA
     assert config(asked=None, T=3001) == kernels.default_config(direction, 15, torch.bfloat16)

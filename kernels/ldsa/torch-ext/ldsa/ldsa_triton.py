@@ -18,10 +18,10 @@ values they are split into a high and a low part in the values' dtype (about 16 
 in one MMA in the forward, see `_dot_float32_weights`); float32 values use three TF32 products (tf32x3)
 in the forward and IEEE products in the backward.
 
-Large 16-bit calls take the same band products fed by the tensor memory accelerator
-(`_ldsa_forward_tma_kernel`, `_ldsa_backward_tma_kernel`): a persistent grid whose programs walk chunks in
-a pipelined loop, the copy engine bringing the next chunks' tiles into shared memory while the current one
-is computed, and storing the output tiles.
+Large calls take the same band products fed by the tensor memory accelerator (`_ldsa_forward_tma_kernel`
+for every dtype, `_ldsa_backward_tma_kernel` for 16-bit values): a persistent grid whose programs walk
+chunks in a pipelined loop, the copy engine bringing the next chunks' tiles into shared memory while the
+current one is computed, and storing the output tiles.
 
 The backward is one kernel on the same grid. For the chunk's frames it forms V^T G on the span (the
 windowed reduction over Dh), gathers da[k, t] from its band and applies the softmax Jacobian; for the
@@ -506,9 +506,9 @@ BACKWARD_CONFIGS = (BAND, BAND_TMA)
 # them. 16-bit forward windows up to 32 taps prefetch the next chunk: 0.252 ms at [64, 3000], W = 15, causal
 # and centered, against 0.264 for `band` (bench/results/2026-11-30-5fbbf92-ldsa, sweep rows; at [32, 1024]
 # causal it loses to `band`, 0.050 against 0.041 ms). Float32 takes `band`: with tf32x3 products 0.329 ms
-# at [64, 3000], W = 15, against 0.429 for `band-prefetch`, 0.413 for `band-tma` and 1.109 for a band built
-# in registers tap by tap (removed: it was the float32 default, 0.633 ms, while float32 products were IEEE;
-# the same sweep). 128 frames a program beat 256 and 512 in both dtypes
+# at [64, 3000], W = 15, against 0.429 for `band-prefetch` and 1.109 for a band built in registers tap by
+# tap (removed: it was the float32 default, 0.633 ms, while float32 products were IEEE; the same sweep).
+# 128 frames a program beat 256 and 512 in both dtypes
 # (2026-11-30-b476e55-ldsa-forward-fpp.log).
 DEFAULT_CONFIG = {
     ("forward", True, False): BAND_PREFETCH,
@@ -522,8 +522,8 @@ DEFAULT_CONFIG = {
 }
 
 
-# 16-bit calls that `_tma_tiles` takes run band-tma from this many frames (B * H * T) up. Below, calls are
-# launch-bound, and band-tma's host time is longer: the forward's three tensor descriptors, encoded every
+# Calls that `_tma_tiles` takes run band-tma from this many frames (B * H * T) up (`_tma_by_default`).
+# Below, calls are launch-bound, and band-tma's host time is longer: the forward's three tensor descriptors, encoded every
 # call, took the public op from 14 to 25-41 us a call at [16, 256] to [16, 1024] (H = 8), while at
 # [32, 1024] it ran 40 us against 46 for band-prefetch (bench/results/2026-11-30-5fbbf92-ldsa-probe.log).
 TMA_MIN_FRAMES = 1 << 18
@@ -538,11 +538,20 @@ TMA_STAGES = {"forward": 3, "backward": 2}
 
 
 def default_config(direction: str, W: int, dtype: torch.dtype, tma: bool = False) -> str:
-    """The configuration a call takes; `tma`: a call that `_tma_tiles` takes, of at least TMA_MIN_FRAMES
-    frames, which band-tma runs for 16-bit values (float32 runs `band` faster, see DEFAULT_CONFIG)."""
-    if tma and dtype != torch.float32:
+    """The configuration a call takes; `tma`: band-tma takes the call by default (`_tma_by_default`)."""
+    if tma:
         return BAND_TMA
     return DEFAULT_CONFIG[(direction, W <= 32, dtype == torch.float32)]
+
+
+def _tma_by_default(tiles, Dh: int, dtype: torch.dtype, frames: int) -> bool:
+    """Whether the default runs band-tma for a call of `frames` frames (B * H * T) whose TMA tiles are `tiles`
+    (None where TMA cannot take it): from TMA_MIN_FRAMES frames up, and for float32 values only with value
+    tiles of at most 16 KB, the ones measured: 0.288 against 0.332 ms for `band` at [64, 3000], W = 15, and
+    0.056 against 0.068 at [32, 1024] (bench/results/2026-11-30-4589c14-ldsa, sweep rows). Larger float32
+    tiles leave shared memory for one program an SM."""
+    small_tiles = dtype != torch.float32 or tiles is not None and Dh * tiles[1] * 4 <= 16384
+    return tiles is not None and frames >= TMA_MIN_FRAMES and small_tiles
 
 
 def _t_align(T: int) -> int:
@@ -640,11 +649,11 @@ def _tma_plan(
     return programs, (n_chunks, BH * n_chunks), meta, 4 if K * N <= 2048 else 8
 
 
-def _chosen_config(direction: str, config: str | None, W: int, dtype: torch.dtype, tiles, frames: int) -> str:
-    """`config`, checked against the direction's configurations, or the default's choice for a call of
-    `frames` frames (B * H * T) whose TMA tiles are `tiles`."""
+def _chosen_config(direction: str, config: str | None, W: int, dtype: torch.dtype, tma: bool) -> str:
+    """`config`, checked against the direction's configurations, or the default's choice for the call
+    (`tma`: `_tma_by_default`)."""
     configs = FORWARD_CONFIGS if direction == "forward" else BACKWARD_CONFIGS
-    config = config or default_config(direction, W, dtype, tiles is not None and frames >= TMA_MIN_FRAMES)
+    config = config or default_config(direction, W, dtype, tma)
     if config not in configs:
         raise ValueError(f"unknown {direction} config {config!r}; the configs are {configs}")
     return config
@@ -665,7 +674,7 @@ def _forward_launch(
 
     band-tma: `_tma_plan`. The others: `_band_plan` plus the PREFETCH flag."""
     tiles = _tma_tiles("forward", W, left, Dh, T, BH, dtype) if aligned else None
-    config = _chosen_config("forward", config, W, dtype, tiles, BH * T)
+    config = _chosen_config("forward", config, W, dtype, _tma_by_default(tiles, Dh, dtype, BH * T))
     if config == BAND_TMA and tiles is not None:
         N, K, lead, _ = tiles
         programs, ints, meta, num_warps = _tma_plan("forward", N, K, W, Dh, T, BH, dtype, device)
@@ -686,7 +695,7 @@ def _backward_launch(
     """The backward's launch for values (and grad_out) of `dtype`, as `_forward_launch`: band-tma where
     `_tma_tiles` takes the call (band otherwise), band."""
     tiles = _tma_tiles("backward", W, left, Dh, T, BH, dtype) if aligned else None
-    config = _chosen_config("backward", config, W, dtype, tiles, BH * T)
+    config = _chosen_config("backward", config, W, dtype, _tma_by_default(tiles, Dh, dtype, BH * T))
     if config == BAND_TMA and tiles is not None:
         N, K, lead, lead_right = tiles
         programs, ints, meta, num_warps = _tma_plan("backward", N, K, W, Dh, T, BH, dtype, device)
