@@ -526,9 +526,10 @@ DEFAULT_CONFIG = {
 
 
 # Calls that `_tma_tiles` takes run band-tma from this many frames (B * H * T) up (`_tma_by_default`).
-# Below, calls are launch-bound, and band-tma's host time is longer: the forward's three tensor descriptors, encoded every
-# call, took the public op from 14 to 25-41 us a call at [16, 256] to [16, 1024] (H = 8), while at
-# [32, 1024] it ran 40 us against 46 for band-prefetch (bench/results/2026-11-30-5fbbf92-ldsa-probe.log).
+# Below, calls are launch-bound, and band-tma's host time is longer: the forward's three tensor descriptors,
+# encoded every call, took the public op from 14 to 25-41 us a call at [16, 256] to [16, 1024] (H = 8),
+# while at [32, 1024] it ran 40 us against 46 for band-prefetch
+# (bench/results/2026-11-30-5fbbf92-ldsa-probe.log).
 TMA_MIN_FRAMES = 1 << 18
 # Persistent programs an SM, and pipeline depth (chunks in flight a program, the one computed included).
 # Forward, with two-part chunks: 3 and 3 (0.154 ms at [64, 3000], W = 15, bf16) against 4 and 2 (0.157),
