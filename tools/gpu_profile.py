@@ -17,7 +17,10 @@ import sys
 from .common import REPO_ROOT, resolve
 from .gpu_bench import load_benchmark, prepare_run
 
-SECTIONS = ("SpeedOfLight", "Occupancy", "LaunchStats", "WarpStateStats", "MemoryWorkloadAnalysis")
+# SourceCounters names the instructions where warps stall most and the shared-memory and branch counts:
+# where a latency-bound loop (the ldsa TMA forward's) spends its cycles.
+SECTIONS = ("SpeedOfLight", "Occupancy", "LaunchStats", "WarpStateStats", "MemoryWorkloadAnalysis", "SourceCounters",
+            "InstructionStats")
 
 
 def benchmark_case(module) -> type:
