@@ -15,7 +15,7 @@ A tap-by-tap loop would read every v element W times through L1 (15x the output 
 it well below the copy bandwidth (such a design ran 4x slower in bf16 and was removed); the band product
 reads it K / N = 2 times and does the W-fold reuse in the MMA. Weights stay float32-accurate: for bf16/fp16
 values they are split into a high and a low part in the values' dtype (about 16 mantissa bits; both parts
-in one MMA in the forward, see `_dot_float32_weights`); float32 values use three TF32 products (tf32x3)
+in one MMA in the forward, see `_dot_hi_lo_pairs`); float32 values use three TF32 products (tf32x3)
 in the forward and IEEE products in the backward.
 
 Large calls take the same band products fed by the tensor memory accelerator (`_ldsa_forward_tma_kernel`
