@@ -332,6 +332,23 @@ def test_tma_kernels_take_only_what_tma_can_address(ldsa, direction):
     assert config(asked=None, T=3001) == kernels.default_config(direction, 15, torch.bfloat16)
 
 
+@needs_interpreter
+def test_tma_forward_chunk_parts(ldsa):
+    """The TMA forward's chunks are two 32-frame parts exactly where its two-part code path applies (K = 64
+    tiles, Dh <= 64, 16-bit values; a float32 call there would fail its static assert), and its logits
+    tiles keep a zero-weight row past the window, which the band's out-of-band positions read."""
+    kernels = submodule(ldsa, "ldsa_triton")
+
+    def meta(W=15, left=14, Dh=64, dtype=torch.bfloat16):
+        return kernels._forward_launch(kernels.BAND_TMA, W, left, Dh, 3000 - 3000 % 8, 512, dtype, True, -1).meta
+
+    assert meta()["PARTS"] == 2 and meta(dtype=torch.float16)["PARTS"] == 2 and meta(Dh=16)["PARTS"] == 2
+    for one_part in (dict(dtype=torch.float32), dict(Dh=128), dict(W=63, left=62), dict(W=65, left=0)):
+        assert meta(**one_part)["PARTS"] == 1, one_part
+    for W in (2, 7, 8, 15, 16, 31, 32, 63, 64):
+        assert meta(W=W, left=W - 1)["BLOCK_W"] > W, W
+
+
 def test_small_windows_compile_for_sm90():
     """Windows of 2 to 8 taps, every configuration, compiled for sm_90a without a GPU (tools.compile_sm90 on
     the benchmark's "taps" cases): their 2- and 4-row logits tiles once failed Triton's thread-locality pass,
