@@ -260,7 +260,7 @@ def test_triton_interpreted_two_channel_tiles_and_mixed_dtypes(ldsa, poisoned_ou
 
 # The TMA kernels: chunks of 32 frames with K = 64 (windows up to 33 taps) and of 64 with K = 128 (up to 65), T
 # a multiple of 8 (shorter than a chunk too), Dh 16 to 128, all three dtypes. The CPU counts as one SM, so
-# the persistent grid's programs (4 forward, 3 backward) walk several chunks and heads each.
+# the persistent grid's 3 programs walk several chunks and heads each.
 INTERP_TMA_CASES = [
     (14, 0, 96, 64, torch.bfloat16, 3),
     (7, 7, 40, 16, torch.float32, 3),
