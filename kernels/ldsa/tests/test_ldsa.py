@@ -300,7 +300,7 @@ def test_triton_interpreted_tma_kernels(ldsa, poisoned_outputs, left, right, T, 
 @pytest.mark.parametrize("direction", ["forward", "backward"])
 def test_tma_kernels_take_only_what_tma_can_address(ldsa, direction):
     """band-tma runs as band-prefetch (forward) or band (backward) where TMA cannot take the call, and the
-    default takes it only for large 16-bit calls it can take."""
+    default takes it only for large calls it can take (float32 forwards only with small value tiles)."""
     kernels = submodule(ldsa, "ldsa_triton")
     plan = kernels._forward_launch if direction == "forward" else kernels._backward_launch
     fallback = kernels.BAND_PREFETCH if direction == "forward" else kernels.BAND

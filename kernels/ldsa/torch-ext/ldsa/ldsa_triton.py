@@ -224,12 +224,23 @@ def _ldsa_forward_kernel(
 
 
 @triton.jit
-def _band_product(vals, weights, gather_tap):
-    """vals [BLOCK_D, K] @ the band [K, N] that gather_tap skews out of the window weights [BLOCK_W, N]."""
-    if vals.dtype == tl.float32:
-        product = _dot_float32_weights(vals, tl.gather(weights, gather_tap, 0), True)
+def _band_operand(weights, gather_tap, dtype: tl.constexpr):
+    """The band [K, N] that gather_tap skews out of the window weights [BLOCK_W, N], as the product with
+    values of `dtype` takes it: float32 weights, or `_hi_lo_pairs` words for 16-bit values."""
+    if dtype == tl.float32:
+        band = tl.gather(weights, gather_tap, 0)
     else:
-        product = _dot_hi_lo_pairs(vals, tl.gather(_hi_lo_pairs(weights, vals.dtype), gather_tap, 0))
+        band = tl.gather(_hi_lo_pairs(weights, dtype), gather_tap, 0)
+    return band
+
+
+@triton.jit
+def _band_product(vals, band):
+    """vals [BLOCK_D, K] @ a `_band_operand` band [K, N]."""
+    if vals.dtype == tl.float32:
+        product = _dot_float32_weights(vals, band, True)
+    else:
+        product = _dot_hi_lo_pairs(vals, band)
     return product
 
 
@@ -266,15 +277,16 @@ def _ldsa_forward_tma_kernel(
         weights = _window_softmax(a_desc.load([bh * W, t0]), tap_ok, 0)  # [BLOCK_W, PARTS * N]
         vals = v_desc.load([bh * BLOCK_D, t0 - lead])
         if PARTS == 1:
-            out_desc.store([bh * BLOCK_D, t0], _band_product(vals, weights, gather_tap).to(out_desc.dtype))
+            out = _band_product(vals, _band_operand(weights, gather_tap, vals.dtype))
+            out_desc.store([bh * BLOCK_D, t0], out.to(out_desc.dtype))
         else:
             tl.static_assert(vals.dtype != tl.float32, "two-part chunks take 16-bit values")
             vals_second = v_desc.load([bh * BLOCK_D, t0 + N - lead])
-            band = tl.gather(_hi_lo_pairs(weights, vals.dtype), gather_tap, 0)  # [K, 2N]: both parts' bands
+            band = _band_operand(weights, gather_tap, vals.dtype)  # [K, 2N]: both parts' bands
             band_first, band_second = tl.split(tl.permute(tl.reshape(band, [K, 2, N]), (0, 2, 1)))
             # One [BLOCK_D, 2N] store for both parts: 0.149 against 0.154 ms for a store each
             # (bench/results/2026-11-30-4788e31-dirty-ldsa-fwd-joined-store.log, v7 against v8).
-            out = tl.join(_dot_hi_lo_pairs(vals, band_first), _dot_hi_lo_pairs(vals_second, band_second))
+            out = tl.join(_band_product(vals, band_first), _band_product(vals_second, band_second))
             out = tl.reshape(tl.permute(out, (0, 2, 1)), [BLOCK_D, 2 * N])
             out_desc.store([bh * BLOCK_D, t0], out.to(out_desc.dtype))
 
@@ -559,8 +571,9 @@ def _tma_by_default(tiles, Dh: int, dtype: torch.dtype, frames: int) -> bool:
     tiles of at most 16 KB, the ones measured: 0.288 against 0.332 ms for `band` at [64, 3000], W = 15, and
     0.056 against 0.068 at [32, 1024] (bench/results/2026-11-30-4589c14-ldsa, sweep rows). Larger float32
     tiles leave shared memory for one program an SM."""
-    small_tiles = dtype != torch.float32 or tiles is not None and Dh * tiles[1] * 4 <= 16384
-    return tiles is not None and frames >= TMA_MIN_FRAMES and small_tiles
+    if tiles is None or frames < TMA_MIN_FRAMES:
+        return False
+    return dtype != torch.float32 or Dh * tiles[1] * 4 <= 16384
 
 
 def _t_align(T: int) -> int:
