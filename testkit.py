@@ -78,7 +78,7 @@ class _TaskSpec:
 
 
 def patch_interpreter() -> None:
-    """Two fixes to Triton 3.6's interpreter so that kernels run on CPU tensors as they do on the GPU.
+    """Fixes to Triton 3.6's interpreter so that kernels run on CPU tensors as they do on the GPU.
 
     - `tl.dot` on bf16: the interpreter stores bf16 as uint16 and multiplies the raw bit patterns
       (triton-lang/triton#11584); upcast the operands to float32 first, which is what a bf16 dot with fp32
@@ -87,6 +87,8 @@ def patch_interpreter() -> None:
       them, which numpy >= 2.4 refuses; give its tensors an `__index__` that takes the element.
     - fp32 -> bf16 casts: the interpreter truncates (a -0.3% bias per cast) where the GPU rounds to nearest
       even; round like the GPU, so that interpreter errors mean what GPU errors mean.
+    - TMA stores at a negative coordinate: the interpreter clips them like any out-of-bounds part, the H200
+      stops with an illegal instruction (bench/results/2026-11-30-d2763c8-dirty-ldsa-tma-store.log); raise.
     """
     import numpy as np
     import triton.language as tl
@@ -98,6 +100,7 @@ def patch_interpreter() -> None:
     create_dot = builder.create_dot
     patch_lang_tensor = interpreter._patch_lang_tensor
     convert_float = interpreter._convert_float
+    descriptor_store = builder.create_descriptor_store
 
     def upcast(x):
         if x.dtype == tl.bfloat16:
@@ -118,7 +121,13 @@ def patch_interpreter() -> None:
             return x.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16).reshape(np.shape(data))
         return convert_float(data, src, dst, rounding_mode)
 
+    def store(self, desc, value, indices):
+        if any((np.asarray(i.data) < 0).any() for i in indices):
+            raise RuntimeError(f"TMA store at {[np.asarray(i.data).reshape(-1)[0].item() for i in indices]}: negative")
+        return descriptor_store(self, desc, value, indices)
+
     dot._tessera = True
+    builder.create_descriptor_store = store
     builder.create_dot = dot
     interpreter._patch_lang_tensor = lang_tensor
     interpreter._convert_float = convert
