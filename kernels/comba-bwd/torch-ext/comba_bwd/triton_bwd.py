@@ -243,17 +243,22 @@ def _forward_step(k, v, p, beta, g, A, S_out, Vn_out, S, n, bh, scal_base, N, H,
     return tl.exp(glast) * S + tl.dot(kt_to_end, Vn.to(tl.bfloat16))
 
 
-@triton.jit
+# The scans' loops are pipelined SCAN_STAGES deep: the next chunk's tiles are copied into shared memory while
+# one is computed. At (8, 2048, 32, 128, 128) the forward scan went 0.424 -> 0.319 ms and the reverse
+# 0.840 -> 0.523 (bench/results/2026-11-30-f671932-dirty-comba-scan-pipeline.log); 2 CTAs an SM still fit
+# (90 and 115 KB of shared memory at K = V = 128). N is not specialized: one compile for every T.
+SCAN_STAGES = tl.constexpr(2)
+
+
+@triton.jit(do_not_specialize=["N"])
 def _forward_scan_kernel(k, v, p, beta, g, A, S_out, Vn_out, N, H, K: tl.constexpr, V: tl.constexpr,
                          BV: tl.constexpr):
     iv, bh = tl.program_id(0), tl.program_id(1)
     scal_base = (bh // H).to(tl.int64) * N * BT * H + bh % H
     cv = iv * BV + tl.arange(0, BV)
     S = tl.zeros([K, BV], dtype=tl.float32)
-    n = 0
-    while n < N:  # one compile for every T (a while loop, as checked on the H200)
+    for n in tl.range(0, N, num_stages=SCAN_STAGES):
         S = _forward_step(k, v, p, beta, g, A, S_out, Vn_out, S, n, bh, scal_base, N, H, cv, K, V)
-        n += 1
 
 
 @triton.jit
@@ -285,24 +290,29 @@ def _reverse_step(q, k, v, p, beta, g, do, A, dS_out, X_out, dv, dbeta_v, dS, n,
     return tl.dot((pt * -(bk * gam)[None, :]).to(tl.bfloat16), X.to(tl.bfloat16), acc=dS)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N"])
 def _reverse_scan_kernel(q, k, v, p, beta, g, do, A, dS_out, X_out, dv, dbeta_v, scale, N, H, K: tl.constexpr,
                          V: tl.constexpr, BV: tl.constexpr):
     iv, bh = tl.program_id(0), tl.program_id(1)
     scal_base = (bh // H).to(tl.int64) * N * BT * H + bh % H
     cv = iv * BV + tl.arange(0, BV)
     dS = tl.zeros([K, BV], dtype=tl.float32)
-    n = N - 1
-    while n >= 0:
-        dS = _reverse_step(q, k, v, p, beta, g, do, A, dS_out, X_out, dv, dbeta_v, dS, n, bh, iv, scal_base,
+    for i in tl.range(0, N, num_stages=SCAN_STAGES):  # chunks N - 1 down to 0
+        dS = _reverse_step(q, k, v, p, beta, g, do, A, dS_out, X_out, dv, dbeta_v, dS, N - 1 - i, bh, iv, scal_base,
                            scale, N, H, cv, K, V)
-        n -= 1
 
 
 @triton.jit
 def _state_t(state, chunk, cv, K: tl.constexpr, V: tl.constexpr):
     """The [BV, K] block (columns cv of the chunk's (K, V) state, transposed) of S_n or dS'_n."""
     return tl.load(state + (chunk * K + tl.arange(0, K)[None, :]) * V + cv[:, None])
+
+
+# The V loops of the three separate gradient kernels are pipelined GRADS_V_STAGES deep (the next V block's
+# tiles copied while one is multiplied): at (8, 2048, 32, 128, 128) grads_q 0.295 -> 0.275 ms, grads_k
+# 0.545 -> 0.479, grads_pb 0.538 -> 0.458, and at K = 64 grads_q 0.398 -> 0.334; the merged grads_kp ran
+# slower so (1.052 -> 1.116 ms), and keeps plain loops (bench/results/2026-11-30-f671932-dirty-comba-probe2.log).
+GRADS_V_STAGES = tl.constexpr(2)
 
 
 @triton.jit
@@ -313,7 +323,7 @@ def _grads_q_kernel(q, k, beta, g, do, S_in, Vn_in, dq, dgc_out, scale, N, H, K:
     gc, _, _ = _gates(g, beta, scal_base, t0, H)
     do_s = tl.zeros([BT, K], dtype=tl.float32)
     do_vn = tl.zeros([BT, BT], dtype=tl.float32)
-    for v0 in range(0, V, BV):
+    for v0 in tl.range(0, V, BV, num_stages=GRADS_V_STAGES):
         cv = v0 + tl.arange(0, BV)
         dok = tl.load(do + scal_base * V + (t0 + tl.arange(0, BT))[:, None] * (H * V) + cv[None, :]).to(tl.bfloat16)
         do_s += tl.dot(dok, _state_t(S_in, chunk, cv, K, V))
@@ -335,7 +345,7 @@ def _grads_k_kernel(q, k, p, beta, g, do, dS_in, Vn_in, X_in, dgc_in, dk, dgc_ou
     vn_do = tl.zeros([BT, BT], dtype=tl.float32)                                # (dO Vn^T)^T
     vn_x = tl.zeros([BT, BT], dtype=tl.float32)                                 # (X Vn^T)^T
     vn_ds = tl.zeros([BT, K], dtype=tl.float32)
-    for v0 in range(0, V, BV):
+    for v0 in tl.range(0, V, BV, num_stages=GRADS_V_STAGES):
         cv = v0 + tl.arange(0, BV)
         vn = tl.load(Vn_in + rows[:, None] * V + cv[None, :])
         do_t = tl.load(do + scal_base * V + (t0 + tl.arange(0, BT))[None, :] * (H * V) + cv[:, None])
@@ -397,7 +407,7 @@ def _grads_pb_kernel(k, p, beta, g, S_in, dS_in, Vn_in, X_in, dbeta_v, dgc_in, d
     x_s = tl.zeros([BT, K], dtype=tl.float32)
     x_vn = tl.zeros([BT, BT], dtype=tl.float32)
     s_ds = tl.zeros([K], dtype=tl.float32)                                       # <S_n, dS'_n> by column
-    for v0 in range(0, V, BV):
+    for v0 in tl.range(0, V, BV, num_stages=GRADS_V_STAGES):
         cv = v0 + tl.arange(0, BV)
         xk = tl.load(X_in + rows[:, None] * V + cv[None, :])
         s_t = _state_t(S_in, chunk, cv, K, V)
@@ -504,7 +514,7 @@ class Config(NamedTuple):
 # comba_backward uses. H200, every measure shape, bench/results/2026-11-30-8dd072c-dirty-comba-plans.log: at
 # K = 128 the 4-warp gradient kernels are the fastest plan with an fp32 transform (2.98-7.94 ms against
 # 3.33-8.79 for 8 warps); at K = 64 the merged k/p kernel with a 2-warp transform (3.73 against 4.16 ms).
-# Timed there and dropped: 8-warp gradient kernels, their V loops pipelined two deep, the merged kernel at 8
+# Timed there and dropped: 8-warp gradient kernels (with or without pipelined V loops), the merged kernel at 8
 # warps with a 4- or 1-warp transform, and TF32 transform products (see _mm). A plan of 32-wide scan V blocks
 # faulted on the H200 (illegal address, c06f1ba; it is gone: the scans move ~2-3 TB/s, and narrower V blocks
 # only re-read k, p, q and A more often).
