@@ -517,9 +517,12 @@ class Config(NamedTuple):
 # Timed there and dropped: 8-warp gradient kernels (with or without pipelined V loops), the merged kernel at 8
 # warps with a 4- or 1-warp transform, and TF32 transform products (see _mm). A plan of 32-wide scan V blocks
 # faulted on the H200 (illegal address, c06f1ba; it is gone: the scans move ~2-3 TB/s, and narrower V blocks
-# only re-read k, p, q and A more often).
+# only re-read k, p, q and A more often). Both plans take the 2-warp transform: in grads4 at K = 128 it ran
+# 0.299 against 0.418 ms for 4 warps, and the whole backward 2.332 against 2.451 ms at (8, 2048, 32, 128, 128),
+# 4.7-5.1% faster at every K = 128 measure shape, errors unchanged
+# (bench/results/2026-11-30-e84d217-dirty-comba-plan-probe.log).
 CONFIGS = {
-    "grads4": Config(grads_warps=4),                                  # 2 CTAs an SM, 96-388 B of spill at K = 128
+    "grads4": Config(grads_warps=4, transform_warps=2),               # 2 CTAs an SM, 44-372 B of spill at K = 128
     "kp_tf2": Config(merged_kp=True, grads_warps=4, transform_warps=2),  # one pass over Vn, X, dS' for dk and dp
 }
 DEFAULT_BY_K = {64: "kp_tf2", 128: "grads4"}
