@@ -4,6 +4,8 @@ through `comba_attention`, the registered ops (opcheck, torch.compile), bad inpu
 `kernelize`, and the fused Triton backward (interpreter on CPU, every shipped config on CUDA)."""
 
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -307,6 +309,23 @@ PLANS = ["grads4", "kp_tf2"]
 def test_config_names_are_the_tested_ones(triton_bwd):
     assert sorted(triton_bwd.CONFIGS) == sorted(PLANS)
     assert sorted(triton_bwd.DEFAULT_BY_K) == [64, 128] and set(triton_bwd.DEFAULT_BY_K.values()) <= set(PLANS)
+
+
+@needs_triton
+@pytest.mark.kernels_ci
+def test_scans_pipeline_only_where_shared_memory_allows(triton_bwd, monkeypatch):
+    """The pipelined reverse scan takes 115 KB of shared memory a block at K = 128: GPUs with 99 KB (sm_86,
+    sm_89) run the scans unpipelined; the A100's 163 KB and the H200's 227 KB pipeline them."""
+    def with_shared_memory(optin):
+        monkeypatch.setattr(torch.cuda, "get_device_properties",
+                            lambda device: SimpleNamespace(shared_memory_per_block_optin=optin))
+        triton_bwd._scan_stages.cache_clear()
+        return triton_bwd._scan_stages(torch.device("cuda", 0))
+
+    try:
+        assert [with_shared_memory(kb * 1024) for kb in (99, 163, 227)] == [1, 2, 2]
+    finally:
+        triton_bwd._scan_stages.cache_clear()
 
 
 @needs_triton

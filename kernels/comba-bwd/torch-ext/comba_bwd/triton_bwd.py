@@ -32,6 +32,7 @@ Design choices (see README "Design"):
   loaded transposed from memory or is an elementwise product of loaded data.
 """
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -243,21 +244,18 @@ def _forward_step(k, v, p, beta, g, A, S_out, Vn_out, S, n, bh, scal_base, N, H,
     return tl.exp(glast) * S + tl.dot(kt_to_end, Vn.to(tl.bfloat16))
 
 
-# The scans' loops are pipelined SCAN_STAGES deep: the next chunk's tiles are copied into shared memory while
-# one is computed. At (8, 2048, 32, 128, 128) the forward scan went 0.424 -> 0.319 ms and the reverse
-# 0.840 -> 0.523 (bench/results/2026-11-30-f671932-dirty-comba-scan-pipeline.log); 2 CTAs an SM still fit
-# (90 and 115 KB of shared memory at K = V = 128). N is not specialized: one compile for every T.
-SCAN_STAGES = tl.constexpr(2)
-
-
+# The scans' loops are pipelined STAGES deep (`_scan_stages`): the next chunk's tiles are copied into shared
+# memory while one is computed. At (8, 2048, 32, 128, 128) the forward scan went 0.424 -> 0.319 ms and the
+# reverse 0.840 -> 0.523 (bench/results/2026-11-30-f671932-dirty-comba-scan-pipeline.log); 2 CTAs an SM still
+# fit (90 and 115 KB of shared memory at K = V = 128). N is not specialized: one compile for every T.
 @triton.jit(do_not_specialize=["N"])
 def _forward_scan_kernel(k, v, p, beta, g, A, S_out, Vn_out, N, H, K: tl.constexpr, V: tl.constexpr,
-                         BV: tl.constexpr):
+                         BV: tl.constexpr, STAGES: tl.constexpr):
     iv, bh = tl.program_id(0), tl.program_id(1)
     scal_base = (bh // H).to(tl.int64) * N * BT * H + bh % H
     cv = iv * BV + tl.arange(0, BV)
     S = tl.zeros([K, BV], dtype=tl.float32)
-    for n in tl.range(0, N, num_stages=SCAN_STAGES):
+    for n in tl.range(0, N, num_stages=STAGES):
         S = _forward_step(k, v, p, beta, g, A, S_out, Vn_out, S, n, bh, scal_base, N, H, cv, K, V)
 
 
@@ -292,12 +290,12 @@ def _reverse_step(q, k, v, p, beta, g, do, A, dS_out, X_out, dv, dbeta_v, dS, n,
 
 @triton.jit(do_not_specialize=["N"])
 def _reverse_scan_kernel(q, k, v, p, beta, g, do, A, dS_out, X_out, dv, dbeta_v, scale, N, H, K: tl.constexpr,
-                         V: tl.constexpr, BV: tl.constexpr):
+                         V: tl.constexpr, BV: tl.constexpr, STAGES: tl.constexpr):
     iv, bh = tl.program_id(0), tl.program_id(1)
     scal_base = (bh // H).to(tl.int64) * N * BT * H + bh % H
     cv = iv * BV + tl.arange(0, BV)
     dS = tl.zeros([K, BV], dtype=tl.float32)
-    for i in tl.range(0, N, num_stages=SCAN_STAGES):  # chunks N - 1 down to 0
+    for i in tl.range(0, N, num_stages=STAGES):  # chunks N - 1 down to 0
         dS = _reverse_step(q, k, v, p, beta, g, do, A, dS_out, X_out, dv, dbeta_v, dS, N - 1 - i, bh, iv, scal_base,
                            scale, N, H, cv, K, V)
 
@@ -501,6 +499,19 @@ SCAN_WARPS = 4
 V_BLOCK = 64
 
 
+# The pipelined reverse scan takes 115 KB of shared memory at K = 128 (82 KB at K = 64): more than a block may
+# have on sm_86 / sm_89 (99 KB), where the scans run unpipelined (64 KB at most).
+PIPELINED_SCAN_SHARED = 116 * 1024
+
+
+@functools.cache
+def _scan_stages(device: torch.device) -> int:
+    """How deep the scans pipeline their chunk loop on `device` (2; 1 where shared memory is too small)."""
+    if device.type != "cuda":
+        return 2  # the interpreter, or an offline compile for sm_90
+    return 2 if torch.cuda.get_device_properties(device).shared_memory_per_block_optin >= PIPELINED_SCAN_SHARED else 1
+
+
 class Config(NamedTuple):
     """One launch plan of the backward (see CONFIGS)."""
 
@@ -553,7 +564,7 @@ def comba_backward_stages(q, k, v, p, beta, g, do, scale: float, config: str | N
     dq, dk, dp = (torch.empty_like(x) for x in (q, k, p))
     dv, dbeta = torch.empty_like(v), torch.empty_like(beta)
     dg = torch.empty_like(g, dtype=torch.float32)
-    scan = dict(K=K, V=V, BV=BV, num_warps=SCAN_WARPS, num_stages=1)
+    scan = dict(K=K, V=V, BV=BV, STAGES=_scan_stages(dev), num_warps=SCAN_WARPS, num_stages=1)
     grads = dict(K=K, V=V, BV=BV, num_warps=cfg.grads_warps, num_stages=1)
     chunks = (N, BH)
     stages = {
