@@ -15,7 +15,7 @@ A tap-by-tap loop would read every v element W times through L1 (15x the output 
 it well below the copy bandwidth (such a design ran 4x slower in bf16 and was removed); the band product
 reads it K / N = 2 times and does the W-fold reuse in the MMA. Weights stay float32-accurate: for bf16/fp16
 values they are split into a high and a low part in the values' dtype (about 16 mantissa bits; both parts
-in one MMA in the forward, see `_dot_hi_lo_pairs`); float32 values use three TF32 products (tf32x3)
+in one MMA in the forward, see `_dot_hi_lo`); float32 values use three TF32 products (tf32x3)
 in the forward and IEEE products in the backward.
 
 Large calls take the same band products fed by the tensor memory accelerator (`_ldsa_forward_tma_kernel`
@@ -80,7 +80,7 @@ def _dot_float32_weights(x, w, FORWARD: tl.constexpr):
     forward's way or the backward's (FORWARD), each measured on the H200.
 
     Tensor-core operands share one dtype, so bf16/fp16 values take w as hi + lo in that dtype
-    (`_split_hi_lo`); the forward multiplies them in one MMA (`_dot_hi_lo_pairs`). The backward keeps two
+    (`_split_hi_lo`); the forward multiplies them in one MMA (`_dot_hi_lo`). The backward keeps two
     MMAs: with one, its gradients came out wrong at 21 and 113 taps (2026-11-30-f43d67b-ldsa-pytest.log).
     Float32 values: the forward takes three TF32 products (tf32x3: each operand split in a TF32 high part
     and a residual, about 1e-7 relative, where one TF32 product would lose 13 bits), against which an IEEE
@@ -91,7 +91,8 @@ def _dot_float32_weights(x, w, FORWARD: tl.constexpr):
     if x.dtype == tl.float32:
         product = tl.dot(x, w, input_precision="tf32x3" if FORWARD else "ieee")
     elif FORWARD:
-        product = _dot_hi_lo_pairs(x, _hi_lo_pairs(w, x.dtype))
+        hi, lo = _split_hi_lo(w, x.dtype)
+        product = _dot_hi_lo(x, hi, lo)
     else:
         hi, lo = _split_hi_lo(w, x.dtype)
         product = tl.dot(x, lo, tl.dot(x, hi))
@@ -118,15 +119,20 @@ def _hi_lo_pairs(w, dtype: tl.constexpr):
 
 @triton.jit
 def _dot_hi_lo_pairs(x, pairs):
-    """x @ (hi + lo) for 16-bit x and a [K, N] tile of `_hi_lo_pairs` words, float32 result [M, N].
+    """x @ (hi + lo) for 16-bit x and a [K, N] tile of `_hi_lo_pairs` words, float32 result [M, N]."""
+    hi, lo = pairs.to(tl.int16), (pairs >> 16).to(tl.int16)
+    return _dot_hi_lo(x, hi.to(x.dtype, bitcast=True), lo.to(x.dtype, bitcast=True))
+
+
+@triton.jit
+def _dot_hi_lo(x, hi, lo):
+    """x @ (hi + lo) for 16-bit x and [K, N] halves hi, lo in x's dtype, float32 result [M, N].
 
     hi and lo are interleaved as the columns of one [K, 2N] operand, so that one MMA reads x once for both
     and the two products of a column are neighbours in the result (a thread's pair in the accumulator):
     0.273 -> 0.250 ms at [64, 3000] bf16 against two MMAs (bench/results/2026-11-30-e3649dd-dirty-ldsa-one-mma.log)."""
-    K: tl.constexpr = pairs.shape[0]
-    N: tl.constexpr = pairs.shape[1]
-    hi = pairs.to(tl.int16).to(x.dtype, bitcast=True)
-    lo = (pairs >> 16).to(tl.int16).to(x.dtype, bitcast=True)
+    K: tl.constexpr = hi.shape[0]
+    N: tl.constexpr = hi.shape[1]
     both = tl.dot(x, tl.reshape(tl.join(hi, lo), [K, 2 * N]))
     from_hi, from_lo = tl.split(tl.reshape(both, [x.shape[0], N, 2]))
     return from_hi + from_lo
