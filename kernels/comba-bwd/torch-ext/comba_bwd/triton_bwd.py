@@ -12,13 +12,13 @@ A = (I + L)^-1, Vn = A (beta V) - A (beta gam P) S, X = A^T dVn.
   4. _grads_q_kernel      (chunk-parallel)  dq and its term of d gc (fp32 scratch).
   5. _grads_k_kernel      (chunk-parallel)  dk and its terms of d gc, added to the dq kernel's.
   6. _grads_pb_kernel     (chunk-parallel)  dp, dbeta, and dg from all terms of d gc.
-  5+6. _grads_kp_kernel   (plans with merged_kp) 5 and 6 in one program per chunk, one read of what both read.
-     Each form wins at one K on the H200 (see DEFAULT_BY_K).
-  The three gradient kernels loop over V in blocks, accumulating their products over V in fp32, so that
-  no whole (K, V) state or [64, V] tile is live at once.
+  4-6. _grads_all_kernel  (the merged plan) the same three parts (_q_part, _k_part, _pb_part) one after the other
+     in one program per chunk. Each form wins at one K on the H200 (see DEFAULT_BY_K).
+  The gradient parts loop over V in blocks, accumulating their products over V in fp32, so that no whole
+  (K, V) state or [64, V] tile is live at once.
 
-The launch plan (warps, V blocks, merged or separate k/p gradients) is a named entry of CONFIGS, picked by K
-(DEFAULT_BY_K); the benchmark times them side by side and the CUDA tests check every one against the spec.
+The launch plan (three gradient kernels or one) is a named entry of CONFIGS, picked by K (DEFAULT_BY_K); the
+benchmark times them side by side and the CUDA tests check every one against the spec.
 
 Design choices (see README "Design"):
 - The per-chunk A and states are materialised in HBM: the solve would sit on the serial path of the scans,
@@ -152,9 +152,9 @@ def _store_block(A, a_base, i: tl.constexpr, j: tl.constexpr, blk):
 
 @triton.jit
 def _transform_kernel(k, p, beta, g, A, N, H, K: tl.constexpr):
-    """A = (I + L)^-1 of one chunk by 16 x 16 blocks, in fp32: the four diagonal blocks by _inv_unit_lower,
-    then block row i of the lower part from A_ij = -D_i sum_{j <= m < i} L_im A_mj (fp32 products on CUDA
-    cores); stored in A's dtype (bf16 for the scans' tensor-core operands, fp32 in the tests)."""
+    """A = (I + L)^-1 of one chunk by 16 x 16 blocks, in fp32: the four diagonal blocks D_i by _inv_unit_lower,
+    then the off-diagonal blocks from them by block products (fp32 products on CUDA cores); stored in A's
+    dtype (bf16 for the scans' tensor-core operands, fp32 in the tests)."""
     scal_base, t0, chunk, _ = _chunk_offsets(N, H)
     kbase = scal_base * K
     gc0, off, b0 = _gates(g, beta, scal_base, t0, H, SUB)
@@ -186,12 +186,18 @@ def _transform_kernel(k, p, beta, g, A, N, H, K: tl.constexpr):
     D1 = _inv_unit_lower(L11)
     D2 = _inv_unit_lower(L22)
     D3 = _inv_unit_lower(L33)
+    # The two 32 x 32 diagonal halves, then the lower-left half -Bot (Lbl Top) by 16 x 16 blocks, M = Lbl Top:
+    # eight dependent products deep where block row i's substitution from the rows above was ten.
     A10 = -_mm(D1, _mm(L10, D0))
-    A21 = -_mm(D2, _mm(L21, D1))
-    A20 = -_mm(D2, _mm(L20, D0) + _mm(L21, A10))
     A32 = -_mm(D3, _mm(L32, D2))
-    A31 = -_mm(D3, _mm(L31, D1) + _mm(L32, A21))
-    A30 = -_mm(D3, _mm(L30, D0) + _mm(L31, A10) + _mm(L32, A20))
+    M00 = _mm(L20, D0) + _mm(L21, A10)
+    M01 = _mm(L21, D1)
+    M10 = _mm(L30, D0) + _mm(L31, A10)
+    M11 = _mm(L31, D1)
+    A20 = -_mm(D2, M00)
+    A21 = -_mm(D2, M01)
+    A30 = -(_mm(A32, M00) + _mm(D3, M10))
+    A31 = -(_mm(A32, M01) + _mm(D3, M11))
 
     a_base = chunk * BT * BT
     zero = tl.zeros([SUB, SUB], dtype=tl.float32)
@@ -306,19 +312,16 @@ def _state_t(state, chunk, cv, K: tl.constexpr, V: tl.constexpr):
     return tl.load(state + (chunk * K + tl.arange(0, K)[None, :]) * V + cv[:, None])
 
 
-# The V loops of the three separate gradient kernels are pipelined GRADS_V_STAGES deep (the next V block's
-# tiles copied while one is multiplied): at (8, 2048, 32, 128, 128) grads_q 0.295 -> 0.275 ms, grads_k
-# 0.545 -> 0.479, grads_pb 0.538 -> 0.458, and at K = 64 grads_q 0.398 -> 0.334; the merged grads_kp ran
-# slower so (1.052 -> 1.116 ms), and keeps plain loops (bench/results/2026-11-30-f671932-dirty-comba-probe2.log).
+# The V loops of the gradient parts are pipelined GRADS_V_STAGES deep (the next V block's tiles copied while
+# one is multiplied): at (8, 2048, 32, 128, 128) grads_q 0.295 -> 0.275 ms, grads_k 0.545 -> 0.479, grads_pb
+# 0.538 -> 0.458, and at K = 64 grads_q 0.398 -> 0.334 (bench/results/2026-11-30-f671932-dirty-comba-probe2.log).
 GRADS_V_STAGES = tl.constexpr(2)
 
 
 @triton.jit
-def _grads_q_kernel(q, k, beta, g, do, S_in, Vn_in, dq, dgc_out, scale, N, H, K: tl.constexpr, V: tl.constexpr,
-                    BV: tl.constexpr):
-    """dq = scale [gam (dO S^T) + (lower(dO Vn^T) * E) K] and its term of d gc, q . dq -> dgc_out (fp32)."""
-    scal_base, t0, chunk, rows = _chunk_offsets(N, H)
-    gc, _, _ = _gates(g, beta, scal_base, t0, H)
+def _q_part(q, k, do, S_in, Vn_in, dq, gc, scal_base, t0, chunk, rows, scale, H, K: tl.constexpr, V: tl.constexpr,
+            BV: tl.constexpr):
+    """dq = scale [gam (dO S^T) + (lower(dO Vn^T) * E) K] (stored) and its term of d gc, q . dq."""
     do_s = tl.zeros([BT, K], dtype=tl.float32)
     do_vn = tl.zeros([BT, BT], dtype=tl.float32)
     for v0 in tl.range(0, V, BV, num_stages=GRADS_V_STAGES):
@@ -330,16 +333,14 @@ def _grads_q_kernel(q, k, beta, g, do, S_in, Vn_in, dq, dgc_out, scale, N, H, K:
     kk = tl.load(_rows(k, scal_base * K, t0, H * K, K)).to(tl.bfloat16)
     dq_c = scale * tl.dot((do_vn * _decay(gc, False, False)).to(tl.bfloat16), kk, acc=tl.exp(gc)[:, None] * do_s)
     tl.store(_rows(dq, scal_base * K, t0, H * K, K), dq_c.to(dq.dtype.element_ty))
-    tl.store(dgc_out + scal_base + (t0 + tl.arange(0, BT)) * H, tl.sum(qk.to(tl.float32) * dq_c, 1))
+    return tl.sum(qk.to(tl.float32) * dq_c, 1)
 
 
 @triton.jit
-def _grads_k_kernel(q, k, p, beta, g, do, dS_in, Vn_in, X_in, dgc_in, dk, dgc_out, scale, N, H,
-                    K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr):
+def _k_part(q, k, p, do, dS_in, Vn_in, X_in, dk, gc, glast, bk, scal_base, t0, chunk, rows, scale, H,
+            K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr):
     """dk = scale (lower(dO Vn^T) * E)^T Q + (Gam / gam) Vn dS'^T + dR^T (beta P), with dR = dL * E and
-    dL = -strict_lower(X Vn^T) (the chunk transform's K side), and its terms of d gc, added to dgc_in's."""
-    scal_base, t0, chunk, rows = _chunk_offsets(N, H)
-    gc, glast, bk = _gates(g, beta, scal_base, t0, H)
+    dL = -strict_lower(X Vn^T) (the chunk transform's K side), stored; returns its terms of d gc."""
     vn_do = tl.zeros([BT, BT], dtype=tl.float32)                                # (dO Vn^T)^T
     vn_x = tl.zeros([BT, BT], dtype=tl.float32)                                 # (X Vn^T)^T
     vn_ds = tl.zeros([BT, K], dtype=tl.float32)
@@ -350,26 +351,28 @@ def _grads_k_kernel(q, k, p, beta, g, do, dS_in, Vn_in, X_in, dgc_in, dk, dgc_ou
         vn_do += tl.dot(vn, do_t.to(tl.bfloat16))
         vn_x += tl.dot(vn, tl.load(X_in + rows[None, :] * V + cv[:, None]))
         vn_ds += tl.dot(vn, _state_t(dS_in, chunk, cv, K, V))
+    # The [BT, BT] products weighted by the decay and rounded to bf16 first, so that the fp32 ones die before
+    # the [BT, K] work. The read part's is scaled after the product, as in _q_part: then (dO Vn^T * E) is
+    # rounded to the same bf16 values on both sides, and their terms of d gc (q . dq against k . dk, which
+    # nearly cancel) keep cancelling; scaled before the rounding, dg's error grew from 3.0e-3 to 8.7e-3
+    # (interpreter, (1, 192, 2, 128, 128)).
     r = tl.arange(0, BT)
     E_t = _decay(gc, True, False)
+    read = (vn_do * E_t).to(tl.bfloat16)
+    dR_t = tl.where(r[:, None] < r[None, :], -vn_x * E_t, 0.0).to(tl.bfloat16)
     qk = tl.load(_rows(q, scal_base * K, t0, H * K, K)).to(tl.bfloat16)
-    kk = tl.load(_rows(k, scal_base * K, t0, H * K, K))
-    pk = tl.load(_rows(p, scal_base * K, t0, H * K, K))
-    # One [BT, K] tile, accumulated in place: the state part, then the read part (the gate terms of d gc take
-    # k . dk of each), then the transform's K side.
-    kf = kk.to(tl.float32)
+    kk = tl.load(_rows(k, scal_base * K, t0, H * K, K)).to(tl.bfloat16)
+    # The gate terms of d gc take k . dk of the state part and of the read part; the read part's as
+    # sum_i read_ji (k_j . q_i), from a [BT, BT] product, so that no fp32 copy of k stays live.
+    k_read = scale * tl.sum(read.to(tl.float32) * tl.dot(kk, tl.trans(qk)), 1)
+    # One [BT, K] tile, accumulated in place: the state part, the read part, the transform's K side.
     dk_c = tl.exp(glast - gc)[:, None] * vn_ds
-    k_state = tl.sum(kf * dk_c, 1)
-    # scale after the product, as in the dq kernel: then (dO Vn^T * E) is rounded to the same bf16 values on
-    # both sides, and their terms of d gc (q . dq against k . dk, which nearly cancel) keep cancelling; scaled
-    # before the rounding, dg's error grew from 3.0e-3 to 8.7e-3 (interpreter, (1, 192, 2, 128, 128)).
-    dk_c = dk_c + scale * tl.dot((vn_do * E_t).to(tl.bfloat16), qk)
-    k_read = tl.sum(kf * dk_c, 1) - k_state
-    dR_t = tl.where(r[:, None] < r[None, :], -vn_x * E_t, 0.0)
-    dk_c = tl.dot(dR_t.to(tl.bfloat16), (pk * bk[:, None]).to(tl.bfloat16), acc=dk_c)
+    k_state = tl.sum(kk.to(tl.float32) * dk_c, 1)
+    dk_c = dk_c + scale * tl.dot(read, qk)
+    pk = tl.load(_rows(p, scal_base * K, t0, H * K, K))
+    dk_c = tl.dot(dR_t, (pk * bk[:, None]).to(tl.bfloat16), acc=dk_c)
     tl.store(_rows(dk, scal_base * K, t0, H * K, K), dk_c.to(dk.dtype.element_ty))
-    dgc = tl.load(dgc_in + scal_base + (t0 + r) * H) - k_read - k_state
-    tl.store(dgc_out + scal_base + (t0 + r) * H, dgc + tl.where(r == BT - 1, tl.sum(k_state, 0), 0.0))
+    return tl.where(r == BT - 1, tl.sum(k_state, 0), 0.0) - k_read - k_state
 
 
 @triton.jit
@@ -379,29 +382,27 @@ def _reverse_cumsum(x):
 
 
 @triton.jit
-def _store_dp_dbeta(x_s, dLE, kk, pk, gc, bk, dbeta_v, dp_rows, dbeta, rows_h, n_pos, NV: tl.constexpr):
+def _store_dp_dbeta(x_s, dLE, kk, pk, pk_kt, gc, bk, dbeta_v, dp_rows, dbeta, rows_h, n_pos, NV: tl.constexpr):
     """The transform's P side: dp = beta (gam Y + dLE K) with Y = A^T dW = -X S^T (x_s = X S^T, fp32) and
     dLE = dL * E (bf16), and dbeta = p . (gam Y + dLE K) plus the scans' V-block parts (dbeta_v, NV of them,
-    n_pos apart); stores both and returns dbeta's gate term of d gc, beta gam (p . Y)."""
-    pf = pk.to(tl.float32)
+    n_pos apart); stores both and returns dbeta's gate term of d gc, beta gam (p . Y). p . (dLE K) is taken as
+    sum_j dLE_ij (p_i . k_j) from pk_kt = P K^T (fp32), so that no fp32 copy of P stays live."""
     z = -tl.exp(gc)[:, None] * x_s
-    p_y = tl.sum(pf * z, 1)
-    z = tl.dot(dLE, kk, acc=z)
-    db = tl.sum(pf * z, 1)
+    p_y = tl.sum(pk.to(tl.float32) * z, 1)
+    db = p_y + tl.sum(dLE.to(tl.float32) * pk_kt, 1)
     for iv in range(NV):
         db += tl.load(dbeta_v + iv * n_pos + rows_h)
-    tl.store(dp_rows, (bk[:, None] * z).to(dp_rows.dtype.element_ty))
     tl.store(dbeta + rows_h, db.to(dbeta.dtype.element_ty))
+    z = tl.dot(dLE, kk, acc=z)
+    tl.store(dp_rows, (bk[:, None] * z).to(dp_rows.dtype.element_ty))
     return bk * p_y
 
 
 @triton.jit
-def _grads_pb_kernel(k, p, beta, g, S_in, dS_in, Vn_in, X_in, dbeta_v, dgc_in, dp, dbeta, dg, N, H,
-                     K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr):
-    """dp and dbeta (A^T dW = -X S^T; the chunk transform's P side), and dg from every term of d gc: dgc_in's,
-    the transform's, and the decay of the carried state, Gam <S_n, dS'_n>, on the chunk's last row."""
-    scal_base, t0, chunk, rows = _chunk_offsets(N, H)
-    gc, glast, bk = _gates(g, beta, scal_base, t0, H)
+def _pb_part(k, p, S_in, dS_in, Vn_in, X_in, dbeta_v, dp, dbeta, gc, glast, bk, scal_base, t0, chunk, rows, N, H,
+             K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr):
+    """dp and dbeta (A^T dW = -X S^T; the chunk transform's P side), stored; returns their terms of d gc and the
+    decay of the carried state's, Gam <S_n, dS'_n>, on the chunk's last row."""
     x_s = tl.zeros([BT, K], dtype=tl.float32)
     x_vn = tl.zeros([BT, BT], dtype=tl.float32)
     s_ds = tl.zeros([K], dtype=tl.float32)                                       # <S_n, dS'_n> by column
@@ -418,84 +419,71 @@ def _grads_pb_kernel(k, p, beta, g, S_in, dS_in, Vn_in, X_in, dbeta_v, dgc_in, d
     kk = tl.load(_rows(k, scal_base * K, t0, H * K, K)).to(tl.bfloat16)
     mask = r[:, None] > r[None, :]
     dL = tl.where(mask, -x_vn, 0.0)
-    dL_L = dL * tl.where(mask, tl.dot(pk, tl.trans(kk)) * bk[:, None] * E, 0.0)      # dL * L
+    pk_kt = tl.dot(pk, tl.trans(kk))
+    dL_L = dL * tl.where(mask, pk_kt * bk[:, None] * E, 0.0)                       # dL * L
     rows_h = scal_base + (t0 + r) * H
-    n_pos = _n_pos(N * BT, H)
-    dgc = tl.load(dgc_in + rows_h) + tl.sum(dL_L, 1) - tl.sum(dL_L, 0) + _store_dp_dbeta(
-        x_s, (dL * E).to(tl.bfloat16), kk, pk, gc, bk, dbeta_v, _rows(dp, scal_base * K, t0, H * K, K), dbeta, rows_h,
-        n_pos, NV)
-    dgc += tl.where(r == BT - 1, tl.exp(glast) * tl.sum(s_ds, 0), 0.0)
-    tl.store(dg + rows_h, _reverse_cumsum(dgc))
+    dgc = tl.sum(dL_L, 1) - tl.sum(dL_L, 0) + _store_dp_dbeta(
+        x_s, (dL * E).to(tl.bfloat16), kk, pk, pk_kt, gc, bk, dbeta_v, _rows(dp, scal_base * K, t0, H * K, K), dbeta,
+        rows_h, _n_pos(N * BT, H), NV)
+    return dgc + tl.where(r == BT - 1, tl.exp(glast) * tl.sum(s_ds, 0), 0.0)
 
 
 @triton.jit
-def _grads_kp_kernel(q, k, p, beta, g, do, S_in, dS_in, Vn_in, X_in, dbeta_v, dgc_in, dk, dp, dbeta, dg, scale, N,
-                     H, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr):
-    """_grads_k_kernel and _grads_pb_kernel in one program per chunk, so that Vn, the chunk's state and the
-    [64, 64] product X Vn^T are read or formed once for both ((X Vn^T)^T is what _grads_k_kernel forms).
+def _grads_q_kernel(q, k, beta, g, do, S_in, Vn_in, dq, dgc_out, scale, N, H, K: tl.constexpr, V: tl.constexpr,
+                    BV: tl.constexpr):
+    """dq, and its term of d gc -> dgc_out (fp32)."""
+    scal_base, t0, chunk, rows = _chunk_offsets(N, H)
+    gc, _, _ = _gates(g, beta, scal_base, t0, H)
+    dgc = _q_part(q, k, do, S_in, Vn_in, dq, gc, scal_base, t0, chunk, rows, scale, H, K, V, BV)
+    tl.store(dgc_out + scal_base + (t0 + tl.arange(0, BT)) * H, dgc)
 
-    dk is built transposed, [K, 64], so that both sides of the transform's adjoint take dLE = dL * E as it
-    comes out of its product (no tl.trans of a dot result, fla #640):
-      dp   = beta (gam Y + dLE K),  Y = -X S^T                             (first loop over V)
-      dk^T = scale Q^T ((dO Vn^T) * E) + (Gam / gam) dS' Vn^T + (beta P)^T dLE   (second loop over V)
-    Two loops keep two accumulators live at a time instead of five (the single loop spilled at 4 warps and
-    needed 255 registers at 8, sm_90 offline); the second re-reads Vn and the state, which the first has just
-    brought into L2. dO Vn^T is the dq kernel's product in the same orientation, so the nearly cancelling
-    q . dq and k . dk terms of d gc round the same bf16 values."""
+
+@triton.jit
+def _grads_k_kernel(q, k, p, beta, g, do, dS_in, Vn_in, X_in, dgc_in, dk, dgc_out, scale, N, H,
+                    K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr):
+    """dk, and its terms of d gc added to dgc_in's -> dgc_out."""
     scal_base, t0, chunk, rows = _chunk_offsets(N, H)
     gc, glast, bk = _gates(g, beta, scal_base, t0, H)
-    r = tl.arange(0, BT)
-    ck = tl.arange(0, K)
-    rows_h = scal_base + (t0 + r) * H
-    x_vn = tl.zeros([BT, BT], dtype=tl.float32)                                  # X Vn^T
-    x_s = tl.zeros([BT, K], dtype=tl.float32)                                    # X S^T
-    for v0 in range(0, V, BV):
-        cv = v0 + tl.arange(0, BV)
-        xk = tl.load(X_in + rows[:, None] * V + cv[None, :])
-        x_vn += tl.dot(xk, tl.load(Vn_in + rows[None, :] * V + cv[:, None]))
-        x_s += tl.dot(xk, _state_t(S_in, chunk, cv, K, V))
-    E = _decay(gc, False, False)
-    dLE = tl.where(r[:, None] > r[None, :], -x_vn * E, 0.0)                      # dL * E, dL = -strict_lower(X Vn^T)
-    pk = tl.load(_rows(p, scal_base * K, t0, H * K, K)).to(tl.bfloat16)
-    dL_L = dLE * tl.dot(pk, tl.load(_rows_t(k, scal_base * K, t0, H * K, K)).to(tl.bfloat16)) * bk[:, None]
-    dgc = tl.sum(dL_L, 1) - tl.sum(dL_L, 0)                                      # dL * L, rows minus columns
-    dLE_b = dLE.to(tl.bfloat16)
-    n_pos = _n_pos(N * BT, H)
-    dgc += tl.load(dgc_in + rows_h) + _store_dp_dbeta(
-        x_s, dLE_b, tl.load(_rows(k, scal_base * K, t0, H * K, K)).to(tl.bfloat16), pk, gc, bk, dbeta_v,
-        _rows(dp, scal_base * K, t0, H * K, K), dbeta, rows_h, n_pos, NV)
+    rows_h = scal_base + (t0 + tl.arange(0, BT)) * H
+    dgc = _k_part(q, k, p, do, dS_in, Vn_in, X_in, dk, gc, glast, bk, scal_base, t0, chunk, rows, scale, H, K, V, BV)
+    tl.store(dgc_out + rows_h, dgc + tl.load(dgc_in + rows_h))
 
-    do_vn = tl.zeros([BT, BT], dtype=tl.float32)                                 # dO Vn^T
-    ds_vn = tl.zeros([K, BT], dtype=tl.float32)                                  # dS' Vn^T
-    s_ds = tl.zeros([K], dtype=tl.float32)                                       # <S_n, dS'_n> by row
-    for v0 in range(0, V, BV):
-        cv = v0 + tl.arange(0, BV)
-        vn_t = tl.load(Vn_in + rows[None, :] * V + cv[:, None])
-        dok = tl.load(do + scal_base * V + (t0 + r)[:, None] * (H * V) + cv[None, :]).to(tl.bfloat16)
-        ds_blk = tl.load(dS_in + (chunk * K + ck[:, None]) * V + cv[None, :])            # [K, BV]
-        do_vn += tl.dot(dok, vn_t)
-        ds_vn += tl.dot(ds_blk, vn_t)
-        s_blk = tl.load(S_in + (chunk * K + ck[:, None]) * V + cv[None, :])
-        s_ds += tl.sum(s_blk.to(tl.float32) * ds_blk.to(tl.float32), 1)
-    # dk^T, one [K, BT] tile: the state part, then the read part (the gate terms of d gc take k . dk of each),
-    # then the transform's K side
-    # (k, E and the transposed tiles are loaded or formed again here rather than kept live across the loop)
-    kf = tl.load(_rows_t(k, scal_base * K, t0, H * K, K)).to(tl.float32)
-    dk_t = tl.exp(glast - gc)[None, :] * ds_vn
-    k_state = tl.sum(kf * dk_t, 0)
-    qt = tl.load(_rows_t(q, scal_base * K, t0, H * K, K)).to(tl.bfloat16)
-    dk_t = dk_t + scale * tl.dot(qt, (do_vn * _decay(gc, False, False)).to(tl.bfloat16))
-    k_read = tl.sum(kf * dk_t, 0) - k_state
-    pt = tl.load(_rows_t(p, scal_base * K, t0, H * K, K))
-    dk_t = tl.dot((pt * bk[None, :]).to(tl.bfloat16), dLE_b, acc=dk_t)
-    tl.store(_rows_t(dk, scal_base * K, t0, H * K, K), dk_t.to(dk.dtype.element_ty))
-    dgc += tl.where(r == BT - 1, tl.sum(k_state, 0) + tl.exp(glast) * tl.sum(s_ds, 0), 0.0) - k_read - k_state
-    tl.store(dg + rows_h, _reverse_cumsum(dgc))
+
+@triton.jit
+def _grads_pb_kernel(k, p, beta, g, S_in, dS_in, Vn_in, X_in, dbeta_v, dgc_in, dp, dbeta, dg, N, H,
+                     K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr):
+    """dp and dbeta, and dg from every term of d gc: dgc_in's and _pb_part's."""
+    scal_base, t0, chunk, rows = _chunk_offsets(N, H)
+    gc, glast, bk = _gates(g, beta, scal_base, t0, H)
+    rows_h = scal_base + (t0 + tl.arange(0, BT)) * H
+    dgc = _pb_part(k, p, S_in, dS_in, Vn_in, X_in, dbeta_v, dp, dbeta, gc, glast, bk, scal_base, t0, chunk, rows, N,
+                   H, K, V, BV, NV)
+    tl.store(dg + rows_h, _reverse_cumsum(dgc + tl.load(dgc_in + rows_h)))
+
+
+@triton.jit
+def _grads_all_kernel(q, k, p, beta, g, do, S_in, dS_in, Vn_in, X_in, dbeta_v, dq, dk, dp, dbeta, dg, scale, N, H,
+                      K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr):
+    """Every gradient of the chunk but dv: the three parts one after the other in one program, so that what
+    two of them read (S, dS', Vn, X, dO and the chunk's k) comes from HBM once and from L2 after."""
+    scal_base, t0, chunk, rows = _chunk_offsets(N, H)
+    gc, glast, bk = _gates(g, beta, scal_base, t0, H)
+    dgc = _q_part(q, k, do, S_in, Vn_in, dq, gc, scal_base, t0, chunk, rows, scale, H, K, V, BV)
+    dgc += _pb_part(k, p, S_in, dS_in, Vn_in, X_in, dbeta_v, dp, dbeta, gc, glast, bk, scal_base, t0, chunk, rows,
+                    N, H, K, V, BV, NV)
+    dgc += _k_part(q, k, p, do, dS_in, Vn_in, X_in, dk, gc, glast, bk, scal_base, t0, chunk, rows, scale, H, K, V, BV)
+    tl.store(dg + scal_base + (t0 + tl.arange(0, BT)) * H, _reverse_cumsum(dgc))
 
 
 # What every plan shares: the scans run 4 warps a program, and V is cut in blocks of V_BLOCK both across the
-# scans' programs (V / V_BLOCK of them per (b, h)) and in the gradient kernels' loops over V.
+# scans' programs (V / V_BLOCK of them per (b, h)) and in the gradient kernels' loops over V. The transform runs
+# 1 warp a chunk: 0.251 against 0.294 ms for 2 warps at (8, 2048, 32, 128, 128), 0.442 against 0.515 at
+# (16, 2048, 32, 64, 128) (4 warps took 0.418 at the first); the gradient kernels 4 warps: 8 warps capped at 128
+# registers, for 2 CTAs an SM, made grads_k 0.590 against 0.408 ms
+# (bench/results/2026-11-30-959902d-dirty-comba-warps-probe.log, -e84d217-dirty-comba-plan-probe.log).
 SCAN_WARPS = 4
+TRANSFORM_WARPS = 1
+GRADS_WARPS = 4
 V_BLOCK = 64
 
 
@@ -515,28 +503,21 @@ def _scan_stages(device: torch.device) -> int:
 class Config(NamedTuple):
     """One launch plan of the backward (see CONFIGS)."""
 
-    transform_warps: int = 4
-    grads_warps: int = 8
-    merged_kp: bool = False             # _grads_kp_kernel instead of _grads_k_kernel + _grads_pb_kernel
+    merged: bool = False                # _grads_all_kernel instead of the dq, dk and dp kernels
 
 
-# Every entry is exercised by the CUDA tests at the spec's correct shapes and one measure shape per K, and timed
+# Both plans are exercised by the CUDA tests at the spec's correct shapes and one measure shape per K, and timed
 # side by side by the benchmark; change them only together with a GPU run of those tests. DEFAULT_BY_K is what
-# comba_backward uses. H200, every measure shape, bench/results/2026-11-30-8dd072c-dirty-comba-plans.log: at
-# K = 128 the 4-warp gradient kernels are the fastest plan with an fp32 transform (2.98-7.94 ms against
-# 3.33-8.79 for 8 warps); at K = 64 the merged k/p kernel with a 2-warp transform (3.73 against 4.16 ms).
-# Timed there and dropped: 8-warp gradient kernels (with or without pipelined V loops), the merged kernel at 8
-# warps with a 4- or 1-warp transform, and TF32 transform products (see _mm). A plan of 32-wide scan V blocks
-# faulted on the H200 (illegal address, c06f1ba; it is gone: the scans move ~2-3 TB/s, and narrower V blocks
-# only re-read k, p, q and A more often). Both plans take the 2-warp transform: in grads4 at K = 128 it ran
-# 0.299 against 0.418 ms for 4 warps, and the whole backward 2.332 against 2.451 ms at (8, 2048, 32, 128, 128),
-# 4.7-5.1% faster at every K = 128 measure shape, errors unchanged
-# (bench/results/2026-11-30-e84d217-dirty-comba-plan-probe.log).
+# comba_backward uses. At K = 128 the three gradient kernels in turn: 1.115 ms at (8, 2048, 32, 128, 128) against
+# 1.554 for the merged one, whose one program a chunk spills (964 B at 4 warps, sm_90 offline; at 8 warps, 1 CTA
+# an SM, it took 1.296). At K = 64 the merged kernel: 1.341 ms at (16, 2048, 32, 64, 128) against 1.388 for the
+# dq kernel and a merged dk/dp one (the plan it replaced), and 1.359 for dk first, then dq and dp in one program
+# (bench/results/2026-11-30-959902d-dirty-comba-grads-plans-probe.log, -merged-grads-probe.log).
 CONFIGS = {
-    "grads4": Config(grads_warps=4, transform_warps=2),               # 2 CTAs an SM, 44-372 B of spill at K = 128
-    "kp_tf2": Config(merged_kp=True, grads_warps=4, transform_warps=2),  # one pass over Vn, X, dS' for dk and dp
+    "split": Config(),
+    "merged": Config(merged=True),
 }
-DEFAULT_BY_K = {64: "kp_tf2", 128: "grads4"}
+DEFAULT_BY_K = {64: "merged", 128: "split"}
 
 
 def comba_backward_stages(q, k, v, p, beta, g, do, scale: float, config: str | None = None):
@@ -560,29 +541,29 @@ def comba_backward_stages(q, k, v, p, beta, g, do, scale: float, config: str | N
     Vn = torch.empty(BH, Tp, V, device=dev, dtype=torch.bfloat16)
     X = torch.empty_like(Vn)
     dbeta_v = torch.empty(V // BV, *beta.shape, device=dev, dtype=torch.float32)   # per scan V block
-    dgc_q, dgc_qk = (torch.empty(beta.shape, device=dev, dtype=torch.float32) for _ in range(2))
     dq, dk, dp = (torch.empty_like(x) for x in (q, k, p))
     dv, dbeta = torch.empty_like(v), torch.empty_like(beta)
     dg = torch.empty_like(g, dtype=torch.float32)
     scan = dict(K=K, V=V, BV=BV, STAGES=_scan_stages(dev), num_warps=SCAN_WARPS, num_stages=1)
-    grads = dict(K=K, V=V, BV=BV, num_warps=cfg.grads_warps, num_stages=1)
+    grads = dict(K=K, V=V, BV=BV, num_warps=GRADS_WARPS, num_stages=1)
     chunks = (N, BH)
     stages = {
-        "transform": lambda: _transform_kernel[chunks](k, p, beta, g, A, N, H, K, num_warps=cfg.transform_warps,
+        "transform": lambda: _transform_kernel[chunks](k, p, beta, g, A, N, H, K, num_warps=TRANSFORM_WARPS,
                                                        num_stages=1),
         "forward_scan": lambda: _forward_scan_kernel[(V // BV, BH)](k, v, p, beta, g, A, S, Vn, N, H, **scan),
         "reverse_scan": lambda: _reverse_scan_kernel[(V // BV, BH)](q, k, v, p, beta, g, do, A, dS, X, dv, dbeta_v,
                                                                     scale, N, H, **scan),
-        "grads_q": lambda: _grads_q_kernel[chunks](q, k, beta, g, do, S, Vn, dq, dgc_q, scale, N, H, **grads),
     }
-    if cfg.merged_kp:
-        stages["grads_kp"] = lambda: _grads_kp_kernel[chunks](q, k, p, beta, g, do, S, dS, Vn, X, dbeta_v, dgc_q, dk,
-                                                              dp, dbeta, dg, scale, N, H, NV=V // BV, **grads)
-    else:
-        stages["grads_k"] = lambda: _grads_k_kernel[chunks](q, k, p, beta, g, do, dS, Vn, X, dgc_q, dk, dgc_qk,
-                                                            scale, N, H, **grads)
-        stages["grads_pb"] = lambda: _grads_pb_kernel[chunks](k, p, beta, g, S, dS, Vn, X, dbeta_v, dgc_qk, dp,
-                                                              dbeta, dg, N, H, NV=V // BV, **grads)
+    if cfg.merged:
+        stages["grads"] = lambda: _grads_all_kernel[chunks](q, k, p, beta, g, do, S, dS, Vn, X, dbeta_v, dq, dk, dp,
+                                                            dbeta, dg, scale, N, H, NV=V // BV, **grads)
+        return stages, (dq, dk, dv, dp, dbeta, dg)
+    dgc_q, dgc_qk = (torch.empty(beta.shape, device=dev, dtype=torch.float32) for _ in range(2))
+    stages["grads_q"] = lambda: _grads_q_kernel[chunks](q, k, beta, g, do, S, Vn, dq, dgc_q, scale, N, H, **grads)
+    stages["grads_k"] = lambda: _grads_k_kernel[chunks](q, k, p, beta, g, do, dS, Vn, X, dgc_q, dk, dgc_qk, scale, N,
+                                                        H, **grads)
+    stages["grads_pb"] = lambda: _grads_pb_kernel[chunks](k, p, beta, g, S, dS, Vn, X, dbeta_v, dgc_qk, dp, dbeta, dg,
+                                                          N, H, NV=V // BV, **grads)
     return stages, (dq, dk, dv, dp, dbeta, dg)
 
 
