@@ -10,8 +10,8 @@ the state before the decay, the spec after), with fla's Hopper/Triton guard (fla
 its errors are reported beside it. fla's kernels take p' in the inputs' dtype (bf16): an fp32 p' (exp(g) is
 fp32) does not compile in its recompute_w_u kernel.
 
-The launch plans of triton_bwd.CONFIGS are timed side by side at one measure shape per K (SWEEP_SHAPES), each
-with the time of every stage (kernel) alone in `ms_<stage>` columns, so the run shows where the time goes.
+At one measure shape per K (SWEEP_SHAPES) the sweep times every stage (kernel) of triton_bwd alone, in `ms_<stage>`
+columns beside the whole, so the run shows where the time goes.
 """
 
 import importlib
@@ -96,27 +96,19 @@ def _error_row(case, impl, e):
     return {"case": case, "impl": impl, "error": text[-600:], "where": traceback.format_exc()[-400:]}
 
 
-def _config_sweep(bench, tb, case, tflop, inputs, ref, scale):
-    """Every launch plan at one shape: total time, errors, and each stage alone (`ms_<stage>`)."""
-    rows = []
-    for name in tb.CONFIGS:
-        stages, grads = tb.comba_backward_stages(*inputs, scale, config=name)
-        run = lambda stages=stages: [launch() for launch in stages.values()]  # noqa: E731
-        run()
-        errs = _errors(bench, [x[:, : inputs[0].shape[1]] for x in grads], ref)   # grads are padded in time
-        t_all = bench.time(run)
-        split = {f"ms_{stage}": bench.time(launch) for stage, launch in stages.items()}
-        rows.append(_row(case, f"sweep {name}", t_all, tflop, errs, config=str(tb.CONFIGS[name]), **split))
-        del stages, grads
-    base = next(r["ms"] for r in rows if r["impl"] == f"sweep {tb.DEFAULT_BY_K[inputs[0].shape[-1]]}")
-    for r in rows:
-        r["x_vs_default"] = base / r["ms"]
-    return rows
+def _stage_sweep(bench, tb, case, tflop, inputs, ref, scale):
+    """The whole backward and each of its stages alone (`ms_<stage>`), at one shape."""
+    stages, grads = tb.comba_backward_stages(*inputs, scale)
+    run = lambda: [launch() for launch in stages.values()]  # noqa: E731
+    run()
+    errs = _errors(bench, [x[:, : inputs[0].shape[1]] for x in grads], ref)   # grads are padded in time
+    t_all = bench.time(run)
+    return _row(case, "sweep stages", t_all, tflop, errs, **{f"ms_{n}": bench.time(f) for n, f in stages.items()})
 
 
 def side_by_side(kernel, bench, shapes=None, sweep_shapes=None, time_seed_reference=True) -> list[dict]:
     """Every measure shape of the spec: ours, fla chunk_comba fwd+bwd (if installed), the spec's seed reference;
-    then the config sweep at SWEEP_SHAPES. `shapes`/`sweep_shapes` exist for a dry run at tiny shapes on the CPU."""
+    then the stage sweep at SWEEP_SHAPES. `shapes`/`sweep_shapes` exist for a dry run at tiny shapes on the CPU."""
     s = bench.spec(SPEC)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     fla = _fla_fwd_bwd(bench)
@@ -148,7 +140,7 @@ def side_by_side(kernel, bench, shapes=None, sweep_shapes=None, time_seed_refere
                 rows.append(_row(case, "spec seed reference (autograd, fp32)", t_seed, tflop))
                 ours["x_vs_seed_reference"] = t_seed / t_ours
         if shape in sweep_shapes:
-            rows += _config_sweep(bench, tb, case, tflop, inputs, ref, shape[3] ** -0.5)
+            rows.append(_stage_sweep(bench, tb, case, tflop, inputs, ref, shape[3] ** -0.5))
         del inputs, ref
         if device == "cuda":
             torch.cuda.empty_cache()
@@ -156,19 +148,17 @@ def side_by_side(kernel, bench, shapes=None, sweep_shapes=None, time_seed_refere
 
 
 def compile_cases(kernel, spec):
-    """(label, call) pairs for `python -m tools.compile_sm90`: every plan of triton_bwd.CONFIGS at every
-    measure shape, on meta tensors (bf16, g in float32)."""
+    """(label, call) pairs for `python -m tools.compile_sm90`: the backward at every measure shape, on meta
+    tensors (bf16, g in float32)."""
     tb = importlib.import_module(f"{kernel.__name__}.triton_bwd")
 
-    def case(shape, config):
+    def case(shape):
         B, T, H, K, V = shape
         q, k, p = (torch.empty(B, T, H, K, dtype=torch.bfloat16, device="meta") for _ in range(3))
         v, do = (torch.empty(B, T, H, V, dtype=torch.bfloat16, device="meta") for _ in range(2))
         beta = torch.empty(B, T, H, dtype=torch.bfloat16, device="meta")
         g = torch.empty(B, T, H, dtype=torch.float32, device="meta")
-        return f"(B,T,H,K,V)={shape} {config}", lambda: tb.comba_backward_triton(q, k, v, p, beta, g, do, K**-0.5,
-                                                                                  config)
+        return f"(B,T,H,K,V)={shape}", lambda: tb.comba_backward_triton(q, k, v, p, beta, g, do, K**-0.5)
 
     for shape in spec("comba_backward").measure_shapes:
-        for config in tb.CONFIGS:
-            yield case(shape, config)
+        yield case(shape)

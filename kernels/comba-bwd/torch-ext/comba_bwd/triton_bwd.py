@@ -1,4 +1,4 @@
-"""The fused Comba backward in Triton: six chunk kernels (chunk length 64), no autograd.
+"""The fused Comba backward in Triton: five chunk kernels (chunk length 64), no autograd.
 
 Notation as in reference.py: per (b, h) and chunk n, gc the inclusive cumsum of g inside the chunk,
 gam = exp(gc), Gam = exp(gc[-1]), E_ij = exp(gc_i - gc_j) (j <= i), L = strict_lower((beta P) K^T * E),
@@ -9,16 +9,11 @@ A = (I + L)^-1, Vn = A (beta V) - A (beta gam P) S, X = A^T dVn.
   3. _reverse_scan_kernel (serial over chunks, reversed, dS in fp32)  dS'_n (bf16) -> HBM, and the chunk
      transform's adjoint X = A^T dVn of its V block: X (bf16), dv = beta X, and the block's part of
      sum_v(v X) (fp32) -> HBM; dVn itself never leaves registers.
-  4. _grads_q_kernel      (chunk-parallel)  dq and its term of d gc (fp32 scratch).
-  5. _grads_k_kernel      (chunk-parallel)  dk and its terms of d gc, added to the dq kernel's.
-  6. _grads_pb_kernel     (chunk-parallel)  dp, dbeta, and dg from all terms of d gc.
-  4-6. _grads_all_kernel  (the merged plan) the same three parts (_q_part, _k_part, _pb_part) one after the other
-     in one program per chunk. Each form wins at one K on the H200 (see DEFAULT_BY_K).
+  4. _grads_kernel        (chunk-parallel, three programs a chunk)  dq, dk, dp and dbeta, by three parts
+     (_q_part, _k_part, _pb_part) that run side by side, each with its terms of d gc (fp32 scratch).
+  5. _dg_kernel           (chunk-parallel)  dg from the three parts' terms of d gc.
   The gradient parts loop over V in blocks, accumulating their products over V in fp32, so that no whole
   (K, V) state or [64, V] tile is live at once.
-
-The launch plan (three gradient kernels or one) is a named entry of CONFIGS, picked by K (DEFAULT_BY_K); the
-benchmark times them side by side and the CUDA tests check every one against the spec.
 
 Design choices (see README "Design"):
 - The per-chunk A and states are materialised in HBM: the solve would sit on the serial path of the scans,
@@ -33,7 +28,6 @@ Design choices (see README "Design"):
 """
 
 import functools
-from typing import NamedTuple
 
 import torch
 import triton
@@ -90,10 +84,10 @@ def _rows_t(x, base, t0, HD, D: tl.constexpr, R: tl.constexpr = BT):
 
 
 @triton.jit
-def _chunk_offsets(N, H):
-    """This program's chunk (grid: chunk, b * H + h): the (B, T, H) offset of its (b, h), its first row, its
-    index among all chunks, and the rows of its positions in a (B * H, T, ...) tensor."""
-    n, bh = tl.program_id(0), tl.program_id(1)
+def _chunk_offsets(N, H, PER_CHUNK: tl.constexpr = 1):
+    """This program's chunk (grid: chunk times PER_CHUNK programs, b * H + h): the (B, T, H) offset of its (b, h),
+    its first row, its index among all chunks, and the rows of its positions in a (B * H, T, ...) tensor."""
+    n, bh = tl.program_id(0) // PER_CHUNK, tl.program_id(1)
     T = N * BT
     scal_base = (bh // H).to(tl.int64) * T * H + bh % H
     return scal_base, n * BT, bh.to(tl.int64) * N + n, bh.to(tl.int64) * T + n * BT + tl.arange(0, BT)
@@ -313,8 +307,9 @@ def _state_t(state, chunk, cv, K: tl.constexpr, V: tl.constexpr):
 
 
 # The V loops of the gradient parts are pipelined GRADS_V_STAGES deep (the next V block's tiles copied while
-# one is multiplied): at (8, 2048, 32, 128, 128) grads_q 0.295 -> 0.275 ms, grads_k 0.545 -> 0.479, grads_pb
-# 0.538 -> 0.458, and at K = 64 grads_q 0.398 -> 0.334 (bench/results/2026-11-30-f671932-dirty-comba-probe2.log).
+# one is multiplied). Measured when each part was a kernel of its own: at (8, 2048, 32, 128, 128) the q part
+# 0.295 -> 0.275 ms, the k part 0.545 -> 0.479, the pb part 0.538 -> 0.458, and at K = 64 the q part 0.398 -> 0.334
+# (bench/results/2026-11-30-f671932-dirty-comba-probe2.log).
 GRADS_V_STAGES = tl.constexpr(2)
 
 
@@ -429,57 +424,45 @@ def _pb_part(k, p, S_in, dS_in, Vn_in, X_in, dbeta_v, dp, dbeta, gc, glast, bk, 
 
 
 @triton.jit
-def _grads_q_kernel(q, k, beta, g, do, S_in, Vn_in, dq, dgc_out, scale, N, H, K: tl.constexpr, V: tl.constexpr,
-                    BV: tl.constexpr):
-    """dq, and its term of d gc -> dgc_out (fp32)."""
-    scal_base, t0, chunk, rows = _chunk_offsets(N, H)
-    gc, _, _ = _gates(g, beta, scal_base, t0, H)
-    dgc = _q_part(q, k, do, S_in, Vn_in, dq, gc, scal_base, t0, chunk, rows, scale, H, K, V, BV)
-    tl.store(dgc_out + scal_base + (t0 + tl.arange(0, BT)) * H, dgc)
+def _grads_kernel(q, k, p, beta, g, do, S_in, dS_in, Vn_in, X_in, dbeta_v, dq, dk, dp, dbeta, dgc_parts,
+                 scale, N, H, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr):
+    """Every gradient of the chunk but dv: the three parts (_q_part, _k_part, _pb_part) as three programs of one
+    launch, next to each other in the grid. They run at the same time, so what two of them read (S, dS', Vn, X,
+    dO and the chunk's q, k, p) comes from HBM once and from L2 after, while each program holds the registers of
+    one part only. At (8, 2048, 32, 128, 128): 0.868 ms against 1.116 for three kernels one after the other,
+    whose inputs came from HBM each time, and at (16, 2048, 32, 64, 128) 1.237 against 1.346 for the three parts
+    in turn in one program (which spilled 964 B at K = 128;
+    bench/results/2026-11-30-c99f7ff-dirty-comba-interleaved-probe.log, -interleaved2-probe.log). Their terms
+    of d gc go to dgc_parts, one row of it a part, summed by _dg_kernel."""
+    part = tl.program_id(0) % 3
+    scal_base, t0, chunk, rows = _chunk_offsets(N, H, 3)
+    gc, glast, bk = _gates(g, beta, scal_base, t0, H)
+    if part == 0:
+        dgc = _q_part(q, k, do, S_in, Vn_in, dq, gc, scal_base, t0, chunk, rows, scale, H, K, V, BV)
+    elif part == 1:
+        dgc = _k_part(q, k, p, do, dS_in, Vn_in, X_in, dk, gc, glast, bk, scal_base, t0, chunk, rows, scale, H, K, V,
+                      BV)
+    else:
+        dgc = _pb_part(k, p, S_in, dS_in, Vn_in, X_in, dbeta_v, dp, dbeta, gc, glast, bk, scal_base, t0, chunk, rows,
+                       N, H, K, V, BV, NV)
+    tl.store(dgc_parts + part * _n_pos(N * BT, H) + rows, dgc)
 
 
 @triton.jit
-def _grads_k_kernel(q, k, p, beta, g, do, dS_in, Vn_in, X_in, dgc_in, dk, dgc_out, scale, N, H,
-                    K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr):
-    """dk, and its terms of d gc added to dgc_in's -> dgc_out."""
-    scal_base, t0, chunk, rows = _chunk_offsets(N, H)
-    gc, glast, bk = _gates(g, beta, scal_base, t0, H)
-    rows_h = scal_base + (t0 + tl.arange(0, BT)) * H
-    dgc = _k_part(q, k, p, do, dS_in, Vn_in, X_in, dk, gc, glast, bk, scal_base, t0, chunk, rows, scale, H, K, V, BV)
-    tl.store(dgc_out + rows_h, dgc + tl.load(dgc_in + rows_h))
-
-
-@triton.jit
-def _grads_pb_kernel(k, p, beta, g, S_in, dS_in, Vn_in, X_in, dbeta_v, dgc_in, dp, dbeta, dg, N, H,
-                     K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr):
-    """dp and dbeta, and dg from every term of d gc: dgc_in's and _pb_part's."""
-    scal_base, t0, chunk, rows = _chunk_offsets(N, H)
-    gc, glast, bk = _gates(g, beta, scal_base, t0, H)
-    rows_h = scal_base + (t0 + tl.arange(0, BT)) * H
-    dgc = _pb_part(k, p, S_in, dS_in, Vn_in, X_in, dbeta_v, dp, dbeta, gc, glast, bk, scal_base, t0, chunk, rows, N,
-                   H, K, V, BV, NV)
-    tl.store(dg + rows_h, _reverse_cumsum(dgc + tl.load(dgc_in + rows_h)))
-
-
-@triton.jit
-def _grads_all_kernel(q, k, p, beta, g, do, S_in, dS_in, Vn_in, X_in, dbeta_v, dq, dk, dp, dbeta, dg, scale, N, H,
-                      K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr):
-    """Every gradient of the chunk but dv: the three parts one after the other in one program, so that what
-    two of them read (S, dS', Vn, X, dO and the chunk's k) comes from HBM once and from L2 after."""
-    scal_base, t0, chunk, rows = _chunk_offsets(N, H)
-    gc, glast, bk = _gates(g, beta, scal_base, t0, H)
-    dgc = _q_part(q, k, do, S_in, Vn_in, dq, gc, scal_base, t0, chunk, rows, scale, H, K, V, BV)
-    dgc += _pb_part(k, p, S_in, dS_in, Vn_in, X_in, dbeta_v, dp, dbeta, gc, glast, bk, scal_base, t0, chunk, rows,
-                    N, H, K, V, BV, NV)
-    dgc += _k_part(q, k, p, do, dS_in, Vn_in, X_in, dk, gc, glast, bk, scal_base, t0, chunk, rows, scale, H, K, V, BV)
+def _dg_kernel(dgc_parts, dg, N, H):
+    """dg of one chunk from the three parts' terms of d gc. dgc_parts is (3, B * H, T), so that a chunk's rows
+    are contiguous (in a (B, T, H) tensor they lie H apart): 0.022 -> 0.013 ms at (8, 2048, 32, 128, 128)."""
+    scal_base, t0, _, rows = _chunk_offsets(N, H)
+    n_pos = _n_pos(N * BT, H)
+    dgc = tl.load(dgc_parts + rows) + tl.load(dgc_parts + n_pos + rows) + tl.load(dgc_parts + 2 * n_pos + rows)
     tl.store(dg + scal_base + (t0 + tl.arange(0, BT)) * H, _reverse_cumsum(dgc))
 
 
-# What every plan shares: the scans run 4 warps a program, and V is cut in blocks of V_BLOCK both across the
-# scans' programs (V / V_BLOCK of them per (b, h)) and in the gradient kernels' loops over V. The transform runs
+# The scans run 4 warps a program, and V is cut in blocks of V_BLOCK both across the scans' programs
+# (V / V_BLOCK of them per (b, h)) and in the gradient parts' loops over V. The transform runs
 # 1 warp a chunk: 0.251 against 0.294 ms for 2 warps at (8, 2048, 32, 128, 128), 0.442 against 0.515 at
-# (16, 2048, 32, 64, 128) (4 warps took 0.418 at the first); the gradient kernels 4 warps: 8 warps capped at 128
-# registers, for 2 CTAs an SM, made grads_k 0.590 against 0.408 ms
+# (16, 2048, 32, 64, 128) (4 warps took 0.418 at the first); the gradient parts 4 warps: 8 warps capped at 128
+# registers, for 2 CTAs an SM, made the k part (a kernel of its own then) 0.590 against 0.408 ms
 # (bench/results/2026-11-30-959902d-dirty-comba-warps-probe.log, -e84d217-dirty-comba-plan-probe.log).
 SCAN_WARPS = 4
 TRANSFORM_WARPS = 1
@@ -500,27 +483,7 @@ def _scan_stages(device: torch.device) -> int:
     return 2 if torch.cuda.get_device_properties(device).shared_memory_per_block_optin >= PIPELINED_SCAN_SHARED else 1
 
 
-class Config(NamedTuple):
-    """One launch plan of the backward (see CONFIGS)."""
-
-    merged: bool = False                # _grads_all_kernel instead of the dq, dk and dp kernels
-
-
-# Both plans are exercised by the CUDA tests at the spec's correct shapes and one measure shape per K, and timed
-# side by side by the benchmark; change them only together with a GPU run of those tests. DEFAULT_BY_K is what
-# comba_backward uses. At K = 128 the three gradient kernels in turn: 1.115 ms at (8, 2048, 32, 128, 128) against
-# 1.554 for the merged one, whose one program a chunk spills (964 B at 4 warps, sm_90 offline; at 8 warps, 1 CTA
-# an SM, it took 1.296). At K = 64 the merged kernel: 1.341 ms at (16, 2048, 32, 64, 128) against 1.388 for the
-# dq kernel and a merged dk/dp one (the plan it replaced), and 1.359 for dk first, then dq and dp in one program
-# (bench/results/2026-11-30-959902d-dirty-comba-grads-plans-probe.log, -merged-grads-probe.log).
-CONFIGS = {
-    "split": Config(),
-    "merged": Config(merged=True),
-}
-DEFAULT_BY_K = {64: "merged", 128: "split"}
-
-
-def comba_backward_stages(q, k, v, p, beta, g, do, scale: float, config: str | None = None):
+def comba_backward_stages(q, k, v, p, beta, g, do, scale: float):
     """The backward as ordered launches: ({stage name: fn() launching it}, the six gradients once all ran).
 
     Each stage reads only what earlier stages wrote, so after one full pass any stage can be re-run (timed)
@@ -528,7 +491,6 @@ def comba_backward_stages(q, k, v, p, beta, g, do, scale: float, config: str | N
     float32, padded in time to a multiple of the chunk (comba_backward_triton trims them).
     """
     B, T, H, K = q.shape
-    cfg = CONFIGS[config or DEFAULT_BY_K[K]]
     V = v.shape[-1]
     q, k, v, p, beta, g, do = (pad_time(x) for x in (q, k, v, p, beta, g, do))
     Tp = q.shape[1]
@@ -544,6 +506,7 @@ def comba_backward_stages(q, k, v, p, beta, g, do, scale: float, config: str | N
     dq, dk, dp = (torch.empty_like(x) for x in (q, k, p))
     dv, dbeta = torch.empty_like(v), torch.empty_like(beta)
     dg = torch.empty_like(g, dtype=torch.float32)
+    dgc_parts = torch.empty(3, BH, Tp, device=dev, dtype=torch.float32)                # per gradient part
     scan = dict(K=K, V=V, BV=BV, STAGES=_scan_stages(dev), num_warps=SCAN_WARPS, num_stages=1)
     grads = dict(K=K, V=V, BV=BV, num_warps=GRADS_WARPS, num_stages=1)
     chunks = (N, BH)
@@ -553,24 +516,17 @@ def comba_backward_stages(q, k, v, p, beta, g, do, scale: float, config: str | N
         "forward_scan": lambda: _forward_scan_kernel[(V // BV, BH)](k, v, p, beta, g, A, S, Vn, N, H, **scan),
         "reverse_scan": lambda: _reverse_scan_kernel[(V // BV, BH)](q, k, v, p, beta, g, do, A, dS, X, dv, dbeta_v,
                                                                     scale, N, H, **scan),
+        "grads": lambda: _grads_kernel[(3 * N, BH)](q, k, p, beta, g, do, S, dS, Vn, X, dbeta_v, dq, dk, dp, dbeta,
+                                                    dgc_parts, scale, N, H, NV=V // BV, **grads),
+        "dg": lambda: _dg_kernel[chunks](dgc_parts, dg, N, H, num_warps=1, num_stages=1),
     }
-    if cfg.merged:
-        stages["grads"] = lambda: _grads_all_kernel[chunks](q, k, p, beta, g, do, S, dS, Vn, X, dbeta_v, dq, dk, dp,
-                                                            dbeta, dg, scale, N, H, NV=V // BV, **grads)
-        return stages, (dq, dk, dv, dp, dbeta, dg)
-    dgc_q, dgc_qk = (torch.empty(beta.shape, device=dev, dtype=torch.float32) for _ in range(2))
-    stages["grads_q"] = lambda: _grads_q_kernel[chunks](q, k, beta, g, do, S, Vn, dq, dgc_q, scale, N, H, **grads)
-    stages["grads_k"] = lambda: _grads_k_kernel[chunks](q, k, p, beta, g, do, dS, Vn, X, dgc_q, dk, dgc_qk, scale, N,
-                                                        H, **grads)
-    stages["grads_pb"] = lambda: _grads_pb_kernel[chunks](k, p, beta, g, S, dS, Vn, X, dbeta_v, dgc_qk, dp, dbeta, dg,
-                                                          N, H, NV=V // BV, **grads)
     return stages, (dq, dk, dv, dp, dbeta, dg)
 
 
-def comba_backward_triton(q, k, v, p, beta, g, do, scale: float, config: str | None = None):
+def comba_backward_triton(q, k, v, p, beta, g, do, scale: float):
     """(dq, dk, dv, dp, dbeta, dg) in their inputs' dtypes (dg float32); inputs contiguous, K, V in {64, 128}."""
     T = q.shape[1]
-    stages, grads = comba_backward_stages(q, k, v, p, beta, g, do, scale, config)
+    stages, grads = comba_backward_stages(q, k, v, p, beta, g, do, scale)
     for launch in stages.values():
         launch()
     if grads[0].shape[1] == T:
