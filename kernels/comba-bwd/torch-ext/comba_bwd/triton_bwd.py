@@ -469,6 +469,12 @@ TRANSFORM_WARPS = 1
 GRADS_WARPS = 4
 V_BLOCK = 64
 
+# The gradient kernel's register cap by K. At K = 64 its shared memory (64 KB) lets 3 CTAs share an SM if each
+# takes at most 168 registers: 1.248 -> 1.101 ms at (16, 2048, 32, 64, 128), though it spills 168 B where it
+# spilled 44 (a cap of 200, still 2 CTAs an SM, took 1.340). At K = 128 its 80 KB allow 2 CTAs whatever the cap,
+# and 168 registers spilled 2 KB: 1.440 against 0.872 ms (bench/results/2026-11-30-f3cc1fd-comba-maxnreg-probe.log).
+GRADS_MAXNREG = {64: 168, 128: None}
+
 
 # The pipelined reverse scan takes 115 KB of shared memory at K = 128 (82 KB at K = 64): more than a block may
 # have on sm_86 / sm_89 (99 KB), where the scans run unpipelined (64 KB at most).
@@ -508,7 +514,7 @@ def comba_backward_stages(q, k, v, p, beta, g, do, scale: float):
     dg = torch.empty_like(g, dtype=torch.float32)
     dgc_parts = torch.empty(3, BH, Tp, device=dev, dtype=torch.float32)                # per gradient part
     scan = dict(K=K, V=V, BV=BV, STAGES=_scan_stages(dev), num_warps=SCAN_WARPS, num_stages=1)
-    grads = dict(K=K, V=V, BV=BV, num_warps=GRADS_WARPS, num_stages=1)
+    grads = dict(K=K, V=V, BV=BV, num_warps=GRADS_WARPS, num_stages=1, maxnreg=GRADS_MAXNREG[K])
     chunks = (N, BH)
     stages = {
         "transform": lambda: _transform_kernel[chunks](k, p, beta, g, A, N, H, K, num_warps=TRANSFORM_WARPS,
