@@ -326,7 +326,8 @@ def _q_part(q, k, do, S_in, Vn_in, dq, gc, scal_base, t0, chunk, rows, scale, H,
         do_vn += tl.dot(dok, tl.load(Vn_in + rows[None, :] * V + cv[:, None]))
     qk = tl.load(_rows(q, scal_base * K, t0, H * K, K))
     kk = tl.load(_rows(k, scal_base * K, t0, H * K, K)).to(tl.bfloat16)
-    dq_c = scale * tl.dot((do_vn * _decay(gc, False, False)).to(tl.bfloat16), kk, acc=tl.exp(gc)[:, None] * do_s)
+    dq_c = tl.dot((do_vn * _decay(gc, False, False) * scale).to(tl.bfloat16), kk,
+                  acc=(scale * tl.exp(gc))[:, None] * do_s)
     tl.store(_rows(dq, scal_base * K, t0, H * K, K), dq_c.to(dq.dtype.element_ty))
     return tl.sum(qk.to(tl.float32) * dq_c, 1)
 
@@ -347,23 +348,26 @@ def _k_part(q, k, p, do, dS_in, Vn_in, X_in, dk, gc, glast, bk, scal_base, t0, c
         vn_x += tl.dot(vn, tl.load(X_in + rows[None, :] * V + cv[:, None]))
         vn_ds += tl.dot(vn, _state_t(dS_in, chunk, cv, K, V))
     # The [BT, BT] products weighted by the decay and rounded to bf16 first, so that the fp32 ones die before
-    # the [BT, K] work. The read part's is scaled after the product, as in _q_part: then (dO Vn^T * E) is
-    # rounded to the same bf16 values on both sides, and their terms of d gc (q . dq against k . dk, which
-    # nearly cancel) keep cancelling; scaled before the rounding, dg's error grew from 3.0e-3 to 8.7e-3
-    # (interpreter, (1, 192, 2, 128, 128)).
+    # the [BT, K] work. The read part's is scaled before the rounding, as in _q_part: then (dO Vn^T * E * scale)
+    # is rounded to the same bf16 values on both sides, and their terms of d gc (q . dq against k . dk, which
+    # nearly cancel) keep cancelling; scaled on one side only, dg's error grew from 3.0e-3 to 8.7e-3
+    # (interpreter, (1, 192, 2, 128, 128)). Scaled before the rounding, the read part accumulates into dk in place:
+    # with _pb_part's dL * L from dLE the gradient kernel spills 68 B instead of 164 at K = 128 and 108 instead
+    # of 168 at K = 64, and the backward ran 1.975 -> 1.950 and 2.648 -> 2.599 ms at (8, 2048, 32, 128, 128) and
+    # (16, 2048, 32, 64, 128) (bench/results/2026-11-30-22d09fb-comba-register-probe.log).
     r = tl.arange(0, BT)
     E_t = _decay(gc, True, False)
-    read = (vn_do * E_t).to(tl.bfloat16)
+    read = (vn_do * E_t * scale).to(tl.bfloat16)
     dR_t = tl.where(r[:, None] < r[None, :], -vn_x * E_t, 0.0).to(tl.bfloat16)
     qk = tl.load(_rows(q, scal_base * K, t0, H * K, K)).to(tl.bfloat16)
     kk = tl.load(_rows(k, scal_base * K, t0, H * K, K)).to(tl.bfloat16)
     # The gate terms of d gc take k . dk of the state part and of the read part; the read part's as
     # sum_i read_ji (k_j . q_i), from a [BT, BT] product, so that no fp32 copy of k stays live.
-    k_read = scale * tl.sum(read.to(tl.float32) * tl.dot(kk, tl.trans(qk)), 1)
+    k_read = tl.sum(read.to(tl.float32) * tl.dot(kk, tl.trans(qk)), 1)
     # One [BT, K] tile, accumulated in place: the state part, the read part, the transform's K side.
     dk_c = tl.exp(glast - gc)[:, None] * vn_ds
     k_state = tl.sum(kk.to(tl.float32) * dk_c, 1)
-    dk_c = dk_c + scale * tl.dot(read, qk)
+    dk_c = tl.dot(read, qk, acc=dk_c)
     pk = tl.load(_rows(p, scal_base * K, t0, H * K, K))
     dk_c = tl.dot(dR_t, (pk * bk[:, None]).to(tl.bfloat16), acc=dk_c)
     tl.store(_rows(dk, scal_base * K, t0, H * K, K), dk_c.to(dk.dtype.element_ty))
@@ -412,13 +416,12 @@ def _pb_part(k, p, S_in, dS_in, Vn_in, X_in, dbeta_v, dp, dbeta, gc, glast, bk, 
     E = _decay(gc, False, False)
     pk = tl.load(_rows(p, scal_base * K, t0, H * K, K)).to(tl.bfloat16)
     kk = tl.load(_rows(k, scal_base * K, t0, H * K, K)).to(tl.bfloat16)
-    mask = r[:, None] > r[None, :]
-    dL = tl.where(mask, -x_vn, 0.0)
+    dLE = tl.where(r[:, None] > r[None, :], -x_vn * E, 0.0)                      # dL * E
     pk_kt = tl.dot(pk, tl.trans(kk))
-    dL_L = dL * tl.where(mask, pk_kt * bk[:, None] * E, 0.0)                       # dL * L
+    dL_L = dLE * pk_kt * bk[:, None]                                             # dL * L
     rows_h = scal_base + (t0 + r) * H
     dgc = tl.sum(dL_L, 1) - tl.sum(dL_L, 0) + _store_dp_dbeta(
-        x_s, (dL * E).to(tl.bfloat16), kk, pk, pk_kt, gc, bk, dbeta_v, _rows(dp, scal_base * K, t0, H * K, K), dbeta,
+        x_s, dLE.to(tl.bfloat16), kk, pk, pk_kt, gc, bk, dbeta_v, _rows(dp, scal_base * K, t0, H * K, K), dbeta,
         rows_h, _n_pos(N * BT, H), NV)
     return dgc + tl.where(r == BT - 1, tl.exp(glast) * tl.sum(s_ds, 0), 0.0)
 
@@ -470,7 +473,7 @@ GRADS_WARPS = 4
 V_BLOCK = 64
 
 # The gradient kernel's register cap by K. At K = 64 its shared memory (64 KB) lets 3 CTAs share an SM if each
-# takes at most 168 registers: 1.248 -> 1.101 ms at (16, 2048, 32, 64, 128), though it spills 168 B where it
+# takes at most 168 registers: 1.248 -> 1.101 ms at (16, 2048, 32, 64, 128), though it spilled 168 B where it
 # spilled 44 (a cap of 200, still 2 CTAs an SM, took 1.340). At K = 128 its 80 KB allow 2 CTAs whatever the cap,
 # and 168 registers spilled 2 KB: 1.440 against 0.872 ms (bench/results/2026-11-30-f3cc1fd-comba-maxnreg-probe.log).
 GRADS_MAXNREG = {64: 168, 128: None}
