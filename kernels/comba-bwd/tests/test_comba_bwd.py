@@ -266,9 +266,10 @@ TRITON_DEVICE = "cuda" if HAS_CUDA else "cpu"
 
 @needs_triton
 @pytest.mark.kernels_ci
-@pytest.mark.parametrize("shape", [(1, 128, 1, 64, 64), (1, 100, 2, 64, 128), (1, 64, 1, 128, 64)])
+@pytest.mark.parametrize("shape", [(1, 128, 1, 64, 64), (1, 100, 2, 64, 128), (1, 64, 1, 128, 64), (2, 128, 3, 64, 64)])
 def test_triton_backward_matches_float64(triton_bwd, shape):
-    """Tiny shapes (the interpreter runs them on the CPU); T=100 exercises the time padding."""
+    """Tiny shapes (the interpreter runs them on the CPU); T=100 exercises the time padding, B = 2 with H = 3 the
+    (b, t, h) offsets of every kernel."""
     inputs = make_inputs(*shape, torch.bfloat16, TRITON_DEVICE, seed=9)
     grads = triton_bwd.comba_backward_triton(*inputs, 0.9 * shape[3] ** -0.5)
     assert [gr.dtype for gr in grads] == [torch.bfloat16] * 5 + [torch.float32]
