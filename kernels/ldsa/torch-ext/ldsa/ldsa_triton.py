@@ -90,12 +90,12 @@ def _dot_float32_weights(x, w, FORWARD: tl.constexpr):
     0ee460a runs)."""
     if x.dtype == tl.float32:
         product = tl.dot(x, w, input_precision="tf32x3" if FORWARD else "ieee")
-    elif FORWARD:
-        hi, lo = _split_hi_lo(w, x.dtype)
-        product = _dot_hi_lo(x, hi, lo)
     else:
         hi, lo = _split_hi_lo(w, x.dtype)
-        product = tl.dot(x, lo, tl.dot(x, hi))
+        if FORWARD:
+            product = _dot_hi_lo(x, hi, lo)
+        else:
+            product = tl.dot(x, lo, tl.dot(x, hi))
     return product
 
 
