@@ -132,10 +132,14 @@ def _inv_unit_lower(Lb):
 
 @triton.jit
 def _mm(a, b):
-    """fp32 product of two 16 x 16 blocks (fp32 FMAs: the issue asks for the solve in fp32; TF32 products
-    made the transform 0.19 against 0.30-0.42 ms at (8, 2048, 32, 128, 128), at unchanged gradient errors,
-    bench/results/2026-11-30-8dd072c-dirty-comba-plans.log, but are not fp32)."""
-    return tl.dot(a, b, input_precision="ieee")
+    """fp32 product of two 16 x 16 blocks by 3xTF32: each operand split into a TF32 high part and a TF32 low
+    part, three tensor-core products summed in fp32, which keeps fp32's accuracy (the issue asks for the solve in
+    fp32; one TF32 product is not). Against a float64 inverse, A's error was 3.9e-8 with these products and
+    3.7e-8 with fp32 FMAs, and the 1-warp transform took 0.212 against 0.249 ms at (8, 2048, 32, 128, 128) and
+    0.320 against 0.441 at (16, 2048, 32, 64, 128): the FMA products' operands went through shared memory in
+    replicated layouts, which bound the transform (bench/results/2026-11-30-e13af20-dirty-comba-tf32x3-probe.log).
+    At 2 warps the 3xTF32 transform was the slower one (0.340 against 0.299 ms, in an earlier design)."""
+    return tl.dot(a, b, input_precision="tf32x3")
 
 
 @triton.jit
@@ -147,8 +151,8 @@ def _store_block(A, a_base, i: tl.constexpr, j: tl.constexpr, blk):
 @triton.jit
 def _transform_kernel(k, p, beta, g, A, N, H, K: tl.constexpr):
     """A = (I + L)^-1 of one chunk by 16 x 16 blocks, in fp32: the four diagonal blocks D_i by _inv_unit_lower,
-    then the off-diagonal blocks from them by block products (fp32 products on CUDA cores); stored in A's
-    dtype (bf16 for the scans' tensor-core operands, fp32 in the tests)."""
+    then the off-diagonal blocks from them by block products (_mm, fp32-accurate); stored in A's dtype (bf16
+    for the scans' tensor-core operands, fp32 in the tests)."""
     scal_base, t0, chunk, _ = _chunk_offsets(N, H)
     kbase = scal_base * K
     gc0, off, b0 = _gates(g, beta, scal_base, t0, H, SUB)
@@ -461,8 +465,7 @@ def _dg_kernel(dgc_parts, dg, N, H):
     tl.store(dg + scal_base + (t0 + tl.arange(0, BT)) * H, _reverse_cumsum(dgc))
 
 
-# The scans run 4 warps a program, and V is cut in blocks of V_BLOCK both across the scans' programs
-# (V / V_BLOCK of them per (b, h)) and in the gradient parts' loops over V. The transform runs
+# The scans run 4 warps a program; the gradient parts loop over V in blocks of V_BLOCK. The transform runs
 # 1 warp a chunk: 0.251 against 0.294 ms for 2 warps at (8, 2048, 32, 128, 128), 0.442 against 0.515 at
 # (16, 2048, 32, 64, 128) (4 warps took 0.418 at the first); the gradient parts 4 warps: 8 warps capped at 128
 # registers, for 2 CTAs an SM, made the k part (a kernel of its own then) 0.590 against 0.408 ms
@@ -472,6 +475,13 @@ TRANSFORM_WARPS = 1
 GRADS_WARPS = 4
 V_BLOCK = 64
 
+# The scans cut V across their programs in blocks of SCAN_STATE // K columns (at most V), so that a program's
+# (K, block) state has 128 x 64 entries at either K. At K = 64 one program then takes all of V = 128 and loads
+# the chunk's q, k, p and A once instead of twice: at (16, 2048, 32, 64, 128) the forward scan took 0.381 against
+# 0.425 ms and the reverse 0.585 against 0.662. Blocks of 32 at K = 128 (twice the programs) took 0.468 and 0.670
+# against 0.320 and 0.518 (bench/results/2026-11-30-e13af20-dirty-comba-streams-probe.log, -scanbv-probe.log).
+SCAN_STATE = 128 * 64
+
 # The gradient kernel's register cap by K. At K = 64 its shared memory (64 KB) lets 3 CTAs share an SM if each
 # takes at most 168 registers: 1.248 -> 1.101 ms at (16, 2048, 32, 64, 128), though it spilled 168 B where it
 # spilled 44 (a cap of 200, still 2 CTAs an SM, took 1.340). At K = 128 its 80 KB allow 2 CTAs whatever the cap,
@@ -479,8 +489,8 @@ V_BLOCK = 64
 GRADS_MAXNREG = {64: 168, 128: None}
 
 
-# The pipelined reverse scan takes 115 KB of shared memory at K = 128 (82 KB at K = 64): more than a block may
-# have on sm_86 / sm_89 (99 KB), where the scans run unpipelined (64 KB at most).
+# The pipelined reverse scan takes 115 KB of shared memory (either K, its state block being the same size):
+# more than a block may have on sm_86 / sm_89 (99 KB), where the scans run unpipelined (64 KB at most).
 PIPELINED_SCAN_SHARED = 116 * 1024
 
 
@@ -492,52 +502,105 @@ def _scan_stages(device: torch.device) -> int:
     return 2 if torch.cuda.get_device_properties(device).shared_memory_per_block_optin >= PIPELINED_SCAN_SHARED else 1
 
 
-def comba_backward_stages(q, k, v, p, beta, g, do, scale: float):
+def comba_backward_stages(q, k, v, p, beta, g, do, scale: float, grads=None):
     """The backward as ordered launches: ({stage name: fn() launching it}, the six gradients once all ran).
 
     Each stage reads only what earlier stages wrote, so after one full pass any stage can be re-run (timed)
     alone. Inputs contiguous, K and V in {64, 128}; the gradients are (dq, dk, dv, dp, dbeta, dg) with dg in
-    float32, padded in time to a multiple of the chunk (comba_backward_triton trims them).
+    float32, padded in time to a multiple of the chunk (comba_backward_triton trims them); `grads`, when given,
+    are contiguous tensors of those shapes and dtypes to write them into.
     """
     B, T, H, K = q.shape
     V = v.shape[-1]
     q, k, v, p, beta, g, do = (pad_time(x) for x in (q, k, v, p, beta, g, do))
     Tp = q.shape[1]
     N, BH = Tp // CHUNK, B * H
-    BV = min(V_BLOCK, V)
+    BV, SBV = min(V_BLOCK, V), min(V, SCAN_STATE // K)
     dev = q.device
     A = torch.empty(BH, N, CHUNK, CHUNK, device=dev, dtype=torch.bfloat16)
     S = torch.empty(BH, N, K, V, device=dev, dtype=torch.bfloat16)
     dS = torch.empty_like(S)
     Vn = torch.empty(BH, Tp, V, device=dev, dtype=torch.bfloat16)
     X = torch.empty_like(Vn)
-    dbeta_v = torch.empty(V // BV, *beta.shape, device=dev, dtype=torch.float32)   # per scan V block
-    dq, dk, dp = (torch.empty_like(x) for x in (q, k, p))
-    dv, dbeta = torch.empty_like(v), torch.empty_like(beta)
-    dg = torch.empty_like(g, dtype=torch.float32)
+    dbeta_v = torch.empty(V // SBV, *beta.shape, device=dev, dtype=torch.float32)  # per scan V block
+    dq, dk, dv, dp, dbeta, dg = _gradients_like(q, k, v, p, beta, g) if grads is None else grads
     dgc_parts = torch.empty(3, BH, Tp, device=dev, dtype=torch.float32)                # per gradient part
-    scan = dict(K=K, V=V, BV=BV, STAGES=_scan_stages(dev), num_warps=SCAN_WARPS, num_stages=1)
-    grads = dict(K=K, V=V, BV=BV, num_warps=GRADS_WARPS, num_stages=1, maxnreg=GRADS_MAXNREG[K])
+    scan = dict(K=K, V=V, BV=SBV, STAGES=_scan_stages(dev), num_warps=SCAN_WARPS, num_stages=1)
+    parts = dict(K=K, V=V, BV=BV, num_warps=GRADS_WARPS, num_stages=1, maxnreg=GRADS_MAXNREG[K])
     chunks = (N, BH)
     stages = {
         "transform": lambda: _transform_kernel[chunks](k, p, beta, g, A, N, H, K, num_warps=TRANSFORM_WARPS,
                                                        num_stages=1),
-        "forward_scan": lambda: _forward_scan_kernel[(V // BV, BH)](k, v, p, beta, g, A, S, Vn, N, H, **scan),
-        "reverse_scan": lambda: _reverse_scan_kernel[(V // BV, BH)](q, k, v, p, beta, g, do, A, dS, X, dv, dbeta_v,
+        "forward_scan": lambda: _forward_scan_kernel[(V // SBV, BH)](k, v, p, beta, g, A, S, Vn, N, H, **scan),
+        "reverse_scan": lambda: _reverse_scan_kernel[(V // SBV, BH)](q, k, v, p, beta, g, do, A, dS, X, dv, dbeta_v,
                                                                     scale, N, H, **scan),
         "grads": lambda: _grads_kernel[(3 * N, BH)](q, k, p, beta, g, do, S, dS, Vn, X, dbeta_v, dq, dk, dp, dbeta,
-                                                    dgc_parts, scale, N, H, NV=V // BV, **grads),
+                                                    dgc_parts, scale, N, H, NV=V // SBV, **parts),
         "dg": lambda: _dg_kernel[chunks](dgc_parts, dg, N, H, num_warps=1, num_stages=1),
     }
     return stages, (dq, dk, dv, dp, dbeta, dg)
 
 
+def _gradients_like(q, k, v, p, beta, g):
+    """Uninitialised (dq, dk, dv, dp, dbeta, dg): each like its input, dg in float32."""
+    return (*(torch.empty_like(x) for x in (q, k, v, p, beta)), torch.empty_like(g, dtype=torch.float32))
+
+
+# The batch is cut in BATCH_PIECES pieces. On CUDA each piece is launched on a stream of its own, and its reverse
+# scan on one more stream beside its forward scan (the scans depend only on the transform). The stages are
+# bound by different things (the transform by its products' latency, the scans by their serial chunk loop and
+# HBM, the gradient kernel by L2), and a scan's last wave is partial (2.4 waves at (10, 4096, 32, 128, 128)), so
+# stages of the two pieces fill each other's idle SMs: the backward took 1.878 against 1.912 ms at
+# (8, 2048, 32, 128, 128), 2.305 against 2.340 at (16, 2048, 32, 64, 128) and 4.670 against 4.816 at
+# (10, 4096, 32, 128, 128) with two pieces, and three were no better (-tf32x3-probe.log); the side stream alone,
+# one piece, took 4.906 against 5.093 at the last (-streams-probe.log).
+BATCH_PIECES = 2
+
+
+@functools.cache
+def _side_streams(device: torch.device, n: int) -> tuple:
+    """n streams of `device`, made once and reused by every call."""
+    return tuple(torch.cuda.Stream(device) for _ in range(n))
+
+
+def _launch_on_streams(pieces, device: torch.device):
+    """Launch each piece's stages ({name: launch}) on a pair of streams, the first piece's pair starting with the
+    current stream, the others forked from it, and join them back into it."""
+    main = torch.cuda.current_stream(device)
+    streams = (main, *_side_streams(device, 2 * len(pieces) - 1))
+    for own in streams[2::2]:
+        own.wait_stream(main)
+    for stages, own, side in zip(pieces, streams[0::2], streams[1::2]):
+        with torch.cuda.stream(own):
+            stages["transform"]()
+            side.wait_stream(own)
+            with torch.cuda.stream(side):
+                stages["reverse_scan"]()
+            stages["forward_scan"]()
+            own.wait_stream(side)
+            stages["grads"]()
+            stages["dg"]()
+    for own in streams[2::2]:
+        main.wait_stream(own)
+
+
 def comba_backward_triton(q, k, v, p, beta, g, do, scale: float):
     """(dq, dk, dv, dp, dbeta, dg) in their inputs' dtypes (dg float32); inputs contiguous, K, V in {64, 128}."""
-    T = q.shape[1]
-    stages, grads = comba_backward_stages(q, k, v, p, beta, g, do, scale)
-    for launch in stages.values():
-        launch()
+    B, T = q.shape[:2]
+    inputs = [pad_time(x) for x in (q, k, v, p, beta, g, do)]
+    grads = _gradients_like(*inputs[:6])
+    n = min(BATCH_PIECES, B)
+    cuts = [B * i // n for i in range(n + 1)]
+    # Every piece's scratch is allocated before the launches and referenced until the streams are joined, so the
+    # allocator cannot hand one piece's freed scratch to another piece's stream while it still runs.
+    pieces = [comba_backward_stages(*(x[a:b] for x in inputs), scale, tuple(x[a:b] for x in grads))[0]
+              for a, b in zip(cuts, cuts[1:])]
+    if q.is_cuda:
+        _launch_on_streams(pieces, q.device)
+    else:
+        for stages in pieces:
+            for launch in stages.values():
+                launch()
     if grads[0].shape[1] == T:
         return grads
     return tuple(x[:, :T].contiguous() for x in grads)
