@@ -370,7 +370,6 @@ def test_cuda_backward_cuts_an_odd_batch(comba):
     _check_against_spec(comba.comba_backward, (3, 192, 2, 64, 128))
 
 
-
 @needs_cuda
 def test_cuda_backward_replays_in_a_cuda_graph(comba):
     """The backward forks side streams from the caller's stream and joins them back: captured in a CUDA graph
