@@ -440,19 +440,28 @@ def _grads_kernel(q, k, p, beta, g, do, S_in, dS_in, Vn_in, X_in, dbeta_v, dq, d
     whose inputs came from HBM each time, and at (16, 2048, 32, 64, 128) 1.237 against 1.346 for the three parts
     in turn in one program (which spilled 964 B at K = 128;
     bench/results/2026-11-30-c99f7ff-dirty-comba-interleaved-probe.log, -interleaved2-probe.log). Their terms
-    of d gc go to dgc_parts, one row of it a part, summed by _dg_kernel."""
+    of d gc go to dgc_parts, one row of it a part, summed by _dg_kernel.
+    Each branch loads the gates and stores its terms itself: loaded once before the branches, the gates stayed
+    live across all three, and the kernel spilled 68 B instead of 44 at K = 128 (offline); the backward ran 1.892
+    -> 1.877 ms at (8, 2048, 32, 128, 128) and 2.307 -> 2.280 at (16, 2048, 32, 64, 128)
+    (bench/results/2026-11-30-4dcba49-dirty-comba-gates-probe.log)."""
     part = tl.program_id(0) % 3
     scal_base, t0, chunk, rows = _chunk_offsets(N, H, 3)
-    gc, glast, bk = _gates(g, beta, scal_base, t0, H)
+    n_pos = _n_pos(N * BT, H)
     if part == 0:
+        gc, _, _ = _gates(g, beta, scal_base, t0, H)
         dgc = _q_part(q, k, do, S_in, Vn_in, dq, gc, scal_base, t0, chunk, rows, scale, H, K, V, BV)
+        tl.store(dgc_parts + rows, dgc)
     elif part == 1:
+        gc, glast, bk = _gates(g, beta, scal_base, t0, H)
         dgc = _k_part(q, k, p, do, dS_in, Vn_in, X_in, dk, gc, glast, bk, scal_base, t0, chunk, rows, scale, H, K, V,
                       BV)
+        tl.store(dgc_parts + n_pos + rows, dgc)
     else:
+        gc, glast, bk = _gates(g, beta, scal_base, t0, H)
         dgc = _pb_part(k, p, S_in, dS_in, Vn_in, X_in, dbeta_v, dp, dbeta, gc, glast, bk, scal_base, t0, chunk, rows,
                        N, H, K, V, BV, NV)
-    tl.store(dgc_parts + part * _n_pos(N * BT, H) + rows, dgc)
+        tl.store(dgc_parts + 2 * n_pos + rows, dgc)
 
 
 @triton.jit
