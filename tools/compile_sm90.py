@@ -89,7 +89,11 @@ class Compiler:
                       maxnreg=options.maxnreg, dtypes=",".join(sorted({t[1:] for t in signature.values()
                                                                         if t.startswith("*")})))
         try:
-            compiled = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=self.target,
+            if fn.is_gluon():  # a Gluon kernel compiles from its own source kind
+                from triton.experimental.gluon._runtime import GluonASTSource as source
+            else:
+                source = ASTSource
+            compiled = triton.compile(source(fn, signature, constexprs, attrs), target=self.target,
                                       options=options.__dict__)
             registers, spills = ptxas(compiled.asm["ptx"])
             shared = compiled.metadata.shared

@@ -274,7 +274,9 @@ SMALL_WINDOWS = [(1, 0), (1, 1), (3, 4)]
 def compile_cases(kernel, spec):
     """(label, call) pairs for `python -m tools.compile_sm90`: every forward and backward configuration at
     three card shapes (one chunk a program, several, and the launch-bound one), both window kinds, bf16 and
-    fp32, and at [2, 3008] for SMALL_WINDOWS (labelled "taps"), on meta tensors."""
+    fp32, and at [2, 3008] for SMALL_WINDOWS (labelled "taps"), on meta tensors. band-gluon, which the
+    launchers give only CUDA devices of compute capability 9.0 up, is launched directly where its rule
+    (`ldsa_gluon.takes`) takes the case."""
     kernels = _triton_module(kernel)
 
     def case(B, T, left, right, name, dtype, config, backward):
@@ -283,6 +285,12 @@ def compile_cases(kernel, spec):
         label = f"[{B},{T}] {name} {str(dtype)[6:]} {'bwd' if backward else 'fwd'} {config}"
         if backward:
             return label, lambda: kernels.ldsa_backward(a, v, torch.empty_like(v), left, right, config=config)
+        if config == kernels.BAND_GLUON:
+            lead = kernels.ldsa_gluon.takes(left + right + 1, left, DH, T, B * H, dtype)
+            if lead is None:
+                return None
+            launch = kernels._gluon_forward_launch(left + right + 1, left, lead, DH, T, B * H, dtype, -1)
+            return label, lambda: kernels._launch(launch, (a, v, torch.empty_like(v)))
         return label, lambda: kernels.ldsa_forward(a, v, left, right, config=config)
 
     windows = [(shape, side, name) for shape in [(64, 3000), (32, 1024), (16, 256)] for name, side in WINDOWS.items()]
@@ -290,6 +298,8 @@ def compile_cases(kernel, spec):
     for (B, T), (left, right), name in windows:
         for dtype in (torch.bfloat16, torch.float32):
             for config in kernels.FORWARD_CONFIGS:
-                yield case(B, T, left, right, name, dtype, config, backward=False)
+                forward = case(B, T, left, right, name, dtype, config, backward=False)
+                if forward is not None:
+                    yield forward
             for config in kernels.BACKWARD_CONFIGS:
                 yield case(B, T, left, right, name, dtype, config, backward=True)

@@ -359,7 +359,32 @@ def test_small_windows_compile_for_sm90():
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     kernels = {line.split("|")[2].strip() for line in out.stdout.splitlines() if "taps" in line}
     assert kernels == {"_ldsa_forward_kernel", "_ldsa_backward_kernel", "_ldsa_forward_tma_kernel",
-                       "_ldsa_backward_tma_kernel"}
+                       "_ldsa_backward_tma_kernel", "_ldsa_forward_gluon_kernel"}
+
+
+def test_gluon_forward_takes_the_windows_its_blocks_reach(ldsa):
+    """band-gluon's rule: 16-bit values, 2 to 15 taps whose reach from a block's span start (W - 1 plus left's
+    rounding up to 8) stays within 16 positions past the block, T a multiple of 8, Dh 16 to 64. What it does not
+    take, and every call off Hopper or under the interpreter (device -1), runs as band-tma."""
+    kernels = submodule(ldsa, "ldsa_triton")
+    gluon = submodule(ldsa, "ldsa_gluon")
+
+    def lead(W=15, left=14, Dh=64, T=3000, BH=512, dtype=torch.bfloat16):
+        return gluon.takes(W, left, Dh, T, BH, dtype)
+
+    assert lead() == 16 and lead(left=7) == 8 and lead(left=0) == 0 and lead(left=8) == 8  # causal, centered
+    assert lead(dtype=torch.float16) == 16 and lead(Dh=16) == 16 and lead(Dh=32) == 16 and lead(T=8) == 16
+    assert lead(W=2, left=1) == 8 and lead(W=10, left=3) == 8  # reach 1 + 7 and 9 + 5
+    for refused in (dict(left=13), dict(left=1), dict(W=16, left=15), dict(W=1, left=0), dict(dtype=torch.float32),
+                    dict(T=3001), dict(Dh=128), dict(Dh=80), dict(BH=2**26)):
+        assert lead(**refused) is None, refused
+
+    def config(asked=kernels.BAND_GLUON, **call):
+        shape = dict(W=15, left=14, Dh=64, T=3000, BH=512, dtype=torch.bfloat16, aligned=True, device=-1) | call
+        return kernels._forward_launch(asked, *shape.values()).config
+
+    assert config() == kernels.BAND_TMA and config(asked=None) == kernels.BAND_TMA
+    assert config(W=65, left=64, Dh=128, dtype=torch.float32) == kernels.BAND_PREFETCH  # where band-tma cannot
 
 
 # ---- The fused path on CUDA (the lead's GPU run) ----
@@ -435,6 +460,53 @@ def test_cuda_every_config_matches_float64(ldsa, case):
     dlogits, dv = kernels.ldsa_backward(a, v, go, left, right, config=backward)
     ga, gv = ldsa_float64_grads(a, v, go, left, right)
     assert rel_err(dlogits, ga) < TOL[dtype] and rel_err(dv, gv) < TOL[dtype], backward
+
+
+# band-gluon over windows its rule takes, every lead - left from 0 to 7 among them, and two it does not (they run
+# as band-tma); both 16-bit dtypes, Dh 16 to 64, T from one TMA box to past the card's lengths, and B * H large
+# enough that the persistent programs walk several chunks each.
+CUDA_GLUON_CASES = [
+    (left, right, dtype, (16, 32, 64)[i % 3], (8, 136, 3000, 1000)[i % 4], (1, 64, 2, 32)[i % 4])
+    for i, ((left, right), dtype) in enumerate(
+        itertools.product([(14, 0), (7, 7), (0, 14), (1, 0), (0, 1), (5, 3), (8, 6), (3, 3), (6, 8), (2, 1), (13, 1),
+                           (15, 0)], (torch.bfloat16, torch.float16))
+    )
+]
+
+
+@needs_cuda
+@pytest.mark.parametrize("left,right,dtype,Dh,T,B", CUDA_GLUON_CASES)
+def test_cuda_gluon_forward_matches_float64(ldsa, left, right, dtype, Dh, T, B):
+    kernels = submodule(ldsa, "ldsa_triton")
+    gluon = submodule(ldsa, "ldsa_gluon")
+    a, v = make(B, 8, Dh, T, left, right, dtype, "cuda")
+    takes = gluon.takes(left + right + 1, left, Dh, T, B * 8, dtype) is not None
+    assert takes == ((left, right) not in [(13, 1), (15, 0)])
+    assert kernels.forward_launch(a, v, left, right, kernels.BAND_GLUON).config == (
+        kernels.BAND_GLUON if takes else kernels.BAND_TMA)
+    out = kernels.ldsa_forward(a, v, left, right, config=kernels.BAND_GLUON)
+    assert torch.equal(kernels.ldsa_forward(a, v, left, right, config=kernels.BAND_GLUON), out)  # the cached launch
+    assert rel_err(out, ldsa_float64(a, v, left, right)) < FWD_TOL[dtype]
+
+
+@needs_cuda
+def test_cuda_large_16_bit_forwards_take_band_gluon(ldsa):
+    """The default for the calls band-gluon takes, from TMA_MIN_FRAMES frames up, on Hopper."""
+    kernels = submodule(ldsa, "ldsa_triton")
+    device = torch.cuda.current_device()
+
+    def config(**call):
+        shape = dict(W=15, left=14, Dh=64, T=3000, BH=512, dtype=torch.bfloat16, aligned=True, device=device) | call
+        return kernels._forward_launch(None, *shape.values()).config
+
+    hopper = torch.cuda.get_device_capability(device)[0] >= 9
+    assert config() == config(left=7) == config(dtype=torch.float16) == (
+        kernels.BAND_GLUON if hopper else kernels.BAND_TMA)
+    assert config(BH=8) != kernels.BAND_GLUON and config(dtype=torch.float32) == kernels.BAND_TMA
+    assert config(W=31, left=30) == kernels.BAND_TMA
+    a, v = make(1, 88, 64, 3000, 14, 0, torch.bfloat16, "cuda")  # 264,000 frames
+    assert kernels.forward_launch(a, v, 14, 0).config == (kernels.BAND_GLUON if hopper else kernels.BAND_TMA)
+    assert kernels.forward_launch(a.float(), v, 14, 0).config == kernels.BAND_TMA  # logits in another dtype
 
 
 # The TMA kernels over their tile rule's windows (2 to 65 taps), each dtype and Dh, T short of one chunk to
