@@ -46,7 +46,9 @@ TAPS = gl.constexpr(16)  # logits rows a chunk: windows of up to TAPS - 1 taps; 
 WARPS = gl.constexpr(4)  # along the frames of a block
 # Programs an SM and pipeline stages (one output tile). Measured at [64, 3000], W = 15, bf16 (-gluon4-probe.log):
 # 4 programs and 2 stages 0.133 ms; 5 and 2, 0.159; 6 and 2, 0.164; and with two output tiles 3 and 4, 0.142;
-# 4 and 3, 0.162; 5 and 2, 0.159.
+# 4 and 3, 0.162; 5 and 2, 0.159. As the benchmark times (cold L2), at [32, 3000] and [64, 3000]: 4 and 2, 0.068
+# and 0.141 ms; 3 and 2, 0.071 and 0.134; 3 and 3, 0.070 and 0.137; 2 and 3, 0.078 and 0.149; 5 and 2, 0.083 and
+# 0.177 (bench/results/2026-11-30-b5983a3-ldsa-tune-probe.log).
 PROGRAMS_PER_SM = 4
 STAGES = 2
 

@@ -680,7 +680,8 @@ def _device_of(x: torch.Tensor):
 
 def _clear_plans() -> None:
     """Forget the cached plans and launches that depend on the tunables (DEFAULT_CONFIG, FRAMES_PER_PROGRAM,
-    MIN_PROGRAMS and the TMA_ constants): for tests, benchmarks and probes that change those."""
+    MIN_PROGRAMS, the TMA_ constants and ldsa_gluon's PROGRAMS_PER_SM and STAGES): for tests, benchmarks and
+    probes that change those."""
     for plan in (_band_plan, _forward_launch, _backward_launch):
         plan.cache_clear()
 
