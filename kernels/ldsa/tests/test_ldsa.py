@@ -462,7 +462,7 @@ def test_cuda_every_config_matches_float64(ldsa, case):
     assert rel_err(dlogits, ga) < TOL[dtype] and rel_err(dv, gv) < TOL[dtype], backward
 
 
-# band-gluon over windows its rule takes, every lead - left from 0 to 7 among them, and two it does not (they run
+# band-gluon over windows its rule takes, with lead - left from 0 to 7 (4 aside), and two it does not (they run
 # as band-tma); both 16-bit dtypes, Dh 16 to 64, T from one TMA box to past the card's lengths, and B * H large
 # enough that the persistent programs walk several chunks each.
 CUDA_GLUON_CASES = [
