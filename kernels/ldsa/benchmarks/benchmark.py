@@ -276,7 +276,7 @@ def compile_cases(kernel, spec):
     three card shapes (one chunk a program, several, and the launch-bound one), both window kinds, bf16 and
     fp32, and at [2, 3008] for SMALL_WINDOWS (labelled "taps"), on meta tensors. band-gluon, which the
     launchers give only CUDA devices of compute capability 9.0 up, is launched directly where its rule
-    (`ldsa_gluon.takes`) takes the case."""
+    (`ldsa_triton._gluon_lead`) takes the case."""
     kernels = _triton_module(kernel)
 
     def case(B, T, left, right, name, dtype, config, backward):
@@ -286,7 +286,7 @@ def compile_cases(kernel, spec):
         if backward:
             return label, lambda: kernels.ldsa_backward(a, v, torch.empty_like(v), left, right, config=config)
         if config == kernels.BAND_GLUON:
-            lead = kernels.ldsa_gluon.takes(left + right + 1, left, DH, T, B * H, dtype)
+            lead = kernels._gluon_lead(left + right + 1, left, DH, T, B * H, dtype)
             if lead is None:
                 return None
             launch = kernels._gluon_forward_launch(left + right + 1, left, lead, DH, T, B * H, dtype, -1)

@@ -367,10 +367,9 @@ def test_gluon_forward_takes_the_windows_its_blocks_reach(ldsa):
     rounding up to 8) stays within 16 positions past the block, T a multiple of 8, Dh 16 to 64. What it does not
     take, and every call off Hopper or under the interpreter (device -1), runs as band-tma."""
     kernels = submodule(ldsa, "ldsa_triton")
-    gluon = submodule(ldsa, "ldsa_gluon")
 
     def lead(W=15, left=14, Dh=64, T=3000, BH=512, dtype=torch.bfloat16):
-        return gluon.takes(W, left, Dh, T, BH, dtype)
+        return kernels._gluon_lead(W, left, Dh, T, BH, dtype)
 
     assert lead() == 16 and lead(left=7) == 8 and lead(left=0) == 0 and lead(left=8) == 8  # causal, centered
     assert lead(dtype=torch.float16) == 16 and lead(Dh=16) == 16 and lead(Dh=32) == 16 and lead(T=8) == 16
@@ -478,9 +477,8 @@ CUDA_GLUON_CASES = [
 @pytest.mark.parametrize("left,right,dtype,Dh,T,B", CUDA_GLUON_CASES)
 def test_cuda_gluon_forward_matches_float64(ldsa, left, right, dtype, Dh, T, B):
     kernels = submodule(ldsa, "ldsa_triton")
-    gluon = submodule(ldsa, "ldsa_gluon")
     a, v = make(B, 8, Dh, T, left, right, dtype, "cuda")
-    takes = gluon.takes(left + right + 1, left, Dh, T, B * 8, dtype) is not None
+    takes = kernels._gluon_lead(left + right + 1, left, Dh, T, B * 8, dtype) is not None
     assert takes == ((left, right) not in [(13, 1), (15, 0)])
     assert kernels.forward_launch(a, v, left, right, kernels.BAND_GLUON).config == (
         kernels.BAND_GLUON if takes else kernels.BAND_TMA)

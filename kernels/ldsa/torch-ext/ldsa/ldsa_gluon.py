@@ -14,8 +14,8 @@ operand of `mma.sync` held in registers, built where the MMA wants it:
   lies in them for windows with 32 + W - 1 + lead - left <= 48.
 - A warp loads its frames' logits from shared memory straight into the B-operand layout, in which a frame's 16
   taps lie on the four lanes of a quad (tap = 8 j + 2 q + e: lane q of the quad, registers j and e), and takes
-  the window softmax there (float32, as `ldsa_triton._window_softmax`). The weights are split into hi + lo halves
-  in the values' dtype, packed in one 32-bit word (as `ldsa_triton._hi_lo_pairs`), so that the product is
+  the window softmax there (float32, `window_weights._window_softmax`). The weights are split into hi + lo
+  halves in the values' dtype, packed in one 32-bit word (`window_weights._hi_lo_pairs`), so that the product is
   float32-accurate.
 - Band element (row r, frame f) is the weight of tap r - f - (lead - left): a register of another lane of the
   same quad. One shuffle moves it, the sending lane choosing which of its four words the receiving lane needs
@@ -37,6 +37,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from .window_weights import _hi_lo_pairs, _window_softmax
 
 # Tile sizes, constexprs for the kernel (the host reads their .value).
 CHUNK = gl.constexpr(64)  # frames a chunk (a TMA box of logits, of values and of output)
@@ -63,19 +65,6 @@ def _issue(a_desc, v_desc, halo_desc, a_s, v_s, halo_s, bar, i, n_chunks, W, lea
     tma.async_copy_global_to_shared(a_desc, [bh * W, t0], bar, a_s, pred)
     tma.async_copy_global_to_shared(v_desc, [bh * DH, t0 - lead], bar, v_s, pred)
     tma.async_copy_global_to_shared(halo_desc, [bh * DH, t0 - lead + CHUNK], bar, halo_s, pred)
-
-
-@gluon.jit
-def _packed_weights(logits, tap_ok, dtype: gl.constexpr):
-    """The window softmax over axis 0 (float32; taps not tap_ok weigh 0) as hi + lo halves in `dtype`, packed in
-    one int32 (hi in the low half): the same arithmetic as ldsa_triton's _window_softmax and _hi_lo_pairs."""
-    x = gl.where(tap_ok, logits.to(gl.float32), float("-inf"))
-    e = gl.exp2((x - gl.expand_dims(gl.max(x, 0), 0)) * 1.4426950408889634)
-    total = gl.sum(e, 0)
-    w = e * gl.expand_dims(gl.rsqrt(total * total), 0)
-    hi = w.to(dtype)
-    lo = (w - hi.to(gl.float32)).to(dtype)
-    return (hi.to(gl.int16, bitcast=True).to(gl.int32) & 0xFFFF) | (lo.to(gl.int16, bitcast=True).to(gl.int32) << 16)
 
 
 @gluon.jit
@@ -175,7 +164,8 @@ def _ldsa_forward_gluon_kernel(a_desc, v_desc, halo_desc, out_desc, W, left, lea
         tma.store_wait(0)  # the previous chunk's output store has read out_s
         gl.thread_barrier()
         for b in gl.static_range(CHUNK // BLOCK):
-            packed = _packed_weights(a_s.index(s).slice(BLOCK * b, BLOCK, dim=1).load(b_layout), tap_ok, dtype)
+            logits = a_s.index(s).slice(BLOCK * b, BLOCK, dim=1).load(b_layout)
+            packed = _hi_lo_pairs(_window_softmax(logits, tap_ok, 0), dtype)
             w00, w01, w10, w11 = _split_slots(packed)
             acc = gl.zeros([DH, BLOCK], gl.float32, mma)
             for k in gl.static_range(KSTEPS):
@@ -199,16 +189,13 @@ def _ldsa_forward_gluon_kernel(a_desc, v_desc, halo_desc, out_desc, W, left, lea
         mbarrier.invalidate(bars.index(st))
 
 
-def takes(W: int, left: int, Dh: int, T: int, BH: int, dtype: torch.dtype) -> int | None:
-    """The span lead (left rounded up to 8, TMA's 16-byte column offsets) for a call this kernel takes, else None:
-    16-bit values, windows of 2 to TAPS - 1 taps whose reach fits a block's three k-steps, T a multiple of 8 (TMA
-    row strides), Dh 16 to 64 (a power of two; 64 is the measured one, and 128 would leave shared memory for
-    fewer programs than PROGRAMS_PER_SM) and int32 row coordinates."""
-    lead = -(-left // 8) * 8
-    fits = 2 <= W < TAPS.value and W - 1 + lead - left <= 16
-    if not fits or dtype not in (torch.bfloat16, torch.float16) or T % 8 or Dh not in (16, 32, 64):
-        return None
-    return lead if BH * max(Dh, TAPS.value) < 2**31 else None
+def takes(W: int, shift: int, Dh: int, T: int, BH: int, dtype: torch.dtype) -> bool:
+    """Whether this kernel takes a call whose value spans start `shift` = lead - left positions before the window:
+    16-bit values, windows of 2 to TAPS - 1 taps whose reach W - 1 + shift fits a block's three k-steps (16 past
+    the block), T a multiple of 8 (TMA row strides), Dh 16 to 64 (a power of two; 64 is the measured one, and 128
+    would leave shared memory for fewer programs than PROGRAMS_PER_SM) and int32 row coordinates."""
+    return (2 <= W < TAPS.value and W - 1 + shift <= 16 and dtype in (torch.bfloat16, torch.float16) and T % 8 == 0
+            and Dh in (16, 32, 64) and BH * max(Dh, TAPS.value) < 2**31)
 
 
 @functools.cache

@@ -45,6 +45,8 @@ import triton.language as tl
 from triton.compiler.compiler import CompiledKernel
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from .window_weights import _hi_lo_pairs, _split_hi_lo, _window_softmax
+
 try:  # Gluon, Triton's explicit-layout dialect (its Hopper TMA and mma.sync): the 16-bit forward's band-gluon
     from . import ldsa_gluon
 except ImportError:  # a Triton without it: the other configurations
@@ -62,23 +64,6 @@ def _aligned(T, T_ALIGN: tl.constexpr):
     """T, with its known divisor T_ALIGN visible to the compiler's alignment analysis: Triton vectorizes
     loads and stores only where it can prove the row starts aligned."""
     return (T // T_ALIGN) * T_ALIGN
-
-
-@triton.jit
-def _window_softmax(logits, tap_ok, axis: tl.constexpr):
-    """Softmax over the window axis in float32; padded taps (tap_ok false) get weight 0.
-
-    exp2, and the normalization as a product with 1 / sum taken as rsqrt(sum^2): one hardware
-    approximation (about 2e-7 relative; the sum lies in [1, W], its largest term being 1) where the IEEE
-    division and even a 2-ulp one (div.full) cost about ten instructions a weight in range handling. The
-    TMA backward ran 0.607 -> 0.476 ms at [64, 3000], W = 15, bf16 against div.full, the TMA forward
-    0.149 -> 0.148 (bench/results/2026-11-30-77e9b46-dirty-ldsa-rsqrt.log, b0 against b3_0, v13 against
-    v12); div.full in turn took the forward from 0.166 to 0.164 ms against tl.exp and the IEEE division
-    (2026-11-30-1eb73c1-dirty-ldsa-fwd-variants.log, v1 against v3)."""
-    x = tl.where(tap_ok, logits.to(tl.float32), float("-inf"))
-    e = tl.exp2((x - tl.expand_dims(tl.max(x, axis), axis)) * 1.4426950408889634)
-    total = tl.sum(e, axis)
-    return e * tl.expand_dims(tl.math.rsqrt(total * total), axis)
 
 
 @triton.jit
@@ -104,24 +89,6 @@ def _dot_float32_weights(x, w, FORWARD: tl.constexpr):
         else:
             product = tl.dot(x, lo, tl.dot(x, hi))
     return product
-
-
-@triton.jit
-def _split_hi_lo(w, dtype: tl.constexpr):
-    """float32 w as hi + lo in the 16-bit `dtype`, lo the residual of the first rounding (about 16 bits of
-    w's mantissa together)."""
-    hi = w.to(dtype)
-    return hi, (w - hi.to(tl.float32)).to(dtype)
-
-
-@triton.jit
-def _hi_lo_pairs(w, dtype: tl.constexpr):
-    """`_split_hi_lo` of w packed into one int32 word an element (hi in the low half), so that the TMA
-    forward skews both halves into the band with one gather, after splitting only the [BLOCK_W, N] weights
-    rather than the [K, N] band (0.182 -> 0.166 ms at [64, 3000], W = 15, bf16:
-    bench/results/2026-11-30-1eb73c1-dirty-ldsa-fwd-variants.log, v0 against v1)."""
-    hi, lo = _split_hi_lo(w, dtype)
-    return (hi.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF) | (lo.to(tl.int16, bitcast=True).to(tl.int32) << 16)
 
 
 @triton.jit
@@ -724,12 +691,17 @@ def _sm_count(device: int) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device >= 0 else 1
 
 
-def _gluon_lead(W: int, left: int, Dh: int, T: int, BH: int, dtype: torch.dtype, device: int) -> int | None:
-    """band-gluon's span lead for a call it takes (`ldsa_gluon.takes`) on CUDA device `device`, else None: it
-    needs Gluon, and Hopper's TMA and mbarriers (compute capability 9.0 or more; not the interpreter, -1)."""
-    if ldsa_gluon is None or device < 0 or torch.cuda.get_device_capability(device)[0] < 9:
-        return None
-    return ldsa_gluon.takes(W, left, Dh, T, BH, dtype)
+def _gluon_lead(W: int, left: int, Dh: int, T: int, BH: int, dtype: torch.dtype) -> int | None:
+    """band-gluon's span lead for a call its rule takes (`ldsa_gluon.takes`), else None: left rounded up to 8,
+    TMA's 16-byte column offsets, as band-tma's (`_tma_tiles`)."""
+    lead = _round_up(left, 8)
+    return lead if ldsa_gluon is not None and ldsa_gluon.takes(W, lead - left, Dh, T, BH, dtype) else None
+
+
+def _gluon_runs_on(device: int) -> bool:
+    """Whether band-gluon runs on CUDA device `device`: it needs Hopper's TMA and mbarriers (compute capability
+    9.0 or more), and a GPU (not the interpreter, -1)."""
+    return device >= 0 and torch.cuda.get_device_capability(device)[0] >= 9
 
 
 def _gluon_forward_launch(W: int, left: int, lead: int, Dh: int, T: int, BH: int, dtype: torch.dtype,
@@ -756,13 +728,14 @@ def _forward_launch(
     """The forward's launch for values of `dtype` (logits of `logits_dtype`, None: the same), built once per shape
     since small calls are host-bound. `aligned`: every tensor starts on 16 bytes (TMA's condition); `device`: the
     CUDA device's index (-1 for the interpreter's CPU tensors). config None takes band-gluon for the calls it
-    takes (`_gluon_lead`, logits in the values' dtype) from TMA_MIN_FRAMES frames up, else the default table's
+    takes (`_gluon_lead`, logits in the values' dtype, `_gluon_runs_on(device)`) from TMA_MIN_FRAMES frames up,
+    else the default table's
     choice; band-gluon asked for runs as band-tma where it cannot.
 
     band-gluon: `_gluon_forward_launch`. band-tma: `_tma_plan`. The others: `_band_plan` plus the PREFETCH flag."""
     gluon_lead = None
-    if aligned and logits_dtype in (None, dtype):
-        gluon_lead = _gluon_lead(W, left, Dh, T, BH, dtype, device)
+    if aligned and logits_dtype in (None, dtype) and _gluon_runs_on(device):
+        gluon_lead = _gluon_lead(W, left, Dh, T, BH, dtype)
     if config == BAND_GLUON or (config is None and gluon_lead is not None and BH * T >= TMA_MIN_FRAMES):
         if gluon_lead is not None:
             return _gluon_forward_launch(W, left, gluon_lead, Dh, T, BH, dtype, device)

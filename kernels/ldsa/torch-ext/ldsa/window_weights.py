@@ -1,0 +1,41 @@
+"""The window weights of a frame, shared by the Triton kernels (`ldsa_triton`) and the Gluon forward
+(`ldsa_gluon`), whose Gluon code calls these Triton functions: the softmax over the window, and its split into
+high and low halves in a 16-bit dtype for the tensor-core products."""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _window_softmax(logits, tap_ok, axis: tl.constexpr):
+    """Softmax over the window axis in float32; padded taps (tap_ok false) get weight 0.
+
+    exp2, and the normalization as a product with 1 / sum taken as rsqrt(sum^2): one hardware
+    approximation (about 2e-7 relative; the sum lies in [1, W], its largest term being 1) where the IEEE
+    division and even a 2-ulp one (div.full) cost about ten instructions a weight in range handling. The
+    TMA backward ran 0.607 -> 0.476 ms at [64, 3000], W = 15, bf16 against div.full, the TMA forward
+    0.149 -> 0.148 (bench/results/2026-11-30-77e9b46-dirty-ldsa-rsqrt.log, b0 against b3_0, v13 against
+    v12); div.full in turn took the forward from 0.166 to 0.164 ms against tl.exp and the IEEE division
+    (2026-11-30-1eb73c1-dirty-ldsa-fwd-variants.log, v1 against v3)."""
+    x = tl.where(tap_ok, logits.to(tl.float32), float("-inf"))
+    e = tl.exp2((x - tl.expand_dims(tl.max(x, axis), axis)) * 1.4426950408889634)
+    total = tl.sum(e, axis)
+    return e * tl.expand_dims(tl.math.rsqrt(total * total), axis)
+
+
+@triton.jit
+def _split_hi_lo(w, dtype: tl.constexpr):
+    """float32 w as hi + lo in the 16-bit `dtype`, lo the residual of the first rounding (about 16 bits of
+    w's mantissa together)."""
+    hi = w.to(dtype)
+    return hi, (w - hi.to(tl.float32)).to(dtype)
+
+
+@triton.jit
+def _hi_lo_pairs(w, dtype: tl.constexpr):
+    """`_split_hi_lo` of w packed into one int32 word an element (hi in the low half), so that the TMA
+    forward skews both halves into the band with one gather, after splitting only the [BLOCK_W, N] weights
+    rather than the [K, N] band (0.182 -> 0.166 ms at [64, 3000], W = 15, bf16:
+    bench/results/2026-11-30-1eb73c1-dirty-ldsa-fwd-variants.log, v0 against v1)."""
+    hi, lo = _split_hi_lo(w, dtype)
+    return (hi.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF) | (lo.to(tl.int16, bitcast=True).to(tl.int32) << 16)
