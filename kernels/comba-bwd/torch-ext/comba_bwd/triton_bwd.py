@@ -132,14 +132,31 @@ def _inv_unit_lower(Lb):
 
 @triton.jit
 def _mm(a, b):
-    """fp32 product of two 16 x 16 blocks by 3xTF32: each operand split into a TF32 high part and a TF32 low
-    part, three tensor-core products summed in fp32, which keeps fp32's accuracy (the issue asks for the solve in
-    fp32; one TF32 product is not). Against a float64 inverse, A's error was 3.9e-8 with these products and
-    3.7e-8 with fp32 FMAs, and the 1-warp transform took 0.212 against 0.249 ms at (8, 2048, 32, 128, 128) and
-    0.320 against 0.441 at (16, 2048, 32, 64, 128): the FMA products' operands went through shared memory in
+    """fp32 product of two 16 x 16 blocks by 3xTF32: each operand split into a TF32 high part and the residual,
+    three tensor-core products summed in fp32, which keeps fp32's accuracy (the issue asks for the solve in fp32;
+    one TF32 product is not). Against a float64 inverse, A's error was 3.9e-8 with Triton's tf32x3 products and
+    3.7e-8 with fp32 FMAs, and the 1-warp tf32x3 transform took 0.212 against 0.249 ms at (8, 2048, 32, 128, 128)
+    and 0.320 against 0.441 at (16, 2048, 32, 64, 128): the FMA products' operands went through shared memory in
     replicated layouts, which bound the transform (bench/results/2026-11-30-e13af20-dirty-comba-tf32x3-probe.log).
-    At 2 warps the 3xTF32 transform was the slower one (0.340 against 0.299 ms, in an earlier design)."""
-    return tl.dot(a, b, input_precision="tf32x3")
+    At 2 warps the 3xTF32 transform was the slower one (0.340 against 0.299 ms, in an earlier design).
+
+    The split is `_tf32_high`'s rather than tf32x3's: 0.177 against 0.213 ms at K = 128, A's errors the same as
+    tf32x3's (3.9e-8 and 2.9e-8 at K = 64 and 128; 2026-11-30-1d744dd-dirty-tf32-round-probe.log). Truncated high
+    parts (one instruction) took 0.175 against 0.212 and 0.254 against 0.325 at K = 64, with errors 5.2e-8 and
+    3.9e-8 (-1d744dd-comba-tf32-split-probe.log)."""
+    a_hi, b_hi = _tf32_high(a), _tf32_high(b)
+    product = tl.dot(a - a_hi, b_hi, input_precision="tf32")
+    product = tl.dot(a_hi, b - b_hi, product, input_precision="tf32")
+    return tl.dot(a_hi, b_hi, product, input_precision="tf32")
+
+
+@triton.jit
+def _tf32_high(x):
+    """x rounded to TF32 (10 mantissa bits, ties away from zero, as cvt.rna.tf32) by integer arithmetic on its
+    bits: an add and a mask, where cvt.rna.tf32.f32 is four instructions on sm_90 (Triton's tf32x3 splits with
+    it). x - _tf32_high(x) is exact, and the MMA's truncation of that residual costs 2^-21 relative. A NaN's
+    high part may come out as -0, but its residual is NaN, so NaN still reaches the product."""
+    return ((x.to(tl.int32, bitcast=True) + 0x1000) & -8192).to(tl.float32, bitcast=True)
 
 
 @triton.jit
