@@ -363,18 +363,19 @@ def test_small_windows_compile_for_sm90():
 
 
 def test_gluon_forward_takes_the_windows_its_blocks_reach(ldsa):
-    """band-gluon's rule: 16-bit values, 2 to 15 taps whose reach from a block's span start (W - 1 plus left's
-    rounding up to 8) stays within 16 positions past the block, T a multiple of 8, Dh 16 to 64. What it does not
-    take, and every call off Hopper or under the interpreter (device -1), runs as band-tma."""
+    """band-gluon's rule: 16-bit or float32 values, 2 to 15 taps whose reach from a block's span start (W - 1 plus
+    left's rounding up to 8) stays within 16 positions past the block, T a multiple of 8, Dh 16 to 64. What it does
+    not take, and every call off Hopper or under the interpreter (device -1), runs as band-tma."""
     kernels = submodule(ldsa, "ldsa_triton")
 
     def lead(W=15, left=14, Dh=64, T=3000, BH=512, dtype=torch.bfloat16):
         return kernels._gluon_lead(W, left, Dh, T, BH, dtype)
 
     assert lead() == 16 and lead(left=7) == 8 and lead(left=0) == 0 and lead(left=8) == 8  # causal, centered
-    assert lead(dtype=torch.float16) == 16 and lead(Dh=16) == 16 and lead(Dh=32) == 16 and lead(T=8) == 16
+    assert lead(dtype=torch.float16) == lead(dtype=torch.float32) == 16
+    assert lead(Dh=16) == 16 and lead(Dh=32) == 16 and lead(T=8) == 16
     assert lead(W=2, left=1) == 8 and lead(W=10, left=3) == 8  # reach 1 + 7 and 9 + 5
-    for refused in (dict(left=13), dict(left=1), dict(W=16, left=15), dict(W=1, left=0), dict(dtype=torch.float32),
+    for refused in (dict(left=13), dict(left=1), dict(W=16, left=15), dict(W=1, left=0), dict(dtype=torch.float64),
                     dict(T=3001), dict(Dh=128), dict(Dh=80), dict(BH=2**26)):
         assert lead(**refused) is None, refused
 
@@ -462,13 +463,13 @@ def test_cuda_every_config_matches_float64(ldsa, case):
 
 
 # band-gluon over windows its rule takes, with lead - left from 0 to 7 (4 aside), and two it does not (they run
-# as band-tma); both 16-bit dtypes, Dh 16 to 64, T from one TMA box to past the card's lengths, and B * H large
-# enough that the persistent programs walk several chunks each.
+# as band-tma); every dtype, each meeting Dh 16 to 64, T from one TMA box to past the card's lengths, and B * H large enough
+# that the persistent programs walk several chunks each.
 CUDA_GLUON_CASES = [
-    (left, right, dtype, (16, 32, 64)[i % 3], (8, 136, 3000, 1000)[i % 4], (1, 64, 2, 32)[i % 4])
+    (left, right, dtype, (16, 32, 64)[(i + i // 3) % 3], (8, 136, 3000, 1000)[i % 4], (1, 64, 2, 32)[i % 4])
     for i, ((left, right), dtype) in enumerate(
         itertools.product([(14, 0), (7, 7), (0, 14), (1, 0), (0, 1), (5, 3), (8, 6), (3, 3), (6, 8), (2, 1), (13, 1),
-                           (15, 0)], (torch.bfloat16, torch.float16))
+                           (15, 0)], (torch.bfloat16, torch.float16, torch.float32))
     )
 ]
 
@@ -488,7 +489,7 @@ def test_cuda_gluon_forward_matches_float64(ldsa, left, right, dtype, Dh, T, B):
 
 
 @needs_cuda
-def test_cuda_large_16_bit_forwards_take_band_gluon(ldsa):
+def test_cuda_large_forwards_take_band_gluon(ldsa):
     """The default for the calls band-gluon takes, from TMA_MIN_FRAMES frames up, on Hopper."""
     kernels = submodule(ldsa, "ldsa_triton")
     device = torch.cuda.current_device()
@@ -498,9 +499,9 @@ def test_cuda_large_16_bit_forwards_take_band_gluon(ldsa):
         return kernels._forward_launch(None, *shape.values()).config
 
     hopper = torch.cuda.get_device_capability(device)[0] >= 9
-    assert config() == config(left=7) == config(dtype=torch.float16) == (
+    assert config() == config(left=7) == config(dtype=torch.float16) == config(dtype=torch.float32) == (
         kernels.BAND_GLUON if hopper else kernels.BAND_TMA)
-    assert config(BH=8) != kernels.BAND_GLUON and config(dtype=torch.float32) == kernels.BAND_TMA
+    assert config(BH=8) != kernels.BAND_GLUON
     assert config(W=31, left=30) == kernels.BAND_TMA
     a, v = make(1, 88, 64, 3000, 14, 0, torch.bfloat16, "cuda")  # 264,000 frames
     assert kernels.forward_launch(a, v, 14, 0).config == (kernels.BAND_GLUON if hopper else kernels.BAND_TMA)

@@ -1,25 +1,27 @@
-"""The LDSA forward for 16-bit values and windows of up to 15 taps on Hopper, written in Gluon (Triton's
-explicit-layout dialect), so that the band never passes through shared memory.
+"""The LDSA forward for windows of up to 15 taps on Hopper, written in Gluon (Triton's explicit-layout dialect),
+so that the band never passes through shared memory. 16-bit and float32 values.
 
 The Triton forward (`ldsa_triton._ldsa_forward_tma_kernel`) multiplies the value span by the band on the tensor
 cores with the band as an operand in shared memory: the gathered band is stored there and read back each chunk,
 and Nsight Compute found that kernel bound by shared memory (L1/shared 85% at 32 x 3000). Here the band is the B
 operand of `mma.sync` held in registers, built where the MMA wants it:
 
-- A chunk is 64 frames of one (b, h). TMA copies its logits [16, 64] and its value span [Dh, 80] (two boxes,
-  64 + 16 positions from t0 - lead; zero fill outside the tensor) into shared memory, STAGES chunks deep, on a
-  persistent grid; the output tile goes back by TMA.
+- A chunk is 64 frames of one (b, h). TMA copies its logits [16, 64] and its value span [Dh, 80] (64 + 16
+  positions from t0 - lead; zero fill outside the tensor) into shared memory, STAGES chunks deep, on a persistent
+  grid; the output tile goes back by TMA. The boxes are 128 bytes a row (`box_frames`): one box a chunk for
+  16-bit values, two for float32, and the 16-position halo box.
 - The chunk is two blocks of 32 frames. Each of the four warps owns 8 frames of a block and all of Dh. A block
   reads 48 span positions, three k-steps of 16: frame f's window (tap k at span position f + k + lead - left)
   lies in them for windows with 32 + W - 1 + lead - left <= 48.
 - A warp loads its frames' logits from shared memory straight into the B-operand layout, in which a frame's 16
-  taps lie on the four lanes of a quad (tap = 8 j + 2 q + e: lane q of the quad, registers j and e), and takes
-  the window softmax there (float32, `window_weights._window_softmax`). The weights are split into hi + lo
-  halves in the values' dtype, packed in one 32-bit word (`window_weights._hi_lo_pairs`), so that the product is
-  float32-accurate.
+  taps lie on the four lanes of a quad, four taps a lane (`_split_slots`), and takes the window softmax there
+  (float32, `window_weights._window_softmax`). For 16-bit values the weights are split into hi + lo halves in
+  the values' dtype, packed in one 32-bit word (`window_weights._hi_lo_pairs`); float32 weights stay whole.
 - Band element (row r, frame f) is the weight of tap r - f - (lead - left): a register of another lane of the
   same quad. One shuffle moves it, the sending lane choosing which of its four words the receiving lane needs
   (`_band_slot`). Triton's gather of the same band shuffled all four and selected (four shuffles an element).
+- The products keep float32's accuracy (`_band_product`): two MMAs (hi, lo) for 16-bit values, three TF32 MMAs
+  of split operands for float32.
 
 At [64, 3000], W = 15, bf16, CUDA-graph timing: 0.133-0.134 ms (78.3-78.7% of the run's copy bandwidth) against
 0.160 ms for the Triton forward timed the same way, and 0.068 against 0.079 at [32, 3000]
@@ -27,6 +29,10 @@ At [64, 3000], W = 15, bf16, CUDA-graph timing: 0.133-0.134 ms (78.3-78.7% of th
 'o_bufs': 1}"). The steps there: Triton's gather and four warps along Dh 0.246 ms; two warps along Dh and two
 along frames 0.163-0.168 (each band built by two warps; -gluon-probe.log); one shuffle an element 0.153-0.155
 (-gluon2-probe.log); then blocks of 32 frames with the four warps along frames (no band built twice) 0.134.
+Float32 at [32, 3000], W = 15, causal, as the benchmark times: 0.136 ms (77.4% of copy) against 0.141 for the
+Triton forward with the same TF32 splits (2026-11-30-1d744dd-dirty-tf32-round-probe.log). A prototype with truncated
+TF32 high parts took 0.132 against 0.149 for the Triton forward with Triton's tf32x3 (-1d744dd-ldsa-gluon-f32-probe.log),
+but its errors against float64 were 3.5e-7 to 4.6e-7 where the Triton forward's were 1.4e-7 to 1.7e-7.
 """
 
 import functools
@@ -38,54 +44,69 @@ from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from .window_weights import _hi_lo_pairs, _window_softmax
+from .window_weights import _hi_lo_pairs, _tf32_high, _window_softmax
 
 # Tile sizes, constexprs for the kernel (the host reads their .value).
-CHUNK = gl.constexpr(64)  # frames a chunk (a TMA box of logits, of values and of output)
+CHUNK = gl.constexpr(64)  # frames a chunk (the logits, value and output tiles)
 BLOCK = gl.constexpr(32)  # frames a block: a band product
-HALO = gl.constexpr(16)  # span positions past the chunk, the second value box
+HALO = gl.constexpr(16)  # span positions past the chunk, the last value box
 TAPS = gl.constexpr(16)  # logits rows a chunk: windows of up to TAPS - 1 taps; the padded taps weigh 0
 WARPS = gl.constexpr(4)  # along the frames of a block
-# Programs an SM and pipeline stages (one output tile). Measured at [64, 3000], W = 15, bf16 (-gluon4-probe.log):
-# 4 programs and 2 stages 0.133 ms; 5 and 2, 0.159; 6 and 2, 0.164; and with two output tiles 3 and 4, 0.142;
-# 4 and 3, 0.162; 5 and 2, 0.159. As the benchmark times (cold L2), at [32, 3000] and [64, 3000]: 4 and 2, 0.068
-# and 0.141 ms; 3 and 2, 0.071 and 0.134; 3 and 3, 0.070 and 0.137; 2 and 3, 0.078 and 0.149; 5 and 2, 0.083 and
-# 0.177 (bench/results/2026-11-30-b5983a3-ldsa-tune-probe.log).
-PROGRAMS_PER_SM = 4
+# Programs an SM by the values' bytes an element, and pipeline stages (one output tile). Measured at [64, 3000],
+# W = 15, bf16 (-gluon4-probe.log): 4 programs and 2 stages 0.133 ms; 5 and 2, 0.159; 6 and 2, 0.164; and with two
+# output tiles 3 and 4, 0.142; 4 and 3, 0.162; 5 and 2, 0.159. As the benchmark times (cold L2), at [32, 3000] and
+# [64, 3000]: 4 and 2, 0.068 and 0.141 ms; 3 and 2, 0.071 and 0.134; 3 and 3, 0.070 and 0.137; 2 and 3, 0.078 and
+# 0.149; 5 and 2, 0.083 and 0.177 (bench/results/2026-11-30-b5983a3-ldsa-tune-probe.log). Float32 (64 KB of shared
+# memory a program at Dh = 64, so at most 3): 3 and 2, 0.132 and 0.260 ms; 2 and 3, 0.142 and 0.281; 2 and 2, 0.158
+# and 0.308 (2026-11-30-1d744dd-ldsa-gluon-f32-probe.log, the truncated-split prototype).
+PROGRAMS_PER_SM = {2: 4, 4: 3}
 STAGES = 2
+# The value dtypes it takes, in Gluon's terms.
+GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}
 
 
 @gluon.jit
-def _issue(a_desc, v_desc, halo_desc, a_s, v_s, halo_s, bar, i, n_chunks, W, lead, DH: gl.constexpr, pred):
-    """Start the copies of chunk i's logits and value span into one pipeline stage (where pred)."""
+def _issue(a_desc, v_desc, halo_desc, a_s, v_s, halo_s, st, bar, i, n_chunks, W, lead, DH: gl.constexpr, pred):
+    """Start the copies of chunk i's logits and value span into pipeline stage st (where pred): the chunk's
+    logits and value boxes, CHUNK // BOX of each, and the halo box."""
+    BOX: gl.constexpr = v_desc.block_type.shape[1]
+    NBOX: gl.constexpr = CHUNK // BOX
     bh = i // n_chunks
     t0 = (i % n_chunks) * CHUNK
-    nbytes: gl.constexpr = a_desc.block_type.nbytes + v_desc.block_type.nbytes + halo_desc.block_type.nbytes
+    nbytes: gl.constexpr = NBOX * (a_desc.block_type.nbytes + v_desc.block_type.nbytes) + halo_desc.block_type.nbytes
     mbarrier.expect(bar, nbytes, pred=pred)
-    tma.async_copy_global_to_shared(a_desc, [bh * W, t0], bar, a_s, pred)
-    tma.async_copy_global_to_shared(v_desc, [bh * DH, t0 - lead], bar, v_s, pred)
-    tma.async_copy_global_to_shared(halo_desc, [bh * DH, t0 - lead + CHUNK], bar, halo_s, pred)
+    for n in gl.static_range(NBOX):
+        tma.async_copy_global_to_shared(a_desc, [bh * W, t0 + BOX * n], bar, a_s.index(NBOX * st + n), pred)
+        tma.async_copy_global_to_shared(v_desc, [bh * DH, t0 - lead + BOX * n], bar, v_s.index(NBOX * st + n), pred)
+    tma.async_copy_global_to_shared(halo_desc, [bh * DH, t0 - lead + CHUNK], bar, halo_s.index(st), pred)
 
 
 @gluon.jit
-def _split_slots(x):
-    """A [16, N] tensor in the B-operand layout (row = 8 j + 2 q + e: lane q of a quad, registers j and e) as its
-    four register slots, [4 (q), N] tensors (j, e) = (0, 0), (0, 1), (1, 0), (1, 1). Layout changes only."""
+def _split_slots(x, KW: gl.constexpr):
+    """A [16, N] tensor in the B-operand layout of k_width KW as its four register slots, [4 (q), N] tensors,
+    slot 2 h + l. 16-bit operands (KW = 2): row = 8 j + 2 q + e (lane q of a quad, registers j and e), slot
+    (h, l) = (j, e); 32-bit ones (KW = 1): row = 4 j + q, slot j = 2 h + l. Layout changes only."""
     N: gl.constexpr = x.shape[1]
-    y = gl.permute(gl.reshape(x, [2, 4, 2, N]), (1, 3, 0, 2))  # (q, frame, j, e)
-    e0, e1 = gl.split(y)
-    s00, s10 = gl.split(e0)
-    s01, s11 = gl.split(e1)
-    return s00, s01, s10, s11
+    if KW == 2:
+        y = gl.permute(gl.reshape(x, [2, 4, 2, N]), (1, 3, 0, 2))  # (q, frame, h, l)
+    else:
+        y = gl.permute(gl.reshape(x, [2, 2, 4, N]), (2, 3, 0, 1))
+    l0, l1 = gl.split(y)
+    s0, s2 = gl.split(l0)
+    s1, s3 = gl.split(l1)
+    return s0, s1, s2, s3
 
 
 @gluon.jit
-def _join_slots(o00, o01, o10, o11, layout: gl.constexpr):
+def _join_slots(o0, o1, o2, o3, KW: gl.constexpr, layout: gl.constexpr):
     """The inverse of _split_slots, in `layout` (asserted to move no data)."""
-    N: gl.constexpr = o00.shape[1]
-    y = gl.join(gl.join(o00, o10), gl.join(o01, o11))  # (q, frame, j, e)
-    y = gl.reshape(gl.permute(y, (2, 0, 3, 1)), [16, N])
-    return gl.convert_layout(y, layout, assert_trivial=True)
+    N: gl.constexpr = o0.shape[1]
+    y = gl.join(gl.join(o0, o2), gl.join(o1, o3))  # (q, frame, h, l)
+    if KW == 2:
+        y = gl.permute(y, (2, 0, 3, 1))
+    else:
+        y = gl.permute(y, (2, 3, 0, 1))
+    return gl.convert_layout(gl.reshape(y, [16, N]), layout, assert_trivial=True)
 
 
 @gluon.jit
@@ -96,21 +117,55 @@ def _shuffle(x, lane):
 
 
 @gluon.jit
-def _band_slot(w00, w01, w10, w11, q, f, d, J: gl.constexpr, e: gl.constexpr, W):
-    """Register slot (J, e) of the band, rows r = 2 q + e + 8 J of the frames f: the weight of tap r - d
-    (d = f + lead - left) in the quad's lanes, the weights w00 .. w11 being `_split_slots` of the packed weights.
+def _band_slot(w0, w1, w2, w3, q, f, d, K: gl.constexpr, S: gl.constexpr, KW: gl.constexpr, W):
+    """Register slot S of k-step K of the band (k_width KW), the rows r = ROW + KW q of the frames f: the weight of
+    tap r - d (d = f + lead - left) in the quad's lanes, the words w0 .. w3 being `_split_slots` of the weights.
 
-    Tap t lies in lane (t % 8) // 2 of the quad, slot (t // 8, t % 2). For one slot, the quad's lanes read a
-    rotation of its lanes (by a = ((e - d) % 8) // 2), so each lane is read by exactly one, and it sends the word
-    that reader needs: the reader's tap parity is (e - d) % 2 and its j is its tap // 8, which the sender computes
-    for the reader q - a. Taps outside [0, W) read as 0."""
-    a = ((e - d) & 7) >> 1
-    e_sent = (e - d) & 1
-    j_sent = (2 * ((q - a) & 3) + e + 8 * J - d) >> 3
-    sent = gl.where(j_sent == 0, gl.where(e_sent == 0, w00, w01), gl.where(e_sent == 0, w10, w11))
+    Tap t lies in lane (t // KW) % 4 of the quad, in the slot of `_split_slots`. For one slot, the quad's lanes
+    read a rotation of its lanes (by a), so each lane is read by exactly one, and it sends the word that reader
+    needs, the slot of the reader's tap, which the sender computes for the reader q - a. Taps outside [0, W) read
+    as 0."""
+    ROW: gl.constexpr = 16 * K + 4 * KW * (S // KW) + S % KW
+    a = ((S % KW - d) & (4 * KW - 1)) >> (KW // 2)  # ROW - d's lane (quarter of 4 KW) past q's
+    tap_sent = ROW + KW * ((q - a) & 3) - d
+    h = tap_sent >> 3
+    if KW == 2:
+        l = (S % KW - d) & 1  # tap_sent's parity
+    else:
+        l = (tap_sent >> 2) & 1
+    sent = gl.where(h == 0, gl.where(l == 0, w0, w1), gl.where(l == 0, w2, w3))
     got = _shuffle(sent, (f & 7) * 4 + ((q + a) & 3))
-    tap = 2 * q + e + 8 * J - d
+    tap = ROW + KW * q - d
     return gl.where((tap >= 0) & (tap < W), got, 0)
+
+
+@gluon.jit
+def _weight_words(w, dtype: gl.constexpr):
+    """The float32 window weights w as the 32-bit words the band is built of: hi|lo pairs in a 16-bit `dtype`,
+    float32's own bits."""
+    if dtype == gl.float32:
+        words = w.to(gl.int32, bitcast=True)
+    else:
+        words = _hi_lo_pairs(w, dtype)
+    return words
+
+
+@gluon.jit
+def _band_product(vals, band, acc):
+    """acc + vals @ band for a band of `_weight_words`, as accurate as float32 products: 16-bit values times the
+    weights' hi and lo halves, two MMAs; float32 values by three TF32 MMAs of operands split into a TF32 high part
+    and the residual (`_tf32_high`; the residual's low bits fall to the MMA's truncation, 2^-21 relative)."""
+    dtype: gl.constexpr = vals.dtype
+    if dtype == gl.float32:
+        band = band.to(gl.float32, bitcast=True)
+        v_hi, b_hi = _tf32_high(vals), _tf32_high(band)
+        acc = mma_v2(vals - v_hi, b_hi, acc, input_precision="tf32")
+        acc = mma_v2(v_hi, band - b_hi, acc, input_precision="tf32")
+        acc = mma_v2(v_hi, b_hi, acc, input_precision="tf32")
+    else:
+        acc = mma_v2(vals, band.to(gl.int16).to(dtype, bitcast=True), acc)
+        acc = mma_v2(vals, (band >> 16).to(gl.int16).to(dtype, bitcast=True), acc)
+    return acc
 
 
 @gluon.jit
@@ -120,15 +175,18 @@ def _ldsa_forward_gluon_kernel(a_desc, v_desc, halo_desc, out_desc, W, left, lea
     view a_logits as [B*H*W, T] (TAPS rows a box) and v, out as [B*H*DH, T]."""
     KSTEPS: gl.constexpr = BLOCK // 16 + 1
     dtype: gl.constexpr = v_desc.dtype
+    KW: gl.constexpr = 32 // dtype.primitive_bitwidth  # the MMA operands' k_width: elements in 32 bits
+    BOX: gl.constexpr = v_desc.block_type.shape[1]
+    NBOX: gl.constexpr = CHUNK // BOX
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, WARPS], instr_shape=[16, 8])
-    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
-    b_layout: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=KW)
+    b_layout: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=KW)
     blocked: gl.constexpr = gl.BlockedLayout([1, 1], [4, 8], [WARPS, 1], [1, 0])
 
-    a_s = gl.allocate_shared_memory(a_desc.dtype, [STAGES, TAPS, CHUNK], a_desc.layout)
-    v_s = gl.allocate_shared_memory(dtype, [STAGES, DH, CHUNK], v_desc.layout)
+    a_s = gl.allocate_shared_memory(a_desc.dtype, [STAGES * NBOX, TAPS, BOX], a_desc.layout)
+    v_s = gl.allocate_shared_memory(dtype, [STAGES * NBOX, DH, BOX], v_desc.layout)
     halo_s = gl.allocate_shared_memory(dtype, [STAGES, DH, HALO], halo_desc.layout)
-    out_s = gl.allocate_shared_memory(dtype, [DH, CHUNK], out_desc.layout)
+    out_s = gl.allocate_shared_memory(dtype, [NBOX, DH, BOX], out_desc.layout)
     bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for st in gl.static_range(STAGES):
         mbarrier.init(bars.index(st), count=1)
@@ -137,8 +195,8 @@ def _ldsa_forward_gluon_kernel(a_desc, v_desc, halo_desc, out_desc, W, left, lea
     programs = gl.num_programs(0)
     count = (all_chunks - pid + programs - 1) // programs
     for st in gl.static_range(STAGES - 1):
-        _issue(a_desc, v_desc, halo_desc, a_s.index(st), v_s.index(st), halo_s.index(st), bars.index(st),
-               pid + st * programs, n_chunks, W, lead, DH, st < count)
+        _issue(a_desc, v_desc, halo_desc, a_s, v_s, halo_s, st, bars.index(st), pid + st * programs, n_chunks, W,
+               lead, DH, st < count)
 
     # Each element's tap and frame in the B-operand layout, and what the band slots need of a thread's place:
     # its lane q in the quad, its frame f, and d. Computed once.
@@ -147,42 +205,42 @@ def _ldsa_forward_gluon_kernel(a_desc, v_desc, halo_desc, out_desc, W, left, lea
     tap_i = gl.convert_layout(taps + 0 * frames, b_layout)
     frame_i = gl.convert_layout(0 * taps + frames, b_layout)
     tap_ok = tap_i < W
-    q, _, _, _ = _split_slots(tap_i)
-    q = (q >> 1) & 3
-    f, _, _, _ = _split_slots(frame_i)
+    q, _, _, _ = _split_slots(tap_i, KW)
+    q = (q // KW) & 3
+    f, _, _, _ = _split_slots(frame_i, KW)
     d = f + (lead - left)
 
     for it in range(count):
         s = it % STAGES
         gl.thread_barrier()  # every warp is done reading the stage refilled next (chunk it - 1's)
         nxt = it + STAGES - 1
-        _issue(a_desc, v_desc, halo_desc, a_s.index(nxt % STAGES), v_s.index(nxt % STAGES),
-               halo_s.index(nxt % STAGES), bars.index(nxt % STAGES), pid + nxt * programs, n_chunks, W, lead, DH,
-               nxt < count)
+        _issue(a_desc, v_desc, halo_desc, a_s, v_s, halo_s, nxt % STAGES, bars.index(nxt % STAGES),
+               pid + nxt * programs, n_chunks, W, lead, DH, nxt < count)
         mbarrier.wait(bars.index(s), (it // STAGES) & 1)
         i = pid + it * programs
         tma.store_wait(0)  # the previous chunk's output store has read out_s
         gl.thread_barrier()
         for b in gl.static_range(CHUNK // BLOCK):
-            logits = a_s.index(s).slice(BLOCK * b, BLOCK, dim=1).load(b_layout)
-            packed = _hi_lo_pairs(_window_softmax(logits, tap_ok, 0), dtype)
-            w00, w01, w10, w11 = _split_slots(packed)
+            logits = a_s.index(NBOX * s + BLOCK * b // BOX).slice(BLOCK * b % BOX, BLOCK, dim=1).load(b_layout)
+            w0, w1, w2, w3 = _split_slots(_weight_words(_window_softmax(logits, tap_ok, 0), dtype), KW)
             acc = gl.zeros([DH, BLOCK], gl.float32, mma)
             for k in gl.static_range(KSTEPS):
-                if BLOCK * b + 16 * k < CHUNK:
-                    vals = v_s.index(s).slice(BLOCK * b + 16 * k, 16, dim=1).load(a_layout)
+                if BLOCK * b + 16 * k < CHUNK:  # the k-step's span positions, in a value box or in the halo
+                    vals = v_s.index(NBOX * s + (BLOCK * b + 16 * k) // BOX).slice((BLOCK * b + 16 * k) % BOX, 16,
+                                                                                   dim=1).load(a_layout)
                 else:
                     vals = halo_s.index(s).load(a_layout)
-                band = _join_slots(_band_slot(w00, w01, w10, w11, q, f, d, 2 * k, 0, W),
-                                   _band_slot(w00, w01, w10, w11, q, f, d, 2 * k, 1, W),
-                                   _band_slot(w00, w01, w10, w11, q, f, d, 2 * k + 1, 0, W),
-                                   _band_slot(w00, w01, w10, w11, q, f, d, 2 * k + 1, 1, W), b_layout)
-                acc = mma_v2(vals, band.to(gl.int16).to(dtype, bitcast=True), acc)
-                acc = mma_v2(vals, (band >> 16).to(gl.int16).to(dtype, bitcast=True), acc)
-            out_s.slice(BLOCK * b, BLOCK, dim=1).store(acc.to(dtype))
+                band = _join_slots(_band_slot(w0, w1, w2, w3, q, f, d, k, 0, KW, W),
+                                   _band_slot(w0, w1, w2, w3, q, f, d, k, 1, KW, W),
+                                   _band_slot(w0, w1, w2, w3, q, f, d, k, 2, KW, W),
+                                   _band_slot(w0, w1, w2, w3, q, f, d, k, 3, KW, W), KW, b_layout)
+                acc = _band_product(vals, band, acc)
+            out_s.index(BLOCK * b // BOX).slice(BLOCK * b % BOX, BLOCK, dim=1).store(acc.to(dtype))
         fence_async_shared()
         gl.thread_barrier()
-        tma.async_copy_shared_to_global(out_desc, [(i // n_chunks) * DH, (i % n_chunks) * CHUNK], out_s)
+        for n in gl.static_range(NBOX):
+            tma.async_copy_shared_to_global(out_desc, [(i // n_chunks) * DH, (i % n_chunks) * CHUNK + BOX * n],
+                                            out_s.index(n))
 
     tma.store_wait(0)
     for st in gl.static_range(STAGES):
@@ -191,19 +249,27 @@ def _ldsa_forward_gluon_kernel(a_desc, v_desc, halo_desc, out_desc, W, left, lea
 
 def takes(W: int, shift: int, Dh: int, T: int, BH: int, dtype: torch.dtype) -> bool:
     """Whether this kernel takes a call whose value spans start `shift` = lead - left positions before the window:
-    16-bit values, windows of 2 to TAPS - 1 taps whose reach W - 1 + shift fits a block's three k-steps (16 past
-    the block), T a multiple of 8 (TMA row strides), Dh 16 to 64 (a power of two; 64 is the measured one, and 128
-    would leave shared memory for fewer programs than PROGRAMS_PER_SM) and int32 row coordinates."""
-    return (2 <= W < TAPS.value and W - 1 + shift <= 16 and dtype in (torch.bfloat16, torch.float16) and T % 8 == 0
+    16-bit or float32 values, windows of 2 to TAPS - 1 taps whose reach W - 1 + shift fits a block's three
+    k-steps (16 past the block), T a multiple of 8 (TMA row strides), Dh 16 to 64 (a power of two; 64 is the
+    measured one, and 128 would leave shared memory for fewer programs than PROGRAMS_PER_SM) and int32 row
+    coordinates."""
+    return (2 <= W < TAPS.value and W - 1 + shift <= 16 and dtype in GL_DTYPES and T % 8 == 0
             and Dh in (16, 32, 64) and BH * max(Dh, TAPS.value) < 2**31)
+
+
+
+def box_frames(dtype: torch.dtype) -> int:
+    """Frames a TMA box of logits, values or output: 128 bytes a row, the widest row of the 128-byte swizzle that
+    the default shared-memory layout of these boxes takes."""
+    return 128 // dtype.itemsize
 
 
 @functools.cache
 def layouts(dtype: torch.dtype, Dh: int) -> tuple:
     """The shared-memory layouts of the logits, value, halo and output boxes."""
-    gdtype = gl.bfloat16 if dtype == torch.bfloat16 else gl.float16
-    boxes = ([TAPS.value, CHUNK.value], [Dh, CHUNK.value], [Dh, HALO.value], [Dh, CHUNK.value])
-    return tuple(gl.NVMMASharedLayout.get_default_for(box, gdtype) for box in boxes)
+    box = box_frames(dtype)
+    boxes = ([TAPS.value, box], [Dh, box], [Dh, HALO.value], [Dh, box])
+    return tuple(gl.NVMMASharedLayout.get_default_for(shape, GL_DTYPES[dtype]) for shape in boxes)
 
 
 def descriptor(x: torch.Tensor, shape: tuple, block: tuple, layout) -> TensorDescriptor:

@@ -15,14 +15,14 @@ A tap-by-tap loop would read every v element W times through L1 (15x the output 
 it well below the copy bandwidth (such a design ran 4x slower in bf16 and was removed); the band product
 reads it K / N = 2 times and does the W-fold reuse in the MMA. Weights stay float32-accurate: for bf16/fp16
 values they are split into a high and a low part in the values' dtype (about 16 mantissa bits; both parts
-in one MMA in the forward, see `_dot_hi_lo`); float32 values use three TF32 products (tf32x3)
+in one MMA in the forward, see `_dot_hi_lo`); float32 values use three TF32 products of split operands
 in the forward and IEEE products in the backward.
 
 Large calls take the same band products fed by the tensor memory accelerator (`_ldsa_forward_tma_kernel`
 for every dtype, `_ldsa_backward_tma_kernel` for 16-bit values): a persistent grid whose programs walk
 chunks in a pipelined loop, the copy engine bringing the next chunks' tiles into shared memory while the
-current one is computed, and storing the output tiles. On Hopper, large 16-bit forwards with windows of up to
-15 taps take `ldsa_gluon`'s kernel instead, whose band is built in the MMA's registers (band-gluon).
+current one is computed, and storing the output tiles. On Hopper, large forwards with windows of up to 15 taps
+take `ldsa_gluon`'s kernel instead, whose band is built in the MMA's registers (band-gluon).
 
 The backward is one kernel on the same grid. For the chunk's frames it forms V^T G on the span (the
 windowed reduction over Dh), gathers da[k, t] from its band and applies the softmax Jacobian; for the
@@ -45,9 +45,9 @@ import triton.language as tl
 from triton.compiler.compiler import CompiledKernel
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from .window_weights import _hi_lo_pairs, _split_hi_lo, _window_softmax
+from .window_weights import _hi_lo_pairs, _split_hi_lo, _tf32_high, _window_softmax
 
-try:  # Gluon, Triton's explicit-layout dialect (its Hopper TMA and mma.sync): the 16-bit forward's band-gluon
+try:  # Gluon, Triton's explicit-layout dialect (its Hopper TMA and mma.sync): the forward's band-gluon
     from . import ldsa_gluon
 except ImportError:  # a Triton without it: the other configurations
     ldsa_gluon = None
@@ -74,14 +74,21 @@ def _dot_float32_weights(x, w, FORWARD: tl.constexpr):
     Tensor-core operands share one dtype, so bf16/fp16 values take w as hi + lo in that dtype
     (`_split_hi_lo`); the forward multiplies them in one MMA (`_dot_hi_lo`). The backward keeps two
     MMAs: with one, its gradients came out wrong at 21 and 113 taps (2026-11-30-f43d67b-ldsa-pytest.log).
-    Float32 values: the forward takes three TF32 products (tf32x3: each operand split in a TF32 high part
-    and a residual, about 1e-7 relative, where one TF32 product would lose 13 bits), against which an IEEE
-    product on the CUDA cores ran 1.79 against 0.42 ms in the TMA forward and 1.21 against 0.33 in the band
-    forward at [64, 3000], W = 15 (2026-11-30-0ab2d9c-dirty-ldsa-tma.log, -dddaffc-ldsa and -5fbbf92-ldsa
-    sweep rows); the backward keeps IEEE products, 1.336 ms there against 1.402 with tf32x3 (the dddaffc and
-    0ee460a runs)."""
-    if x.dtype == tl.float32:
-        product = tl.dot(x, w, input_precision="tf32x3" if FORWARD else "ieee")
+    Float32 values: the forward takes three TF32 products (each operand split in a TF32 high part and a
+    residual, about 1e-7 relative, where one TF32 product would lose 13 bits), against which an IEEE product
+    on the CUDA cores ran 1.79 against 0.42 ms in the TMA forward and 1.21 against 0.33 in the band forward
+    at [64, 3000], W = 15 (2026-11-30-0ab2d9c-dirty-ldsa-tma.log, -dddaffc-ldsa and -5fbbf92-ldsa sweep rows);
+    the backward keeps IEEE products, 1.336 ms there against 1.402 with Triton's tf32x3 (the dddaffc and
+    0ee460a runs). The split is `_tf32_high`'s, not tf32x3's: the TMA forward took 0.141 ms at [32, 3000], W = 15
+    (2026-11-30-1d744dd-dirty-tf32-round-probe.log), where with tf32x3 it took 0.148-0.149 in the run before
+    (-1d744dd-ldsa-f32trunc-probe.log)."""
+    if x.dtype == tl.float32 and FORWARD:
+        x_hi, w_hi = _tf32_high(x), _tf32_high(w)
+        product = tl.dot(x - x_hi, w_hi, input_precision="tf32")
+        product = tl.dot(x_hi, w - w_hi, product, input_precision="tf32")
+        product = tl.dot(x_hi, w_hi, product, input_precision="tf32")
+    elif x.dtype == tl.float32:
+        product = tl.dot(x, w, input_precision="ieee")
     else:
         hi, lo = _split_hi_lo(w, x.dtype)
         if FORWARD:
@@ -498,8 +505,8 @@ BAND_PREFETCH = "band-prefetch"
 # `_ldsa_backward_tma_kernel`) on a persistent grid. They take calls whose rows TMA can address
 # (`_tma_tiles`); others run as band-prefetch (forward) and band (backward).
 BAND_TMA = "band-tma"
-# The 16-bit forward in Gluon (`ldsa_gluon`) on Hopper, its band built in the MMA's registers: windows of up to 15
-# taps (`ldsa_gluon.takes`); the calls it does not take run as band-tma.
+# The forward in Gluon (`ldsa_gluon`) on Hopper, its band built in the MMA's registers: windows of up to 15 taps
+# (`ldsa_gluon.takes`); the calls it does not take run as band-tma.
 BAND_GLUON = "band-gluon"
 FORWARD_CONFIGS = (BAND, BAND_PREFETCH, BAND_TMA, BAND_GLUON)
 BACKWARD_CONFIGS = (BAND, BAND_TMA)
@@ -706,16 +713,16 @@ def _gluon_runs_on(device: int) -> bool:
 
 def _gluon_forward_launch(W: int, left: int, lead: int, Dh: int, T: int, BH: int, dtype: torch.dtype,
                           device: int) -> _Launch:  # fmt: skip
-    """band-gluon's launch: a persistent grid of ldsa_gluon.PROGRAMS_PER_SM programs an SM (one a chunk when there
-    are fewer chunks)."""
+    """band-gluon's launch: a persistent grid of ldsa_gluon.PROGRAMS_PER_SM programs an SM for the dtype's size (one
+    a chunk when there are fewer chunks)."""
     g = ldsa_gluon
-    chunk, taps, halo = g.CHUNK.value, g.TAPS.value, g.HALO.value
-    n_chunks = triton.cdiv(T, chunk)
-    programs = min(BH * n_chunks, _sm_count(device) * g.PROGRAMS_PER_SM)
+    box, taps, halo = g.box_frames(dtype), g.TAPS.value, g.HALO.value
+    n_chunks = triton.cdiv(T, g.CHUNK.value)
+    programs = min(BH * n_chunks, _sm_count(device) * g.PROGRAMS_PER_SM[dtype.itemsize])
     rows, values = (BH * W, T), (BH * Dh, T)
     layouts = g.layouts(dtype, Dh)
-    arguments = ((0, rows, (taps, chunk), layouts[0]), (1, values, (Dh, chunk), layouts[1]),
-                 (1, values, (Dh, halo), layouts[2]), (2, values, (Dh, chunk), layouts[3]))
+    arguments = ((0, rows, (taps, box), layouts[0]), (1, values, (Dh, box), layouts[1]),
+                 (1, values, (Dh, halo), layouts[2]), (2, values, (Dh, box), layouts[3]))
     return _Launch(g._ldsa_forward_gluon_kernel, programs, (W, left, lead, n_chunks, BH * n_chunks),
                    dict(DH=Dh, STAGES=g.STAGES), g.WARPS.value, BAND_GLUON, arguments)
 
