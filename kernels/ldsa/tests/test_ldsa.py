@@ -463,8 +463,8 @@ def test_cuda_every_config_matches_float64(ldsa, case):
 
 
 # band-gluon over windows its rule takes, with lead - left from 0 to 7 (4 aside), and two it does not (they run
-# as band-tma); every dtype, each meeting Dh 16 to 64, T from one TMA box to past the card's lengths, and B * H large enough
-# that the persistent programs walk several chunks each.
+# as band-tma); every dtype, each meeting Dh 16 to 64, T from one TMA box to past the card's lengths, and B * H
+# large enough that the persistent programs walk several chunks each.
 CUDA_GLUON_CASES = [
     (left, right, dtype, (16, 32, 64)[(i + i // 3) % 3], (8, 136, 3000, 1000)[i % 4], (1, 64, 2, 32)[i % 4])
     for i, ((left, right), dtype) in enumerate(

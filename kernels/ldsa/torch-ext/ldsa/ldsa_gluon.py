@@ -30,9 +30,11 @@ At [64, 3000], W = 15, bf16, CUDA-graph timing: 0.133-0.134 ms (78.3-78.7% of th
 along frames 0.163-0.168 (each band built by two warps; -gluon-probe.log); one shuffle an element 0.153-0.155
 (-gluon2-probe.log); then blocks of 32 frames with the four warps along frames (no band built twice) 0.134.
 Float32 at [32, 3000], W = 15, causal, as the benchmark times: 0.136 ms (77.4% of copy) against 0.141 for the
-Triton forward with the same TF32 splits (2026-11-30-1d744dd-dirty-tf32-round-probe.log). A prototype with truncated
-TF32 high parts took 0.132 against 0.149 for the Triton forward with Triton's tf32x3 (-1d744dd-ldsa-gluon-f32-probe.log),
-but its errors against float64 were 3.5e-7 to 4.6e-7 where the Triton forward's were 1.4e-7 to 1.7e-7.
+Triton forward with the same TF32 splits (2026-11-30-1d744dd-dirty-tf32-round-probe.log). A prototype with
+truncated TF32 high parts took 0.132 against 0.149 for the Triton forward with Triton's tf32x3
+(-1d744dd-ldsa-gluon-f32-probe.log), but its errors against float64 were 3.5e-7 to 4.6e-7 where the Triton
+forward's were 1.4e-7 to 1.7e-7. In the committed run's sweep at [64, 3000] the two float32 forwards are level
+(0.280 against 0.273 ms, 2026-11-30-60debcd-ldsa.md).
 """
 
 import functools
@@ -255,7 +257,6 @@ def takes(W: int, shift: int, Dh: int, T: int, BH: int, dtype: torch.dtype) -> b
     coordinates."""
     return (2 <= W < TAPS.value and W - 1 + shift <= 16 and dtype in GL_DTYPES and T % 8 == 0
             and Dh in (16, 32, 64) and BH * max(Dh, TAPS.value) < 2**31)
-
 
 
 def box_frames(dtype: torch.dtype) -> int:
