@@ -736,8 +736,7 @@ def _forward_launch(
     since small calls are host-bound. `aligned`: every tensor starts on 16 bytes (TMA's condition); `device`: the
     CUDA device's index (-1 for the interpreter's CPU tensors). config None takes band-gluon for the calls it
     takes (`_gluon_lead`, logits in the values' dtype, `_gluon_runs_on(device)`) from TMA_MIN_FRAMES frames up,
-    else the default table's
-    choice; band-gluon asked for runs as band-tma where it cannot.
+    else the default table's choice; band-gluon asked for runs as band-tma where it cannot.
 
     band-gluon: `_gluon_forward_launch`. band-tma: `_tma_plan`. The others: `_band_plan` plus the PREFETCH flag."""
     gluon_lead = None
