@@ -16,7 +16,7 @@ it well below the copy bandwidth (such a design ran 4x slower in bf16 and was re
 reads it K / N = 2 times and does the W-fold reuse in the MMA. Weights stay float32-accurate: for bf16/fp16
 values they are split into a high and a low part in the values' dtype (about 16 mantissa bits; both parts
 in one MMA in the forward, see `_dot_hi_lo`); float32 values use three TF32 products of split operands
-in the forward and IEEE products in the backward.
+(`_dot_3xtf32`), except the backward's V^T G product (IEEE, `_dot_values`).
 
 Large calls take the same band products fed by the tensor memory accelerator (`_ldsa_forward_tma_kernel`
 for every dtype, `_ldsa_backward_tma_kernel` for 16-bit values): a persistent grid whose programs walk
@@ -74,21 +74,10 @@ def _dot_float32_weights(x, w, FORWARD: tl.constexpr):
     Tensor-core operands share one dtype, so bf16/fp16 values take w as hi + lo in that dtype
     (`_split_hi_lo`); the forward multiplies them in one MMA (`_dot_hi_lo`). The backward keeps two
     MMAs: with one, its gradients came out wrong at 21 and 113 taps (2026-11-30-f43d67b-ldsa-pytest.log).
-    Float32 values: the forward takes three TF32 products (each operand split in a TF32 high part and a
-    residual, about 1e-7 relative, where one TF32 product would lose 13 bits), against which an IEEE product
-    on the CUDA cores ran 1.79 against 0.42 ms in the TMA forward and 1.21 against 0.33 in the band forward
-    at [64, 3000], W = 15 (2026-11-30-0ab2d9c-dirty-ldsa-tma.log, -dddaffc-ldsa and -5fbbf92-ldsa sweep rows);
-    the backward keeps IEEE products, 1.336 ms there against 1.402 with Triton's tf32x3 (the dddaffc and
-    0ee460a runs). The split is `_tf32_high`'s, not tf32x3's: the TMA forward took 0.141 ms at [32, 3000], W = 15
-    (2026-11-30-1d744dd-dirty-tf32-round-probe.log), where with tf32x3 it took 0.148-0.149 in the run before
-    (-1d744dd-ldsa-f32trunc-probe.log)."""
-    if x.dtype == tl.float32 and FORWARD:
-        x_hi, w_hi = _tf32_high(x), _tf32_high(w)
-        product = tl.dot(x - x_hi, w_hi, input_precision="tf32")
-        product = tl.dot(x_hi, w - w_hi, product, input_precision="tf32")
-        product = tl.dot(x_hi, w_hi, product, input_precision="tf32")
-    elif x.dtype == tl.float32:
-        product = tl.dot(x, w, input_precision="ieee")
+    Float32 values take three TF32 products (`_dot_3xtf32`), in the backward too: its dv product ran 1.282 ->
+    1.046 ms at [64, 3000], W = 15 (2026-11-30-d4026ef-ldsa-bwd3-probe.log, rows m and b)."""
+    if x.dtype == tl.float32:
+        product = _dot_3xtf32(x, w)
     else:
         hi, lo = _split_hi_lo(w, x.dtype)
         if FORWARD:
@@ -96,6 +85,23 @@ def _dot_float32_weights(x, w, FORWARD: tl.constexpr):
         else:
             product = tl.dot(x, lo, tl.dot(x, hi))
     return product
+
+
+@triton.jit
+def _dot_3xtf32(x, y):
+    """x @ y for float32 x and y, about 1e-7 relative, by three TF32 tensor-core products: each operand split in
+    a TF32 high part (`_tf32_high`) and a residual, the residuals' product left out (one TF32 product would lose
+    13 bits).
+
+    Against IEEE products on the CUDA cores: 1.79 against 0.42 ms in the TMA forward and 1.21 against 0.33 in
+    the band forward at [64, 3000], W = 15 (2026-11-30-0ab2d9c-dirty-ldsa-tma.log, -dddaffc-ldsa and -5fbbf92-ldsa
+    sweep rows). `_tf32_high`'s split instead of Triton's tf32x3: the TMA forward took 0.141 ms at [32, 3000]
+    (2026-11-30-1d744dd-dirty-tf32-round-probe.log), where with tf32x3 it took 0.148-0.149 in the run before
+    (-1d744dd-ldsa-f32trunc-probe.log)."""
+    x_hi, y_hi = _tf32_high(x), _tf32_high(y)
+    product = tl.dot(x - x_hi, y_hi, input_precision="tf32")
+    product = tl.dot(x_hi, y - y_hi, product, input_precision="tf32")
+    return tl.dot(x_hi, y_hi, product, input_precision="tf32")
 
 
 @triton.jit
@@ -121,8 +127,9 @@ def _dot_hi_lo(x, hi, lo):
 
 @triton.jit
 def _dot_values(x, y):
-    """x @ y of two value-dtype tiles with a float32 result, for the backward (exact products for bf16/fp16,
-    IEEE for float32 as in `_dot_float32_weights`)."""
+    """x @ y of two value-dtype tiles with a float32 result, for the backward: exact products for bf16/fp16, IEEE
+    for float32. With three TF32 products (`_dot_3xtf32`) the float32 backward at 113 taps came out wrong and
+    raised an illegal memory access on the H200 (2026-11-30-d4026ef-ldsa-bwd3-probe.log, -d4026ef-ldsa-pytest.log)."""
     if x.dtype == tl.float32:
         return tl.dot(x, y, input_precision="ieee")
     else:
