@@ -275,14 +275,21 @@ def compile_cases(kernel, spec):
     """(label, call) pairs for `python -m tools.compile_sm90`: every forward and backward configuration at
     three card shapes (one chunk a program, several, and the launch-bound one), both window kinds, bf16 and
     fp32, and at [2, 3008] for SMALL_WINDOWS (labelled "taps"), on meta tensors. band-gluon, which the
-    launchers give only CUDA devices of compute capability 9.0 up, is launched directly where its rule
-    (`ldsa_triton._gluon_lead`) takes the case."""
+    launchers give only CUDA devices of compute capability 9.0 up, is launched directly where its rules
+    (`ldsa_triton._gluon_lead`, `ldsa_gluon_backward.takes`) take the case."""
     kernels = _triton_module(kernel)
 
     def case(B, T, left, right, name, dtype, config, backward):
         a = torch.empty(B, H, left + right + 1, T, dtype=dtype, device="meta")
         v = torch.empty(B, H, DH, T, dtype=dtype, device="meta")
         label = f"[{B},{T}] {name} {str(dtype)[6:]} {'bwd' if backward else 'fwd'} {config}"
+        if backward and config == kernels.BAND_GLUON:
+            gluon = kernels.ldsa_gluon_backward
+            if gluon is None or not gluon.takes(left + right + 1, left, DH, T, B * H, dtype):
+                return None
+            launch = kernels._gluon_backward_launch(left + right + 1, left, DH, T, B * H, dtype, -1)
+            tensors = (a, v, torch.empty_like(v), torch.empty_like(a), torch.empty_like(v))
+            return label, lambda: kernels._launch(launch, tensors)
         if backward:
             return label, lambda: kernels.ldsa_backward(a, v, torch.empty_like(v), left, right, config=config)
         if config == kernels.BAND_GLUON:
@@ -302,4 +309,6 @@ def compile_cases(kernel, spec):
                 if forward is not None:
                     yield forward
             for config in kernels.BACKWARD_CONFIGS:
-                yield case(B, T, left, right, name, dtype, config, backward=True)
+                backward = case(B, T, left, right, name, dtype, config, backward=True)
+                if backward is not None:
+                    yield backward

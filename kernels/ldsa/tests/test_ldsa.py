@@ -359,7 +359,7 @@ def test_small_windows_compile_for_sm90():
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     kernels = {line.split("|")[2].strip() for line in out.stdout.splitlines() if "taps" in line}
     assert kernels == {"_ldsa_forward_kernel", "_ldsa_backward_kernel", "_ldsa_forward_tma_kernel",
-                       "_ldsa_backward_tma_kernel", "_ldsa_forward_gluon_kernel"}
+                       "_ldsa_backward_tma_kernel", "_ldsa_forward_gluon_kernel", "_ldsa_backward_gluon_kernel"}
 
 
 def test_gluon_forward_takes_the_windows_its_blocks_reach(ldsa):
@@ -385,6 +385,31 @@ def test_gluon_forward_takes_the_windows_its_blocks_reach(ldsa):
 
     assert config() == kernels.BAND_TMA and config(asked=None) == kernels.BAND_TMA
     assert config(W=65, left=64, Dh=128, dtype=torch.float32) == kernels.BAND_PREFETCH  # where band-tma cannot
+
+
+def test_gluon_backward_takes_the_windows_its_blocks_reach(ldsa):
+    """The Gluon backward's rule: 16-bit values, 2 to 15 taps whose value spans (right + left rounded up to 8) and
+    reading frames (left + right rounded up to 8) reach at most 16 positions past a block, T a multiple of 8,
+    Dh 16 to 64. What it does not take, and every call off Hopper or under the interpreter (device -1), runs as
+    band-tma or band."""
+    kernels = submodule(ldsa, "ldsa_triton")
+    takes = kernels.ldsa_gluon_backward.takes
+
+    def rule(W=15, left=14, Dh=64, T=3000, BH=512, dtype=torch.bfloat16):
+        return takes(W, left, Dh, T, BH, dtype)
+
+    assert rule() and rule(left=7) and rule(left=0) and rule(W=2, left=1) and rule(W=2, left=0)
+    assert rule(W=15, left=8) and rule(W=15, left=6) and rule(dtype=torch.float16) and rule(Dh=16) and rule(T=8)
+    for refused in (dict(left=13), dict(left=1), dict(W=16, left=15), dict(W=1, left=0), dict(W=15, left=9),
+                    dict(W=15, left=5), dict(dtype=torch.float32), dict(T=3001), dict(Dh=128), dict(BH=2**26)):
+        assert not rule(**refused), refused
+
+    def config(asked=kernels.BAND_GLUON, **call):
+        shape = dict(W=15, left=14, Dh=64, T=3000, BH=512, dtype=torch.bfloat16, aligned=True, device=-1) | call
+        return kernels._backward_launch(asked, *shape.values()).config
+
+    assert config() == kernels.BAND_TMA and config(asked=None) == kernels.BAND_TMA
+    assert config(dtype=torch.float32) == kernels.BAND  # where band-tma cannot
 
 
 # ---- The fused path on CUDA (the lead's GPU run) ----
@@ -506,6 +531,53 @@ def test_cuda_large_forwards_take_band_gluon(ldsa):
     a, v = make(1, 88, 64, 3000, 14, 0, torch.bfloat16, "cuda")  # 264,000 frames
     assert kernels.forward_launch(a, v, 14, 0).config == (kernels.BAND_GLUON if hopper else kernels.BAND_TMA)
     assert kernels.forward_launch(a.float(), v, 14, 0).config == kernels.BAND_TMA  # logits in another dtype
+
+
+# The Gluon backward over windows its rule takes and three it does not (they run as band-tma), both 16-bit dtypes,
+# each meeting Dh 16 to 64, T from one TMA box to past the card's lengths, and B * H large enough that the
+# persistent programs walk several chunks each.
+CUDA_GLUON_BWD_CASES = [
+    (left, right, dtype, (16, 32, 64)[(i + i // 2) % 3], (8, 136, 3000, 1000)[i % 4], (1, 64, 2, 32)[i % 4])
+    for i, ((left, right), dtype) in enumerate(
+        itertools.product([(14, 0), (7, 7), (0, 14), (1, 0), (0, 1), (5, 3), (8, 6), (3, 3), (6, 8), (2, 1), (13, 1),
+                           (1, 13), (15, 0)], (torch.bfloat16, torch.float16))
+    )
+]
+
+
+@needs_cuda
+@pytest.mark.parametrize("left,right,dtype,Dh,T,B", CUDA_GLUON_BWD_CASES)
+def test_cuda_gluon_backward_matches_float64_autograd(ldsa, left, right, dtype, Dh, T, B):
+    kernels = submodule(ldsa, "ldsa_triton")
+    a, v = make(B, 8, Dh, T, left, right, dtype, "cuda")
+    go = torch.randn(v.shape, device="cuda").to(dtype)
+    takes = kernels.ldsa_gluon_backward.takes(left + right + 1, left, Dh, T, B * 8, dtype)
+    assert takes == ((left, right) not in [(13, 1), (1, 13), (15, 0)])
+    hopper = torch.cuda.get_device_capability()[0] >= 9
+    assert kernels.backward_launch(a, v, go, left, right, kernels.BAND_GLUON).config == (
+        kernels.BAND_GLUON if takes and hopper else kernels.BAND_TMA)
+    dlogits, dv = kernels.ldsa_backward(a, v, go, left, right, config=kernels.BAND_GLUON)
+    again = kernels.ldsa_backward(a, v, go, left, right, config=kernels.BAND_GLUON)  # the cached launch
+    assert torch.equal(again[0], dlogits) and torch.equal(again[1], dv)
+    ga, gv = ldsa_float64_grads(a, v, go, left, right)
+    assert rel_err(dlogits, ga) < TOL[dtype] and rel_err(dv, gv) < TOL[dtype]
+
+
+@needs_cuda
+def test_cuda_large_16_bit_backwards_take_band_gluon(ldsa):
+    """The backward's default for the calls the Gluon backward takes, from TMA_MIN_FRAMES frames up, on Hopper."""
+    kernels = submodule(ldsa, "ldsa_triton")
+    device = torch.cuda.current_device()
+
+    def config(**call):
+        shape = dict(W=15, left=14, Dh=64, T=3000, BH=512, dtype=torch.bfloat16, aligned=True, device=device) | call
+        return kernels._backward_launch(None, *shape.values()).config
+
+    hopper = torch.cuda.get_device_capability(device)[0] >= 9
+    assert config() == config(left=7) == config(dtype=torch.float16) == (
+        kernels.BAND_GLUON if hopper else kernels.BAND_TMA)
+    assert config(BH=8) != kernels.BAND_GLUON and config(dtype=torch.float32) == kernels.BAND
+    assert config(W=31, left=30) == kernels.BAND_TMA
 
 
 # The TMA kernels over their tile rule's windows (2 to 65 taps), each dtype and Dh, T short of one chunk to

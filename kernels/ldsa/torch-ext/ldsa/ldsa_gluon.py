@@ -273,6 +273,6 @@ def layouts(dtype: torch.dtype, Dh: int) -> tuple:
     return tuple(gl.NVMMASharedLayout.get_default_for(shape, GL_DTYPES[dtype]) for shape in boxes)
 
 
-def descriptor(x: torch.Tensor, shape: tuple, block: tuple, layout) -> TensorDescriptor:
-    """A descriptor of the contiguous tensor x viewed as 2-D `shape`, copied in `block` boxes laid out as `layout`."""
-    return TensorDescriptor(x, list(shape), [shape[1], 1], list(block), layout)
+def descriptor(x: torch.Tensor, shape: tuple, strides: tuple, block: tuple, layout) -> TensorDescriptor:
+    """A descriptor of the tensor x viewed as `shape` with `strides`, copied in `block` boxes laid out as `layout`."""
+    return TensorDescriptor(x, list(shape), list(strides), list(block), layout)

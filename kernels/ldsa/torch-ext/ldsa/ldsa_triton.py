@@ -37,6 +37,7 @@ shape costs one compile and later calls only the launch.
 
 import contextlib
 import functools
+import math
 from typing import NamedTuple
 
 import torch
@@ -47,10 +48,10 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .window_weights import _hi_lo_pairs, _split_hi_lo, _tf32_high, _window_softmax
 
-try:  # Gluon, Triton's explicit-layout dialect (its Hopper TMA and mma.sync): the forward's band-gluon
-    from . import ldsa_gluon
+try:  # Gluon, Triton's explicit-layout dialect (its Hopper TMA and mma.sync): band-gluon
+    from . import ldsa_gluon, ldsa_gluon_backward
 except ImportError:  # a Triton without it: the other configurations
-    ldsa_gluon = None
+    ldsa_gluon = ldsa_gluon_backward = None
 
 # Frames per program: at most this many, to amortize the per-program setup over several chunks ...
 FRAMES_PER_PROGRAM = 128
@@ -513,10 +514,11 @@ BAND_PREFETCH = "band-prefetch"
 # (`_tma_tiles`); others run as band-prefetch (forward) and band (backward).
 BAND_TMA = "band-tma"
 # The forward in Gluon (`ldsa_gluon`) on Hopper, its band built in the MMA's registers: windows of up to 15 taps
-# (`ldsa_gluon.takes`); the calls it does not take run as band-tma.
+# (`ldsa_gluon.takes`); the 16-bit backward in Gluon (`ldsa_gluon_backward`), its bands read from skewed
+# shared-memory views (`ldsa_gluon_backward.takes`). The calls they do not take run as band-tma.
 BAND_GLUON = "band-gluon"
 FORWARD_CONFIGS = (BAND, BAND_PREFETCH, BAND_TMA, BAND_GLUON)
-BACKWARD_CONFIGS = (BAND, BAND_TMA)
+BACKWARD_CONFIGS = (BAND, BAND_TMA, BAND_GLUON)
 
 # The configuration a call takes, below band-tma's reach (`default_config`): (pass, window of at most 32
 # taps, float32 values) -> config name. Wider windows keep the band design, whose tiles were sized for
@@ -592,7 +594,8 @@ class _Launch:
                  arguments: tuple | None = None):  # fmt: skip
         self.kernel, self.programs, self.ints, self.meta, self.num_warps = kernel, programs, ints, meta, num_warps
         # The configuration that runs, and for a TMA kernel its tensor arguments: each the index of a tensor
-        # handed to `_launch`, or (index, 2-D shape, block[, shared layout]) for a descriptor of that tensor.
+        # handed to `_launch`, or (index, shape, block[, shared layout]) for a descriptor of that tensor viewed
+        # as the row-major `shape`.
         self.config, self.arguments = config, arguments
 
 
@@ -641,15 +644,16 @@ class _HostDescriptor(NamedTuple):
 
 
 def _descriptor(x: torch.Tensor, shape: tuple, block: tuple, layout=None, checked: bool = True):
-    """A TMA descriptor of the contiguous x viewed as 2-D `shape`, copied in `block` boxes: Triton's, or with a
-    shared-memory `layout` Gluon's; not `checked`, a `_HostDescriptor` for a launch whose specialization (shape,
-    dtypes, alignment) the JIT has already taken: building a checked one took 1.5 us (Gluon's) or 1.2 us
+    """A TMA descriptor of the contiguous x viewed as the row-major `shape`, copied in `block` boxes: Triton's, or
+    with a shared-memory `layout` Gluon's; not `checked`, a `_HostDescriptor` for a launch whose specialization
+    (shape, dtypes, alignment) the JIT has already taken: building a checked one took 1.5 us (Gluon's) or 1.2 us
     (Triton's) against 0.24 for the tuple on a 2-core CI host, and band-gluon builds four a call."""
+    strides = tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))
     if not checked:
-        return _HostDescriptor(x, shape, (shape[1], 1))
+        return _HostDescriptor(x, shape, strides)
     if layout is None:
-        return TensorDescriptor(x, shape, (shape[1], 1), block)
-    return ldsa_gluon.descriptor(x, shape, block, layout)
+        return TensorDescriptor(x, shape, strides, block)
+    return ldsa_gluon.descriptor(x, shape, strides, block, layout)
 
 
 def _device_of(x: torch.Tensor):
@@ -769,12 +773,39 @@ def _forward_launch(
     return _Launch(_ldsa_forward_kernel, BH * n_ttiles, (T, Dh, W, left, lead, n_ttiles), meta, num_warps, config)
 
 
+def _gluon_backward_launch(W: int, left: int, Dh: int, T: int, BH: int, dtype: torch.dtype, device: int) -> _Launch:
+    """The Gluon backward's launch: a persistent grid of ldsa_gluon_backward.PROGRAMS_PER_SM programs an SM (one a
+    chunk when there are fewer chunks). Its logits descriptors view a_logits as [B*H, W, T]."""
+    g = ldsa_gluon_backward
+    chunk, halo, rows = ldsa_gluon.CHUNK.value, ldsa_gluon.HALO.value, g.ROWS.value
+    n_chunks = triton.cdiv(T, chunk)
+    programs = min(BH * n_chunks, _sm_count(device) * g.PROGRAMS_PER_SM)
+    logits, values = (BH, W, T), (BH * Dh, T)
+    tile, tile_halo, box, box_halo = g.layouts(dtype, Dh)
+    # a_logits 0, values 1, grad_out 2, dlogits 3, dv 4
+    arguments = ((0, logits, (1, rows, chunk), tile), (0, logits, (1, rows, halo), tile_halo),
+                 (1, values, (Dh, chunk), box), (1, values, (Dh, halo), box_halo), (2, values, (Dh, chunk), box),
+                 (2, values, (Dh, halo), box_halo), (4, values, (Dh, chunk), box), 3)
+    ints = (T, W, left, _round_up(left, 8), _round_up(W - 1 - left, 8), n_chunks, BH * n_chunks)
+    return _Launch(g._ldsa_backward_gluon_kernel, programs, ints, dict(DH=Dh, STAGES=g.STAGES),
+                   ldsa_gluon.WARPS.value, BAND_GLUON, arguments)
+
+
 @functools.cache
 def _backward_launch(
-    config: str | None, W: int, left: int, Dh: int, T: int, BH: int, dtype: torch.dtype, aligned: bool, device: int
+    config: str | None, W: int, left: int, Dh: int, T: int, BH: int, dtype: torch.dtype, aligned: bool, device: int,
+    logits_dtype: torch.dtype | None = None,
 ) -> _Launch:
-    """The backward's launch for values (and grad_out) of `dtype`, as `_forward_launch`: band-tma where
-    `_tma_tiles` takes the call (band otherwise), band."""
+    """The backward's launch for values (and grad_out) of `dtype` and logits of `logits_dtype` (None: the same), as
+    `_forward_launch`: band-gluon for the calls `ldsa_gluon_backward.takes` on Hopper from TMA_MIN_FRAMES frames
+    up (asked for elsewhere, it runs as band-tma), band-tma where `_tma_tiles` takes the call (band otherwise),
+    band."""
+    gluon = (aligned and logits_dtype in (None, dtype) and _gluon_runs_on(device) and ldsa_gluon_backward is not None
+             and ldsa_gluon_backward.takes(W, left, Dh, T, BH, dtype))
+    if config == BAND_GLUON or (config is None and gluon and BH * T >= TMA_MIN_FRAMES):
+        if gluon:
+            return _gluon_backward_launch(W, left, Dh, T, BH, dtype, device)
+        config = BAND_TMA
     tiles = _tma_tiles("backward", W, left, Dh, T, BH, dtype) if aligned else None
     config = _chosen_config("backward", config, W, dtype, _tma_by_default(tiles, Dh, dtype, BH * T))
     if config == BAND_TMA and tiles is not None:
@@ -804,7 +835,8 @@ def backward_launch(a_logits, v, grad_out, left: int, right: int, config: str | 
     """The launch `ldsa_backward` makes for these inputs (v and grad_out of one dtype), as `forward_launch`."""
     B, H, Dh, T = v.shape
     aligned = a_logits.data_ptr() % 16 == 0 and v.data_ptr() % 16 == 0 and grad_out.data_ptr() % 16 == 0
-    return _backward_launch(config, left + right + 1, left, Dh, T, B * H, v.dtype, aligned, v.get_device())
+    return _backward_launch(config, left + right + 1, left, Dh, T, B * H, v.dtype, aligned, v.get_device(),
+                            a_logits.dtype)
 
 
 def ldsa_forward(a_logits: torch.Tensor, v: torch.Tensor, left: int, right: int, config: str | None = None):
