@@ -3,7 +3,7 @@
 
 Per 64-frame chunk of one (b, h), STAGES deep on a persistent grid (TMA loads, zero fill outside the tensors):
 - dlogits of the chunk's frames. P = G^T V ([32 frames t, 48 span positions s] a 32-frame block, `mma.sync` over
-  Dh) is stored to shared memory at row stride 65 and read back at stride 66: element (t, c) of the read view is
+  Dh) is stored to shared memory at row stride 64 and read back at stride 65: element (t, c) of the read view is
   P[t, t + c], so da[k, t] = P[t, t + k + sh] sits at column c = k + sh (sh = lead - left) with no gather. The
   logits come through a 3-D descriptor [BH, W, T] at tap coordinate -sh, so that tap k sits at row c too (TMA
   zero-fills the rows before tap 0 and past tap W - 1). dlogits = a (da - sum a da), stored through pointers
@@ -70,11 +70,12 @@ def _ldsa_backward_gluon_kernel(lg_desc, lgh_desc, v_desc, vh_desc, g_desc, gh_d
     mma_p: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[2, 2], instr_shape=[16, 8])
     a_p: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_p, k_width=2)
     b_p: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma_p, k_width=2)
-    l_da: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [WARPS, 1], [1, 0])  # [32 frames, 32 shifted taps]
-    l_w: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [WARPS, 1], [1, 0])  # [16 frames, 32 shifted taps]
+    # One element a thread along a padded buffer's rows: Gluon vectorises padded-layout accesses as if the rows
+    # were aligned (a vector at an odd row stride is a misaligned address).
+    l_da: gl.constexpr = gl.BlockedLayout([1, 1], [8, 4], [WARPS, 1], [1, 0])  # [32 frames, 32 shifted taps]
+    l_w: gl.constexpr = gl.BlockedLayout([1, 1], [4, 8], [WARPS, 1], [1, 0])  # [16 frames, 32 shifted taps]
     plain: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
     stride65: gl.constexpr = gl.PaddedSharedLayout.with_identity_for([[64, 1]], [64, 64], [1, 0])
-    stride66: gl.constexpr = gl.PaddedSharedLayout.with_identity_for([[64, 2]], [32, 64], [1, 0])
 
     lg1_s = gl.allocate_shared_memory(lg_desc.dtype, [STAGES, 1, ROWS, CHUNK], lg_desc.layout)
     lg2_s = gl.allocate_shared_memory(lg_desc.dtype, [STAGES, 1, ROWS, CHUNK], lg_desc.layout)
@@ -84,9 +85,8 @@ def _ldsa_backward_gluon_kernel(lg_desc, lgh_desc, v_desc, vh_desc, g_desc, gh_d
     gc_s = gl.allocate_shared_memory(dtype, [STAGES, DH, CHUNK], g_desc.layout)
     ga_s = gl.allocate_shared_memory(dtype, [STAGES, DH, CHUNK], g_desc.layout)
     gh_s = gl.allocate_shared_memory(dtype, [STAGES, DH, HALO], gh_desc.layout)
-    p_rows: gl.constexpr = gl.PaddedSharedLayout.with_identity_for([[64, 1]], [32, 64], [1, 0])
-    # 32 x 65 cells; the stride-66 view below reads up to cell 66 * 31 + 31 = 2077 of its 2080
-    p_s = gl.allocate_shared_memory(gl.float32, [32, 64], p_rows)
+    # 32 x 64 cells; the stride-65 view below reads up to cell 65 * 31 + 31 = 2046 of them
+    p_s = gl.allocate_shared_memory(gl.float32, [32, 64], plain)
     w_s = gl.allocate_shared_memory(gl.int32, [64, 64], stride65)
     dv_s = gl.allocate_shared_memory(dtype, [DH, CHUNK], dv_desc.layout)
     bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -98,7 +98,8 @@ def _ldsa_backward_gluon_kernel(lg_desc, lgh_desc, v_desc, vh_desc, g_desc, gh_d
     cells = w_s._reinterpret(gl.int32, [8192], flat)  # 64 x 65 = 4160 of them allocated
     cells.slice(0, 4096).store(gl.zeros([4096], gl.int32, zl))
     cells.slice(4096, 64).store(gl.zeros([64], gl.int32, zl))
-    p_view = p_s._reinterpret(gl.float32, [32, 64], stride66)  # element (t, c) = P[t, t + c]
+    p_skew: gl.constexpr = gl.PaddedSharedLayout.with_identity_for([[64, 1]], [32, 64], [1, 0])
+    p_view = p_s._reinterpret(gl.float32, [32, 64], p_skew)  # element (t, c) = P[t, t + c]
     band_view = w_s._reinterpret(gl.int32, [64, 64], plain)  # rows 16 + u, columns 32 + p: Y^T[u, p]
 
     pid = gl.program_id(0)
