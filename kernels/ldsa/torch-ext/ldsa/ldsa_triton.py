@@ -665,8 +665,8 @@ def _device_of(x: torch.Tensor):
 
 def _clear_plans() -> None:
     """Forget the cached plans and launches that depend on the tunables (DEFAULT_CONFIG, FRAMES_PER_PROGRAM,
-    MIN_PROGRAMS, the TMA_ constants and ldsa_gluon's PROGRAMS_PER_SM and STAGES): for tests, benchmarks and
-    probes that change those."""
+    MIN_PROGRAMS, the TMA_ constants, ldsa_gluon's PROGRAMS_PER_SM and STAGES, ldsa_gluon_backward's
+    PROGRAMS_PER_SM): for tests, benchmarks and probes that change those."""
     for plan in (_band_plan, _forward_launch, _backward_launch):
         plan.cache_clear()
 
@@ -787,7 +787,7 @@ def _gluon_backward_launch(W: int, left: int, Dh: int, T: int, BH: int, dtype: t
                  (1, values, (Dh, chunk), box), (1, values, (Dh, halo), box_halo), (2, values, (Dh, chunk), box),
                  (2, values, (Dh, halo), box_halo), (4, values, (Dh, chunk), box), 3)
     ints = (T, W, left, _round_up(left, 8), _round_up(W - 1 - left, 8), n_chunks, BH * n_chunks)
-    return _Launch(g._ldsa_backward_gluon_kernel, programs, ints, dict(DH=Dh, STAGES=g.STAGES),
+    return _Launch(g._ldsa_backward_gluon_kernel, programs, ints, dict(DH=Dh),
                    ldsa_gluon.WARPS.value, BAND_GLUON, arguments)
 
 
