@@ -177,6 +177,16 @@ def ldsa_float64_grads(a, v, go, left, right):
     return a64.grad, v64.grad
 
 
+def assert_backward_repeats_and_matches_float64(kernels, a, v, go, left, right, config):
+    """The launcher's backward in `config`: a second call (the cached launch) gives the same bits, and both
+    gradients match float64 autograd."""
+    dlogits, dv = kernels.ldsa_backward(a, v, go, left, right, config=config)
+    again = kernels.ldsa_backward(a, v, go, left, right, config=config)
+    assert torch.equal(again[0], dlogits) and torch.equal(again[1], dv)
+    ga, gv = ldsa_float64_grads(a, v, go, left, right)
+    assert rel_err(dlogits, ga) < TOL[v.dtype] and rel_err(dv, gv) < TOL[v.dtype]
+
+
 @needs_interpreter
 @pytest.mark.parametrize("left,right,T,Dh,dtype", INTERP_CASES)
 def test_triton_interpreted_matches_float64(ldsa, poisoned_outputs, left, right, T, Dh, dtype):
@@ -514,23 +524,23 @@ def test_cuda_gluon_forward_matches_float64(ldsa, left, right, dtype, Dh, T, B):
 
 
 @needs_cuda
-def test_cuda_large_forwards_take_band_gluon(ldsa):
-    """The default for the calls band-gluon takes, from TMA_MIN_FRAMES frames up, on Hopper."""
+def test_cuda_large_calls_take_band_gluon(ldsa):
+    """The defaults for the calls band-gluon takes, from TMA_MIN_FRAMES frames up, on Hopper: the forward in
+    every dtype, the backward in 16-bit (float32 backwards take band)."""
     kernels = submodule(ldsa, "ldsa_triton")
     device = torch.cuda.current_device()
+    gluon = kernels.BAND_GLUON if torch.cuda.get_device_capability(device)[0] >= 9 else kernels.BAND_TMA
 
-    def config(**call):
+    def config(plan, **call):
         shape = dict(W=15, left=14, Dh=64, T=3000, BH=512, dtype=torch.bfloat16, aligned=True, device=device) | call
-        return kernels._forward_launch(None, *shape.values()).config
+        return plan(None, *shape.values()).config
 
-    hopper = torch.cuda.get_device_capability(device)[0] >= 9
-    assert config() == config(left=7) == config(dtype=torch.float16) == config(dtype=torch.float32) == (
-        kernels.BAND_GLUON if hopper else kernels.BAND_TMA)
-    assert config(BH=8) != kernels.BAND_GLUON
-    assert config(W=31, left=30) == kernels.BAND_TMA
-    a, v = make(1, 88, 64, 3000, 14, 0, torch.bfloat16, "cuda")  # 264,000 frames
-    assert kernels.forward_launch(a, v, 14, 0).config == (kernels.BAND_GLUON if hopper else kernels.BAND_TMA)
-    assert kernels.forward_launch(a.float(), v, 14, 0).config == kernels.BAND_TMA  # logits in another dtype
+    for plan in (kernels._forward_launch, kernels._backward_launch):
+        assert config(plan) == config(plan, left=7) == config(plan, dtype=torch.float16) == gluon
+        assert config(plan, BH=8) != kernels.BAND_GLUON
+        assert config(plan, W=31, left=30) == kernels.BAND_TMA
+    assert config(kernels._forward_launch, dtype=torch.float32) == gluon
+    assert config(kernels._backward_launch, dtype=torch.float32) == kernels.BAND
 
 
 # The Gluon backward over windows its rule takes and three it does not (they run as band-tma), both 16-bit dtypes,
@@ -556,28 +566,7 @@ def test_cuda_gluon_backward_matches_float64_autograd(ldsa, left, right, dtype, 
     hopper = torch.cuda.get_device_capability()[0] >= 9
     assert kernels.backward_launch(a, v, go, left, right, kernels.BAND_GLUON).config == (
         kernels.BAND_GLUON if takes and hopper else kernels.BAND_TMA)
-    dlogits, dv = kernels.ldsa_backward(a, v, go, left, right, config=kernels.BAND_GLUON)
-    again = kernels.ldsa_backward(a, v, go, left, right, config=kernels.BAND_GLUON)  # the cached launch
-    assert torch.equal(again[0], dlogits) and torch.equal(again[1], dv)
-    ga, gv = ldsa_float64_grads(a, v, go, left, right)
-    assert rel_err(dlogits, ga) < TOL[dtype] and rel_err(dv, gv) < TOL[dtype]
-
-
-@needs_cuda
-def test_cuda_large_16_bit_backwards_take_band_gluon(ldsa):
-    """The backward's default for the calls the Gluon backward takes, from TMA_MIN_FRAMES frames up, on Hopper."""
-    kernels = submodule(ldsa, "ldsa_triton")
-    device = torch.cuda.current_device()
-
-    def config(**call):
-        shape = dict(W=15, left=14, Dh=64, T=3000, BH=512, dtype=torch.bfloat16, aligned=True, device=device) | call
-        return kernels._backward_launch(None, *shape.values()).config
-
-    hopper = torch.cuda.get_device_capability(device)[0] >= 9
-    assert config() == config(left=7) == config(dtype=torch.float16) == (
-        kernels.BAND_GLUON if hopper else kernels.BAND_TMA)
-    assert config(BH=8) != kernels.BAND_GLUON and config(dtype=torch.float32) == kernels.BAND
-    assert config(W=31, left=30) == kernels.BAND_TMA
+    assert_backward_repeats_and_matches_float64(kernels, a, v, go, left, right, kernels.BAND_GLUON)
 
 
 # The TMA kernels over their tile rule's windows (2 to 65 taps), each dtype and Dh, T short of one chunk to
@@ -604,11 +593,7 @@ def test_cuda_tma_kernels_match_float64(ldsa, left, right, dtype, Dh, T, B):
     out = kernels.ldsa_forward(a, v, left, right, config=kernels.BAND_TMA)
     assert torch.equal(kernels.ldsa_forward(a, v, left, right, config=kernels.BAND_TMA), out)  # the cached launch
     assert rel_err(out, ldsa_float64(a, v, left, right)) < FWD_TOL[dtype]
-    dlogits, dv = kernels.ldsa_backward(a, v, go, left, right, config=kernels.BAND_TMA)
-    again = kernels.ldsa_backward(a, v, go, left, right, config=kernels.BAND_TMA)
-    assert torch.equal(again[0], dlogits) and torch.equal(again[1], dv)
-    ga, gv = ldsa_float64_grads(a, v, go, left, right)
-    assert rel_err(dlogits, ga) < TOL[dtype] and rel_err(dv, gv) < TOL[dtype]
+    assert_backward_repeats_and_matches_float64(kernels, a, v, go, left, right, kernels.BAND_TMA)
 
 
 @needs_cuda
