@@ -153,17 +153,27 @@ def _weight_words(w, dtype: gl.constexpr):
 
 
 @gluon.jit
+def _precise_product(x, y, acc):
+    """acc + x @ y as accurate as float32 products: one MMA for 16-bit operands (their products are exact);
+    for float32 ones three TF32 MMAs of operands split into a TF32 high part and the residual (`_tf32_high`;
+    the residual's low bits fall to the MMA's truncation, 2^-21 relative)."""
+    if x.dtype == gl.float32:
+        x_hi, y_hi = _tf32_high(x), _tf32_high(y)
+        acc = mma_v2(x - x_hi, y_hi, acc, input_precision="tf32")
+        acc = mma_v2(x_hi, y - y_hi, acc, input_precision="tf32")
+        acc = mma_v2(x_hi, y_hi, acc, input_precision="tf32")
+    else:
+        acc = mma_v2(x, y, acc)
+    return acc
+
+
+@gluon.jit
 def _band_product(vals, band, acc):
     """acc + vals @ band for a band of `_weight_words`, as accurate as float32 products: 16-bit values times the
-    weights' hi and lo halves, two MMAs; float32 values by three TF32 MMAs of operands split into a TF32 high part
-    and the residual (`_tf32_high`; the residual's low bits fall to the MMA's truncation, 2^-21 relative)."""
+    weights' hi and lo halves, two MMAs; float32 values by `_precise_product`."""
     dtype: gl.constexpr = vals.dtype
     if dtype == gl.float32:
-        band = band.to(gl.float32, bitcast=True)
-        v_hi, b_hi = _tf32_high(vals), _tf32_high(band)
-        acc = mma_v2(vals - v_hi, b_hi, acc, input_precision="tf32")
-        acc = mma_v2(v_hi, band - b_hi, acc, input_precision="tf32")
-        acc = mma_v2(v_hi, b_hi, acc, input_precision="tf32")
+        acc = _precise_product(vals, band.to(gl.float32, bitcast=True), acc)
     else:
         acc = mma_v2(vals, band.to(gl.int16).to(dtype, bitcast=True), acc)
         acc = mma_v2(vals, (band >> 16).to(gl.int16).to(dtype, bitcast=True), acc)

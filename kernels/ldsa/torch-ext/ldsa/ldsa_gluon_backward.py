@@ -27,48 +27,72 @@ import functools
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 
-from .ldsa_gluon import BLOCK, CHUNK, GL_DTYPES, HALO, WARPS
-from .window_weights import _hi_lo_pairs, _window_softmax
+from .ldsa_gluon import BLOCK, CHUNK, GL_DTYPES, HALO, WARPS, _band_product, _precise_product, _weight_words, box_frames
+from .window_weights import _window_softmax
 
 ROWS = gl.constexpr(16)  # logits rows a box: the taps
-# Programs an SM: three fit (69 KB of shared memory each at Dh = 64); with two, a version with 32 logits rows
-# ran 0.428 against 0.333 ms (the probe log above).
-PROGRAMS_PER_SM = 3
+# Programs an SM by the values' bytes an element: three fit in 16-bit (69 KB of shared memory each at Dh = 64;
+# with two, a version with 32 logits rows ran 0.428 against 0.333 ms, the probe log above), two in float32
+# (108 KB).
+PROGRAMS_PER_SM = {2: 3, 4: 2}
 
 
 @gluon.jit
 def _issue_dlogits_boxes(lg_desc, v_desc, vh_desc, g_desc, lg_s, v_s, vh_s, g_s, bar, i, n_chunks, lead,
                          DH: gl.constexpr, pred):
     """Start the copies of chunk i's boxes for the dlogits part (where pred): the logits of its frames (tap k at
-    row k), the value span from t0 - lead and grad_out of its frames."""
+    row k), the value span from t0 - lead and grad_out of its frames, CHUNK // BOX boxes of each and the halo."""
+    BOX: gl.constexpr = v_desc.block_type.shape[1]
+    NBOX: gl.constexpr = CHUNK // BOX
     bh = i // n_chunks
     t0 = (i % n_chunks) * CHUNK
-    nbytes: gl.constexpr = (lg_desc.block_type.nbytes + v_desc.block_type.nbytes + vh_desc.block_type.nbytes
-                            + g_desc.block_type.nbytes)
+    nbytes: gl.constexpr = (NBOX * (lg_desc.block_type.nbytes + v_desc.block_type.nbytes + g_desc.block_type.nbytes)
+                            + vh_desc.block_type.nbytes)
     mbarrier.expect(bar, nbytes, pred=pred)
-    tma.async_copy_global_to_shared(lg_desc, [bh, 0, t0], bar, lg_s, pred)
-    tma.async_copy_global_to_shared(v_desc, [bh * DH, t0 - lead], bar, v_s, pred)
+    for n in gl.static_range(NBOX):
+        tma.async_copy_global_to_shared(lg_desc, [bh, 0, t0 + BOX * n], bar, lg_s.index(n), pred)
+        tma.async_copy_global_to_shared(v_desc, [bh * DH, t0 - lead + BOX * n], bar, v_s.index(n), pred)
+        tma.async_copy_global_to_shared(g_desc, [bh * DH, t0 + BOX * n], bar, g_s.index(n), pred)
     tma.async_copy_global_to_shared(vh_desc, [bh * DH, t0 - lead + CHUNK], bar, vh_s, pred)
-    tma.async_copy_global_to_shared(g_desc, [bh * DH, t0], bar, g_s, pred)
 
 
 @gluon.jit
 def _issue_dv_boxes(lg_desc, lgh_desc, g_desc, gh_desc, lg_s, lgh_s, g_s, gh_s, bar, i, n_chunks, W, lead_r,
                     DH: gl.constexpr, pred):
     """Start the copies of chunk i's boxes for the dv part (where pred): the logits and grad_out of the frames
-    from t0 - lead_r, tap k of the logits at row 16 - W + k."""
+    from t0 - lead_r (tap k of the logits at row ROWS - W + k), CHUNK // BOX boxes of each and the halos."""
+    BOX: gl.constexpr = g_desc.block_type.shape[1]
+    NBOX: gl.constexpr = CHUNK // BOX
     bh = i // n_chunks
-    t0 = (i % n_chunks) * CHUNK
-    nbytes: gl.constexpr = (lg_desc.block_type.nbytes + lgh_desc.block_type.nbytes + g_desc.block_type.nbytes
-                            + gh_desc.block_type.nbytes)
+    t0 = (i % n_chunks) * CHUNK - lead_r
+    nbytes: gl.constexpr = (NBOX * (lg_desc.block_type.nbytes + g_desc.block_type.nbytes)
+                            + lgh_desc.block_type.nbytes + gh_desc.block_type.nbytes)
     mbarrier.expect(bar, nbytes, pred=pred)
-    tma.async_copy_global_to_shared(lg_desc, [bh, W - ROWS, t0 - lead_r], bar, lg_s, pred)
-    tma.async_copy_global_to_shared(lgh_desc, [bh, W - ROWS, t0 - lead_r + CHUNK], bar, lgh_s, pred)
-    tma.async_copy_global_to_shared(g_desc, [bh * DH, t0 - lead_r], bar, g_s, pred)
-    tma.async_copy_global_to_shared(gh_desc, [bh * DH, t0 - lead_r + CHUNK], bar, gh_s, pred)
+    for n in gl.static_range(NBOX):
+        tma.async_copy_global_to_shared(lg_desc, [bh, W - ROWS, t0 + BOX * n], bar, lg_s.index(n), pred)
+        tma.async_copy_global_to_shared(g_desc, [bh * DH, t0 + BOX * n], bar, g_s.index(n), pred)
+    tma.async_copy_global_to_shared(lgh_desc, [bh, W - ROWS, t0 + CHUNK], bar, lgh_s, pred)
+    tma.async_copy_global_to_shared(gh_desc, [bh * DH, t0 + CHUNK], bar, gh_s, pred)
+
+
+@gluon.jit
+def _frames(boxes, halo, start: gl.constexpr, n: gl.constexpr):
+    """Frames [start, start + n) of a chunk's span (within one box), a [rows, n] view: its CHUNK // BOX boxes
+    ([NBOX, rows, BOX], or [NBOX, 1, rows, BOX] for the logits' 3-D boxes), then the halo box."""
+    RANK: gl.constexpr = len(boxes.shape)
+    BOX: gl.constexpr = boxes.shape[RANK - 1]
+    ROWS_: gl.constexpr = boxes.shape[RANK - 2]
+    if start < CHUNK:
+        view = boxes.index(start // BOX)
+        start_in: gl.constexpr = start % BOX
+    else:
+        view = halo
+        start_in: gl.constexpr = start - CHUNK
+    if RANK == 4:
+        view = view.reshape([ROWS_, view.shape[2]])
+    return view.slice(start_in, n, dim=1)
 
 
 @gluon.jit
@@ -82,16 +106,20 @@ def _at_cell(buf, offset, dtype: gl.constexpr, shape: gl.constexpr, layout: gl.c
 def _ldsa_backward_gluon_kernel(lg_desc, lgh_desc, v_desc, vh_desc, g_desc, gh_desc, dv_desc, dl_ptr, T, W, left,
                                 lead, lead_r, n_chunks, all_chunks, DH: gl.constexpr):
     """The backward on a persistent grid: chunks i = pid, pid + programs, ... of all (b, h, chunk). The logits
-    descriptors view a_logits as [B*H, W, T]; the others view v, grad_out and dv as [B*H*DH, T]."""
+    descriptors view a_logits as [B*H, W, T]; the others view v, grad_out and dv as [B*H*DH, T]. Boxes are
+    BOX = 128 bytes of frames wide (`ldsa_gluon.box_frames`), CHUNK // BOX of them a chunk."""
     dtype: gl.constexpr = v_desc.dtype
+    KW: gl.constexpr = 32 // dtype.primitive_bitwidth  # the MMA operands' k_width: elements in 32 bits
+    BOX: gl.constexpr = v_desc.block_type.shape[1]
+    NBOX: gl.constexpr = CHUNK // BOX
     sh = lead - left
     c2 = left + lead_r
     mma_dv: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, WARPS], instr_shape=[16, 8])
-    a_dv: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_dv, k_width=2)
-    b_dv: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma_dv, k_width=2)
+    a_dv: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_dv, k_width=KW)
+    b_dv: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma_dv, k_width=KW)
     mma_p: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[2, 2], instr_shape=[16, 8])
-    a_p: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_p, k_width=2)
-    b_p: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma_p, k_width=2)
+    a_p: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_p, k_width=KW)
+    b_p: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma_p, k_width=KW)
     # One element a thread along a padded view's rows: Gluon vectorises padded-layout accesses as if the rows
     # were aligned (a vector at an odd row stride is a misaligned address).
     l_da: gl.constexpr = gl.BlockedLayout([1, 1], [8, 4], [WARPS, 1], [1, 0])  # [32 frames, 16 taps]
@@ -104,19 +132,20 @@ def _ldsa_backward_gluon_kernel(lg_desc, lgh_desc, v_desc, vh_desc, g_desc, gh_d
     w_skew: gl.constexpr = gl.PaddedSharedLayout.with_identity_for([[32, 2], [64, 1]], [64, 64], [1, 0])
     band_rows: gl.constexpr = gl.PaddedSharedLayout.with_identity_for([[64, 4]], [64, 64], [1, 0])
 
-    lg1_s = gl.allocate_shared_memory(lg_desc.dtype, [1, ROWS, CHUNK], lg_desc.layout)
-    lg2_s = gl.allocate_shared_memory(lg_desc.dtype, [1, ROWS, CHUNK], lg_desc.layout)
+    # The logits boxes are [1, ROWS, BOX] boxes of [B*H, W, T].
+    lg1_s = gl.allocate_shared_memory(lg_desc.dtype, [NBOX, 1, ROWS, BOX], lg_desc.layout)
+    lg2_s = gl.allocate_shared_memory(lg_desc.dtype, [NBOX, 1, ROWS, BOX], lg_desc.layout)
     lg2h_s = gl.allocate_shared_memory(lg_desc.dtype, [1, ROWS, HALO], lgh_desc.layout)
-    v_s = gl.allocate_shared_memory(dtype, [DH, CHUNK], v_desc.layout)
+    v_s = gl.allocate_shared_memory(dtype, [NBOX, DH, BOX], v_desc.layout)
     vh_s = gl.allocate_shared_memory(dtype, [DH, HALO], vh_desc.layout)
-    gc_s = gl.allocate_shared_memory(dtype, [DH, CHUNK], g_desc.layout)
-    ga_s = gl.allocate_shared_memory(dtype, [DH, CHUNK], g_desc.layout)
+    gc_s = gl.allocate_shared_memory(dtype, [NBOX, DH, BOX], g_desc.layout)
+    ga_s = gl.allocate_shared_memory(dtype, [NBOX, DH, BOX], g_desc.layout)
     gh_s = gl.allocate_shared_memory(dtype, [DH, HALO], gh_desc.layout)
     # 32 x 72 cells; the skewed view reads up to cell 7 + 73 * 31 + 15 = 2285 of them
     p_s = gl.allocate_shared_memory(gl.float32, [32, 64], p_rows)
     # 64 x 72 cells; the weights go up to cell 1 + 69 * 63 + 15 = 4363, the band up to 6 + 68 * 63 + 63 = 4353
     w_s = gl.allocate_shared_memory(gl.int32, [64, 64], w_rows)
-    dv_s = gl.allocate_shared_memory(dtype, [DH, CHUNK], dv_desc.layout)
+    dv_s = gl.allocate_shared_memory(dtype, [NBOX, DH, BOX], dv_desc.layout)
     bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for part in gl.static_range(2):
         mbarrier.init(bars.index(part), count=1)
@@ -155,17 +184,14 @@ def _ldsa_backward_gluon_kernel(lg_desc, lgh_desc, v_desc, vh_desc, g_desc, gh_d
 
         # dlogits, a block of 32 frames at a time
         for b in gl.static_range(CHUNK // BLOCK):
-            gt = gc_s.slice(BLOCK * b, BLOCK, dim=1).permute((1, 0)).load(a_p)  # [32 t, DH]
+            gt = _frames(gc_s, gc_s, BLOCK * b, BLOCK).permute((1, 0)).load(a_p)  # [32 t, DH]
             for j in gl.static_range(3):
-                if BLOCK * b + 16 * j < CHUNK:
-                    vals = v_s.slice(BLOCK * b + 16 * j, 16, dim=1).load(b_p)
-                else:
-                    vals = vh_s.load(b_p)
-                pj = mma_v2(gt, vals, gl.zeros([BLOCK, 16], gl.float32, mma_p))
+                vals = _frames(v_s, vh_s, BLOCK * b + 16 * j, 16).load(b_p)
+                pj = _precise_product(gt, vals, gl.zeros([BLOCK, 16], gl.float32, mma_p))
                 p_s.slice(16 * j, 16, dim=1).store(pj)
             gl.thread_barrier()
             da = gl.where(ok1, da_view.slice(0, ROWS, dim=1).load(l_da), 0.0)
-            logits = lg1_s.reshape([ROWS, CHUNK]).slice(BLOCK * b, BLOCK, dim=1).permute((1, 0)).load(l_da)
+            logits = _frames(lg1_s, lg2h_s, BLOCK * b, BLOCK).permute((1, 0)).load(l_da)
             a1 = _window_softmax(logits, ok1, 1)
             dl = a1 * (da - gl.expand_dims(gl.sum(a1 * da, 1), 1))
             t = t0 + BLOCK * b + t_i
@@ -181,27 +207,21 @@ def _ldsa_backward_gluon_kernel(lg_desc, lgh_desc, v_desc, vh_desc, g_desc, gh_d
         # dv, a block of 32 positions at a time
         for b in gl.static_range(CHUNK // BLOCK):
             for kk in gl.static_range(3):
-                if BLOCK * b + 16 * kk < CHUNK:
-                    lg = lg2_s.reshape([ROWS, CHUNK]).slice(BLOCK * b + 16 * kk, 16, dim=1)
-                else:
-                    lg = lg2h_s.reshape([ROWS, HALO])
+                lg = _frames(lg2_s, lg2h_s, BLOCK * b + 16 * kk, 16)
                 w2 = _window_softmax(lg.permute((1, 0)).load(l_w), ok2, 1)  # [16 frames, 16 tap columns]
-                w_view.slice(16 + 16 * kk, 16, dim=0).slice(0, ROWS, dim=1).store(_hi_lo_pairs(w2, dtype))
+                w_view.slice(16 + 16 * kk, 16, dim=0).slice(0, ROWS, dim=1).store(_weight_words(w2, dtype))
             gl.thread_barrier()
             acc = gl.zeros([DH, BLOCK], gl.float32, mma_dv)
             for kk in gl.static_range(3):
-                if BLOCK * b + 16 * kk < CHUNK:
-                    gu = ga_s.slice(BLOCK * b + 16 * kk, 16, dim=1).load(a_dv)
-                else:
-                    gu = gh_s.load(a_dv)
+                gu = _frames(ga_s, gh_s, BLOCK * b + 16 * kk, 16).load(a_dv)
                 band = band_view.slice(16 + 16 * kk, 16, dim=0).slice(32, BLOCK, dim=1).load(b_dv)
-                acc = mma_v2(gu, band.to(gl.int16).to(dtype, bitcast=True), acc)
-                acc = mma_v2(gu, (band >> 16).to(gl.int16).to(dtype, bitcast=True), acc)
-            dv_s.slice(BLOCK * b, BLOCK, dim=1).store(acc.to(dtype))
+                acc = _band_product(gu, band, acc)
+            _frames(dv_s, dv_s, BLOCK * b, BLOCK).store(acc.to(dtype))
             gl.thread_barrier()  # w_s is read before the next block overwrites it
         fence_async_shared()
         gl.thread_barrier()
-        tma.async_copy_shared_to_global(dv_desc, [bh * DH, t0], dv_s)
+        for n in gl.static_range(NBOX):
+            tma.async_copy_shared_to_global(dv_desc, [bh * DH, t0 + BOX * n], dv_s.index(n))
         _issue_dv_boxes(lg_desc, lgh_desc, g_desc, gh_desc, lg2_s, lg2h_s, ga_s, gh_s, bars.index(1), i + programs,
                         n_chunks, W, lead_r, DH, it + 1 < count)
 
@@ -211,18 +231,19 @@ def _ldsa_backward_gluon_kernel(lg_desc, lgh_desc, v_desc, vh_desc, g_desc, gh_d
 
 
 def takes(W: int, left: int, Dh: int, T: int, BH: int, dtype: torch.dtype) -> bool:
-    """Whether this kernel takes a call: 16-bit values, 2 to 15 taps with right + lead <= 16 and left + lead_r <= 16
-    (lead, lead_r: left and right rounded up to 8, the spans' TMA column offsets), T a multiple of 8, Dh 16 to 64
-    and int32 row coordinates."""
+    """Whether this kernel takes a call: 16-bit or float32 values, 2 to 15 taps with right + lead <= 16 and
+    left + lead_r <= 16 (lead, lead_r: left and right rounded up to 8, the spans' TMA column offsets), T a
+    multiple of 8, Dh 16 to 64 and int32 row coordinates."""
     right = W - 1 - left
     lead, lead_r = -(-left // 8) * 8, -(-right // 8) * 8
-    return (2 <= W <= 15 and right + lead <= 16 and left + lead_r <= 16 and dtype in (torch.bfloat16, torch.float16)
+    return (2 <= W <= 15 and right + lead <= 16 and left + lead_r <= 16 and dtype in GL_DTYPES
             and T % 8 == 0 and Dh in (16, 32, 64) and BH * max(Dh, W) < 2**31)
 
 
 @functools.cache
 def layouts(dtype: torch.dtype, Dh: int) -> tuple:
-    """The shared-memory layouts of the logits boxes ([1, ROWS, CHUNK] and [1, ROWS, HALO] of [BH, W, T]) and of
-    the value, grad_out and dv boxes ([Dh, CHUNK] and [Dh, HALO])."""
-    boxes = ([1, ROWS.value, CHUNK.value], [1, ROWS.value, HALO.value], [Dh, CHUNK.value], [Dh, HALO.value])
+    """The shared-memory layouts of the logits boxes ([1, ROWS, box] and [1, ROWS, HALO] of [BH, W, T]) and of
+    the value, grad_out and dv boxes ([Dh, box] and [Dh, HALO]); box = `box_frames(dtype)`."""
+    box = box_frames(dtype)
+    boxes = ([1, ROWS.value, box], [1, ROWS.value, HALO.value], [Dh, box], [Dh, HALO.value])
     return tuple(gl.NVMMASharedLayout.get_default_for(box, GL_DTYPES[dtype]) for box in boxes)

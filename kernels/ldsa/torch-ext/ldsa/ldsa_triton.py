@@ -778,14 +778,15 @@ def _gluon_backward_launch(W: int, left: int, Dh: int, T: int, BH: int, dtype: t
     chunk when there are fewer chunks). Its logits descriptors view a_logits as [B*H, W, T]."""
     g = ldsa_gluon_backward
     chunk, halo, rows = ldsa_gluon.CHUNK.value, ldsa_gluon.HALO.value, g.ROWS.value
+    frames = ldsa_gluon.box_frames(dtype)
     n_chunks = triton.cdiv(T, chunk)
-    programs = min(BH * n_chunks, _sm_count(device) * g.PROGRAMS_PER_SM)
+    programs = min(BH * n_chunks, _sm_count(device) * g.PROGRAMS_PER_SM[dtype.itemsize])
     logits, values = (BH, W, T), (BH * Dh, T)
     tile, tile_halo, box, box_halo = g.layouts(dtype, Dh)
     # a_logits 0, values 1, grad_out 2, dlogits 3, dv 4
-    arguments = ((0, logits, (1, rows, chunk), tile), (0, logits, (1, rows, halo), tile_halo),
-                 (1, values, (Dh, chunk), box), (1, values, (Dh, halo), box_halo), (2, values, (Dh, chunk), box),
-                 (2, values, (Dh, halo), box_halo), (4, values, (Dh, chunk), box), 3)
+    arguments = ((0, logits, (1, rows, frames), tile), (0, logits, (1, rows, halo), tile_halo),
+                 (1, values, (Dh, frames), box), (1, values, (Dh, halo), box_halo), (2, values, (Dh, frames), box),
+                 (2, values, (Dh, halo), box_halo), (4, values, (Dh, frames), box), 3)
     ints = (T, W, left, _round_up(left, 8), _round_up(W - 1 - left, 8), n_chunks, BH * n_chunks)
     return _Launch(g._ldsa_backward_gluon_kernel, programs, ints, dict(DH=Dh),
                    ldsa_gluon.WARPS.value, BAND_GLUON, arguments)
