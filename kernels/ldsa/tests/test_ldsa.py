@@ -398,7 +398,7 @@ def test_gluon_forward_takes_the_windows_its_blocks_reach(ldsa):
 
 
 def test_gluon_backward_takes_the_windows_its_blocks_reach(ldsa):
-    """The Gluon backward's rule: 16-bit values, 2 to 15 taps whose value spans (right + left rounded up to 8) and
+    """The Gluon backward's rule: 16-bit or float32 values, 2 to 15 taps whose value spans (right + left rounded up to 8) and
     reading frames (left + right rounded up to 8) reach at most 16 positions past a block, T a multiple of 8,
     Dh 16 to 64. What it does not take, and every call off Hopper or under the interpreter (device -1), runs as
     band-tma or band."""
@@ -409,9 +409,10 @@ def test_gluon_backward_takes_the_windows_its_blocks_reach(ldsa):
         return takes(W, left, Dh, T, BH, dtype)
 
     assert rule() and rule(left=7) and rule(left=0) and rule(W=2, left=1) and rule(W=2, left=0)
-    assert rule(W=15, left=8) and rule(W=15, left=6) and rule(dtype=torch.float16) and rule(Dh=16) and rule(T=8)
+    assert rule(W=15, left=8) and rule(W=15, left=6) and rule(dtype=torch.float16) and rule(dtype=torch.float32)
+    assert rule(Dh=16) and rule(T=8)
     for refused in (dict(left=13), dict(left=1), dict(W=16, left=15), dict(W=1, left=0), dict(W=15, left=9),
-                    dict(W=15, left=5), dict(dtype=torch.float32), dict(T=3001), dict(Dh=128), dict(BH=2**26)):
+                    dict(W=15, left=5), dict(T=3001), dict(Dh=128), dict(BH=2**26)):
         assert not rule(**refused), refused
 
     def config(asked=kernels.BAND_GLUON, **call):
@@ -525,8 +526,8 @@ def test_cuda_gluon_forward_matches_float64(ldsa, left, right, dtype, Dh, T, B):
 
 @needs_cuda
 def test_cuda_large_calls_take_band_gluon(ldsa):
-    """The defaults for the calls band-gluon takes, from TMA_MIN_FRAMES frames up, on Hopper: the forward in
-    every dtype, the backward in 16-bit (float32 backwards take band)."""
+    """The defaults for the calls band-gluon takes, forward and backward, from TMA_MIN_FRAMES frames up, on
+    Hopper, in every dtype."""
     kernels = submodule(ldsa, "ldsa_triton")
     device = torch.cuda.current_device()
     gluon = kernels.BAND_GLUON if torch.cuda.get_device_capability(device)[0] >= 9 else kernels.BAND_TMA
@@ -536,21 +537,20 @@ def test_cuda_large_calls_take_band_gluon(ldsa):
         return plan(None, *shape.values()).config
 
     for plan in (kernels._forward_launch, kernels._backward_launch):
-        assert config(plan) == config(plan, left=7) == config(plan, dtype=torch.float16) == gluon
+        assert config(plan) == config(plan, left=7) == gluon
+        assert config(plan, dtype=torch.float16) == config(plan, dtype=torch.float32) == gluon
         assert config(plan, BH=8) != kernels.BAND_GLUON
         assert config(plan, W=31, left=30) == kernels.BAND_TMA
-    assert config(kernels._forward_launch, dtype=torch.float32) == gluon
-    assert config(kernels._backward_launch, dtype=torch.float32) == kernels.BAND
 
 
-# The Gluon backward over windows its rule takes and three it does not (they run as band-tma), both 16-bit dtypes,
-# each meeting Dh 16 to 64, T from one TMA box to past the card's lengths, and B * H large enough that the
-# persistent programs walk several chunks each.
+# The Gluon backward over windows its rule takes and three it does not (they run as band-tma, or band in float32),
+# every dtype, each meeting Dh 16 to 64, T from one TMA box to past the card's lengths, and B * H large enough
+# that the persistent programs walk several chunks each.
 CUDA_GLUON_BWD_CASES = [
     (left, right, dtype, (16, 32, 64)[(i + i // 2) % 3], (8, 136, 3000, 1000)[i % 4], (1, 64, 2, 32)[i % 4])
     for i, ((left, right), dtype) in enumerate(
         itertools.product([(14, 0), (7, 7), (0, 14), (1, 0), (0, 1), (5, 3), (8, 6), (3, 3), (6, 8), (2, 1), (13, 1),
-                           (1, 13), (15, 0)], (torch.bfloat16, torch.float16))
+                           (1, 13), (15, 0)], (torch.bfloat16, torch.float16, torch.float32))
     )
 ]
 
@@ -564,8 +564,9 @@ def test_cuda_gluon_backward_matches_float64_autograd(ldsa, left, right, dtype, 
     takes = kernels.ldsa_gluon_backward.takes(left + right + 1, left, Dh, T, B * 8, dtype)
     assert takes == ((left, right) not in [(13, 1), (1, 13), (15, 0)])
     hopper = torch.cuda.get_device_capability()[0] >= 9
+    elsewhere = kernels.BAND_TMA if backward_takes_tma(kernels, left, right, Dh, T, B * 8, dtype) else kernels.BAND
     assert kernels.backward_launch(a, v, go, left, right, kernels.BAND_GLUON).config == (
-        kernels.BAND_GLUON if takes and hopper else kernels.BAND_TMA)
+        kernels.BAND_GLUON if takes and hopper else elsewhere)
     assert_backward_repeats_and_matches_float64(kernels, a, v, go, left, right, kernels.BAND_GLUON)
 
 

@@ -1,8 +1,9 @@
-"""The LDSA backward for 16-bit values and windows of up to 15 taps on Hopper, written in Gluon like the forward
-(`ldsa_gluon`): no band is gathered through shared memory; skewed shared-memory views do the band work.
+"""The LDSA backward for windows of up to 15 taps on Hopper, 16-bit and float32 values, written in Gluon like the
+forward (`ldsa_gluon`): no band is gathered through shared memory; skewed shared-memory views do the band work.
 
 A chunk is 64 frames of one (b, h), on a persistent grid, in two parts. Each part's boxes (TMA, zero fill outside
-the tensors) have their own barrier, so the next chunk's boxes for one part load while the other part runs:
+the tensors; 128 bytes of frames a row as in the forward, so one box a chunk in 16-bit and two in float32, and a
+16-frame halo) have their own barrier, so the next chunk's boxes for one part load while the other part runs:
 - dlogits of the chunk's frames. P = G^T V ([32 frames t, 48 span positions s] a 32-frame block, `mma.sync` over
   Dh; the span starts at t0 - lead) is stored to shared memory at row stride 72 and read back at row stride 73
   from cell sh = lead - left: element (t, k) of that view is P[t, t + k + sh] = da[k, t], with no gather.
@@ -12,7 +13,8 @@ the tensors) have their own barrier, so the next chunk's boxes for one part load
   48 frames are stored, frame u at row 16 + u and tap k at column 16 - W + k, at row stride 69 from cell e_s, and
   read back at row stride 68 from cell e_r (e_r - e_s = c2 - W): rows 16 + u and columns [32, 64) of that view
   are the band (the buffer's other cells stay zero), loaded straight into the MMA's B-operand layout. The
-  weights go as hi|lo words, two MMAs, as in the forward.
+  weights go as in the forward (`ldsa_gluon._band_product`): hi|lo words and two MMAs for 16-bit values.
+Float32 operands go through three TF32 MMAs of split operands in both products (`ldsa_gluon._precise_product`).
 The box offsets lead and lead_r are left and right rounded up to 8 frames: box offsets that were not multiples
 of 16 bytes were an illegal instruction on the H200. The cell offsets sh, e_s and e_r put every tap in the 16
 rows of a logits box whatever the window. The row strides keep the shared-memory accesses free of bank

@@ -21,8 +21,9 @@ in one MMA in the forward, see `_dot_hi_lo`); float32 values use three TF32 prod
 Large calls take the same band products fed by the tensor memory accelerator (`_ldsa_forward_tma_kernel`
 for every dtype, `_ldsa_backward_tma_kernel` for 16-bit values): a persistent grid whose programs walk
 chunks in a pipelined loop, the copy engine bringing the next chunks' tiles into shared memory while the
-current one is computed, and storing the output tiles. On Hopper, large forwards with windows of up to 15 taps
-take `ldsa_gluon`'s kernel instead, whose band is built in the MMA's registers (band-gluon).
+current one is computed, and storing the output tiles. On Hopper, large calls with windows of up to 15 taps
+take Gluon kernels instead (band-gluon): `ldsa_gluon`'s forward, whose band is built in the MMA's registers, and
+`ldsa_gluon_backward`'s backward, whose bands are read from skewed shared-memory views.
 
 The backward is one kernel on the same grid. For the chunk's frames it forms V^T G on the span (the
 windowed reduction over Dh), gathers da[k, t] from its band and applies the softmax Jacobian; for the
@@ -514,8 +515,8 @@ BAND_PREFETCH = "band-prefetch"
 # (`_tma_tiles`); others run as band-prefetch (forward) and band (backward).
 BAND_TMA = "band-tma"
 # The forward in Gluon (`ldsa_gluon`) on Hopper, its band built in the MMA's registers: windows of up to 15 taps
-# (`ldsa_gluon.takes`); the 16-bit backward in Gluon (`ldsa_gluon_backward`), its bands read from skewed
-# shared-memory views (`ldsa_gluon_backward.takes`). The calls they do not take run as band-tma.
+# (`ldsa_gluon.takes`); the backward in Gluon (`ldsa_gluon_backward`), its bands read from skewed shared-memory
+# views (`ldsa_gluon_backward.takes`). The calls they do not take run as band-tma (or band where it cannot).
 BAND_GLUON = "band-gluon"
 FORWARD_CONFIGS = (BAND, BAND_PREFETCH, BAND_TMA, BAND_GLUON)
 BACKWARD_CONFIGS = (BAND, BAND_TMA, BAND_GLUON)
