@@ -85,7 +85,7 @@ def _frames(boxes, halo, start: gl.constexpr, n: gl.constexpr):
     ([NBOX, rows, BOX], or [NBOX, 1, rows, BOX] for the logits' 3-D boxes), then the halo box."""
     RANK: gl.constexpr = len(boxes.shape)
     BOX: gl.constexpr = boxes.shape[RANK - 1]
-    ROWS_: gl.constexpr = boxes.shape[RANK - 2]
+    NROWS: gl.constexpr = boxes.shape[RANK - 2]
     if start < CHUNK:
         view = boxes.index(start // BOX)
         start_in: gl.constexpr = start % BOX
@@ -93,7 +93,7 @@ def _frames(boxes, halo, start: gl.constexpr, n: gl.constexpr):
         view = halo
         start_in: gl.constexpr = start - CHUNK
     if RANK == 4:
-        view = view.reshape([ROWS_, view.shape[2]])
+        view = view.reshape([NROWS, view.shape[2]])
     return view.slice(start_in, n, dim=1)
 
 
@@ -193,7 +193,7 @@ def _ldsa_backward_gluon_kernel(lg_desc, lgh_desc, v_desc, vh_desc, g_desc, gh_d
                 p_s.slice(16 * j, 16, dim=1).store(pj)
             gl.thread_barrier()
             da = gl.where(ok1, da_view.slice(0, ROWS, dim=1).load(l_da), 0.0)
-            logits = _frames(lg1_s, lg2h_s, BLOCK * b, BLOCK).permute((1, 0)).load(l_da)
+            logits = _frames(lg1_s, lg1_s, BLOCK * b, BLOCK).permute((1, 0)).load(l_da)
             a1 = _window_softmax(logits, ok1, 1)
             dl = a1 * (da - gl.expand_dims(gl.sum(a1 * da, 1), 1))
             t = t0 + BLOCK * b + t_i

@@ -775,8 +775,8 @@ def _forward_launch(
 
 
 def _gluon_backward_launch(W: int, left: int, Dh: int, T: int, BH: int, dtype: torch.dtype, device: int) -> _Launch:
-    """The Gluon backward's launch: a persistent grid of ldsa_gluon_backward.PROGRAMS_PER_SM programs an SM (one a
-    chunk when there are fewer chunks). Its logits descriptors view a_logits as [B*H, W, T]."""
+    """The Gluon backward's launch: a persistent grid of ldsa_gluon_backward.PROGRAMS_PER_SM programs an SM for the
+    dtype's size (one a chunk when there are fewer chunks). Its logits descriptors view a_logits as [B*H, W, T]."""
     g = ldsa_gluon_backward
     chunk, halo, rows = ldsa_gluon.CHUNK.value, ldsa_gluon.HALO.value, g.ROWS.value
     frames = ldsa_gluon.box_frames(dtype)
@@ -800,8 +800,8 @@ def _backward_launch(
 ) -> _Launch:
     """The backward's launch for values (and grad_out) of `dtype` and logits of `logits_dtype` (None: the same), as
     `_forward_launch`: band-gluon for the calls `ldsa_gluon_backward.takes` on Hopper from TMA_MIN_FRAMES frames
-    up (asked for elsewhere, it runs as band-tma), band-tma where `_tma_tiles` takes the call (band otherwise),
-    band."""
+    up (asked for elsewhere, it runs as band-tma, or band where that cannot), band-tma where `_tma_tiles` takes
+    the call (band otherwise), band."""
     gluon = (aligned and logits_dtype in (None, dtype) and _gluon_runs_on(device) and ldsa_gluon_backward is not None
              and ldsa_gluon_backward.takes(W, left, Dh, T, BH, dtype))
     if config == BAND_GLUON or (config is None and gluon and BH * T >= TMA_MIN_FRAMES):
