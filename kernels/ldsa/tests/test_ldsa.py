@@ -37,6 +37,11 @@ def make(B, H, Dh, T, left, right, dtype=torch.float32, device="cpu", requires_g
     return a, v
 
 
+def grad_like(v):
+    """A random gradient of the output, which has v's shape, dtype and device."""
+    return torch.randn(v.shape, device=v.device).to(v.dtype)
+
+
 @pytest.mark.kernels_ci
 @pytest.mark.parametrize("left,right", WINDOWS)
 @pytest.mark.parametrize("T", [1, 5, 97])
@@ -192,7 +197,7 @@ def assert_backward_repeats_and_matches_float64(kernels, a, v, go, left, right, 
 def test_triton_interpreted_matches_float64(ldsa, poisoned_outputs, left, right, T, Dh, dtype):
     kernels = submodule(ldsa, "ldsa_triton")
     a, v = make(2, 2, Dh, T, left, right, dtype)
-    go = torch.randn(v.shape).to(dtype)
+    go = grad_like(v)
     out = kernels.ldsa_forward(a, v, left, right)
     assert out.dtype == dtype and rel_err(out, ldsa_float64(a, v, left, right)) < TOL[dtype]
     dlogits, dv = kernels.ldsa_backward(a, v, go, left, right)
@@ -210,7 +215,7 @@ def test_triton_interpreted_every_config(ldsa, poisoned_outputs, case):
     forward = kernels.FORWARD_CONFIGS[case // 2 % len(kernels.FORWARD_CONFIGS)]
     backward = kernels.BACKWARD_CONFIGS[(case // 2 + 1) % len(kernels.BACKWARD_CONFIGS)]
     a, v = make(1, 2, Dh, T, left, right, dtype)
-    go = torch.randn(v.shape).to(dtype)
+    go = grad_like(v)
     out = kernels.ldsa_forward(a, v, left, right, config=forward)
     assert out.dtype == dtype and rel_err(out, ldsa_float64(a, v, left, right)) < TOL[dtype]
     dlogits, dv = kernels.ldsa_backward(a, v, go, left, right, config=backward)
@@ -243,7 +248,7 @@ def test_triton_interpreted_several_chunks_per_program(ldsa, poisoned_outputs, m
     try:
         assert kernels._band_plan(left + right + 1, left, 24, T, 2, dtype.itemsize)[2]["CHUNKS"] > 1
         a, v = make(1, 2, 24, T, left, right, dtype)
-        go = torch.randn(v.shape).to(dtype)
+        go = grad_like(v)
         expected = ldsa_float64(a, v, left, right)
         for config in (kernels.BAND, kernels.BAND_PREFETCH):
             assert rel_err(kernels.ldsa_forward(a, v, left, right, config=config), expected) < TOL[dtype], config
@@ -293,7 +298,7 @@ def backward_takes_tma(kernels, left, right, Dh, T, BH, dtype):
 def test_triton_interpreted_tma_kernels(ldsa, poisoned_outputs, left, right, T, Dh, dtype, BH):
     kernels = submodule(ldsa, "ldsa_triton")
     a, v = make(1, BH, Dh, T, left, right, dtype)
-    go = torch.randn(v.shape).to(dtype)
+    go = grad_like(v)
     launches = [kernels.forward_launch(a, v, left, right, kernels.BAND_TMA)]
     if backward_takes_tma(kernels, left, right, Dh, T, BH, dtype):
         launches.append(kernels.backward_launch(a, v, v, left, right, kernels.BAND_TMA))
@@ -398,10 +403,10 @@ def test_gluon_forward_takes_the_windows_its_blocks_reach(ldsa):
 
 
 def test_gluon_backward_takes_the_windows_its_blocks_reach(ldsa):
-    """The Gluon backward's rule: 16-bit or float32 values, 2 to 15 taps whose value spans (right + left rounded up to 8) and
-    reading frames (left + right rounded up to 8) reach at most 16 positions past a block, T a multiple of 8,
-    Dh 16 to 64. What it does not take, and every call off Hopper or under the interpreter (device -1), runs as
-    band-tma or band."""
+    """The Gluon backward's rule: 16-bit or float32 values, 2 to 15 taps whose value spans (right + left rounded
+    up to 8) and reading frames (left + right rounded up to 8) reach at most 16 positions past a block, T a
+    multiple of 8, Dh 16 to 64. What it does not take, and every call off Hopper or under the interpreter
+    (device -1), runs as band-tma or band."""
     kernels = submodule(ldsa, "ldsa_triton")
     takes = kernels.ldsa_gluon_backward.takes
 
@@ -467,7 +472,7 @@ def test_cuda_forward_matches_float64(ldsa, left, right, dtype, Dh, T):
 def test_cuda_backward_matches_float64_autograd(ldsa, left, right, dtype, Dh, T):
     tol = TOL[dtype]
     a, v = make(2, 2, Dh, T, left, right, dtype, "cuda", requires_grad=True)
-    go = torch.randn(v.shape, device="cuda").to(dtype)
+    go = grad_like(v)
     ldsa.ldsa_local_attention(a, v, left, right).backward(go)
     ga, gv = ldsa_float64_grads(a, v, go, left, right)
     assert a.grad.dtype == dtype and v.grad.dtype == dtype
@@ -492,7 +497,7 @@ def test_cuda_every_config_matches_float64(ldsa, case):
     out = kernels.ldsa_forward(a, v, left, right, config=forward)
     assert out.dtype == dtype and rel_err(out, ldsa_float64(a, v, left, right)) < FWD_TOL[dtype], forward
     a, v = make(2, 2, Dh_b, T_b, left, right, dtype, "cuda")
-    go = torch.randn(v.shape, device="cuda").to(dtype)
+    go = grad_like(v)
     dlogits, dv = kernels.ldsa_backward(a, v, go, left, right, config=backward)
     ga, gv = ldsa_float64_grads(a, v, go, left, right)
     assert rel_err(dlogits, ga) < TOL[dtype] and rel_err(dv, gv) < TOL[dtype], backward
@@ -560,7 +565,7 @@ CUDA_GLUON_BWD_CASES = [
 def test_cuda_gluon_backward_matches_float64_autograd(ldsa, left, right, dtype, Dh, T, B):
     kernels = submodule(ldsa, "ldsa_triton")
     a, v = make(B, 8, Dh, T, left, right, dtype, "cuda")
-    go = torch.randn(v.shape, device="cuda").to(dtype)
+    go = grad_like(v)
     takes = kernels.ldsa_gluon_backward.takes(left + right + 1, left, Dh, T, B * 8, dtype)
     assert takes == ((left, right) not in [(13, 1), (1, 13), (15, 0)])
     hopper = torch.cuda.get_device_capability()[0] >= 9
@@ -586,7 +591,7 @@ CUDA_TMA_CASES = [
 def test_cuda_tma_kernels_match_float64(ldsa, left, right, dtype, Dh, T, B):
     kernels = submodule(ldsa, "ldsa_triton")
     a, v = make(B, 8, Dh, T, left, right, dtype, "cuda")
-    go = torch.randn(v.shape, device="cuda").to(dtype)
+    go = grad_like(v)
     assert kernels.forward_launch(a, v, left, right, kernels.BAND_TMA).config == kernels.BAND_TMA
     takes = backward_takes_tma(kernels, left, right, Dh, T, B * 8, dtype)
     assert kernels.backward_launch(a, v, go, left, right, kernels.BAND_TMA).config == (

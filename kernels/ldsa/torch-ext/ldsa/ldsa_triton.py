@@ -644,12 +644,19 @@ class _HostDescriptor(NamedTuple):
     padding: str = "zero"
 
 
+@functools.cache
+def _row_major_strides(shape: tuple) -> tuple:
+    """The strides of a contiguous tensor of `shape` (computed once a shape: descriptors are built every call)."""
+    return tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))
+
+
 def _descriptor(x: torch.Tensor, shape: tuple, block: tuple, layout=None, checked: bool = True):
     """A TMA descriptor of the contiguous x viewed as the row-major `shape`, copied in `block` boxes: Triton's, or
     with a shared-memory `layout` Gluon's; not `checked`, a `_HostDescriptor` for a launch whose specialization
     (shape, dtypes, alignment) the JIT has already taken: building a checked one took 1.5 us (Gluon's) or 1.2 us
-    (Triton's) against 0.24 for the tuple on a 2-core CI host, and band-gluon builds four a call."""
-    strides = tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))
+    (Triton's) against 0.24 for the tuple on a 2-core CI host, and band-gluon builds four a call forward, seven
+    backward."""
+    strides = _row_major_strides(shape)
     if not checked:
         return _HostDescriptor(x, shape, strides)
     if layout is None:
@@ -717,10 +724,12 @@ def _gluon_lead(W: int, left: int, Dh: int, T: int, BH: int, dtype: torch.dtype)
     return lead if ldsa_gluon is not None and ldsa_gluon.takes(W, lead - left, Dh, T, BH, dtype) else None
 
 
-def _gluon_runs_on(device: int) -> bool:
-    """Whether band-gluon runs on CUDA device `device`: it needs Hopper's TMA and mbarriers (compute capability
-    9.0 or more), and a GPU (not the interpreter, -1)."""
-    return device >= 0 and torch.cuda.get_device_capability(device)[0] >= 9
+def _gluon_runs(aligned: bool, logits_dtype: torch.dtype | None, dtype: torch.dtype, device: int) -> bool:
+    """Whether band-gluon can run a call, whatever its window: tensors on 16 bytes (TMA), logits in the values'
+    dtype (None: the same), and CUDA device `device` with Hopper's TMA and mbarriers (compute capability 9.0 or
+    more; not the interpreter, -1)."""
+    return (aligned and logits_dtype in (None, dtype) and device >= 0
+            and torch.cuda.get_device_capability(device)[0] >= 9)
 
 
 def _gluon_forward_launch(W: int, left: int, lead: int, Dh: int, T: int, BH: int, dtype: torch.dtype,
@@ -747,13 +756,11 @@ def _forward_launch(
     """The forward's launch for values of `dtype` (logits of `logits_dtype`, None: the same), built once per shape
     since small calls are host-bound. `aligned`: every tensor starts on 16 bytes (TMA's condition); `device`: the
     CUDA device's index (-1 for the interpreter's CPU tensors). config None takes band-gluon for the calls it
-    takes (`_gluon_lead`, logits in the values' dtype, `_gluon_runs_on(device)`) from TMA_MIN_FRAMES frames up,
-    else the default table's choice; band-gluon asked for runs as band-tma where it cannot.
+    takes (`_gluon_runs`, `_gluon_lead`) from TMA_MIN_FRAMES frames up, else the default table's choice;
+    band-gluon asked for runs as band-tma where it cannot.
 
     band-gluon: `_gluon_forward_launch`. band-tma: `_tma_plan`. The others: `_band_plan` plus the PREFETCH flag."""
-    gluon_lead = None
-    if aligned and logits_dtype in (None, dtype) and _gluon_runs_on(device):
-        gluon_lead = _gluon_lead(W, left, Dh, T, BH, dtype)
+    gluon_lead = _gluon_lead(W, left, Dh, T, BH, dtype) if _gluon_runs(aligned, logits_dtype, dtype, device) else None
     if config == BAND_GLUON or (config is None and gluon_lead is not None and BH * T >= TMA_MIN_FRAMES):
         if gluon_lead is not None:
             return _gluon_forward_launch(W, left, gluon_lead, Dh, T, BH, dtype, device)
@@ -802,7 +809,7 @@ def _backward_launch(
     `_forward_launch`: band-gluon for the calls `ldsa_gluon_backward.takes` on Hopper from TMA_MIN_FRAMES frames
     up (asked for elsewhere, it runs as band-tma, or band where that cannot), band-tma where `_tma_tiles` takes
     the call (band otherwise), band."""
-    gluon = (aligned and logits_dtype in (None, dtype) and _gluon_runs_on(device) and ldsa_gluon_backward is not None
+    gluon = (_gluon_runs(aligned, logits_dtype, dtype, device) and ldsa_gluon_backward is not None
              and ldsa_gluon_backward.takes(W, left, Dh, T, BH, dtype))
     if config == BAND_GLUON or (config is None and gluon and BH * T >= TMA_MIN_FRAMES):
         if gluon:
