@@ -106,17 +106,25 @@ def _at_cell(buf, offset, dtype: gl.constexpr, shape: gl.constexpr, layout: gl.c
 
 @gluon.jit
 def _ldsa_backward_gluon_kernel(lg_desc, lgh_desc, v_desc, vh_desc, g_desc, gh_desc, dv_desc, dl_ptr, T, W, left,
-                                lead, lead_r, n_chunks, all_chunks, DH: gl.constexpr):
+                                lead, lead_r, n_chunks, all_chunks, DH: gl.constexpr, BOX_VIEW: gl.constexpr,
+                                HALO_VIEW: gl.constexpr):
     """The backward on a persistent grid: chunks i = pid, pid + programs, ... of all (b, h, chunk). The logits
     descriptors view a_logits as [B*H, W, T]; the others view v, grad_out and dv as [B*H*DH, T]. Boxes are
-    BOX = 128 bytes of frames wide (`ldsa_gluon.box_frames`), CHUNK // BOX of them a chunk."""
+    BOX = 128 bytes of frames wide (`ldsa_gluon.box_frames`), CHUNK // BOX of them a chunk. BOX_VIEW and HALO_VIEW
+    (`p_operand_views`) are the layouts through which the P product reads the grad_out and value boxes."""
     dtype: gl.constexpr = v_desc.dtype
     KW: gl.constexpr = 32 // dtype.primitive_bitwidth  # the MMA operands' k_width: elements in 32 bits
     BOX: gl.constexpr = v_desc.block_type.shape[1]
     NBOX: gl.constexpr = CHUNK // BOX
     sh = lead - left
     c2 = left + lead_r
-    mma_dv: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, WARPS], instr_shape=[16, 8])
+    # The dv product's warps: along the positions for 16-bit values, each warp then reading the whole grad_out
+    # operand; along Dh for float32, whose grad_out operand each warp would otherwise split into TF32 parts too.
+    if KW == 1:
+        dv_warps: gl.constexpr = [WARPS, 1]
+    else:
+        dv_warps: gl.constexpr = [1, WARPS]
+    mma_dv: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=dv_warps, instr_shape=[16, 8])
     a_dv: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_dv, k_width=KW)
     b_dv: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma_dv, k_width=KW)
     mma_p: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[2, 2], instr_shape=[16, 8])
@@ -127,12 +135,22 @@ def _ldsa_backward_gluon_kernel(lg_desc, lgh_desc, v_desc, vh_desc, g_desc, gh_d
     l_da: gl.constexpr = gl.BlockedLayout([1, 1], [8, 4], [WARPS, 1], [1, 0])  # [32 frames, 16 taps]
     l_w: gl.constexpr = gl.BlockedLayout([1, 1], [4, 8], [WARPS, 1], [1, 0])  # [16 frames, 16 tap columns]
     # Row strides: P stored at 72 (8-byte pairs, no conflicts) and read at 73 (columns < 32 of [[32, 4], [64, 1]]
-    # are 73 apart); the weights stored at 69 (columns < 32 of [[32, 2], [64, 1]]) and the band read at 68.
+    # are 73 apart). The band is read one stride below the weights' store: the B operand's lanes q = 0..3 read
+    # rows 2q and 2q + 1 in 16-bit (k_width 2), rows q in float32, which strides 68 and 72 put 8 banks apart; the
+    # weights are stored at 69 and 73 (columns < 32 of [[32, 2], [64, 1]] and [[32, 4], [64, 1]]), in a buffer
+    # of 64 rows of 72 or 80 cells.
     p_rows: gl.constexpr = gl.PaddedSharedLayout.with_identity_for([[64, 8]], [32, 64], [1, 0])
     p_skew: gl.constexpr = gl.PaddedSharedLayout.with_identity_for([[32, 4], [64, 1]], [32, 64], [1, 0])
-    w_rows: gl.constexpr = gl.PaddedSharedLayout.with_identity_for([[64, 8]], [64, 64], [1, 0])
-    w_skew: gl.constexpr = gl.PaddedSharedLayout.with_identity_for([[32, 2], [64, 1]], [64, 64], [1, 0])
-    band_rows: gl.constexpr = gl.PaddedSharedLayout.with_identity_for([[64, 4]], [64, 64], [1, 0])
+    if KW == 1:
+        w_rows: gl.constexpr = gl.PaddedSharedLayout.with_identity_for([[64, 16]], [64, 64], [1, 0])
+        w_skew: gl.constexpr = gl.PaddedSharedLayout.with_identity_for([[32, 4], [64, 1]], [64, 64], [1, 0])
+        band_rows: gl.constexpr = gl.PaddedSharedLayout.with_identity_for([[64, 8]], [64, 64], [1, 0])
+        W_CELLS: gl.constexpr = 64 * 80
+    else:
+        w_rows: gl.constexpr = gl.PaddedSharedLayout.with_identity_for([[64, 8]], [64, 64], [1, 0])
+        w_skew: gl.constexpr = gl.PaddedSharedLayout.with_identity_for([[32, 2], [64, 1]], [64, 64], [1, 0])
+        band_rows: gl.constexpr = gl.PaddedSharedLayout.with_identity_for([[64, 4]], [64, 64], [1, 0])
+        W_CELLS: gl.constexpr = 64 * 72
 
     # The logits boxes are [1, ROWS, BOX] boxes of [B*H, W, T].
     lg1_s = gl.allocate_shared_memory(lg_desc.dtype, [NBOX, 1, ROWS, BOX], lg_desc.layout)
@@ -145,18 +163,22 @@ def _ldsa_backward_gluon_kernel(lg_desc, lgh_desc, v_desc, vh_desc, g_desc, gh_d
     gh_s = gl.allocate_shared_memory(dtype, [DH, HALO], gh_desc.layout)
     # 32 x 72 cells; the skewed view reads up to cell 7 + 73 * 31 + 15 = 2285 of them
     p_s = gl.allocate_shared_memory(gl.float32, [32, 64], p_rows)
-    # 64 x 72 cells; the weights go up to cell 1 + 69 * 63 + 15 = 4363, the band up to 6 + 68 * 63 + 63 = 4353
+    # W_CELLS cells; the weights go up to cell 1 + 69 * 63 + 15 = 4363 (1 + 73 * 63 + 15 = 4615 in float32), the
+    # band up to 6 + 68 * 63 + 63 = 4353 (4605)
     w_s = gl.allocate_shared_memory(gl.int32, [64, 64], w_rows)
     dv_s = gl.allocate_shared_memory(dtype, [NBOX, DH, BOX], dv_desc.layout)
     bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for part in gl.static_range(2):
         mbarrier.init(bars.index(part), count=1)
+    gc_p = gc_s._reinterpret(dtype, [NBOX, DH, BOX], BOX_VIEW)
+    v_p = v_s._reinterpret(dtype, [NBOX, DH, BOX], BOX_VIEW)
+    vh_p = vh_s._reinterpret(dtype, [DH, HALO], HALO_VIEW)
     # The band buffer's cells other than the stored weights stay zero, all chunks long.
     flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
     zl: gl.constexpr = gl.BlockedLayout([4], [32], [WARPS], [0])
     cells = w_s._reinterpret(gl.int32, [8192], flat)
     cells.slice(0, 4096).store(gl.zeros([4096], gl.int32, zl))
-    cells.slice(4096, 512).store(gl.zeros([512], gl.int32, zl))
+    cells.slice(4096, W_CELLS - 4096).store(gl.zeros([W_CELLS - 4096], gl.int32, zl))
     e_r = gl.maximum(c2 - W, 0)
     e_s = gl.maximum(W - c2, 0)
     da_view = _at_cell(p_s, sh, gl.float32, [32, 64], p_skew)  # (t, k): P[t, t + k + sh] = da[k, t]
@@ -186,9 +208,9 @@ def _ldsa_backward_gluon_kernel(lg_desc, lgh_desc, v_desc, vh_desc, g_desc, gh_d
 
         # dlogits, a block of 32 frames at a time
         for b in gl.static_range(CHUNK // BLOCK):
-            gt = _frames(gc_s, gc_s, BLOCK * b, BLOCK).permute((1, 0)).load(a_p)  # [32 t, DH]
+            gt = _frames(gc_p, gc_p, BLOCK * b, BLOCK).permute((1, 0)).load(a_p)  # [32 t, DH]
             for j in gl.static_range(3):
-                vals = _frames(v_s, vh_s, BLOCK * b + 16 * j, 16).load(b_p)
+                vals = _frames(v_p, vh_p, BLOCK * b + 16 * j, 16).load(b_p)
                 pj = _precise_product(gt, vals, gl.zeros([BLOCK, 16], gl.float32, mma_p))
                 p_s.slice(16 * j, 16, dim=1).store(pj)
             gl.thread_barrier()
@@ -249,3 +271,46 @@ def layouts(dtype: torch.dtype, Dh: int) -> tuple:
     box = box_frames(dtype)
     boxes = ([1, ROWS.value, box], [1, ROWS.value, HALO.value], [Dh, box], [Dh, HALO.value])
     return tuple(gl.NVMMASharedLayout.get_default_for(box, GL_DTYPES[dtype]) for box in boxes)
+
+
+# The order in which a float32 MMA step's eight k rows (Dh rows of the grad_out and value boxes) are taken: the
+# operand lanes q = 0..3 read k rows q and q + 4, which sit at Dh rows 0, 3, 5, 6 and 1, 2, 4, 7 of each eight
+# (a linear map over the row index's bits, as a shared layout needs). In the boxes' 128-byte swizzle (64-byte for
+# the float32 halo) rows 0..3 fall on the same banks as pairs of frames do; rows 0, 3, 5, 6 fall on distinct ones,
+# so each operand load is one wavefront where it was two. The P product sums over k, so its order is free.
+K_ORDER = (0, 3, 5, 6, 1, 2, 4, 7)
+
+
+def _swizzled_offset(row: int, column: int, row_bytes: int, swizzle_bytes: int, itemsize: int) -> int:
+    """The element offset of (row, column) in a TMA box laid out with the NVMMA swizzle of `swizzle_bytes`: the
+    16-byte unit index of each 128-byte line XORed with the line index, over log2(swizzle_bytes / 16) bits."""
+    byte = row * row_bytes + column * itemsize
+    unit_bits = (swizzle_bytes // 16).bit_length() - 1
+    byte ^= ((byte >> 7) << 4) & (((1 << unit_bits) - 1) << 4)
+    return byte // itemsize
+
+
+def _k_ordered_view(shape: list, layout: gl.NVMMASharedLayout, itemsize: int) -> gl.SharedLinearLayout:
+    """`layout`, the layout of a TMA box of `shape` [Dh, frames], seen with the Dh rows in K_ORDER within each
+    eight: a shared linear layout, element offset bit i -> the (row, frame) it adds. (It also views a
+    [boxes, Dh, frames] buffer of such boxes, whose .index(n) is box n.)"""
+    rows, columns = shape
+    place = {}
+    for r in range(rows):
+        row = r & ~7 | K_ORDER[r & 7]
+        for c in range(columns):
+            place[_swizzled_offset(row, c, columns * itemsize, layout.swizzle_byte_width, itemsize)] = (r, c)
+    return gl.SharedLinearLayout([list(place[1 << i]) for i in range((rows * columns).bit_length() - 1)])
+
+
+@functools.cache
+def p_operand_views(dtype: torch.dtype, Dh: int) -> tuple:
+    """The layouts through which the P product reads the grad_out and value boxes ([Dh, box]) and the value halo
+    ([Dh, HALO]): Dh rows in K_ORDER for float32, whose operands are read an element at a time; the
+    boxes' own layouts for 16-bit values (ldmatrix reads those without conflicts)."""
+    box = box_frames(dtype)
+    _, _, box_layout, halo_layout = layouts(dtype, Dh)
+    if dtype != torch.float32:
+        return box_layout, halo_layout
+    return (_k_ordered_view([Dh, box], box_layout, dtype.itemsize),
+            _k_ordered_view([Dh, HALO.value], halo_layout, dtype.itemsize))

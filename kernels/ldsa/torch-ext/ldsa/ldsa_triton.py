@@ -796,7 +796,8 @@ def _gluon_backward_launch(W: int, left: int, Dh: int, T: int, BH: int, dtype: t
                  (1, values, (Dh, frames), box), (1, values, (Dh, halo), box_halo), (2, values, (Dh, frames), box),
                  (2, values, (Dh, halo), box_halo), (4, values, (Dh, frames), box), 3)
     ints = (T, W, left, _round_up(left, 8), _round_up(W - 1 - left, 8), n_chunks, BH * n_chunks)
-    return _Launch(g._ldsa_backward_gluon_kernel, programs, ints, dict(DH=Dh),
+    box_view, halo_view = g.p_operand_views(dtype, Dh)
+    return _Launch(g._ldsa_backward_gluon_kernel, programs, ints, dict(DH=Dh, BOX_VIEW=box_view, HALO_VIEW=halo_view),
                    ldsa_gluon.WARPS.value, BAND_GLUON, arguments)
 
 
