@@ -10,11 +10,17 @@ the tensors; 128 bytes of frames a row as in the forward, so one box a chunk in 
   dlogits = a (da - sum a da), stored through pointers (a 16-row TMA store would write the next head's taps).
 - dv of the chunk's positions p: G Y^T, the forward's product with grad_out in place of v and the transposed
   band Y^T[u, p] = a[p - u + c2, u] (u: frames from p0 - lead_r, c2 = left + lead_r). The weights of a block's
-  48 frames are stored, frame u at row 16 + u and tap k at column 16 - W + k, at row stride 69 from cell e_s, and
-  read back at row stride 68 from cell e_r (e_r - e_s = c2 - W): rows 16 + u and columns [32, 64) of that view
-  are the band (the buffer's other cells stay zero), loaded straight into the MMA's B-operand layout. The
-  weights go as in the forward (`ldsa_gluon._band_product`): hi|lo words and two MMAs for 16-bit values.
+  48 frames are stored, frame u at row 16 + u and tap k at column 16 - W + k, at row stride 69 (73 in float32)
+  from cell e_s, and read back one stride lower from cell e_r (e_r - e_s = c2 - W): rows 16 + u and columns
+  [32, 64) of that view are the band (the buffer's other cells stay zero), loaded straight into the MMA's
+  B-operand layout. The weights go as in the forward (`ldsa_gluon._band_product`): hi|lo words and two MMAs for
+  16-bit values.
 Float32 operands go through three TF32 MMAs of split operands in both products (`ldsa_gluon._precise_product`).
+In float32 two layout choices keep the products' operand reads cheap: the P product reads grad_out and values with
+Dh in `K_ORDER` (one shared-memory wavefront a load, where the boxes' swizzle gave two), and the dv product's warps
+split Dh rather than the positions, so that no two warps split the same grad_out operand into TF32 parts. At
+64 x 3000, W = 15: 0.687-0.693 -> 0.631-0.635 ms, 0.672 with the K order alone, 0.661 with the warps alone
+(bench/results/2026-11-30-2a5b7ac-ldsa-f32-bwd-probe.log).
 The box offsets lead and lead_r are left and right rounded up to 8 frames: box offsets that were not multiples
 of 16 bytes were an illegal instruction on the H200. The cell offsets sh, e_s and e_r put every tap in the 16
 rows of a logits box whatever the window. The row strides keep the shared-memory accesses free of bank
@@ -37,7 +43,7 @@ from .window_weights import _window_softmax
 ROWS = gl.constexpr(16)  # logits rows a box: the taps
 # Programs an SM by the values' bytes an element: three fit in 16-bit (69 KB of shared memory each at Dh = 64;
 # with two, a version with 32 logits rows ran 0.428 against 0.333 ms, the probe log above), two in float32
-# (108 KB).
+# (112.7 KB at Dh = 64).
 PROGRAMS_PER_SM = {2: 3, 4: 2}
 
 
