@@ -428,6 +428,50 @@ def test_gluon_backward_takes_the_windows_its_blocks_reach(ldsa):
     assert config(dtype=torch.float32) == kernels.BAND  # where band-tma cannot
 
 
+def _bank_conflicts(register_layout, shared_layout, shape) -> int:
+    """Triton's count of excess shared-memory accesses a wavefront when float32 data of `shape` in
+    `register_layout` is read from `shared_layout` (gl.bank_conflicts, outside a kernel)."""
+    from triton._C.libtriton import gluon_ir, ir
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language._core import distributed_type, shared_memory_descriptor_type
+    from triton.experimental.gluon.language._semantic import GluonSemantic
+
+    context = ir.context()
+    ir.load_dialects(context)
+    semantic = GluonSemantic(gluon_ir.GluonOpBuilder(context))
+    return semantic.bank_conflicts(distributed_type(gl.float32, shape, register_layout),
+                                   shared_memory_descriptor_type(gl.float32, shape, shared_layout, shape))
+
+
+@pytest.mark.parametrize("Dh", [16, 32, 64])
+def test_gluon_backward_float32_operand_reads_are_conflict_free(ldsa, monkeypatch, Dh):
+    """The float32 P product reads its grad_out and value operands from the TMA boxes an element at a time.
+    Through the boxes' own swizzled layouts (128 bytes a row, 64 for the halo) two lanes of a load share a bank;
+    through `p_operand_views`, which take Dh in K_ORDER, none do, for either operand. With K_ORDER the
+    identity the views reproduce the swizzles' own conflicts, as a check that they model those layouts."""
+    from triton.experimental.gluon import language as gl
+
+    g = submodule(ldsa, "ldsa_triton").ldsa_gluon_backward
+    mma = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[2, 2], instr_shape=[16, 8])
+    a_operand, b_operand = (gl.DotOperandLayout(operand_index=i, parent=mma, k_width=1) for i in (0, 1))
+
+    def transposed(view):
+        return gl.SharedLinearLayout([basis[::-1] for basis in view.offset_bases])
+
+    _, _, box, halo = g.layouts(torch.float32, Dh)
+    box_view, halo_view = g.p_operand_views(torch.float32, Dh)
+    for layout, view, frames in ((box, box_view, 32), (halo, halo_view, 16)):
+        assert _bank_conflicts(b_operand, layout, [Dh, frames]) == 1
+        assert _bank_conflicts(b_operand, view, [Dh, frames]) == 0
+        assert _bank_conflicts(a_operand, transposed(view), [frames, Dh]) == 0
+        monkeypatch.setattr(g, "K_ORDER", tuple(range(8)))
+        identity = g._k_ordered_view([Dh, frames], layout, 4)
+        monkeypatch.undo()
+        assert _bank_conflicts(b_operand, identity, [Dh, frames]) == 1
+        assert _bank_conflicts(a_operand, transposed(identity), [frames, Dh]) == 1
+    assert g.p_operand_views(torch.bfloat16, Dh) == g.layouts(torch.bfloat16, Dh)[2:]
+
+
 # ---- The fused path on CUDA (the lead's GPU run) ----
 
 # Every band configuration `_plan` picks: N = 16, 32, 64 frames per chunk; K = 16 to 128; 4 and 8 warps;
