@@ -664,11 +664,14 @@ def _descriptor(x: torch.Tensor, shape: tuple, block: tuple, layout=None, checke
     return ldsa_gluon.descriptor(x, shape, strides, block, layout)
 
 
+_SAME_DEVICE = contextlib.nullcontext()
+
+
 def _device_of(x: torch.Tensor):
     """Triton launches on the current CUDA device: switch to x's device when it is another one."""
     if x.is_cuda and x.device.index != torch.cuda.current_device():
         return torch.cuda.device(x.device)
-    return contextlib.nullcontext()
+    return _SAME_DEVICE
 
 
 def _clear_plans() -> None:
@@ -677,6 +680,7 @@ def _clear_plans() -> None:
     PROGRAMS_PER_SM): for tests, benchmarks and probes that change those."""
     for plan in (_band_plan, _forward_launch, _backward_launch):
         plan.cache_clear()
+    _signature_launches.clear()
 
 
 def _tma_plan(
@@ -853,7 +857,30 @@ def ldsa_forward(a_logits: torch.Tensor, v: torch.Tensor, left: int, right: int,
     """Fused forward on contiguous a_logits [B,H,W,T] and v [B,H,Dh,T] (validated by the caller).
 
     `config` names one of FORWARD_CONFIGS; None takes the default table's choice."""
-    launch = forward_launch(a_logits, v, left, right, config)
+    return _run_forward(forward_launch(a_logits, v, left, right, config), a_logits, v)
+
+
+# The default forward launches of the public op's direct calls, by (call signature, inputs on 16 bytes): see
+# `ldsa_forward_of_signature`. Bounded like the op's set of checked signatures.
+_signature_launches: dict = {}
+MAX_SIGNATURE_LAUNCHES = 8192
+
+
+def ldsa_forward_of_signature(signature: tuple, a_logits: torch.Tensor, v: torch.Tensor, left: int, right: int):
+    """`ldsa_forward` with the default launch, found by the public op's call signature (the shapes, dtypes and
+    devices of both tensors and the window: everything `forward_launch` reads of a call but the alignment). The
+    op has built the signature for its argument checks; one lookup by it and the alignment replaces
+    `forward_launch`'s derivation of its cache key (1.2 us of host time on a 2-core CPU host, against 0.4)."""
+    key = (signature, a_logits.data_ptr() % 16 == 0 and v.data_ptr() % 16 == 0)
+    launch = _signature_launches.get(key)
+    if launch is None:
+        if len(_signature_launches) >= MAX_SIGNATURE_LAUNCHES:
+            _signature_launches.clear()
+        launch = _signature_launches[key] = forward_launch(a_logits, v, left, right)
+    return _run_forward(launch, a_logits, v)
+
+
+def _run_forward(launch: _Launch, a_logits: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     out = torch.empty_like(v)
     with _device_of(v):
         _launch(launch, (a_logits, v, out))

@@ -38,11 +38,15 @@ def _fused(left: int, right: int):
     return kernels if kernels is not None and kernels.supports_window(left + right + 1) else None
 
 
-def _cuda_forward(a_logits, v, left, right):
+def _cuda_forward(a_logits, v, left, right, signature: tuple | None = None):
+    """The forward on CUDA tensors; `signature`, the public op's call signature where it has one (its direct
+    launch), finds the launch by it."""
     kernels = _fused(left, right)
     if kernels is None:
         return ldsa_forward_reference(a_logits, v, left, right)
-    return kernels.ldsa_forward(a_logits, v, left, right)
+    if signature is None:
+        return kernels.ldsa_forward(a_logits, v, left, right)
+    return kernels.ldsa_forward_of_signature(signature, a_logits, v, left, right)
 
 
 def _cuda_backward(a_logits, v, grad_out, left, right):
@@ -110,10 +114,10 @@ def ldsa_local_attention(a_logits: torch.Tensor, v: torch.Tensor, left: int, rig
     with v taken as zero outside [0, T). Softmax and accumulation in float32. Differentiable in both
     tensors. Non-contiguous inputs are copied to contiguous ones.
     """
-    _check_args_once(a_logits, v, left, right)
+    signature = _check_args_once(a_logits, v, left, right)
     a_logits, v = a_logits.contiguous(), v.contiguous()
     if _launch_directly(a_logits, v):
-        return _cuda_forward(a_logits, v, left, right)
+        return _cuda_forward(a_logits, v, left, right, signature)
     return ldsa_forward(a_logits, v, left, right)
 
 
@@ -125,11 +129,12 @@ _checked_signatures: set = set()
 MAX_CHECKED_SIGNATURES = 4096  # a bound for callers with ever-new shapes; past it the set starts over
 
 
-def _check_args_once(a_logits, v, left, right) -> None:
-    """check_ldsa_args, skipped for a call signature that passed it before."""
+def _check_args_once(a_logits, v, left, right) -> tuple | None:
+    """check_ldsa_args, skipped for a call signature that passed it before; the signature (None for tensor
+    subclasses), by which the direct launch looks up its plan too (`ldsa_triton.ldsa_forward_of_signature`)."""
     if type(a_logits) is not torch.Tensor or type(v) is not torch.Tensor:
         check_ldsa_args(a_logits, v, left, right)  # raises for a non-tensor; subclasses are checked every call
-        return
+        return None
     signature = (a_logits.shape, v.shape, a_logits.dtype, v.dtype, a_logits.device, v.device, type(left), left,
                  type(right), right)  # fmt: skip
     if signature not in _checked_signatures:
@@ -137,6 +142,7 @@ def _check_args_once(a_logits, v, left, right) -> None:
         if len(_checked_signatures) >= MAX_CHECKED_SIGNATURES:
             _checked_signatures.clear()
         _checked_signatures.add(signature)
+    return signature
 
 
 def _launch_directly(a_logits: torch.Tensor, v: torch.Tensor) -> bool:
