@@ -237,6 +237,31 @@ def test_band_design_refuses_windows_it_does_not_take(ldsa, config):
 
 
 @needs_interpreter
+def test_launches_by_call_signature_follow_the_tunables(ldsa, monkeypatch):
+    """The public op's direct launch keeps its launch by call signature (`ldsa_forward_of_signature`): the one
+    forward_launch gives, computing the forward; `_clear_plans`, which tests and benchmarks call after changing
+    a tunable, forgets it, so the next call takes the changed default."""
+    kernels, op = submodule(ldsa, "ldsa_triton"), submodule(ldsa, "op")
+    a, v = make(1, 2, 16, 40, 3, 2, torch.bfloat16)
+    signature = op._check_args_once(a, v, 3, 2)
+    key = (signature, a.data_ptr() % 16 == 0 and v.data_ptr() % 16 == 0)
+    kernels._clear_plans()
+    try:
+        out = kernels.ldsa_forward_of_signature(signature, a, v, 3, 2)
+        assert rel_err(out, ldsa_float64(a, v, 3, 2)) < TOL[torch.bfloat16]
+        assert kernels._signature_launches[key] is kernels.forward_launch(a, v, 3, 2)
+        assert kernels._signature_launches[key].config == kernels.BAND_PREFETCH
+        monkeypatch.setitem(kernels.DEFAULT_CONFIG, ("forward", True, False), kernels.BAND)
+        kernels._clear_plans()
+        assert key not in kernels._signature_launches
+        kernels.ldsa_forward_of_signature(signature, a, v, 3, 2)
+        assert kernels._signature_launches[key].config == kernels.BAND
+    finally:
+        monkeypatch.undo()
+        kernels._clear_plans()
+
+
+@needs_interpreter
 @pytest.mark.parametrize("left,right,T,dtype", [(14, 0, 75, torch.bfloat16), (7, 7, 200, torch.float32)])
 def test_triton_interpreted_several_chunks_per_program(ldsa, poisoned_outputs, monkeypatch, left, right, T, dtype):
     """Small shapes get one chunk a program (MIN_PROGRAMS); with that floor lifted a program walks several
