@@ -285,7 +285,7 @@ def _forward_scan_kernel(k, v, p, beta, g, A, S_out, Vn_out, N, H, K: tl.constex
 
 @triton.jit
 def _reverse_step(q, k, v, p, beta, g, do, A, dS_out, X_out, dv, dbeta_v, dS, n, bh, iv, scal_base, scale, N,
-                  H, cv, K: tl.constexpr, V: tl.constexpr):
+                  H, cv, K: tl.constexpr, V: tl.constexpr, W_FIRST: tl.constexpr):
     """Chunk n of the reverse scan: store dS'_n, X = A^T dVn, dv and this V block's part of sum_v(v X); return
     the gradient of the state before the chunk."""
     T = N * BT
@@ -300,16 +300,30 @@ def _reverse_step(q, k, v, p, beta, g, do, A, dS_out, X_out, dv, dbeta_v, dS, n,
     scores_t = (tl.dot(kk.to(tl.bfloat16), qt.to(tl.bfloat16)) * scale * _decay(gc, True, False)).to(tl.bfloat16)
     dS = tl.dot((qt * (gam * scale)[None, :]).to(tl.bfloat16), dok, acc=tl.exp(glast) * dS)
     dVn = tl.dot(scores_t, dok, acc=tl.dot((kk * tl.exp(glast - gc)[:, None]).to(tl.bfloat16), dS_b))
-    # The chunk transform's adjoint on this V block: X = A^T dVn, dv = beta X, dbeta's v part.
+    # dS = Gam dS' + scale (gam Q)^T dO - W^T dVn, with W = A (beta gam P). Where this program holds all of V
+    # (W_FIRST), -W^T is formed apart from dS' as -(beta gam P)^T A^T, and dS waits on one product after dVn;
+    # else W^T dVn = (beta gam P)^T X, which spares the V blocks' programs a product each of them would repeat.
+    # At (16, 2048, 32, 64, 128) the reverse scan took 0.568 against 0.589 ms, and at (8, 2048, 32, 128, 128),
+    # forming -W^T in both V blocks, 0.578 against 0.525 (bench/results/2026-11-30-2543ea0-dirty-comba-reverse-wt-
+    # probe.log).
     a_t = tl.load(A + chunk * BT * BT + r[None, :] * BT + r[:, None])              # A^T
-    X = tl.dot(a_t, dVn.to(tl.bfloat16))
+    if W_FIRST:
+        pt = tl.load(_rows_t(p, scal_base * K, t0, H * K, K))
+        w_t = tl.dot((pt * -(bk * gam)[None, :]).to(tl.bfloat16), a_t).to(tl.bfloat16)   # -W^T
+        dVn = dVn.to(tl.bfloat16)
+        dS = tl.dot(w_t, dVn, acc=dS)
+    else:
+        dVn = dVn.to(tl.bfloat16)
+    # The chunk transform's adjoint on this V block: X = A^T dVn, dv = beta X, dbeta's v part.
+    X = tl.dot(a_t, dVn)
     tl.store(X_out + (bh.to(tl.int64) * T + t0 + r)[:, None] * V + cv[None, :], X.to(X_out.dtype.element_ty))
     vk = tl.load(v + scal_base * V + (t0 + r)[:, None] * (H * V) + cv[None, :]).to(tl.float32)
     tl.store(dv + scal_base * V + (t0 + r)[:, None] * (H * V) + cv[None, :], (bk[:, None] * X).to(dv.dtype.element_ty))
     tl.store(dbeta_v + iv * _n_pos(T, H) + scal_base + (t0 + r) * H, tl.sum(vk * X, 1))
-    # dS = Gam dS' + scale (gam Q)^T dO - W^T dVn, with W^T dVn = (beta gam P)^T X
-    pt = tl.load(_rows_t(p, scal_base * K, t0, H * K, K))
-    return tl.dot((pt * -(bk * gam)[None, :]).to(tl.bfloat16), X.to(tl.bfloat16), acc=dS)
+    if not W_FIRST:
+        pt = tl.load(_rows_t(p, scal_base * K, t0, H * K, K))
+        dS = tl.dot((pt * -(bk * gam)[None, :]).to(tl.bfloat16), X.to(tl.bfloat16), acc=dS)
+    return dS
 
 
 @triton.jit(do_not_specialize=["N"])
@@ -321,7 +335,7 @@ def _reverse_scan_kernel(q, k, v, p, beta, g, do, A, dS_out, X_out, dv, dbeta_v,
     dS = tl.zeros([K, BV], dtype=tl.float32)
     for i in tl.range(0, N, num_stages=STAGES):  # chunks N - 1 down to 0
         dS = _reverse_step(q, k, v, p, beta, g, do, A, dS_out, X_out, dv, dbeta_v, dS, N - 1 - i, bh, iv, scal_base,
-                           scale, N, H, cv, K, V)
+                           scale, N, H, cv, K, V, BV == V)
 
 
 @triton.jit
