@@ -304,8 +304,8 @@ def _reverse_step(q, k, v, p, beta, g, do, A, dS_out, X_out, dv, dbeta_v, dS, n,
     # (W_FIRST), -W^T is formed apart from dS' as -(beta gam P)^T A^T, and dS waits on one product after dVn;
     # else W^T dVn = (beta gam P)^T X, which spares the V blocks' programs a product each of them would repeat.
     # At (16, 2048, 32, 64, 128) the reverse scan took 0.568 against 0.589 ms, and at (8, 2048, 32, 128, 128),
-    # forming -W^T in both V blocks, 0.578 against 0.525 (bench/results/2026-11-30-2543ea0-dirty-comba-reverse-wt-
-    # probe.log).
+    # forming -W^T in both V blocks, 0.578 against 0.525
+    # (bench/results/2026-11-30-2543ea0-dirty-comba-reverse-wt-probe.log).
     a_t = tl.load(A + chunk * BT * BT + r[None, :] * BT + r[:, None])              # A^T
     if W_FIRST:
         pt = tl.load(_rows_t(p, scal_base * K, t0, H * K, K))
