@@ -266,11 +266,13 @@ TRITON_DEVICE = "cuda" if HAS_CUDA else "cpu"
 
 @needs_triton
 @pytest.mark.kernels_ci
-@pytest.mark.parametrize("shape", [(1, 128, 1, 64, 64), (1, 100, 2, 64, 128), (1, 64, 1, 128, 64), (3, 128, 3, 64, 64)])
+@pytest.mark.parametrize("shape", [(1, 128, 1, 64, 64), (1, 100, 2, 64, 128), (1, 64, 1, 128, 64), (3, 128, 3, 64, 64),
+                                   (1, 128, 1, 128, 128)])
 def test_triton_backward_matches_float64(triton_bwd, shape):
     """Tiny shapes (the interpreter runs them on the CPU); T=100 exercises the time padding, and with K = 64,
     V = 128 one scan program taking all of V and two V steps in each gradient part a (b, h); B = 3 is cut into
-    batch pieces of 1 and 2, so with H = 3 the second piece checks the (b, t, h) offsets of every kernel."""
+    batch pieces of 1 and 2, so with H = 3 the second piece checks the (b, t, h) offsets of every kernel;
+    K = V = 128 cuts V in two scan blocks (the reverse scan then updates dS from X, and dbeta has two v parts)."""
     inputs = make_inputs(*shape, torch.bfloat16, TRITON_DEVICE, seed=9)
     grads = triton_bwd.comba_backward_triton(*inputs, 0.9 * shape[3] ** -0.5)
     assert [gr.dtype for gr in grads] == [torch.bfloat16] * 5 + [torch.float32]
