@@ -310,7 +310,7 @@ def _reverse_step(q, k, v, p, beta, g, do, A, dS_out, X_out, dv, dbeta_v, dS, n,
     if W_FIRST:
         pt = tl.load(_rows_t(p, scal_base * K, t0, H * K, K))
         w_t = tl.dot((pt * -(bk * gam)[None, :]).to(tl.bfloat16), a_t).to(tl.bfloat16)   # -W^T
-        dVn = dVn.to(tl.bfloat16)  # after -W^T, as measured: converted before it, the kernel compiles otherwise
+        dVn = dVn.to(tl.bfloat16)  # after -W^T: converted before it, the compiled kernel is not the one measured
         dS = tl.dot(w_t, dVn, acc=dS)
     else:
         dVn = dVn.to(tl.bfloat16)
