@@ -46,7 +46,7 @@ def _issue(k_desc, q_desc, p_desc, do_desc, a_desc, k_s, q_s, p_s, do_s, a_s, ba
 
 
 @gluon.jit
-def _rev_kernel(k_desc, q_desc, p_desc, do_desc, a_desc, ds_desc, v, beta, g, X_out, dv, dbeta_v, scale, N, H,
+def _rev_kernel(k_desc, q_desc, p_desc, do_desc, a_desc, ds_desc, x_desc, dv_desc, v, beta, g, dbeta_v, scale, N, H,
                 K: gl.constexpr, V: gl.constexpr):
     bh = gl.program_id(0)
     b = bh // H
@@ -70,6 +70,7 @@ def _rev_kernel(k_desc, q_desc, p_desc, do_desc, a_desc, ds_desc, v, beta, g, X_
     a_s = gl.allocate_shared_memory(dtype, [2, BT, BT], a_desc.layout)
     dsb_s = gl.allocate_shared_memory(dtype, [K, V], ds_desc.layout)
     dvn_s = gl.allocate_shared_memory(dtype, [BT, V], do_desc.layout)
+    dv_s = gl.allocate_shared_memory(dtype, [BT, V], do_desc.layout)
     bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for st in gl.static_range(2):
         mbarrier.init(bars.index(st), count=1)
@@ -111,6 +112,9 @@ def _rev_kernel(k_desc, q_desc, p_desc, do_desc, a_desc, ds_desc, v, beta, g, X_
         dos = do_s.index(s)
         as_t = a_s.index(s).permute((1, 0))                                     # A^T
 
+        # dVn = scores_t dO + (K Gam/gam) dS'
+        gc_b = gl.convert_layout(gc, gl.SliceLayout(1, blk))
+        kdec = (ks.load(blk).to(gl.float32) * gl.exp(glast - gc_b)[:, None]).to(dtype)
         # scores_t = (K Q^T) * scale * E^T
         gc_r = gl.convert_layout(gc, gl.SliceLayout(1, acc_tt))
         gc_c = gl.convert_layout(gc, gl.SliceLayout(0, acc_tt))
@@ -119,9 +123,6 @@ def _rev_kernel(k_desc, q_desc, p_desc, do_desc, a_desc, ds_desc, v, beta, g, X_
         et = gl.exp(gl.where(j_tt >= i_tt, gc_c[None, :] - gc_r[:, None], float("-inf")))
         sc = (sc * et * scale).to(dtype)
 
-        # dVn = scores_t dO + (K Gam/gam) dS'
-        gc_b = gl.convert_layout(gc, gl.SliceLayout(1, blk))
-        kdec = (ks.load(blk).to(gl.float32) * gl.exp(glast - gc_b)[:, None]).to(dtype)
         a_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_tv, k_width=2)
         dvn = warpgroup_mma(gl.convert_layout(sc, a_op), dos, gl.zeros([BT, V], gl.float32, acc_tv), is_async=True)
         dvn = warpgroup_mma(gl.convert_layout(kdec, a_op), dsb_s, dvn, is_async=True)
@@ -146,9 +147,14 @@ def _rev_kernel(k_desc, q_desc, p_desc, do_desc, a_desc, ds_desc, v, beta, g, X_
         x = warpgroup_mma(as_t, dvn_s, gl.zeros([BT, V], gl.float32, acc_tv), is_async=True)
         x, dS = warpgroup_mma_wait(0, deps=[x, dS])
         bk_r = gl.convert_layout(bk, gl.SliceLayout(1, acc_tv))
-        gl.store(X_out + (bh.to(gl.int64) * T + t0 + rows_tv)[:, None] * V + cols_tv[None, :], x.to(dtype))
-        gl.store(dv + pos, (bk_r[:, None] * x).to(dtype))
         gl.store(dbeta_v + scal_base + (t0 + rows_tv) * H, gl.sum(vk.to(gl.float32) * x, 1))
+        # X and dv through shared memory and TMA stores (dvn_s is free once both products have read it)
+        dvn_s.store(x.to(dtype))
+        dv_s.store((bk_r[:, None] * x).to(dtype))
+        fence_async_shared()
+        gl.thread_barrier()
+        tma.async_copy_shared_to_global(x_desc, [bh * T + t0, 0], dvn_s)
+        tma.async_copy_shared_to_global(dv_desc, [row0 + t0, hv], dv_s)
         gl.thread_barrier()  # every warpgroup's products have read this stage and dvn_s
     tma.store_wait(0)
     for st in gl.static_range(2):
@@ -172,6 +178,7 @@ def reverse_scan_gluon(q, k, v, p, beta, g, do, A, scale):
     d = lambda x, D: _desc(x.view(B * T, H * D), [64, D])  # noqa: E731
     a_desc = _desc(A.view(-1, 64), [64, 64])
     ds_desc = _desc(dS.view(-1, V), [K, V])
-    _rev_kernel[(B * H,)](d(k, K), d(q, K), d(p, K), d(do, V), a_desc, ds_desc, v, beta, g, X, dv, dbeta_v, scale,
-                          N, H, K, V, num_warps=WARPS)
+    x_desc = _desc(X.view(-1, V), [64, V])
+    _rev_kernel[(B * H,)](d(k, K), d(q, K), d(p, K), d(do, V), a_desc, ds_desc, x_desc, d(dv, V), v, beta, g, dbeta_v,
+                          scale, N, H, K, V, num_warps=WARPS)
     return dS, X, dv, dbeta_v
