@@ -16,6 +16,8 @@ stored from registers, 0.693 with the gates loaded where each layout needed them
 asynchronously spilled 96-212 B and were slower (bench/results/2026-11-30-d51ce6b-dirty-comba-gluon-reverse-probe.log).
 """
 
+import functools
+
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -35,6 +37,7 @@ WARPS = 8  # two warpgroups: the layouts below are written for them
 GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 
 
+@functools.cache
 def takes(device: torch.device, dtype: torch.dtype, K: int, V: int) -> bool:
     """Whether this scan runs a call: K in {64, 128}, V = 128, 16-bit inputs, and a CUDA device of compute
     capability 9 (its warpgroup MMA is Hopper's alone), or meta tensors (an offline compile for sm_90)."""
