@@ -1,5 +1,5 @@
-"""The reverse scan in Gluon for K in {64, 128}, V = 128 on Hopper: one CTA of 8 warps a (b, h) over all of V, where
-the Triton scan (`triton_bwd._reverse_scan_kernel`) runs 4 warps a V block (two blocks at K = 128). Same outputs as that scan with one V block:
+"""The reverse scan in Gluon for K = V = 128 on Hopper: one CTA of 8 warps a (b, h) over all of V, where the Triton
+scan (`triton_bwd._reverse_scan_kernel`) runs two V blocks of 4 warps. Same outputs as that scan with one V block:
 dS'_n (bf16), X = A^T dVn, dv = beta X and sum_v(v X) (dbeta's v part).
 
 Per chunk n (reversed), dS' (fp32 [K, V]) in registers:
@@ -14,6 +14,9 @@ memory: one CTA an SM). The gates and v are plain loads, issued before the wait 
 latency overlaps it. At (8, 2048, 32, 128, 128): 0.464 ms against 0.526 for the Triton scan; 0.550 with X and dv
 stored from registers, 0.693 with the gates loaded where each layout needed them; products issued earlier and
 asynchronously spilled 96-212 B and were slower (bench/results/2026-11-30-d51ce6b-dirty-comba-gluon-reverse-probe.log).
+At K = 64 the same scan with its two warpgroups along V (156 KB, one CTA an SM) took 0.783 ms at
+(16, 2048, 32, 64, 128) against 0.568 for the Triton scan, which fits two CTAs an SM: K = 64 keeps the Triton scan
+(bench/results/2026-11-30-c9d1677-comba-gluon-reverse-probe.log).
 """
 
 import functools
@@ -39,9 +42,9 @@ GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 
 @functools.cache
 def takes(device: torch.device, dtype: torch.dtype, K: int, V: int) -> bool:
-    """Whether this scan runs a call: K in {64, 128}, V = 128, 16-bit inputs, and a CUDA device of compute
-    capability 9 (its warpgroup MMA is Hopper's alone), or meta tensors (an offline compile for sm_90)."""
-    if K not in (64, 128) or V != 128 or dtype not in GL_DTYPES:
+    """Whether this scan runs a call: K = V = 128, 16-bit inputs, and a CUDA device of compute capability 9 (its
+    warpgroup MMA is Hopper's alone), or meta tensors (an offline compile for sm_90)."""
+    if K != 128 or V != 128 or dtype not in GL_DTYPES:
         return False
     if device.type == "meta":
         return True
@@ -75,8 +78,7 @@ def _issue(k_desc, q_desc, p_desc, do_desc, a_desc, k_s, q_s, p_s, do_s, a_s, ba
 
 @gluon.jit
 def _reverse_scan_gluon_kernel(k_desc, q_desc, p_desc, do_desc, a_desc, ds_desc, x_desc, dv_desc, v, beta, g,
-                               dbeta_v, scale, N, H, K: gl.constexpr, V: gl.constexpr, acc_kv: gl.constexpr,
-                               acc_k64: gl.constexpr):
+                               dbeta_v, scale, N, H, K: gl.constexpr, V: gl.constexpr):
     bh = gl.program_id(0)
     b = bh // H
     h = bh % H
@@ -84,8 +86,10 @@ def _reverse_scan_gluon_kernel(k_desc, q_desc, p_desc, do_desc, a_desc, ds_desc,
     scal_base = b.to(gl.int64) * T * H + h
     dtype: gl.constexpr = k_desc.dtype
 
-    # Accumulator layouts: [K, V] (the state) and [K, 64] by K (`_state_layouts`), [64, V] and [64, 64] with the
-    # two warpgroups along N.
+    # Accumulator layouts: [K, V] (the state) and [K, 64] with the two warpgroups along M, [64, V] and [64, 64]
+    # with them along N.
+    acc_kv: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1], instr_shape=[16, V, 16])
+    acc_k64: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1], instr_shape=[16, 64, 16])
     acc_tv: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, V // 2, 16])
     acc_tt: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 32, 16])
     a_tv: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_tv, k_width=2)
@@ -184,16 +188,6 @@ def _reverse_scan_gluon_kernel(k_desc, q_desc, p_desc, do_desc, a_desc, ds_desc,
         mbarrier.invalidate(bars.index(st))
 
 
-def _state_layouts(K: int, V: int) -> tuple:
-    """The accumulator layouts of the [K, V] state and of [K, 64] (-W^T): at K = 128 the two warpgroups split M,
-    64 rows each; at K = 64 they split N, as in the [64, *] products."""
-    if K == 128:
-        return tuple(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1], instr_shape=[16, n, 16])
-                     for n in (V, CHUNK))
-    return tuple(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, n // 2, 16])
-                 for n in (V, CHUNK))
-
-
 def _descriptor(x2d: torch.Tensor, block: list) -> TensorDescriptor:
     layout = gl.NVMMASharedLayout.get_default_for(block, GL_DTYPES[x2d.dtype])
     return TensorDescriptor.from_tensor(x2d, block, layout)
@@ -208,4 +202,4 @@ def launch(q, k, v, p, beta, g, do, A, dS, X, dv, dbeta_v, scale: float):
     _reverse_scan_gluon_kernel[(B * H,)](
         rows(k, K), rows(q, K), rows(p, K), rows(do, V), _descriptor(A.view(-1, CHUNK), [CHUNK, CHUNK]),
         _descriptor(dS.view(-1, V), [K, V]), _descriptor(X.view(-1, V), [CHUNK, V]), rows(dv, V), v, beta, g,
-        dbeta_v, scale, T // CHUNK, H, K, V, *_state_layouts(K, V), num_warps=WARPS)
+        dbeta_v, scale, T // CHUNK, H, K, V, num_warps=WARPS)
