@@ -336,6 +336,21 @@ def test_stages_rerun_alone_give_the_same_gradients(triton_bwd):
     assert all(torch.equal(a, b) for a, b in zip(first, grads))
 
 
+@needs_triton
+@pytest.mark.kernels_ci
+def test_gluon_reverse_scan_rule(triton_bwd):
+    """The Gluon reverse scan takes K = V = 128 in 16-bit on Hopper (and meta tensors, for the offline compile),
+    never K = 64 (the Triton scan is faster there) nor CPU tensors (the interpreter runs the Triton scan)."""
+    gluon = triton_bwd.gluon_reverse
+    if gluon is None:
+        pytest.skip("this Triton has no Gluon")
+    meta, cpu = torch.device("meta"), torch.device("cpu")
+    assert all(gluon.takes(meta, dtype, 128, 128) for dtype in (torch.bfloat16, torch.float16))
+    assert not any(gluon.takes(meta, dtype, K, V) for dtype, K, V in
+                   [(torch.float32, 128, 128), (torch.bfloat16, 64, 128), (torch.bfloat16, 128, 64)])
+    assert not gluon.takes(cpu, torch.bfloat16, 128, 128)
+
+
 def _check_against_spec(backward, shape, tol=2e-2):
     """All six gradients of `backward` (a CUDA path) against the fp32 spec, at one of the spec's shapes."""
     s = spec("comba_backward")
@@ -364,6 +379,25 @@ def test_cuda_backward_matches_spec_correct_shapes(comba, shape):
 @pytest.mark.parametrize("shape", MEASURE_SHAPES)
 def test_cuda_backward_matches_spec_measure_shapes(comba, shape):
     _check_against_spec(comba.comba_backward, shape)
+
+
+@needs_cuda
+@pytest.mark.parametrize("shape", [(3, 100, 3, 128, 128), (1, 512, 4, 128, 128), (2, 64, 1, 128, 128)])
+def test_cuda_gluon_reverse_scan_matches_the_triton_scan(triton_bwd, shape, monkeypatch):
+    """Where the Gluon reverse scan runs (V = 128 on Hopper), the backward with it against the backward with
+    the Triton scan, all six gradients, and both against float64; T = 100 is padded, B = 3 cut in pieces, and
+    T = 64 is one chunk (no next tiles to copy)."""
+    if not triton_bwd.gluon_reverse or not triton_bwd.gluon_reverse.takes(torch.device("cuda"), torch.bfloat16,
+                                                                            shape[3], shape[4]):
+        pytest.skip("the Gluon reverse scan runs on Hopper only")
+    inputs = make_inputs(*shape, torch.bfloat16, "cuda", seed=13)
+    with_gluon = triton_bwd.comba_backward_triton(*inputs, 0.1)
+    monkeypatch.setattr(triton_bwd, "gluon_reverse", None)
+    with_triton = triton_bwd.comba_backward_triton(*inputs, 0.1)
+    ref = float64_grads(inputs, 0.1)
+    assert_grads_close(with_gluon, ref, 1e-2)
+    assert_grads_close(with_triton, ref, 1e-2)
+    assert_grads_close(with_gluon, [x.double() for x in with_triton], 5e-3)
 
 
 @needs_cuda

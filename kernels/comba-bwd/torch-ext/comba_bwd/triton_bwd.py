@@ -9,6 +9,7 @@ A = (I + L)^-1, Vn = A (beta V) - A (beta gam P) S, X = A^T dVn.
   3. _reverse_scan_kernel (serial over chunks, reversed, dS in fp32)  dS'_n (bf16) -> HBM, and the chunk
      transform's adjoint X = A^T dVn of its V block: X (bf16), dv = beta X, and the block's part of
      sum_v(v X) (fp32) -> HBM; dVn itself never leaves registers.
+     At V = 128 on Hopper (16-bit) the scan is `gluon_reverse`'s instead: one CTA of 8 warps a (b, h) over all of V.
   4. _grads_kernel        (chunk-parallel, three programs a chunk)  dq, dk, dp and dbeta, by three parts
      (_q_part, _k_part, _pb_part) that run side by side, each with its terms of d gc (fp32 scratch).
   5. _dg_kernel           (chunk-parallel)  dg from the three parts' terms of d gc.
@@ -34,6 +35,11 @@ import triton
 import triton.language as tl
 
 from .reference import CHUNK, pad_time
+
+try:  # Gluon, Triton's explicit-layout dialect: the reverse scan at V = 128 on Hopper
+    from . import gluon_reverse
+except ImportError:  # a Triton without it: the Triton reverse scan everywhere
+    gluon_reverse = None
 
 BT = tl.constexpr(CHUNK)
 
@@ -560,12 +566,14 @@ def comba_backward_stages(q, k, v, p, beta, g, do, scale: float, grads=None):
     N, BH = Tp // CHUNK, B * H
     BV, SBV = min(V_BLOCK, V), min(V, SCAN_STATE // K)
     dev = q.device
+    gluon = gluon_reverse is not None and gluon_reverse.takes(dev, q.dtype, K, V)
+    NV = 1 if gluon else V // SBV  # dbeta's v parts: one per reverse-scan V block
     A = torch.empty(BH, N, CHUNK, CHUNK, device=dev, dtype=torch.bfloat16)
     S = torch.empty(BH, N, K, V, device=dev, dtype=torch.bfloat16)
     dS = torch.empty_like(S)
     Vn = torch.empty(BH, Tp, V, device=dev, dtype=torch.bfloat16)
     X = torch.empty_like(Vn)
-    dbeta_v = torch.empty(V // SBV, *beta.shape, device=dev, dtype=torch.float32)  # per scan V block
+    dbeta_v = torch.empty(NV, *beta.shape, device=dev, dtype=torch.float32)
     dq, dk, dv, dp, dbeta, dg = _gradients_like(q, k, v, p, beta, g) if grads is None else grads
     dgc_parts = torch.empty(3, BH, Tp, device=dev, dtype=torch.float32)                # per gradient part
     scan = dict(K=K, V=V, BV=SBV, STAGES=_scan_stages(dev), num_warps=SCAN_WARPS, num_stages=1)
@@ -575,10 +583,11 @@ def comba_backward_stages(q, k, v, p, beta, g, do, scale: float, grads=None):
         "transform": lambda: _transform_kernel[chunks](k, p, beta, g, A, N, H, K, num_warps=TRANSFORM_WARPS,
                                                        num_stages=1),
         "forward_scan": lambda: _forward_scan_kernel[(V // SBV, BH)](k, v, p, beta, g, A, S, Vn, N, H, **scan),
-        "reverse_scan": lambda: _reverse_scan_kernel[(V // SBV, BH)](q, k, v, p, beta, g, do, A, dS, X, dv, dbeta_v,
-                                                                    scale, N, H, **scan),
+        "reverse_scan": (lambda: gluon_reverse.launch(q, k, v, p, beta, g, do, A, dS, X, dv, dbeta_v, scale)) if gluon
+        else lambda: _reverse_scan_kernel[(V // SBV, BH)](q, k, v, p, beta, g, do, A, dS, X, dv, dbeta_v, scale, N, H,
+                                                          **scan),
         "grads": lambda: _grads_kernel[(3 * N, BH)](q, k, p, beta, g, do, S, dS, Vn, X, dbeta_v, dq, dk, dp, dbeta,
-                                                    dgc_parts, scale, N, H, NV=V // SBV, **parts),
+                                                    dgc_parts, scale, N, H, NV=NV, **parts),
         "dg": lambda: _dg_kernel[chunks](dgc_parts, dg, N, H, num_warps=1, num_stages=1),
     }
     return stages, (dq, dk, dv, dp, dbeta, dg)

@@ -1,0 +1,205 @@
+"""The reverse scan in Gluon for K = V = 128 on Hopper: one CTA of 8 warps a (b, h) over all of V, where the Triton
+scan (`triton_bwd._reverse_scan_kernel`) runs two V blocks of 4 warps. Same outputs as that scan with one V block:
+dS'_n (bf16), X = A^T dVn, dv = beta X and sum_v(v X) (dbeta's v part).
+
+Per chunk n (reversed), dS' (fp32 [K, V]) in registers:
+  dS'_b = bf16(dS') -> shared memory (the B operand below) and, by a TMA store, dS'_n
+  scores_t = (K Q^T) * scale * E^T                          [64, 64]
+  dVn = scores_t dO + (K Gam/gam) dS'_b                     [64, V]   -> shared memory (bf16)
+  -W^T = (-(beta gam) P)^T A^T                              [K, 64]   (apart from dS')
+  dS = Gam dS' + ((gam scale) Q)^T dO + (-W^T) dVn          [K, V]
+  X = A^T dVn                                               [64, V]   -> X and dv by TMA stores, sum_v(v X)
+The next chunk's q, k, p, dO and A tiles are copied by TMA while one is computed (two stages, 221 KB of shared
+memory: one CTA an SM). The gates and v are plain loads, issued before the wait for the tiles so that their
+latency overlaps it. At (8, 2048, 32, 128, 128): 0.464 ms against 0.526 for the Triton scan; 0.550 with X and dv
+stored from registers, 0.693 with the gates loaded where each layout needed them; products issued earlier and
+asynchronously spilled 96-212 B and were slower (bench/results/2026-11-30-d51ce6b-dirty-comba-gluon-reverse-probe.log).
+At K = 64 the same scan with its two warpgroups along V (156 KB, one CTA an SM) took 0.783 ms at
+(16, 2048, 32, 64, 128) against 0.568 for the Triton scan, which fits two CTAs an SM: K = 64 keeps the Triton scan
+(bench/results/2026-11-30-c9d1677-comba-gluon-reverse-probe.log).
+"""
+
+import functools
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from .reference import CHUNK
+
+BT = gl.constexpr(CHUNK)
+WARPS = 8  # two warpgroups: the layouts below are written for them
+GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
+
+
+@functools.cache
+def takes(device: torch.device, dtype: torch.dtype, K: int, V: int) -> bool:
+    """Whether this scan runs a call: K = V = 128, 16-bit inputs, and a CUDA device of compute capability 9 (its
+    warpgroup MMA is Hopper's alone), or meta tensors (an offline compile for sm_90)."""
+    if K != 128 or V != 128 or dtype not in GL_DTYPES:
+        return False
+    if device.type == "meta":
+        return True
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
+
+
+@gluon.jit
+def _gates(g, beta, scal_base, t0, H):
+    """gc (the inclusive cumsum of g in the chunk, as a masked row sum: a scan does not lower in these layouts),
+    glast and beta, fp32, gc and beta [BT] in the row slice of a [BT, BT] blocked layout."""
+    sq: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])
+    ri = gl.arange(0, BT, layout=gl.SliceLayout(1, sq))
+    rj = gl.arange(0, BT, layout=gl.SliceLayout(0, sq))
+    gj = gl.load(g + scal_base + (t0 + rj) * H)
+    bk = gl.load(beta + scal_base + (t0 + ri) * H).to(gl.float32)
+    gc = gl.sum(gl.where(rj[None, :] <= ri[:, None], gj[None, :], 0.0), 1)
+    return gc, gl.sum(gj, 0), bk
+
+
+@gluon.jit
+def _issue(k_desc, q_desc, p_desc, do_desc, a_desc, k_s, q_s, p_s, do_s, a_s, bar, row, hk, hv, a_row, pred):
+    """Start the copies of one chunk's k, q, p, dO and A tiles into one stage (where pred)."""
+    nbytes: gl.constexpr = 3 * k_desc.block_type.nbytes + do_desc.block_type.nbytes + a_desc.block_type.nbytes
+    mbarrier.expect(bar, nbytes, pred=pred)
+    tma.async_copy_global_to_shared(k_desc, [row, hk], bar, k_s, pred)
+    tma.async_copy_global_to_shared(q_desc, [row, hk], bar, q_s, pred)
+    tma.async_copy_global_to_shared(p_desc, [row, hk], bar, p_s, pred)
+    tma.async_copy_global_to_shared(do_desc, [row, hv], bar, do_s, pred)
+    tma.async_copy_global_to_shared(a_desc, [a_row, 0], bar, a_s, pred)
+
+
+@gluon.jit
+def _reverse_scan_gluon_kernel(k_desc, q_desc, p_desc, do_desc, a_desc, ds_desc, x_desc, dv_desc, v, beta, g,
+                               dbeta_v, scale, N, H, K: gl.constexpr, V: gl.constexpr):
+    bh = gl.program_id(0)
+    b = bh // H
+    h = bh % H
+    T = N * BT
+    scal_base = b.to(gl.int64) * T * H + h
+    dtype: gl.constexpr = k_desc.dtype
+
+    # Accumulator layouts: [K, V] (the state) and [K, 64] with the two warpgroups along M, [64, V] and [64, 64]
+    # with them along N.
+    acc_kv: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1], instr_shape=[16, V, 16])
+    acc_k64: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1], instr_shape=[16, 64, 16])
+    acc_tv: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, V // 2, 16])
+    acc_tt: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 32, 16])
+    a_tv: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_tv, k_width=2)
+    a_k64: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_k64, k_width=2)
+    a_kv: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_kv, k_width=2)
+    blk: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])
+    blk_t: gl.constexpr = gl.BlockedLayout([8, 1], [8, 4], [1, 8], [0, 1])
+
+    k_s = gl.allocate_shared_memory(dtype, [2, BT, K], k_desc.layout)
+    q_s = gl.allocate_shared_memory(dtype, [2, BT, K], q_desc.layout)
+    p_s = gl.allocate_shared_memory(dtype, [2, BT, K], p_desc.layout)
+    do_s = gl.allocate_shared_memory(dtype, [2, BT, V], do_desc.layout)
+    a_s = gl.allocate_shared_memory(dtype, [2, BT, BT], a_desc.layout)
+    dsb_s = gl.allocate_shared_memory(dtype, [K, V], ds_desc.layout)
+    dvn_s = gl.allocate_shared_memory(dtype, [BT, V], x_desc.layout)    # dVn, then X for its store
+    dv_s = gl.allocate_shared_memory(dtype, [BT, V], dv_desc.layout)
+    bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for st in gl.static_range(2):
+        mbarrier.init(bars.index(st), count=1)
+
+    row0 = b * T
+    hk = h * K
+    hv = h * V
+    _issue(k_desc, q_desc, p_desc, do_desc, a_desc, k_s.index(0), q_s.index(0), p_s.index(0), do_s.index(0),
+           a_s.index(0), bars.index(0), row0 + (N - 1) * BT, hk, hv, (bh * N + N - 1) * BT, True)
+
+    dS = gl.zeros([K, V], gl.float32, acc_kv)
+    rows_tv = gl.arange(0, BT, layout=gl.SliceLayout(1, acc_tv))
+    cols_tv = gl.arange(0, V, layout=gl.SliceLayout(0, acc_tv))
+    i_tt = gl.arange(0, BT, layout=gl.SliceLayout(1, acc_tt))[:, None]
+    j_tt = gl.arange(0, BT, layout=gl.SliceLayout(0, acc_tt))[None, :]
+    for i in range(N):  # chunks N - 1 down to 0
+        n = N - 1 - i
+        s = i % 2
+        t0 = n * BT
+        # The next chunk's tiles into the other stage, whose reads all ended with the previous iteration.
+        nxt = gl.maximum(n - 1, 0)
+        _issue(k_desc, q_desc, p_desc, do_desc, a_desc, k_s.index(1 - s), q_s.index(1 - s), p_s.index(1 - s),
+               do_s.index(1 - s), a_s.index(1 - s), bars.index(1 - s), row0 + nxt * BT, hk, hv,
+               (bh * N + nxt) * BT, n > 0)
+        # dS'_n in bf16 to shared memory once the previous chunk's stores have read it (and dvn_s, dv_s).
+        tma.store_wait(0)
+        dsb_s.store(dS.to(dtype))
+        fence_async_shared()
+        gl.thread_barrier()
+        tma.async_copy_shared_to_global(ds_desc, [(bh * N + n) * K, 0], dsb_s)
+        gc, glast, bk = _gates(g, beta, scal_base, t0, H)
+        pos = (b.to(gl.int64) * T + t0 + rows_tv)[:, None] * (H * V) + hv + cols_tv[None, :]
+        vk = gl.load(v + pos)
+        mbarrier.wait(bars.index(s), (i // 2) & 1)
+        ks = k_s.index(s)
+        qs = q_s.index(s)
+        dos = do_s.index(s)
+        a_t = a_s.index(s).permute((1, 0))                                  # A^T
+
+        # dVn = scores_t dO + (K Gam/gam) dS'
+        gc_b = gl.convert_layout(gc, gl.SliceLayout(1, blk))
+        k_dec = (ks.load(blk).to(gl.float32) * gl.exp(glast - gc_b)[:, None]).to(dtype)
+        gc_r = gl.convert_layout(gc, gl.SliceLayout(1, acc_tt))
+        gc_c = gl.convert_layout(gc, gl.SliceLayout(0, acc_tt))
+        sc = warpgroup_mma(ks, qs.permute((1, 0)), gl.zeros([BT, BT], gl.float32, acc_tt))
+        sc = warpgroup_mma_wait(0, deps=[sc])
+        e_t = gl.exp(gl.where(j_tt >= i_tt, gc_c[None, :] - gc_r[:, None], float("-inf")))
+        sc = (sc * e_t * scale).to(dtype)
+        dvn = warpgroup_mma(gl.convert_layout(sc, a_tv), dos, gl.zeros([BT, V], gl.float32, acc_tv), is_async=True)
+        dvn = warpgroup_mma(gl.convert_layout(k_dec, a_tv), dsb_s, dvn, is_async=True)
+        dvn = warpgroup_mma_wait(0, deps=[dvn])
+        dvn_s.store(dvn.to(dtype))
+        fence_async_shared()
+        gl.thread_barrier()
+
+        # -W^T, then dS = Gam dS' + ((gam scale) Q)^T dO + (-W^T) dVn, and X = A^T dVn beside it
+        gc_t = gl.convert_layout(gc, gl.SliceLayout(0, blk_t))
+        bk_t = gl.convert_layout(bk, gl.SliceLayout(0, blk_t))
+        p_t = p_s.index(s).permute((1, 0)).load(blk_t).to(gl.float32) * -(bk_t * gl.exp(gc_t))[None, :]
+        w_t = warpgroup_mma(gl.convert_layout(p_t.to(dtype), a_k64), a_t, gl.zeros([K, BT], gl.float32, acc_k64))
+        w_t = warpgroup_mma_wait(0, deps=[w_t])
+        q_t = qs.permute((1, 0)).load(blk_t).to(gl.float32) * (gl.exp(gc_t) * scale)[None, :]
+        dS = warpgroup_mma(gl.convert_layout(q_t.to(dtype), a_kv), dos, dS * gl.exp(glast), is_async=True)
+        dS = warpgroup_mma(gl.convert_layout(w_t.to(dtype), a_kv), dvn_s, dS, is_async=True)
+        x = warpgroup_mma(a_t, dvn_s, gl.zeros([BT, V], gl.float32, acc_tv), is_async=True)
+        x, dS = warpgroup_mma_wait(0, deps=[x, dS])
+
+        # dbeta's v part; X and dv through shared memory (dvn_s is free once both products have read it) by TMA
+        bk_r = gl.convert_layout(bk, gl.SliceLayout(1, acc_tv))
+        gl.store(dbeta_v + scal_base + (t0 + rows_tv) * H, gl.sum(vk.to(gl.float32) * x, 1))
+        dvn_s.store(x.to(dtype))
+        dv_s.store((bk_r[:, None] * x).to(dtype))
+        fence_async_shared()
+        gl.thread_barrier()
+        tma.async_copy_shared_to_global(x_desc, [bh * T + t0, 0], dvn_s)
+        tma.async_copy_shared_to_global(dv_desc, [row0 + t0, hv], dv_s)
+        gl.thread_barrier()  # both warpgroups are done with this stage's tiles before the next copy into it
+    tma.store_wait(0)
+    for st in gl.static_range(2):
+        mbarrier.invalidate(bars.index(st))
+
+
+def _descriptor(x2d: torch.Tensor, block: list) -> TensorDescriptor:
+    layout = gl.NVMMASharedLayout.get_default_for(block, GL_DTYPES[x2d.dtype])
+    return TensorDescriptor.from_tensor(x2d, block, layout)
+
+
+def launch(q, k, v, p, beta, g, do, A, dS, X, dv, dbeta_v, scale: float):
+    """The scan over inputs (B, T, H, 128) with T a multiple of the chunk: writes dS (BH, N, K, V), X (BH, T, V),
+    dv like v and dbeta_v (1, B, T, H), as `_reverse_scan_kernel` with one V block."""
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    rows = lambda x, D: _descriptor(x.view(B * T, H * D), [CHUNK, D])  # noqa: E731
+    _reverse_scan_gluon_kernel[(B * H,)](
+        rows(k, K), rows(q, K), rows(p, K), rows(do, V), _descriptor(A.view(-1, CHUNK), [CHUNK, CHUNK]),
+        _descriptor(dS.view(-1, V), [K, V]), _descriptor(X.view(-1, V), [CHUNK, V]), rows(dv, V), v, beta, g,
+        dbeta_v, scale, T // CHUNK, H, K, V, num_warps=WARPS)
