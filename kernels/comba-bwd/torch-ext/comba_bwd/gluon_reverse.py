@@ -37,12 +37,14 @@ from .reference import CHUNK
 
 BT = gl.constexpr(CHUNK)
 WARPS = 8  # two warpgroups: the layouts below are written for them
-GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
+# bf16 inputs only: the kernel takes its operand type from k, and A, dS'_n and X are bf16 whatever the inputs, so
+# float16 inputs would have those bits read as float16 (the Triton scan converts them to bf16 instead).
+GL_DTYPES = {torch.bfloat16: gl.bfloat16}
 
 
 @functools.cache
 def takes(device: torch.device, dtype: torch.dtype, K: int, V: int) -> bool:
-    """Whether this scan runs a call: K = V = 128, 16-bit inputs, and a CUDA device of compute capability 9 (its
+    """Whether this scan runs a call: K = V = 128, bf16 inputs, and a CUDA device of compute capability 9 (its
     warpgroup MMA is Hopper's alone), or meta tensors (an offline compile for sm_90)."""
     if K != 128 or V != 128 or dtype not in GL_DTYPES:
         return False
