@@ -9,7 +9,8 @@ A = (I + L)^-1, Vn = A (beta V) - A (beta gam P) S, X = A^T dVn.
   3. _reverse_scan_kernel (serial over chunks, reversed, dS in fp32)  dS'_n (bf16) -> HBM, and the chunk
      transform's adjoint X = A^T dVn of its V block: X (bf16), dv = beta X, and the block's part of
      sum_v(v X) (fp32) -> HBM; dVn itself never leaves registers.
-     At V = 128 on Hopper (16-bit) the scan is `gluon_reverse`'s instead: one CTA of 8 warps a (b, h) over all of V.
+     At K = V = 128 on Hopper (bf16 inputs) the scan is `gluon_reverse`'s instead: one CTA of 8 warps a (b, h)
+     over all of V.
   4. _grads_kernel        (chunk-parallel, three programs a chunk)  dq, dk, dp and dbeta, by three parts
      (_q_part, _k_part, _pb_part) that run side by side, each with its terms of d gc (fp32 scratch).
   5. _dg_kernel           (chunk-parallel)  dg from the three parts' terms of d gc.
@@ -36,7 +37,7 @@ import triton.language as tl
 
 from .reference import CHUNK, pad_time
 
-try:  # Gluon, Triton's explicit-layout dialect: the reverse scan at V = 128 on Hopper
+try:  # Gluon, Triton's explicit-layout dialect: the reverse scan at K = V = 128 on Hopper
     from . import gluon_reverse
 except ImportError:  # a Triton without it: the Triton reverse scan everywhere
     gluon_reverse = None
