@@ -14,6 +14,7 @@ A = (I + L)^-1, Vn = A (beta V) - A (beta gam P) S, X = A^T dVn.
   4. _grads_kernel        (chunk-parallel, three programs a chunk)  dq, dk, dp and dbeta, by three parts
      (_q_part, _k_part, _pb_part) that run side by side, each with its terms of d gc (fp32 scratch).
   5. _dg_kernel           (chunk-parallel)  dg from the three parts' terms of d gc.
+  At K in {64, 128}, V = 128 on Hopper (bf16 inputs) stages 4 and 5 are `gluon_grads`' one kernel instead.
   The gradient parts loop over V in blocks, accumulating their products over V in fp32, so that no whole
   (K, V) state or [64, V] tile is live at once.
 
@@ -37,10 +38,10 @@ import triton.language as tl
 
 from .reference import CHUNK, pad_time
 
-try:  # Gluon, Triton's explicit-layout dialect: the reverse scan at K = V = 128 on Hopper
-    from . import gluon_reverse
-except ImportError:  # a Triton without it: the Triton reverse scan everywhere
-    gluon_reverse = None
+try:  # Gluon, Triton's explicit-layout dialect: the reverse scan and the gradients on Hopper
+    from . import gluon_grads, gluon_reverse
+except ImportError:  # a Triton without it: the Triton kernels everywhere
+    gluon_grads = gluon_reverse = None
 
 BT = tl.constexpr(CHUNK)
 
@@ -576,7 +577,6 @@ def comba_backward_stages(q, k, v, p, beta, g, do, scale: float, grads=None):
     X = torch.empty_like(Vn)
     dbeta_v = torch.empty(NV, *beta.shape, device=dev, dtype=torch.float32)
     dq, dk, dv, dp, dbeta, dg = _gradients_like(q, k, v, p, beta, g) if grads is None else grads
-    dgc_parts = torch.empty(3, BH, Tp, device=dev, dtype=torch.float32)                # per gradient part
     scan = dict(K=K, V=V, BV=SBV, STAGES=_scan_stages(dev), num_warps=SCAN_WARPS, num_stages=1)
     parts = dict(K=K, V=V, BV=BV, num_warps=GRADS_WARPS, num_stages=1, maxnreg=GRADS_MAXNREG[K])
     chunks = (N, BH)
@@ -587,10 +587,15 @@ def comba_backward_stages(q, k, v, p, beta, g, do, scale: float, grads=None):
         "reverse_scan": (lambda: gluon_reverse.launch(q, k, v, p, beta, g, do, A, dS, X, dv, dbeta_v, scale)) if gluon
         else lambda: _reverse_scan_kernel[(V // SBV, BH)](q, k, v, p, beta, g, do, A, dS, X, dv, dbeta_v, scale, N, H,
                                                           **scan),
-        "grads": lambda: _grads_kernel[(3 * N, BH)](q, k, p, beta, g, do, S, dS, Vn, X, dbeta_v, dq, dk, dp, dbeta,
-                                                    dgc_parts, scale, N, H, NV=NV, **parts),
-        "dg": lambda: _dg_kernel[chunks](dgc_parts, dg, N, H, num_warps=1, num_stages=1),
     }
+    if gluon_grads is not None and gluon_grads.takes(dev, q.dtype, K, V):
+        stages["grads"] = lambda: gluon_grads.launch(q, k, p, beta, g, do, S, dS, Vn, X, dbeta_v, dq, dk, dp, dbeta,
+                                                     dg, scale)
+    else:
+        dgc_parts = torch.empty(3, BH, Tp, device=dev, dtype=torch.float32)  # d gc terms, per gradient part
+        stages["grads"] = lambda: _grads_kernel[(3 * N, BH)](q, k, p, beta, g, do, S, dS, Vn, X, dbeta_v, dq, dk, dp,
+                                                             dbeta, dgc_parts, scale, N, H, NV=NV, **parts)
+        stages["dg"] = lambda: _dg_kernel[chunks](dgc_parts, dg, N, H, num_warps=1, num_stages=1)
     return stages, (dq, dk, dv, dp, dbeta, dg)
 
 
@@ -631,8 +636,9 @@ def _launch_on_streams(pieces, device: torch.device):
                 stages["reverse_scan"]()
             stages["forward_scan"]()
             own.wait_stream(side)
-            stages["grads"]()
-            stages["dg"]()
+            for name, launch in stages.items():
+                if name not in ("transform", "forward_scan", "reverse_scan"):  # the gradient stages
+                    launch()
     for own in streams[2::2]:
         main.wait_stream(own)
 
