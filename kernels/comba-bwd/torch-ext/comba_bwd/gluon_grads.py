@@ -5,10 +5,12 @@ The Triton gradient kernel runs the three parts as three programs a chunk; each 
 S_n, dS'_n, Vn, X and dO pass through L2 twice or three times (352 KB a chunk at K = 128, against 160 KB read once),
 and the kernel keeps L2 about 80% busy (bench/results/2026-11-30-385c28d-comba-ncu-grads.txt). Here each tile is
 copied once by TMA into shared memory, and both warpgroups compute every product from it (each takes half of the
-product's columns). The tiles come in two groups with a barrier each, so that a CTA copies its next chunk's tiles
-while it computes: the state group (S_n, dS'_n, Vn, X, dO), used by the products over V, then the key group (q, k, p),
-used by the products over the chunk; the next chunk's state group is copied once this chunk's products over V are
-done, its key group once this chunk's gradients are stored.
+product's columns). The tiles come in two groups with a barrier each, so that their copies overlap the products:
+the state group (S_n, dS'_n, Vn, X, dO), used by the products over V, and the key group (q, k, p), used by the
+products over the chunk. The next chunk's state group is copied once this chunk's products over V are done; a chunk's
+key group is copied as the chunk starts, once the previous chunk's dk and dp, stored from the key group's q and p
+buffers (shared memory holds no more at K = 128: 214 KB, one CTA an SM), have left. The [64, 64] A operands of the
+products over the chunk go through shared memory too: in registers each warpgroup would hold each whole.
 
 Per chunk, with E the decay (lower, with the diagonal), E^T its transpose, r < c strictly upper:
   over V:  dO S^T, dO Vn^T, Vn dO^T, Vn X^T, Vn dS'^T, X S^T, X Vn^T, and <S_n, dS'_n>
@@ -19,7 +21,9 @@ Per chunk, with E the decay (lower, with the diagonal), E^T its transpose, r < c
   dp = beta (Y + bf16(dLE) K), dbeta = p . Y + sum_j bf16(dLE)_ij (p_i . k_j) + the reverse scan's v part
   dg = the reverse cumsum in the chunk of the three parts' terms of d gc (as `_dg_kernel`).
 The arithmetic and the roundings to bf16 are the Triton kernel's, but beta scales dR^T's columns here rather than
-P's rows (P's tile is used as the TMA copy left it).
+P's rows (P's tile is used as the TMA copy left it), and k . dk's read part is k . (read Q), from dk's tile, where the
+Triton kernel sums read_ij (k_i . q_j) from K Q^T. Checked in torch on the CPU against the Triton kernels'
+outputs: dq, dk, dp and dbeta agree to their bf16 rounding, dg to 3e-5.
 """
 
 import functools
@@ -79,8 +83,8 @@ def _chunk_rows(c, N, H, K: gl.constexpr, V: gl.constexpr):
 
 @gluon.jit
 def _grads_gluon_kernel(q_desc, k_desc, p_desc, do_desc, s_desc, ds_desc, vn_desc, x_desc, dq_desc, dk_desc,
-                        dp_desc, beta, g, dbeta_v, dbeta, dg, scale, N, H, n_pos, K: gl.constexpr, V: gl.constexpr, NV: gl.constexpr,
-                        tt_layout: gl.constexpr):
+                        dp_desc, beta, g, dbeta_v, dbeta, dg, scale, N, H, n_pos, K: gl.constexpr,
+                        V: gl.constexpr, NV: gl.constexpr, tt_layout: gl.constexpr):
     dtype: gl.constexpr = q_desc.dtype
     # Every product has M = 64 rows; the two warpgroups split its columns.
     acc_tk: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, K // 2, 16])
@@ -149,6 +153,11 @@ def _grads_gluon_kernel(q_desc, k_desc, p_desc, do_desc, s_desc, ds_desc, vn_des
         gl.thread_barrier()
         _issue_keys(q_desc, k_desc, p_desc, q_s, k_s, p_s, keys_bar, row, hk, True)
         gc, glast, bk = _gates(g, beta, scal_base, t0, H)
+        # dbeta's v parts from the reverse scan, loaded with the gates so that their latency overlaps the waits.
+        rows_h = scal_base + (t0 + gl.arange(0, BT, layout=row_t)) * H
+        db = gl.load(dbeta_v + rows_h)
+        for iv in gl.static_range(1, NV):
+            db += gl.load(dbeta_v + iv * n_pos + rows_h)
         gc_r = gl.convert_layout(gc, row_t)
         gc_c = gl.convert_layout(gc, col_t)
         gc_k = gl.convert_layout(gc, row_k)
@@ -173,7 +182,7 @@ def _grads_gluon_kernel(q_desc, k_desc, p_desc, do_desc, s_desc, ds_desc, vn_des
         dk = warpgroup_mma(vn_s, ds_s.permute((1, 0)), zero_tk) * gl.exp(glast - gc_k)[:, None]
         y = warpgroup_mma(x_s, s_s.permute((1, 0)), zero_tk) * -gl.exp(gc_k)[:, None]          # Y
         fence_async_shared()
-        gl.thread_barrier()  # the operands are in tt_s, and no warp reads the state group any more
+        gl.thread_barrier()  # the operands are in tt_b, and no warp reads the state group any more
         _issue_state(s_desc, ds_desc, vn_desc, x_desc, do_desc, s_s, ds_s, vn_s, x_s, do_s, state_bar, n_state_row,
                      n_pos_row, n_row, n_hv, c + step < C)
 
@@ -202,10 +211,7 @@ def _grads_gluon_kernel(q_desc, k_desc, p_desc, do_desc, s_desc, ds_desc, vn_des
         tma.async_copy_shared_to_global(dp_desc, [row, hk], p_s)
 
         # dbeta = p . Y + sum_j bf16(dLE)_ij (p_i . k_j) + the reverse scan's v parts, and the pb part's d gc.
-        rows_h = scal_base + (t0 + gl.arange(0, BT, layout=row_t)) * H
-        db = gl.convert_layout(p_y, row_t) + gl.sum(dle.to(dtype).to(gl.float32) * pk, 1)
-        for iv in gl.static_range(NV):
-            db += gl.load(dbeta_v + iv * n_pos + rows_h)
+        db += gl.convert_layout(p_y, row_t) + gl.sum(dle.to(dtype).to(gl.float32) * pk, 1)
         gl.store(dbeta + rows_h, db.to(dbeta.dtype.element_ty))
         dl_l = dle * pk * bk_r[:, None]
         dgc += gl.sum(dl_l, 1) - gl.convert_layout(gl.sum(dl_l, 0), row_t) + gl.convert_layout(bk_k * p_y, row_t)
