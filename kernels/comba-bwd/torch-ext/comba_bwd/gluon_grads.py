@@ -148,16 +148,16 @@ def _grads_gluon_kernel(q_desc, k_desc, p_desc, do_desc, s_desc, ds_desc, vn_des
         rj = gl.arange(0, BT, layout=gl.SliceLayout(0, sq))
         last_t = gl.arange(0, BT, layout=row_t) + zero == BT - 1
         last_k = gl.arange(0, BT, layout=row_k) + zero == BT - 1
-        # This chunk's key group, once the previous chunk's gradients have left q_s, p_s and dq_s.
-        tma.store_wait(0)
-        gl.thread_barrier()
-        _issue_keys(q_desc, k_desc, p_desc, q_s, k_s, p_s, keys_bar, row, hk, True)
+        # The gates and dbeta's v parts (from the reverse scan) first, so that their loads' latency overlaps the
+        # waits; then this chunk's key group, once the previous chunk's gradients have left q_s, p_s and dq_s.
         gc, glast, bk = _gates(g, beta, scal_base, t0, H)
-        # dbeta's v parts from the reverse scan, loaded with the gates so that their latency overlaps the waits.
         rows_h = scal_base + (t0 + gl.arange(0, BT, layout=row_t)) * H
         db = gl.load(dbeta_v + rows_h)
         for iv in gl.static_range(1, NV):
             db += gl.load(dbeta_v + iv * n_pos + rows_h)
+        tma.store_wait(0)
+        gl.thread_barrier()
+        _issue_keys(q_desc, k_desc, p_desc, q_s, k_s, p_s, keys_bar, row, hk, True)
         gc_r = gl.convert_layout(gc, row_t)
         gc_c = gl.convert_layout(gc, col_t)
         gc_k = gl.convert_layout(gc, row_k)
