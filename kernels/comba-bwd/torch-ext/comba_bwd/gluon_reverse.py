@@ -153,7 +153,6 @@ def _reverse_scan_gluon_kernel(k_desc, q_desc, p_desc, do_desc, a_desc, ds_desc,
         gc_r = gl.convert_layout(gc, gl.SliceLayout(1, acc_tt))
         gc_c = gl.convert_layout(gc, gl.SliceLayout(0, acc_tt))
         sc = warpgroup_mma(ks, qs.permute((1, 0)), gl.zeros([BT, BT], gl.float32, acc_tt))
-        sc = warpgroup_mma_wait(0, deps=[sc])
         e_t = gl.exp(gl.where(j_tt >= i_tt, gc_c[None, :] - gc_r[:, None], float("-inf")))
         sc = (sc * e_t * scale).to(dtype)
         dvn = warpgroup_mma(gl.convert_layout(sc, a_tv), dos, gl.zeros([BT, V], gl.float32, acc_tv), is_async=True)
@@ -168,7 +167,6 @@ def _reverse_scan_gluon_kernel(k_desc, q_desc, p_desc, do_desc, a_desc, ds_desc,
         bk_t = gl.convert_layout(bk, gl.SliceLayout(0, blk_t))
         p_t = p_s.index(s).permute((1, 0)).load(blk_t).to(gl.float32) * -(bk_t * gl.exp(gc_t))[None, :]
         w_t = warpgroup_mma(gl.convert_layout(p_t.to(dtype), a_k64), a_t, gl.zeros([K, BT], gl.float32, acc_k64))
-        w_t = warpgroup_mma_wait(0, deps=[w_t])
         q_t = qs.permute((1, 0)).load(blk_t).to(gl.float32) * (gl.exp(gc_t) * scale)[None, :]
         dS = warpgroup_mma(gl.convert_layout(q_t.to(dtype), a_kv), dos, dS * gl.exp(glast), is_async=True)
         dS = warpgroup_mma(gl.convert_layout(w_t.to(dtype), a_kv), dvn_s, dS, is_async=True)
