@@ -14,7 +14,7 @@ A = (I + L)^-1, Vn = A (beta V) - A (beta gam P) S, X = A^T dVn.
   4. _grads_kernel        (chunk-parallel, three programs a chunk)  dq, dk, dp and dbeta, by three parts
      (_q_part, _k_part, _pb_part) that run side by side, each with its terms of d gc (fp32 scratch).
   5. _dg_kernel           (chunk-parallel)  dg from the three parts' terms of d gc.
-  At K in {64, 128}, V = 128 on Hopper (bf16 inputs) stages 4 and 5 are `gluon_grads`' one kernel instead.
+  At K = V = 128 on Hopper (bf16 inputs) stages 4 and 5 are `gluon_grads`' one kernel instead.
   The gradient parts loop over V in blocks, accumulating their products over V in fp32, so that no whole
   (K, V) state or [64, V] tile is live at once.
 
@@ -588,7 +588,7 @@ def comba_backward_stages(q, k, v, p, beta, g, do, scale: float, grads=None):
         else lambda: _reverse_scan_kernel[(V // SBV, BH)](q, k, v, p, beta, g, do, A, dS, X, dv, dbeta_v, scale, N, H,
                                                           **scan),
     }
-    if gluon_grads is not None and gluon_grads.takes(dev, q.dtype, K, V):
+    if _gluon_grads_take(q, V):
         stages["grads"] = lambda: gluon_grads.launch(q, k, p, beta, g, do, S, dS, Vn, X, dbeta_v, dq, dk, dp, dbeta,
                                                      dg, scale)
     else:
@@ -613,6 +613,19 @@ def _gradients_like(q, k, v, p, beta, g):
 # (10, 4096, 32, 128, 128) with two pieces, and three were no better (-tf32x3-probe.log); the side stream alone,
 # one piece, took 4.906 against 5.093 at the last (-streams-probe.log).
 BATCH_PIECES = 2
+
+
+def _gluon_grads_take(q, V: int) -> bool:
+    """Whether `gluon_grads` computes the gradients of a call with these q (B, T, H, K) and V."""
+    return gluon_grads is not None and gluon_grads.takes(q.device, q.dtype, q.shape[-1], V)
+
+
+def _batch_pieces(q, V: int) -> int:
+    """How many pieces the batch is cut in: BATCH_PIECES, but one where the Gluon gradient kernel runs. Its
+    persistent grid holds every SM (one CTA each, 214 KB of shared memory), so a second piece's scans wait for it
+    instead of filling idle SMs: at (8, 2048, 32, 128, 128) the backward took 1.633 ms in one piece and 2.213 in
+    two, against 1.756 with the Triton gradient kernels in two (-f4ff440-comba-gluon-grads-probe.log)."""
+    return 1 if _gluon_grads_take(q, V) else BATCH_PIECES
 
 
 @functools.cache
@@ -648,7 +661,7 @@ def comba_backward_triton(q, k, v, p, beta, g, do, scale: float):
     B, T = q.shape[:2]
     inputs = [pad_time(x) for x in (q, k, v, p, beta, g, do)]
     grads = _gradients_like(*inputs[:6])
-    n = min(BATCH_PIECES, B)
+    n = min(_batch_pieces(q, v.shape[-1]), B)
     cuts = [B * i // n for i in range(n + 1)]
     # Every piece's scratch is allocated before the launches and referenced until the streams are joined, so the
     # allocator cannot hand one piece's freed scratch to another piece's stream while it still runs.
