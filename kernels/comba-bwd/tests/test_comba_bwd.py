@@ -359,7 +359,8 @@ def test_gluon_reverse_scan_rule(triton_bwd):
 @pytest.mark.kernels_ci
 def test_gluon_grads_rule(triton_bwd):
     """The Gluon gradient kernel takes K = V = 128 in bf16 on Hopper (and meta tensors, for the offline compile),
-    never float16 or float32, K or V = 64, nor CPU tensors (the interpreter runs the Triton kernels)."""
+    never float16 or float32, K or V = 64, nor CPU tensors (the interpreter runs the Triton kernels); where it
+    takes a call the batch is not cut in pieces."""
     gluon = triton_bwd.gluon_grads
     if gluon is None:
         pytest.skip("this Triton has no Gluon")
@@ -369,6 +370,9 @@ def test_gluon_grads_rule(triton_bwd):
                    [(torch.float16, 128, 128), (torch.float32, 128, 128), (torch.bfloat16, 64, 128),
                     (torch.bfloat16, 128, 64)])
     assert not gluon.takes(cpu, torch.bfloat16, 128, 128)
+    q = lambda device, K: torch.empty(4, 64, 2, K, device=device, dtype=torch.bfloat16)  # noqa: E731
+    assert triton_bwd._batch_pieces(q(meta, 128), 128) == 1
+    assert triton_bwd._batch_pieces(q(meta, 64), 128) == triton_bwd._batch_pieces(q(cpu, 128), 128) == 2
 
 
 def _check_against_spec(backward, shape, tol=2e-2):

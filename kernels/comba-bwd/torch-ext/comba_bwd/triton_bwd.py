@@ -588,7 +588,7 @@ def comba_backward_stages(q, k, v, p, beta, g, do, scale: float, grads=None):
         else lambda: _reverse_scan_kernel[(V // SBV, BH)](q, k, v, p, beta, g, do, A, dS, X, dv, dbeta_v, scale, N, H,
                                                           **scan),
     }
-    if gluon_grads is not None and gluon_grads.takes(dev, q.dtype, K, V):
+    if _gluon_grads_take(q, V):
         stages["grads"] = lambda: gluon_grads.launch(q, k, p, beta, g, do, S, dS, Vn, X, dbeta_v, dq, dk, dp, dbeta,
                                                      dg, scale)
     else:
@@ -611,10 +611,22 @@ def _gradients_like(q, k, v, p, beta, g):
 # stages of the two pieces fill each other's idle SMs: the backward took 1.878 against 1.912 ms at
 # (8, 2048, 32, 128, 128), 2.305 against 2.340 at (16, 2048, 32, 64, 128) and 4.670 against 4.816 at
 # (10, 4096, 32, 128, 128) with two pieces, and three were no better (-tf32x3-probe.log); the side stream alone,
-# one piece, took 4.906 against 5.093 at the last (-streams-probe.log). With the Gluon gradient kernel (its persistent
-# grid holds every SM) one piece was no better overall: 1.615, 2.412, 1.589 and 4.250 ms against 1.593, 2.427, 1.695
-# and 4.120 at the four K = 128 measure shapes (-35b0702-comba-gluon-grads-schedules-probe.log).
+# one piece, took 4.906 against 5.093 at the last (-streams-probe.log).
 BATCH_PIECES = 2
+
+
+def _gluon_grads_take(q, V: int) -> bool:
+    """Whether `gluon_grads` computes the gradients of a call with these q (B, T, H, K) and V."""
+    return gluon_grads is not None and gluon_grads.takes(q.device, q.dtype, q.shape[-1], V)
+
+
+def _batch_pieces(q, V: int) -> int:
+    """How many pieces the batch is cut in: BATCH_PIECES, but one where the Gluon gradient kernel runs. Its
+    persistent grid holds every SM (one CTA each, 214 KB of shared memory) to its end, so in two pieces the time
+    hangs on whether the other piece's scans start before it or wait for it: at (8, 2048, 32, 128, 128) two pieces
+    took 2.213 and 1.593 ms in two probes and 3.123 in a benchmark, one piece 1.633 and 1.615
+    (-f4ff440-comba-gluon-grads-probe.log, -35b0702-comba-gluon-grads-schedules-probe.log, -2cea20a-comba.md)."""
+    return 1 if _gluon_grads_take(q, V) else BATCH_PIECES
 
 
 @functools.cache
@@ -650,7 +662,7 @@ def comba_backward_triton(q, k, v, p, beta, g, do, scale: float):
     B, T = q.shape[:2]
     inputs = [pad_time(x) for x in (q, k, v, p, beta, g, do)]
     grads = _gradients_like(*inputs[:6])
-    n = min(BATCH_PIECES, B)
+    n = min(_batch_pieces(q, v.shape[-1]), B)
     cuts = [B * i // n for i in range(n + 1)]
     # Every piece's scratch is allocated before the launches and referenced until the streams are joined, so the
     # allocator cannot hand one piece's freed scratch to another piece's stream while it still runs.
