@@ -79,6 +79,9 @@ def run_tests(out_dir: Path, names: list[str], all_tests: bool, timeout: float, 
     # Compiling a Triton specialization per window, dtype and config dominates the test time (the ldsa file
     # alone outran 140 s on 4 file-bound workers in run 86c310e): spread single tests over 8 workers.
     workers = ["-n", "8", "--dist", "load"] if importlib.util.find_spec("xdist") else []
+    # Each worker would start one CPU thread a core for the float64 references, eight times the cores in all: two
+    # comba-bwd Gluon tests were still in theirs when the 280 s test run ended (f4ff440). A worker's share of them.
+    env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 8) // 8))} if workers else None
     log = out_dir / "pytest.log"
     start = time.time()
     with log.open("w") as sink:
@@ -86,7 +89,7 @@ def run_tests(out_dir: Path, names: list[str], all_tests: bool, timeout: float, 
             proc = subprocess.run(
                 [sys.executable, "-m", "pytest", "-v", "-rfE", "--durations=25", "-p", "no:cacheprovider",
                  f"--junitxml={junit}", *workers, *select, *paths],
-                cwd=REPO_ROOT, stdout=sink, stderr=subprocess.STDOUT, timeout=timeout,
+                cwd=REPO_ROOT, env=env, stdout=sink, stderr=subprocess.STDOUT, timeout=timeout,
             )
         except subprocess.TimeoutExpired:
             return {"timed_out_after_s": timeout}

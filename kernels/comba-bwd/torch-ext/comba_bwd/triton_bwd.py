@@ -14,6 +14,7 @@ A = (I + L)^-1, Vn = A (beta V) - A (beta gam P) S, X = A^T dVn.
   4. _grads_kernel        (chunk-parallel, three programs a chunk)  dq, dk, dp and dbeta, by three parts
      (_q_part, _k_part, _pb_part) that run side by side, each with its terms of d gc (fp32 scratch).
   5. _dg_kernel           (chunk-parallel)  dg from the three parts' terms of d gc.
+  At K = V = 128 on Hopper (bf16 inputs) stages 4 and 5 are `gluon_grads`' one kernel instead.
   The gradient parts loop over V in blocks, accumulating their products over V in fp32, so that no whole
   (K, V) state or [64, V] tile is live at once.
 
@@ -37,10 +38,10 @@ import triton.language as tl
 
 from .reference import CHUNK, pad_time
 
-try:  # Gluon, Triton's explicit-layout dialect: the reverse scan at K = V = 128 on Hopper
-    from . import gluon_reverse
-except ImportError:  # a Triton without it: the Triton reverse scan everywhere
-    gluon_reverse = None
+try:  # Gluon, Triton's explicit-layout dialect: the reverse scan and the gradients on Hopper
+    from . import gluon_grads, gluon_reverse
+except ImportError:  # a Triton without it: the Triton kernels everywhere
+    gluon_grads = gluon_reverse = None
 
 BT = tl.constexpr(CHUNK)
 
@@ -576,7 +577,6 @@ def comba_backward_stages(q, k, v, p, beta, g, do, scale: float, grads=None):
     X = torch.empty_like(Vn)
     dbeta_v = torch.empty(NV, *beta.shape, device=dev, dtype=torch.float32)
     dq, dk, dv, dp, dbeta, dg = _gradients_like(q, k, v, p, beta, g) if grads is None else grads
-    dgc_parts = torch.empty(3, BH, Tp, device=dev, dtype=torch.float32)                # per gradient part
     scan = dict(K=K, V=V, BV=SBV, STAGES=_scan_stages(dev), num_warps=SCAN_WARPS, num_stages=1)
     parts = dict(K=K, V=V, BV=BV, num_warps=GRADS_WARPS, num_stages=1, maxnreg=GRADS_MAXNREG[K])
     chunks = (N, BH)
@@ -587,10 +587,15 @@ def comba_backward_stages(q, k, v, p, beta, g, do, scale: float, grads=None):
         "reverse_scan": (lambda: gluon_reverse.launch(q, k, v, p, beta, g, do, A, dS, X, dv, dbeta_v, scale)) if gluon
         else lambda: _reverse_scan_kernel[(V // SBV, BH)](q, k, v, p, beta, g, do, A, dS, X, dv, dbeta_v, scale, N, H,
                                                           **scan),
-        "grads": lambda: _grads_kernel[(3 * N, BH)](q, k, p, beta, g, do, S, dS, Vn, X, dbeta_v, dq, dk, dp, dbeta,
-                                                    dgc_parts, scale, N, H, NV=NV, **parts),
-        "dg": lambda: _dg_kernel[chunks](dgc_parts, dg, N, H, num_warps=1, num_stages=1),
     }
+    if _gluon_grads_take(q, V):
+        stages["grads"] = lambda: gluon_grads.launch(q, k, p, beta, g, do, S, dS, Vn, X, dbeta_v, dq, dk, dp, dbeta,
+                                                     dg, scale)
+    else:
+        dgc_parts = torch.empty(3, BH, Tp, device=dev, dtype=torch.float32)  # d gc terms, per gradient part
+        stages["grads"] = lambda: _grads_kernel[(3 * N, BH)](q, k, p, beta, g, do, S, dS, Vn, X, dbeta_v, dq, dk, dp,
+                                                             dbeta, dgc_parts, scale, N, H, NV=NV, **parts)
+        stages["dg"] = lambda: _dg_kernel[chunks](dgc_parts, dg, N, H, num_warps=1, num_stages=1)
     return stages, (dq, dk, dv, dp, dbeta, dg)
 
 
@@ -608,6 +613,20 @@ def _gradients_like(q, k, v, p, beta, g):
 # (10, 4096, 32, 128, 128) with two pieces, and three were no better (-tf32x3-probe.log); the side stream alone,
 # one piece, took 4.906 against 5.093 at the last (-streams-probe.log).
 BATCH_PIECES = 2
+
+
+def _gluon_grads_take(q, V: int) -> bool:
+    """Whether `gluon_grads` computes the gradients of a call with these q (B, T, H, K) and V."""
+    return gluon_grads is not None and gluon_grads.takes(q.device, q.dtype, q.shape[-1], V)
+
+
+def _batch_pieces(q, V: int) -> int:
+    """How many pieces the batch is cut in: BATCH_PIECES, but one where the Gluon gradient kernel runs. Its
+    persistent grid holds every SM (one CTA each, 214 KB of shared memory) to its end, so in two pieces the time
+    hangs on whether the other piece's scans start before it or wait for it: at (8, 2048, 32, 128, 128) two pieces
+    took 2.213 and 1.593 ms in two probes and 3.123 in a benchmark, one piece 1.633 and 1.615
+    (-f4ff440-comba-gluon-grads-probe.log, -35b0702-comba-gluon-grads-schedules-probe.log, -2cea20a-comba.md)."""
+    return 1 if _gluon_grads_take(q, V) else BATCH_PIECES
 
 
 @functools.cache
@@ -631,8 +650,9 @@ def _launch_on_streams(pieces, device: torch.device):
                 stages["reverse_scan"]()
             stages["forward_scan"]()
             own.wait_stream(side)
-            stages["grads"]()
-            stages["dg"]()
+            for name, launch in stages.items():
+                if name not in ("transform", "forward_scan", "reverse_scan"):  # the gradient stages
+                    launch()
     for own in streams[2::2]:
         main.wait_stream(own)
 
@@ -642,7 +662,7 @@ def comba_backward_triton(q, k, v, p, beta, g, do, scale: float):
     B, T = q.shape[:2]
     inputs = [pad_time(x) for x in (q, k, v, p, beta, g, do)]
     grads = _gradients_like(*inputs[:6])
-    n = min(BATCH_PIECES, B)
+    n = min(_batch_pieces(q, v.shape[-1]), B)
     cuts = [B * i // n for i in range(n + 1)]
     # Every piece's scratch is allocated before the launches and referenced until the streams are joined, so the
     # allocator cannot hand one piece's freed scratch to another piece's stream while it still runs.

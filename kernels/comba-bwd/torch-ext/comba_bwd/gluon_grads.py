@@ -1,0 +1,247 @@
+"""Every gradient but dv in one Gluon kernel on Hopper, for K = V = 128 and bf16 inputs: the three parts
+of `triton_bwd._grads_kernel` (q, k and pb) and `_dg_kernel` fused, one chunk at a time, in persistent CTAs of 8 warps.
+
+The Triton gradient kernel runs the three parts as three programs a chunk; each reads its own inputs, so a chunk's
+S_n, dS'_n, Vn, X and dO pass through L2 twice or three times (352 KB a chunk at K = 128, against 160 KB read once),
+and the kernel keeps L2 about 80% busy (bench/results/2026-11-30-385c28d-comba-ncu-grads.txt). Here each tile is
+copied once by TMA into shared memory, and both warpgroups compute every product from it (each takes half of the
+product's columns). The tiles come in two groups with a barrier each, so that their copies overlap the products:
+the state group (S_n, dS'_n, Vn, X, dO), used by the products over V, and the key group (q, k, p), used by the
+products over the chunk. The next chunk's state group is copied once this chunk's products over V are done; a chunk's
+key group is copied as the chunk starts, once the previous chunk's dk and dp, stored from the key group's q and p
+buffers (shared memory holds no more at K = 128: 214 KB, one CTA an SM), have left. The [64, 64] A operands of the
+products over the chunk go through shared memory too: in registers each warpgroup would hold each whole.
+
+Per chunk, with E the decay (lower, with the diagonal), E^T its transpose, r < c strictly upper:
+  over V:  dO S^T, dO Vn^T, Vn dO^T, Vn X^T, Vn dS'^T, X S^T, X Vn^T, and <S_n, dS'_n>
+  dq = scale [gam (dO S^T) + bf16(dO Vn^T * E) K]                            q . dq  -> d gc
+  dk = (Gam/gam) Vn dS'^T + read Q + bf16(dR^T diag(beta)) P,                 read = bf16(Vn dO^T * E^T * scale),
+       dR^T = -(Vn X^T * E^T) on r < c                                        k . dk terms -> d gc
+  dLE = -(X Vn^T * E) strictly lower, Y = -gam (X S^T)
+  dp = beta (Y + bf16(dLE) K), dbeta = p . Y + sum_j bf16(dLE)_ij (p_i . k_j) + the reverse scan's v part
+  dg = the reverse cumsum in the chunk of the three parts' terms of d gc (as `_dg_kernel`).
+The arithmetic and the roundings to bf16 are the Triton kernel's, but beta scales dR^T's columns here rather than
+P's rows (P's tile is used as the TMA copy left it), and k . dk's read part is k . (read Q), from dk's tile, where the
+Triton kernel sums read_ij (k_i . q_j) from K Q^T. Checked in torch on the CPU against the Triton kernels'
+outputs: dq, dk, dp and dbeta agree to their bf16 rounding, dg to 3e-5.
+"""
+
+import functools
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma
+
+from .gluon_reverse import BT, GL_DTYPES, WARPS, _descriptor, _gates
+from .reference import CHUNK
+
+
+def takes(device: torch.device, dtype: torch.dtype, K: int, V: int) -> bool:
+    """Whether this kernel runs a call: K = V = 128, bf16 inputs, on Hopper (or meta tensors). At K = 64 it compiles
+    (208 registers, no spill) but took 1.030 ms against the Triton kernels' 1.033 at (16, 2048, 32, 64, 128), and the
+    backward in one piece 2.217 against 2.186 in two with them (-f4ff440-comba-gluon-grads-probe.log)."""
+    if K != 128 or V != 128 or dtype not in GL_DTYPES:
+        return False
+    if device.type == "meta":
+        return True
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
+
+
+@gluon.jit
+def _issue_state(s_desc, ds_desc, vn_desc, x_desc, do_desc, s_s, ds_s, vn_s, x_s, do_s, bar, state_row, pos_row,
+                 row, hv, pred):
+    """Start the copies of one chunk's S_n, dS'_n, Vn, X and dO tiles (where pred)."""
+    nbytes: gl.constexpr = (2 * s_desc.block_type.nbytes + 2 * vn_desc.block_type.nbytes
+                            + do_desc.block_type.nbytes)
+    mbarrier.expect(bar, nbytes, pred=pred)
+    tma.async_copy_global_to_shared(s_desc, [state_row, 0], bar, s_s, pred)
+    tma.async_copy_global_to_shared(ds_desc, [state_row, 0], bar, ds_s, pred)
+    tma.async_copy_global_to_shared(vn_desc, [pos_row, 0], bar, vn_s, pred)
+    tma.async_copy_global_to_shared(x_desc, [pos_row, 0], bar, x_s, pred)
+    tma.async_copy_global_to_shared(do_desc, [row, hv], bar, do_s, pred)
+
+
+@gluon.jit
+def _issue_keys(q_desc, k_desc, p_desc, q_s, k_s, p_s, bar, row, hk, pred):
+    """Start the copies of one chunk's q, k and p tiles (where pred)."""
+    mbarrier.expect(bar, 3 * q_desc.block_type.nbytes, pred=pred)
+    tma.async_copy_global_to_shared(q_desc, [row, hk], bar, q_s, pred)
+    tma.async_copy_global_to_shared(k_desc, [row, hk], bar, k_s, pred)
+    tma.async_copy_global_to_shared(p_desc, [row, hk], bar, p_s, pred)
+
+
+@gluon.jit
+def _chunk_rows(c, N, H, K: gl.constexpr, V: gl.constexpr):
+    """Chunk c's (b, h) and first row t0, and the rows of its tiles: the state row in (BH N K, V), the position row
+    in (BH T, V), the row in (B T, H D) and the head's column offsets there."""
+    bh = c // N
+    n = c % N
+    b = bh // H
+    h = bh % H
+    T = N * BT
+    return b, h, n * BT, c * K, bh * T + n * BT, b * T + n * BT, h * K, h * V
+
+
+@gluon.jit
+def _grads_gluon_kernel(q_desc, k_desc, p_desc, do_desc, s_desc, ds_desc, vn_desc, x_desc, dq_desc, dk_desc,
+                        dp_desc, beta, g, dbeta_v, dbeta, dg, scale, N, H, n_pos, K: gl.constexpr,
+                        V: gl.constexpr, NV: gl.constexpr, tt_layout: gl.constexpr):
+    dtype: gl.constexpr = q_desc.dtype
+    # Every product has M = 64 rows; the two warpgroups split its columns.
+    acc_tk: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, K // 2, 16])
+    acc_tt: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 32, 16])
+    row_k: gl.constexpr = gl.SliceLayout(1, acc_tk)
+    row_t: gl.constexpr = gl.SliceLayout(1, acc_tt)
+    col_t: gl.constexpr = gl.SliceLayout(0, acc_tt)
+    sq: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])
+
+    # Each buffer is taken as a view at a runtime index that is always zero (`zero` below).
+    s_b = gl.allocate_shared_memory(dtype, [1, K, V], s_desc.layout)
+    ds_b = gl.allocate_shared_memory(dtype, [1, K, V], ds_desc.layout)
+    vn_b = gl.allocate_shared_memory(dtype, [1, BT, V], vn_desc.layout)
+    x_b = gl.allocate_shared_memory(dtype, [1, BT, V], x_desc.layout)
+    do_b = gl.allocate_shared_memory(dtype, [1, BT, V], do_desc.layout)
+    q_b = gl.allocate_shared_memory(dtype, [1, BT, K], q_desc.layout)    # q, then dk for its TMA store
+    k_b = gl.allocate_shared_memory(dtype, [1, BT, K], k_desc.layout)
+    p_b = gl.allocate_shared_memory(dtype, [1, BT, K], p_desc.layout)    # p, then dp
+    dq_b = gl.allocate_shared_memory(dtype, [1, BT, K], dq_desc.layout)
+    # The [64, 64] A operands of the products over the chunk, in shared memory: in registers both warpgroups
+    # would hold each whole (they split the product's columns).
+    tt_b = gl.allocate_shared_memory(dtype, [4, BT, BT], tt_layout)   # bf16 dO Vn^T E, read, dR^T, dLE
+    bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(bars.index(0), count=1)
+    mbarrier.init(bars.index(1), count=1)
+    state_bar = bars.index(0)
+    keys_bar = bars.index(1)
+
+    zero_tk = gl.zeros([BT, K], gl.float32, acc_tk)
+    zero_tt = gl.zeros([BT, BT], gl.float32, acc_tt)
+
+    C = n_pos // BT  # chunks in all: B H N (n_pos = B T H)
+    step = gl.num_programs(0)
+    first = gl.program_id(0)
+    _, _, _, state_row, pos_row, row, _, hv = _chunk_rows(first, N, H, K, V)
+    _issue_state(s_desc, ds_desc, vn_desc, x_desc, do_desc, s_b.index(0), ds_b.index(0), vn_b.index(0),
+                 x_b.index(0), do_b.index(0), state_bar, state_row, pos_row, row, hv, True)
+
+    phase = 0
+    for c in range(first, C, step):
+        b, h, t0, _, _, row, hk, _ = _chunk_rows(c, N, H, K, V)
+        _, _, _, n_state_row, n_pos_row, n_row, _, n_hv = _chunk_rows(c + step, N, H, K, V)
+        scal_base = b.to(gl.int64) * (N * BT) * H + h
+        # A zero the compiler cannot prove (c < C here; it folds c >= C from the loop's guard, not this division):
+        # the buffer views and the [64, 64] masks made with it are formed in each iteration where they are used.
+        # Hoisted out of the loop, the products' shared-memory descriptors and the masks took some 150 registers,
+        # and the kernel spilled 736 B at K = 128 (none with this).
+        zero = c // C
+        s_s = s_b.index(zero)
+        ds_s = ds_b.index(zero)
+        vn_s = vn_b.index(zero)
+        x_s = x_b.index(zero)
+        do_s = do_b.index(zero)
+        q_s = q_b.index(zero)
+        k_s = k_b.index(zero)
+        p_s = p_b.index(zero)
+        dq_s = dq_b.index(zero)
+        i_tt = gl.arange(0, BT, layout=row_t)[:, None] + zero
+        j_tt = gl.arange(0, BT, layout=col_t)[None, :]
+        ri = gl.arange(0, BT, layout=gl.SliceLayout(1, sq)) + zero
+        rj = gl.arange(0, BT, layout=gl.SliceLayout(0, sq))
+        last_t = gl.arange(0, BT, layout=row_t) + zero == BT - 1
+        last_k = gl.arange(0, BT, layout=row_k) + zero == BT - 1
+        # The gates and dbeta's v parts (from the reverse scan) first, so that their loads' latency overlaps the
+        # waits; then this chunk's key group, once the previous chunk's gradients have left q_s, p_s and dq_s.
+        gc, glast, bk = _gates(g, beta, scal_base, t0, H)
+        rows_h = scal_base + (t0 + gl.arange(0, BT, layout=row_t)) * H
+        db = gl.load(dbeta_v + rows_h)
+        for iv in gl.static_range(1, NV):
+            db += gl.load(dbeta_v + iv * n_pos + rows_h)
+        tma.store_wait(0)
+        gl.thread_barrier()
+        _issue_keys(q_desc, k_desc, p_desc, q_s, k_s, p_s, keys_bar, row, hk, True)
+        gc_r = gl.convert_layout(gc, row_t)
+        gc_c = gl.convert_layout(gc, col_t)
+        gc_k = gl.convert_layout(gc, row_k)
+        bk_r = gl.convert_layout(bk, row_t)
+        bk_k = gl.convert_layout(bk, row_k)
+
+        # The products over V, from the state group; <S_n, dS'_n> 32 rows at a time, to hold few registers.
+        mbarrier.wait(state_bar, phase)
+        s_ds = 0.0
+        for r0 in gl.static_range(0, K, 32):
+            s_ds += gl.sum(gl.sum(s_s.slice(r0, 32).load(sq).to(gl.float32)
+                                  * ds_s.slice(r0, 32).load(sq).to(gl.float32), 1), 0)
+        e_low = gl.exp(gl.where(i_tt >= j_tt, gc_r[:, None] - gc_c[None, :], float("-inf")))      # E
+        e_up = gl.exp(gl.where(j_tt >= i_tt, gc_c[None, :] - gc_r[:, None], float("-inf")))       # E^T
+        tt_b.index(zero + 0).store((warpgroup_mma(do_s, vn_s.permute((1, 0)), zero_tt) * e_low * scale).to(dtype))
+        tt_b.index(zero + 1).store((warpgroup_mma(vn_s, do_s.permute((1, 0)), zero_tt) * e_up * scale).to(dtype))
+        dr_t = gl.where(i_tt < j_tt, -warpgroup_mma(vn_s, x_s.permute((1, 0)), zero_tt) * e_up, 0.0)
+        tt_b.index(zero + 2).store((dr_t * gl.convert_layout(bk, col_t)[None, :]).to(dtype))
+        dle = gl.where(i_tt > j_tt, -warpgroup_mma(x_s, vn_s.permute((1, 0)), zero_tt) * e_low, 0.0)
+        tt_b.index(zero + 3).store(dle.to(dtype))
+        dq = warpgroup_mma(do_s, s_s.permute((1, 0)), zero_tk) * (scale * gl.exp(gc_k))[:, None]
+        dk = warpgroup_mma(vn_s, ds_s.permute((1, 0)), zero_tk) * gl.exp(glast - gc_k)[:, None]
+        y = warpgroup_mma(x_s, s_s.permute((1, 0)), zero_tk) * -gl.exp(gc_k)[:, None]          # Y
+        fence_async_shared()
+        gl.thread_barrier()  # the operands are in tt_b, and no warp reads the state group any more
+        _issue_state(s_desc, ds_desc, vn_desc, x_desc, do_desc, s_s, ds_s, vn_s, x_s, do_s, state_bar, n_state_row,
+                     n_pos_row, n_row, n_hv, c + step < C)
+
+        # The products over the chunk, from the key group.
+        mbarrier.wait(keys_bar, phase)
+        dq = warpgroup_mma(tt_b.index(zero + 0), k_s, dq)
+        dgc = gl.convert_layout(gl.sum(q_s.load(acc_tk).to(gl.float32) * dq, 1), row_t)             # q . dq
+        dq_s.store(dq.to(dtype))
+        # k . dk: the state part's row sums (their total goes to the last row) and, with the read part added,
+        # both at once, read as k . (read Q) where the Triton kernel takes sum_j read_ij (k_i . q_j).
+        k_state = gl.sum(k_s.load(acc_tk).to(gl.float32) * dk, 1)
+        dk = warpgroup_mma(tt_b.index(zero + 1), q_s, dk)
+        k_dk = gl.sum(k_s.load(acc_tk).to(gl.float32) * dk, 1)
+        dgc += gl.convert_layout(gl.where(last_k, gl.sum(k_state, 0), 0.0) - k_dk, row_t)
+        dk = warpgroup_mma(tt_b.index(zero + 2), p_s, dk)
+        pk = warpgroup_mma(p_s, k_s.permute((1, 0)), zero_tt)                                  # P K^T
+        p_y = gl.sum(p_s.load(acc_tk).to(gl.float32) * y, 1)
+        y = warpgroup_mma(tt_b.index(zero + 3), k_s, y)
+        gl.thread_barrier()  # no warp reads q_s or p_s any more: dk and dp go there
+        q_s.store(dk.to(dtype))
+        p_s.store((bk_k[:, None] * y).to(dtype))
+        fence_async_shared()
+        gl.thread_barrier()
+        tma.async_copy_shared_to_global(dq_desc, [row, hk], dq_s)
+        tma.async_copy_shared_to_global(dk_desc, [row, hk], q_s)
+        tma.async_copy_shared_to_global(dp_desc, [row, hk], p_s)
+
+        # dbeta = p . Y + sum_j bf16(dLE)_ij (p_i . k_j) + the reverse scan's v parts, and the pb part's d gc.
+        db += gl.convert_layout(p_y, row_t) + gl.sum(dle.to(dtype).to(gl.float32) * pk, 1)
+        gl.store(dbeta + rows_h, db.to(dbeta.dtype.element_ty))
+        dl_l = dle * pk * bk_r[:, None]
+        dgc += gl.sum(dl_l, 1) - gl.convert_layout(gl.sum(dl_l, 0), row_t) + gl.convert_layout(bk_k * p_y, row_t)
+        dgc += gl.where(last_t, gl.exp(glast) * s_ds, 0.0)
+        # dg: the sum of d gc over the chunk's rows from each row on.
+        dgc_j = gl.convert_layout(dgc, gl.SliceLayout(0, sq))
+        gl.store(dg + scal_base + (t0 + ri) * H, gl.sum(gl.where(rj[None, :] >= ri[:, None], dgc_j[None, :], 0.0), 1))
+        phase ^= 1
+    tma.store_wait(0)
+    mbarrier.invalidate(state_bar)
+    mbarrier.invalidate(keys_bar)
+
+
+@functools.cache
+def _ctas(device: torch.device) -> int:
+    """The persistent grid: one CTA an SM (214 KB of shared memory at K = 128); an H200's 132 for meta tensors."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+
+
+def launch(q, k, p, beta, g, do, S, dS, Vn, X, dbeta_v, dq, dk, dp, dbeta, dg, scale: float):
+    """dq, dk, dp, dbeta and dg (written in place) from the inputs (B, T, H, *) with T a multiple of the chunk, the
+    scans' S and dS' (BH, N, K, V), Vn and X (BH, T, V) and dbeta's v parts (NV, B, T, H)."""
+    B, T, H, K = q.shape
+    V = do.shape[-1]
+    rows = lambda x, D: _descriptor(x.view(B * T, H * D), [CHUNK, D])  # noqa: E731
+    _grads_gluon_kernel[(min(B * H * (T // CHUNK), _ctas(q.device)),)](
+        rows(q, K), rows(k, K), rows(p, K), rows(do, V), _descriptor(S.view(-1, V), [K, V]),
+        _descriptor(dS.view(-1, V), [K, V]), _descriptor(Vn.view(-1, V), [CHUNK, V]),
+        _descriptor(X.view(-1, V), [CHUNK, V]), rows(dq, K), rows(dk, K), rows(dp, K), beta, g, dbeta_v, dbeta, dg,
+        scale, T // CHUNK, H, B * T * H, K, V, dbeta_v.shape[0],
+        gl.NVMMASharedLayout.get_default_for([CHUNK, CHUNK], gl.bfloat16), num_warps=WARPS)
