@@ -409,8 +409,8 @@ def test_cuda_backward_matches_spec_measure_shapes(comba, shape):
 @pytest.mark.parametrize("shape", [(3, 100, 3, 128, 128), (1, 512, 4, 128, 128), (2, 64, 1, 128, 128)])
 def test_cuda_gluon_reverse_scan_matches_the_triton_scan(triton_bwd, shape, monkeypatch):
     """Where the Gluon reverse scan runs (K = V = 128, bf16, Hopper), the backward with it against the backward with
-    the Triton scan, all six gradients, and both against float64; T = 100 is padded, B = 3 cut in pieces, and
-    T = 64 is one chunk (no next tiles to copy)."""
+    the Triton scan, all six gradients, and both against float64; T = 100 is padded, and T = 64 is one chunk
+    (no next tiles to copy)."""
     if not triton_bwd.gluon_reverse or not triton_bwd.gluon_reverse.takes(torch.device("cuda"), torch.bfloat16,
                                                                             shape[3], shape[4]):
         pytest.skip("the Gluon reverse scan runs on Hopper only")
