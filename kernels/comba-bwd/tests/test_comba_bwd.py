@@ -340,36 +340,19 @@ def test_stages_rerun_alone_give_the_same_gradients(triton_bwd):
 
 @needs_triton
 @pytest.mark.kernels_ci
-def test_gluon_reverse_scan_rule(triton_bwd):
-    """The Gluon reverse scan takes K = V = 128 in bf16 on Hopper (and meta tensors, for the offline compile),
-    never float16 (its bf16 scratch would be read as float16), K = 64 (the Triton scan is faster there) nor CPU
-    tensors (the interpreter runs the Triton scan)."""
-    gluon = triton_bwd.gluon_reverse
-    if gluon is None:
+def test_gluon_rule(triton_bwd):
+    """The Gluon kernels take K = V = 128 in bf16 on Hopper (and meta tensors, for the offline compile), never
+    float16 (they would read the bf16 scratch as float16) or float32, K or V = 64, nor CPU tensors (the
+    interpreter runs the Triton kernels); where they take a call the batch is not cut in pieces."""
+    if triton_bwd.gluon_common is None:
         pytest.skip("this Triton has no Gluon")
+    takes = triton_bwd.gluon_common.takes
     meta, cpu = torch.device("meta"), torch.device("cpu")
-    assert gluon.takes(meta, torch.bfloat16, 128, 128)
-    assert not any(gluon.takes(meta, dtype, K, V) for dtype, K, V in
+    assert takes(meta, torch.bfloat16, 128, 128)
+    assert not any(takes(meta, dtype, K, V) for dtype, K, V in
                    [(torch.float16, 128, 128), (torch.float32, 128, 128), (torch.bfloat16, 64, 128),
                     (torch.bfloat16, 128, 64)])
-    assert not gluon.takes(cpu, torch.bfloat16, 128, 128)
-
-
-@needs_triton
-@pytest.mark.kernels_ci
-def test_gluon_grads_rule(triton_bwd):
-    """The Gluon gradient kernel takes K = V = 128 in bf16 on Hopper (and meta tensors, for the offline compile),
-    never float16 or float32, K or V = 64, nor CPU tensors (the interpreter runs the Triton kernels); where it
-    takes a call the batch is not cut in pieces."""
-    gluon = triton_bwd.gluon_grads
-    if gluon is None:
-        pytest.skip("this Triton has no Gluon")
-    meta, cpu = torch.device("meta"), torch.device("cpu")
-    assert gluon.takes(meta, torch.bfloat16, 128, 128)
-    assert not any(gluon.takes(meta, dtype, K, V) for dtype, K, V in
-                   [(torch.float16, 128, 128), (torch.float32, 128, 128), (torch.bfloat16, 64, 128),
-                    (torch.bfloat16, 128, 64)])
-    assert not gluon.takes(cpu, torch.bfloat16, 128, 128)
+    assert not takes(cpu, torch.bfloat16, 128, 128)
     q = lambda device, K: torch.empty(4, 64, 2, K, device=device, dtype=torch.bfloat16)  # noqa: E731
     assert triton_bwd._batch_pieces(q(meta, 128), 128) == 1
     assert triton_bwd._batch_pieces(q(meta, 64), 128) == triton_bwd._batch_pieces(q(cpu, 128), 128) == 2
@@ -406,37 +389,17 @@ def test_cuda_backward_matches_spec_measure_shapes(comba, shape):
 
 
 @needs_cuda
-@pytest.mark.parametrize("shape", [(3, 100, 3, 128, 128), (1, 512, 4, 128, 128), (2, 64, 1, 128, 128)])
-def test_cuda_gluon_reverse_scan_matches_the_triton_scan(triton_bwd, shape, monkeypatch):
-    """Where the Gluon reverse scan runs (K = V = 128, bf16, Hopper), the backward with it against the backward with
-    the Triton scan, all six gradients, and both against float64; T = 100 is padded, and T = 64 is one chunk
-    (no next tiles to copy)."""
-    if not triton_bwd.gluon_reverse or not triton_bwd.gluon_reverse.takes(torch.device("cuda"), torch.bfloat16,
-                                                                            shape[3], shape[4]):
-        pytest.skip("the Gluon reverse scan runs on Hopper only")
+@pytest.mark.parametrize("shape", [(3, 100, 3, 128, 128), (1, 768, 12, 128, 128), (1, 64, 1, 128, 128)])
+def test_cuda_gluon_kernels_match_the_triton_kernels(triton_bwd, shape, monkeypatch):
+    """Where the Gluon kernels run (K = V = 128, bf16, Hopper), the backward with them against the backward with
+    the Triton kernels, all six gradients, and both against float64. T = 100 is padded; (1, 768, 12) has 144
+    chunks, more than an H200's 132 persistent CTAs of the gradient kernel, so some CTAs take two and copy the
+    next one's tiles while they compute; T = 64 is one chunk (no next tiles for any kernel to copy)."""
+    if not triton_bwd._gluon_takes(torch.empty(1, 1, 1, shape[3], device="cuda", dtype=torch.bfloat16), shape[4]):
+        pytest.skip("the Gluon kernels run on Hopper only")
     inputs = make_inputs(*shape, torch.bfloat16, "cuda", seed=13)
     with_gluon = triton_bwd.comba_backward_triton(*inputs, 0.1)
-    monkeypatch.setattr(triton_bwd, "gluon_reverse", None)
-    with_triton = triton_bwd.comba_backward_triton(*inputs, 0.1)
-    ref = float64_grads(inputs, 0.1)
-    assert_grads_close(with_gluon, ref, 1e-2)
-    assert_grads_close(with_triton, ref, 1e-2)
-    assert_grads_close(with_gluon, [x.double() for x in with_triton], 5e-3)
-
-
-@needs_cuda
-@pytest.mark.parametrize("shape", [(3, 100, 3, 128, 128), (1, 768, 12, 128, 128), (1, 64, 1, 128, 128)])
-def test_cuda_gluon_grads_match_the_triton_kernels(triton_bwd, shape, monkeypatch):
-    """Where the Gluon gradient kernel runs (K = V = 128, bf16, Hopper), the backward with it against the backward
-    with the Triton gradient kernels, all six gradients, and both against float64. (1, 768, 12) has 144 chunks,
-    more than an H200's 132 persistent CTAs, so some CTAs take two and copy the next one's tiles while they
-    compute; (1, 64, 1) is one chunk; T = 100 is padded."""
-    if not triton_bwd.gluon_grads or not triton_bwd.gluon_grads.takes(torch.device("cuda"), torch.bfloat16,
-                                                                        shape[3], shape[4]):
-        pytest.skip("the Gluon gradient kernel runs on Hopper only")
-    inputs = make_inputs(*shape, torch.bfloat16, "cuda", seed=17)
-    with_gluon = triton_bwd.comba_backward_triton(*inputs, 0.1)
-    monkeypatch.setattr(triton_bwd, "gluon_grads", None)
+    monkeypatch.setattr(triton_bwd, "_gluon_takes", lambda q, V: False)
     with_triton = triton_bwd.comba_backward_triton(*inputs, 0.1)
     ref = float64_grads(inputs, 0.1)
     assert_grads_close(with_gluon, ref, 1e-2)

@@ -24,6 +24,10 @@ The arithmetic and the roundings to bf16 are the Triton kernel's, but beta scale
 P's rows (P's tile is used as the TMA copy left it), and k . dk's read part is k . (read Q), from dk's tile, where the
 Triton kernel sums read_ij (k_i . q_j) from K Q^T. Checked in torch on the CPU against the Triton kernels'
 outputs: dq, dk, dp and dbeta agree to their bf16 rounding, dg to 3e-5.
+
+K = 64 keeps the Triton kernels: there this kernel (208 registers, no spill, 148 KB) took 1.030 ms against their
+1.033 at (16, 2048, 32, 64, 128), and the backward in one batch piece 2.217 against 2.186 in two with them
+(bench/results/2026-11-30-f4ff440-comba-gluon-grads-probe.log).
 """
 
 import functools
@@ -33,19 +37,8 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma
 
-from .gluon_reverse import BT, GL_DTYPES, WARPS, _descriptor, _gates
+from .gluon_common import BT, WARPS, chunk_rows, descriptor, gates
 from .reference import CHUNK
-
-
-def takes(device: torch.device, dtype: torch.dtype, K: int, V: int) -> bool:
-    """Whether this kernel runs a call: K = V = 128, bf16 inputs, on Hopper (or meta tensors). At K = 64 it compiles
-    (208 registers, no spill) but took 1.030 ms against the Triton kernels' 1.033 at (16, 2048, 32, 64, 128), and the
-    backward in one piece 2.217 against 2.186 in two with them (-f4ff440-comba-gluon-grads-probe.log)."""
-    if K != 128 or V != 128 or dtype not in GL_DTYPES:
-        return False
-    if device.type == "meta":
-        return True
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
 
 
 @gluon.jit
@@ -152,7 +145,7 @@ def _grads_gluon_kernel(q_desc, k_desc, p_desc, do_desc, s_desc, ds_desc, vn_des
         last_k = gl.arange(0, BT, layout=row_k) + zero == BT - 1
         # The gates and dbeta's v parts (from the reverse scan) first, so that their loads' latency overlaps the
         # waits; then this chunk's key group, once the previous chunk's gradients have left q_s, p_s and dq_s.
-        gc, glast, bk = _gates(g, beta, scal_base, t0, H)
+        gc, glast, bk = gates(g, beta, scal_base, t0, H)
         rows_h = scal_base + (t0 + gl.arange(0, BT, layout=row_t)) * H
         db = gl.load(dbeta_v + rows_h)
         for iv in gl.static_range(1, NV):
@@ -238,10 +231,9 @@ def launch(q, k, p, beta, g, do, S, dS, Vn, X, dbeta_v, dq, dk, dp, dbeta, dg, s
     scans' S and dS' (BH, N, K, V), Vn and X (BH, T, V) and dbeta's v parts (NV, B, T, H)."""
     B, T, H, K = q.shape
     V = do.shape[-1]
-    rows = lambda x, D: _descriptor(x.view(B * T, H * D), [CHUNK, D])  # noqa: E731
     _grads_gluon_kernel[(min(B * H * (T // CHUNK), _ctas(q.device)),)](
-        rows(q, K), rows(k, K), rows(p, K), rows(do, V), _descriptor(S.view(-1, V), [K, V]),
-        _descriptor(dS.view(-1, V), [K, V]), _descriptor(Vn.view(-1, V), [CHUNK, V]),
-        _descriptor(X.view(-1, V), [CHUNK, V]), rows(dq, K), rows(dk, K), rows(dp, K), beta, g, dbeta_v, dbeta, dg,
-        scale, T // CHUNK, H, B * T * H, K, V, dbeta_v.shape[0],
+        chunk_rows(q), chunk_rows(k), chunk_rows(p), chunk_rows(do), descriptor(S.view(-1, V), [K, V]),
+        descriptor(dS.view(-1, V), [K, V]), descriptor(Vn.view(-1, V), [CHUNK, V]),
+        descriptor(X.view(-1, V), [CHUNK, V]), chunk_rows(dq), chunk_rows(dk), chunk_rows(dp), beta, g, dbeta_v,
+        dbeta, dg, scale, T // CHUNK, H, B * T * H, K, V, dbeta_v.shape[0],
         gl.NVMMASharedLayout.get_default_for([CHUNK, CHUNK], gl.bfloat16), num_warps=WARPS)

@@ -19,9 +19,6 @@ At K = 64 the same scan with its two warpgroups along V (156 KB, one CTA an SM) 
 (bench/results/2026-11-30-c9d1677-comba-gluon-reverse-probe.log).
 """
 
-import functools
-
-import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -31,39 +28,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma,
     warpgroup_mma_wait,
 )
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from .gluon_common import BT, WARPS, chunk_rows, descriptor, gates
 from .reference import CHUNK
-
-BT = gl.constexpr(CHUNK)
-WARPS = 8  # two warpgroups: the layouts below are written for them
-# bf16 inputs only: the kernel takes its operand type from k, and A, dS'_n and X are bf16 whatever the inputs, so
-# float16 inputs would have those bits read as float16 (the Triton scan converts them to bf16 instead).
-GL_DTYPES = {torch.bfloat16: gl.bfloat16}
-
-
-@functools.cache
-def takes(device: torch.device, dtype: torch.dtype, K: int, V: int) -> bool:
-    """Whether this scan runs a call: K = V = 128, bf16 inputs, and a CUDA device of compute capability 9 (its
-    warpgroup MMA is Hopper's alone), or meta tensors (an offline compile for sm_90)."""
-    if K != 128 or V != 128 or dtype not in GL_DTYPES:
-        return False
-    if device.type == "meta":
-        return True
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
-
-
-@gluon.jit
-def _gates(g, beta, scal_base, t0, H):
-    """gc (the inclusive cumsum of g in the chunk, as a masked row sum: a scan does not lower in these layouts),
-    glast and beta, fp32, gc and beta [BT] in the row slice of a [BT, BT] blocked layout."""
-    sq: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])
-    ri = gl.arange(0, BT, layout=gl.SliceLayout(1, sq))
-    rj = gl.arange(0, BT, layout=gl.SliceLayout(0, sq))
-    gj = gl.load(g + scal_base + (t0 + rj) * H)
-    bk = gl.load(beta + scal_base + (t0 + ri) * H).to(gl.float32)
-    gc = gl.sum(gl.where(rj[None, :] <= ri[:, None], gj[None, :], 0.0), 1)
-    return gc, gl.sum(gj, 0), bk
 
 
 @gluon.jit
@@ -138,7 +105,7 @@ def _reverse_scan_gluon_kernel(k_desc, q_desc, p_desc, do_desc, a_desc, ds_desc,
         fence_async_shared()
         gl.thread_barrier()
         tma.async_copy_shared_to_global(ds_desc, [(bh * N + n) * K, 0], dsb_s)
-        gc, glast, bk = _gates(g, beta, scal_base, t0, H)
+        gc, glast, bk = gates(g, beta, scal_base, t0, H)
         pos = (b.to(gl.int64) * T + t0 + rows_tv)[:, None] * (H * V) + hv + cols_tv[None, :]
         vk = gl.load(v + pos)
         mbarrier.wait(bars.index(s), (i // 2) & 1)
@@ -188,18 +155,12 @@ def _reverse_scan_gluon_kernel(k_desc, q_desc, p_desc, do_desc, a_desc, ds_desc,
         mbarrier.invalidate(bars.index(st))
 
 
-def _descriptor(x2d: torch.Tensor, block: list) -> TensorDescriptor:
-    layout = gl.NVMMASharedLayout.get_default_for(block, GL_DTYPES[x2d.dtype])
-    return TensorDescriptor.from_tensor(x2d, block, layout)
-
-
 def launch(q, k, v, p, beta, g, do, A, dS, X, dv, dbeta_v, scale: float):
     """The scan over inputs (B, T, H, 128) with T a multiple of the chunk: writes dS (BH, N, K, V), X (BH, T, V),
     dv like v and dbeta_v (1, B, T, H), as `_reverse_scan_kernel` with one V block."""
     B, T, H, K = q.shape
     V = v.shape[-1]
-    rows = lambda x, D: _descriptor(x.view(B * T, H * D), [CHUNK, D])  # noqa: E731
     _reverse_scan_gluon_kernel[(B * H,)](
-        rows(k, K), rows(q, K), rows(p, K), rows(do, V), _descriptor(A.view(-1, CHUNK), [CHUNK, CHUNK]),
-        _descriptor(dS.view(-1, V), [K, V]), _descriptor(X.view(-1, V), [CHUNK, V]), rows(dv, V), v, beta, g,
+        chunk_rows(k), chunk_rows(q), chunk_rows(p), chunk_rows(do), descriptor(A.view(-1, CHUNK), [CHUNK, CHUNK]),
+        descriptor(dS.view(-1, V), [K, V]), descriptor(X.view(-1, V), [CHUNK, V]), chunk_rows(dv), v, beta, g,
         dbeta_v, scale, T // CHUNK, H, K, V, num_warps=WARPS)

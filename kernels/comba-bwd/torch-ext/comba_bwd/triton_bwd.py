@@ -9,14 +9,13 @@ A = (I + L)^-1, Vn = A (beta V) - A (beta gam P) S, X = A^T dVn.
   3. _reverse_scan_kernel (serial over chunks, reversed, dS in fp32)  dS'_n (bf16) -> HBM, and the chunk
      transform's adjoint X = A^T dVn of its V block: X (bf16), dv = beta X, and the block's part of
      sum_v(v X) (fp32) -> HBM; dVn itself never leaves registers.
-     At K = V = 128 on Hopper (bf16 inputs) the scan is `gluon_reverse`'s instead: one CTA of 8 warps a (b, h)
-     over all of V.
   4. _grads_kernel        (chunk-parallel, three programs a chunk)  dq, dk, dp and dbeta, by three parts
      (_q_part, _k_part, _pb_part) that run side by side, each with its terms of d gc (fp32 scratch).
   5. _dg_kernel           (chunk-parallel)  dg from the three parts' terms of d gc.
-  At K = V = 128 on Hopper (bf16 inputs) stages 4 and 5 are `gluon_grads`' one kernel instead.
   The gradient parts loop over V in blocks, accumulating their products over V in fp32, so that no whole
   (K, V) state or [64, V] tile is live at once.
+At K = V = 128 on Hopper (bf16 inputs) Gluon kernels run instead of stages 2 to 5: `gluon_forward` and
+`gluon_reverse`, one CTA of 8 warps a (b, h) over all of V, and `gluon_grads`, stages 4 and 5 in one kernel.
 
 Design choices (see README "Design"):
 - The per-chunk A and states are materialised in HBM: the solve would sit on the serial path of the scans,
@@ -38,10 +37,10 @@ import triton.language as tl
 
 from .reference import CHUNK, pad_time
 
-try:  # Gluon, Triton's explicit-layout dialect: the reverse scan and the gradients on Hopper
-    from . import gluon_grads, gluon_reverse
+try:  # Gluon, Triton's explicit-layout dialect: the scans and the gradients at K = V = 128 on Hopper
+    from . import gluon_common, gluon_forward, gluon_grads, gluon_reverse
 except ImportError:  # a Triton without it: the Triton kernels everywhere
-    gluon_grads = gluon_reverse = None
+    gluon_common = None
 
 BT = tl.constexpr(CHUNK)
 
@@ -568,7 +567,7 @@ def comba_backward_stages(q, k, v, p, beta, g, do, scale: float, grads=None):
     N, BH = Tp // CHUNK, B * H
     BV, SBV = min(V_BLOCK, V), min(V, SCAN_STATE // K)
     dev = q.device
-    gluon = gluon_reverse is not None and gluon_reverse.takes(dev, q.dtype, K, V)
+    gluon = _gluon_takes(q, V)
     NV = 1 if gluon else V // SBV  # dbeta's v parts: one per reverse-scan V block
     A = torch.empty(BH, N, CHUNK, CHUNK, device=dev, dtype=torch.bfloat16)
     S = torch.empty(BH, N, K, V, device=dev, dtype=torch.bfloat16)
@@ -583,12 +582,13 @@ def comba_backward_stages(q, k, v, p, beta, g, do, scale: float, grads=None):
     stages = {
         "transform": lambda: _transform_kernel[chunks](k, p, beta, g, A, N, H, K, num_warps=TRANSFORM_WARPS,
                                                        num_stages=1),
-        "forward_scan": lambda: _forward_scan_kernel[(V // SBV, BH)](k, v, p, beta, g, A, S, Vn, N, H, **scan),
+        "forward_scan": (lambda: gluon_forward.launch(k, v, p, beta, g, A, S, Vn)) if gluon
+        else lambda: _forward_scan_kernel[(V // SBV, BH)](k, v, p, beta, g, A, S, Vn, N, H, **scan),
         "reverse_scan": (lambda: gluon_reverse.launch(q, k, v, p, beta, g, do, A, dS, X, dv, dbeta_v, scale)) if gluon
         else lambda: _reverse_scan_kernel[(V // SBV, BH)](q, k, v, p, beta, g, do, A, dS, X, dv, dbeta_v, scale, N, H,
                                                           **scan),
     }
-    if _gluon_grads_take(q, V):
+    if gluon:
         stages["grads"] = lambda: gluon_grads.launch(q, k, p, beta, g, do, S, dS, Vn, X, dbeta_v, dq, dk, dp, dbeta,
                                                      dg, scale)
     else:
@@ -615,18 +615,18 @@ def _gradients_like(q, k, v, p, beta, g):
 BATCH_PIECES = 2
 
 
-def _gluon_grads_take(q, V: int) -> bool:
-    """Whether `gluon_grads` computes the gradients of a call with these q (B, T, H, K) and V."""
-    return gluon_grads is not None and gluon_grads.takes(q.device, q.dtype, q.shape[-1], V)
+def _gluon_takes(q, V: int) -> bool:
+    """Whether the Gluon kernels (the scans and the gradients) run a call with these q (B, T, H, K) and V."""
+    return gluon_common is not None and gluon_common.takes(q.device, q.dtype, q.shape[-1], V)
 
 
 def _batch_pieces(q, V: int) -> int:
-    """How many pieces the batch is cut in: BATCH_PIECES, but one where the Gluon gradient kernel runs. Its
-    persistent grid holds every SM (one CTA each, 214 KB of shared memory) to its end, so in two pieces the time
+    """How many pieces the batch is cut in: BATCH_PIECES, but one where the Gluon kernels run. The gradient
+    kernel's persistent grid holds every SM (one CTA each, 214 KB of shared memory) to its end, so in two pieces the time
     hangs on whether the other piece's scans start before it or wait for it: at (8, 2048, 32, 128, 128) two pieces
     took 2.213 and 1.593 ms in two probes and 3.123 in a benchmark, one piece 1.633 and 1.615
     (-f4ff440-comba-gluon-grads-probe.log, -35b0702-comba-gluon-grads-schedules-probe.log, -2cea20a-comba.md)."""
-    return 1 if _gluon_grads_take(q, V) else BATCH_PIECES
+    return 1 if _gluon_takes(q, V) else BATCH_PIECES
 
 
 @functools.cache

@@ -1,0 +1,53 @@
+"""What the Gluon kernels (`gluon_forward`, `gluon_reverse`, `gluon_grads`) share: the rule for when they run, the
+chunk, their warps, the gates of a chunk and the TMA descriptors of their tensors."""
+
+import functools
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from .reference import CHUNK
+
+BT = gl.constexpr(CHUNK)
+WARPS = 8  # two warpgroups: the kernels' layouts are written for them
+# bf16 inputs only: the kernels take their operand type from k, and A, S_n, Vn, dS'_n and X are bf16 whatever the
+# inputs, so float16 inputs would have those bits read as float16 (the Triton kernels convert them instead).
+GL_DTYPES = {torch.bfloat16: gl.bfloat16}
+
+
+@functools.cache
+def takes(device: torch.device, dtype: torch.dtype, K: int, V: int) -> bool:
+    """Whether the Gluon kernels run a call: K = V = 128, bf16 inputs, and a CUDA device of compute capability 9
+    (their warpgroup MMA is Hopper's alone), or meta tensors (an offline compile for sm_90)."""
+    if K != 128 or V != 128 or dtype not in GL_DTYPES:
+        return False
+    if device.type == "meta":
+        return True
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
+
+
+@gluon.jit
+def gates(g, beta, scal_base, t0, H):
+    """gc (the inclusive cumsum of g in the chunk, as a masked row sum: a scan does not lower in these layouts),
+    glast and beta, fp32, gc and beta [BT] in the row slice of a [BT, BT] blocked layout."""
+    sq: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])
+    ri = gl.arange(0, BT, layout=gl.SliceLayout(1, sq))
+    rj = gl.arange(0, BT, layout=gl.SliceLayout(0, sq))
+    gj = gl.load(g + scal_base + (t0 + rj) * H)
+    bk = gl.load(beta + scal_base + (t0 + ri) * H).to(gl.float32)
+    gc = gl.sum(gl.where(rj[None, :] <= ri[:, None], gj[None, :], 0.0), 1)
+    return gc, gl.sum(gj, 0), bk
+
+
+def descriptor(x2d: torch.Tensor, block: list) -> TensorDescriptor:
+    """A TMA descriptor of `block` tiles of the matrix x2d, in the default shared-memory layout for them."""
+    layout = gl.NVMMASharedLayout.get_default_for(block, GL_DTYPES[x2d.dtype])
+    return TensorDescriptor.from_tensor(x2d, block, layout)
+
+
+def chunk_rows(x: torch.Tensor) -> TensorDescriptor:
+    """[64, D] tiles (a chunk of one head) of a (B, T, H, D) tensor, taken as the (B T, H D) matrix."""
+    B, T, H, D = x.shape
+    return descriptor(x.view(B * T, H * D), [CHUNK, D])

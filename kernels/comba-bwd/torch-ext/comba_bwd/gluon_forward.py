@@ -1,0 +1,130 @@
+"""The forward scan in Gluon for K = V = 128 on Hopper: one CTA of 8 warps a (b, h) over all of V, where the Triton
+scan (`triton_bwd._forward_scan_kernel`) runs two V blocks of 4 warps. Same outputs as that scan with one V block:
+S_n (bf16, the state before chunk n) and Vn.
+
+Per chunk n, S (fp32 [K, V]) in registers:
+  U = (A diag(beta)) V,  -W = (A diag(-beta gam)) P           [64, V], [64, K]  (A scaled by column in registers)
+  Vn = U + (-W) S_b                                           [64, V]   -> shared memory (bf16), TMA store
+  S = Gam S + (K Gam/gam)^T Vn                                [K, V]
+A's columns are scaled in fp32 before its rounding to bf16 (the Triton scan scales V's and P's rows), so that the
+products' B operands come from shared memory as the TMA copies left them. S_n goes out in bf16 from shared memory
+(the B operand of -W S_b) by a TMA store, and the next chunk's k, p, v and A tiles are copied by TMA while one is
+computed (two stages, 172 KB of shared memory: one CTA an SM). U and -W are issued asynchronously before S_n's store,
+which they do not wait on. At (8, 2048, 32, 128, 128): 0.277 ms against 0.316 for the Triton scan
+(bench/results/2026-11-30-8352871-comba-gluon-forward-probe.log). In a backward of two batch pieces, each with its
+two scans on two streams, it lost where a piece's scans fit in one wave (one CTA an SM each, the two scans could not
+share an SM); in the one-piece backward that runs it, the backward gained at every K = 128 measure shape
+(bench/results/2026-11-30-f3bf90e-comba-gluon-forward-probe.log).
+"""
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+from .gluon_common import BT, WARPS, chunk_rows, descriptor, gates
+from .reference import CHUNK
+
+
+@gluon.jit
+def _issue(k_desc, p_desc, v_desc, a_desc, k_s, p_s, v_s, a_s, bar, row, hk, hv, a_row, pred):
+    """Start the copies of one chunk's k, p, v and A tiles into one stage (where pred)."""
+    nbytes: gl.constexpr = 2 * k_desc.block_type.nbytes + v_desc.block_type.nbytes + a_desc.block_type.nbytes
+    mbarrier.expect(bar, nbytes, pred=pred)
+    tma.async_copy_global_to_shared(k_desc, [row, hk], bar, k_s, pred)
+    tma.async_copy_global_to_shared(p_desc, [row, hk], bar, p_s, pred)
+    tma.async_copy_global_to_shared(v_desc, [row, hv], bar, v_s, pred)
+    tma.async_copy_global_to_shared(a_desc, [a_row, 0], bar, a_s, pred)
+
+
+@gluon.jit
+def _forward_scan_gluon_kernel(k_desc, p_desc, v_desc, a_desc, s_desc, vn_desc, beta, g, N, H, K: gl.constexpr,
+                               V: gl.constexpr):
+    bh = gl.program_id(0)
+    b = bh // H
+    h = bh % H
+    T = N * BT
+    scal_base = b.to(gl.int64) * T * H + h
+    dtype: gl.constexpr = k_desc.dtype
+
+    # Accumulator layouts: [K, V] (the state) with the two warpgroups along M, [64, V] and [64, K] along N.
+    acc_kv: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1], instr_shape=[16, V, 16])
+    acc_tv: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, V // 2, 16])
+    acc_tk: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, K // 2, 16])
+    a_tv: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_tv, k_width=2)
+    a_tk: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_tk, k_width=2)
+    a_kv: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_kv, k_width=2)
+    blk: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])
+    blk_t: gl.constexpr = gl.BlockedLayout([8, 1], [8, 4], [1, 8], [0, 1])
+
+    k_s = gl.allocate_shared_memory(dtype, [2, BT, K], k_desc.layout)
+    p_s = gl.allocate_shared_memory(dtype, [2, BT, K], p_desc.layout)
+    v_s = gl.allocate_shared_memory(dtype, [2, BT, V], v_desc.layout)
+    a_s = gl.allocate_shared_memory(dtype, [2, BT, BT], a_desc.layout)
+    sb_s = gl.allocate_shared_memory(dtype, [K, V], s_desc.layout)
+    vn_s = gl.allocate_shared_memory(dtype, [BT, V], vn_desc.layout)
+    bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for st in gl.static_range(2):
+        mbarrier.init(bars.index(st), count=1)
+
+    row0 = b * T
+    hk = h * K
+    hv = h * V
+    _issue(k_desc, p_desc, v_desc, a_desc, k_s.index(0), p_s.index(0), v_s.index(0), a_s.index(0), bars.index(0),
+           row0, hk, hv, bh * N * BT, True)
+
+    S = gl.zeros([K, V], gl.float32, acc_kv)
+    for n in range(N):
+        s = n % 2
+        t0 = n * BT
+        # The next chunk's tiles into the other stage, whose reads all ended with the previous iteration.
+        nxt = gl.minimum(n + 1, N - 1)
+        _issue(k_desc, p_desc, v_desc, a_desc, k_s.index(1 - s), p_s.index(1 - s), v_s.index(1 - s), a_s.index(1 - s),
+               bars.index(1 - s), row0 + nxt * BT, hk, hv, (bh * N + nxt) * BT, n + 1 < N)
+        gc, glast, bk = gates(g, beta, scal_base, t0, H)
+        mbarrier.wait(bars.index(s), (n // 2) & 1)
+
+        # U and -W do not wait on S: they run while S_n goes to shared memory.
+        bk_c = gl.convert_layout(bk, gl.SliceLayout(0, blk))
+        gam_c = gl.exp(gl.convert_layout(gc, gl.SliceLayout(0, blk)))
+        a_f = a_s.index(s).load(blk).to(gl.float32)
+        u = warpgroup_mma(gl.convert_layout((a_f * bk_c[None, :]).to(dtype), a_tv), v_s.index(s),
+                          gl.zeros([BT, V], gl.float32, acc_tv), is_async=True)
+        w = warpgroup_mma(gl.convert_layout((a_f * -(bk_c * gam_c)[None, :]).to(dtype), a_tk), p_s.index(s),
+                          gl.zeros([BT, K], gl.float32, acc_tk), is_async=True)
+        # S_n in bf16 to shared memory once the previous chunk's stores have read it (and vn_s).
+        tma.store_wait(0)
+        sb_s.store(S.to(dtype))
+        fence_async_shared()
+        gl.thread_barrier()
+        tma.async_copy_shared_to_global(s_desc, [(bh * N + n) * K, 0], sb_s)
+        w, u = warpgroup_mma_wait(0, deps=[w, u])
+        vn = warpgroup_mma(gl.convert_layout(w.to(dtype), a_tv), sb_s, u)
+        vn_s.store(vn.to(dtype))
+        fence_async_shared()
+        gl.thread_barrier()
+        tma.async_copy_shared_to_global(vn_desc, [bh * T + t0, 0], vn_s)
+
+        gc_t = gl.convert_layout(gc, gl.SliceLayout(0, blk_t))
+        k_t = k_s.index(s).permute((1, 0)).load(blk_t).to(gl.float32) * gl.exp(glast - gc_t)[None, :]
+        S = warpgroup_mma(gl.convert_layout(k_t.to(dtype), a_kv), vn_s, S * gl.exp(glast))
+        gl.thread_barrier()  # both warpgroups are done with this stage's tiles before the next copy into it
+    tma.store_wait(0)
+    for st in gl.static_range(2):
+        mbarrier.invalidate(bars.index(st))
+
+
+def launch(k, v, p, beta, g, A, S, Vn):
+    """The scan over inputs (B, T, H, 128) with T a multiple of the chunk: writes S (BH, N, K, V) and Vn (BH, T, V),
+    as `_forward_scan_kernel` with one V block."""
+    B, T, H, K = k.shape
+    V = v.shape[-1]
+    _forward_scan_gluon_kernel[(B * H,)](
+        chunk_rows(k), chunk_rows(p), chunk_rows(v), descriptor(A.view(-1, CHUNK), [CHUNK, CHUNK]),
+        descriptor(S.view(-1, V), [K, V]), descriptor(Vn.view(-1, V), [CHUNK, V]), beta, g, T // CHUNK, H, K, V,
+        num_warps=WARPS)
