@@ -621,11 +621,13 @@ def _gluon_takes(q, V: int) -> bool:
 
 
 def _batch_pieces(q, V: int) -> int:
-    """How many pieces the batch is cut in: BATCH_PIECES, but one where the Gluon kernels run. The gradient
-    kernel's persistent grid holds every SM (one CTA each, 214 KB of shared memory) to its end, so in two pieces the time
-    hangs on whether the other piece's scans start before it or wait for it: at (8, 2048, 32, 128, 128) two pieces
-    took 2.213 and 1.593 ms in two probes and 3.123 in a benchmark, one piece 1.633 and 1.615
-    (-f4ff440-comba-gluon-grads-probe.log, -35b0702-comba-gluon-grads-schedules-probe.log, -2cea20a-comba.md)."""
+    """How many pieces the batch is cut in: BATCH_PIECES, but one where the Gluon kernels run. In two pieces the
+    backward's time varied from run to run: at (8, 2048, 32, 128, 128) 2.213 and 1.593 ms in two probes and 3.123
+    in a benchmark, one piece 1.633 and 1.615 (-f4ff440-comba-gluon-grads-probe.log,
+    -35b0702-comba-gluon-grads-schedules-probe.log, -2cea20a-comba.md; the Triton forward scan then). The likely
+    cause, not established: the host takes 0.9 to 1.2 ms to launch one piece of the Gluon path (its TMA
+    descriptors 17 us each among it; -42fc4b0-comba-host-probe.log), so two pieces' launches take about as long
+    as the GPU's work at that shape, and the timing loop then measures the host."""
     return 1 if _gluon_takes(q, V) else BATCH_PIECES
 
 
