@@ -78,10 +78,13 @@ def run_tests(out_dir: Path, names: list[str], all_tests: bool, timeout: float, 
     # Compiling the Triton configs is CPU-bound: spread the tests over workers sharing the one GPU.
     # Compiling a Triton specialization per window, dtype and config dominates the test time (the ldsa file
     # alone outran 140 s on 4 file-bound workers in run 86c310e): spread single tests over 8 workers.
-    workers = ["-n", "8", "--dist", "load"] if importlib.util.find_spec("xdist") else []
+    n_workers = 8 if importlib.util.find_spec("xdist") else 0
+    workers = ["-n", str(n_workers), "--dist", "load"] if n_workers else []
     # Each worker would start one CPU thread a core for the float64 references, eight times the cores in all: two
     # comba-bwd Gluon tests were still in theirs when the 280 s test run ended (f4ff440). A worker's share of them.
-    env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 8) // 8))} if workers else None
+    env = None
+    if n_workers:
+        env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or n_workers) // n_workers))}
     log = out_dir / "pytest.log"
     start = time.time()
     with log.open("w") as sink:

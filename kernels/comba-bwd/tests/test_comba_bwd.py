@@ -102,7 +102,7 @@ def test_backward_reference_matches_spec(comba, shape):
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2), (torch.float16, 1e-2)])
 @pytest.mark.parametrize("K,V", [(64, 64), (128, 128)])
 def test_public_backward(comba, device, dtype, tol, K, V):
-    """Every dtype at both K; at K = V = 128 on Hopper bf16 takes the Gluon reverse scan, the others the Triton one."""
+    """Every dtype at both K; at K = V = 128 on Hopper bf16 takes the Gluon kernels, the others the Triton ones."""
     inputs = make_inputs(1, 128, 2, K, V, dtype, device, seed=2)
     grads = comba.comba_backward(*inputs)
     for name, gr, x in zip(NAMES, grads, inputs):

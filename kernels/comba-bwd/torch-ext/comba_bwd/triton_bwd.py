@@ -579,20 +579,18 @@ def comba_backward_stages(q, k, v, p, beta, g, do, scale: float, grads=None):
     scan = dict(K=K, V=V, BV=SBV, STAGES=_scan_stages(dev), num_warps=SCAN_WARPS, num_stages=1)
     parts = dict(K=K, V=V, BV=BV, num_warps=GRADS_WARPS, num_stages=1, maxnreg=GRADS_MAXNREG[K])
     chunks = (N, BH)
-    stages = {
-        "transform": lambda: _transform_kernel[chunks](k, p, beta, g, A, N, H, K, num_warps=TRANSFORM_WARPS,
-                                                       num_stages=1),
-        "forward_scan": (lambda: gluon_forward.launch(k, v, p, beta, g, A, S, Vn)) if gluon
-        else lambda: _forward_scan_kernel[(V // SBV, BH)](k, v, p, beta, g, A, S, Vn, N, H, **scan),
-        "reverse_scan": (lambda: gluon_reverse.launch(q, k, v, p, beta, g, do, A, dS, X, dv, dbeta_v, scale)) if gluon
-        else lambda: _reverse_scan_kernel[(V // SBV, BH)](q, k, v, p, beta, g, do, A, dS, X, dv, dbeta_v, scale, N, H,
-                                                          **scan),
-    }
+    stages = {"transform": lambda: _transform_kernel[chunks](k, p, beta, g, A, N, H, K, num_warps=TRANSFORM_WARPS,
+                                                            num_stages=1)}
     if gluon:
+        stages["forward_scan"] = lambda: gluon_forward.launch(k, v, p, beta, g, A, S, Vn)
+        stages["reverse_scan"] = lambda: gluon_reverse.launch(q, k, v, p, beta, g, do, A, dS, X, dv, dbeta_v, scale)
         stages["grads"] = lambda: gluon_grads.launch(q, k, p, beta, g, do, S, dS, Vn, X, dbeta_v, dq, dk, dp, dbeta,
                                                      dg, scale)
     else:
         dgc_parts = torch.empty(3, BH, Tp, device=dev, dtype=torch.float32)  # d gc terms, per gradient part
+        stages["forward_scan"] = lambda: _forward_scan_kernel[(V // SBV, BH)](k, v, p, beta, g, A, S, Vn, N, H, **scan)
+        stages["reverse_scan"] = lambda: _reverse_scan_kernel[(V // SBV, BH)](q, k, v, p, beta, g, do, A, dS, X, dv,
+                                                                             dbeta_v, scale, N, H, **scan)
         stages["grads"] = lambda: _grads_kernel[(3 * N, BH)](q, k, p, beta, g, do, S, dS, Vn, X, dbeta_v, dq, dk, dp,
                                                              dbeta, dgc_parts, scale, N, H, NV=NV, **parts)
         stages["dg"] = lambda: _dg_kernel[chunks](dgc_parts, dg, N, H, num_warps=1, num_stages=1)
