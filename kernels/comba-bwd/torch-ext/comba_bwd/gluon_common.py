@@ -2,6 +2,7 @@
 chunk, their warps, the gates of a chunk and the TMA descriptors of their tensors."""
 
 import functools
+from typing import NamedTuple
 
 import torch
 from triton.experimental import gluon
@@ -41,13 +42,46 @@ def gates(g, beta, scal_base, t0, H):
     return gc, gl.sum(gj, 0), bk
 
 
-def descriptor(x2d: torch.Tensor, block: list) -> TensorDescriptor:
+@functools.cache
+def shared_layout(block: tuple, dtype: torch.dtype) -> gl.NVMMASharedLayout:
+    """The default shared-memory layout of `block` tiles, made once: making it took 6 of a descriptor's 9 us on the
+    host."""
+    return gl.NVMMASharedLayout.get_default_for(list(block), GL_DTYPES[dtype])
+
+
+def descriptor(x2d: torch.Tensor, block: tuple) -> TensorDescriptor:
     """A TMA descriptor of `block` tiles of the matrix x2d, in the default shared-memory layout for them."""
-    layout = gl.NVMMASharedLayout.get_default_for(block, GL_DTYPES[x2d.dtype])
-    return TensorDescriptor.from_tensor(x2d, block, layout)
+    return TensorDescriptor.from_tensor(x2d, list(block), shared_layout(block, x2d.dtype))
 
 
 def chunk_rows(x: torch.Tensor) -> TensorDescriptor:
     """[64, D] tiles (a chunk of one head) of a (B, T, H, D) tensor, taken as the (B T, H D) matrix."""
     B, T, H, D = x.shape
-    return descriptor(x.view(B * T, H * D), [CHUNK, D])
+    return descriptor(x.view(B * T, H * D), (CHUNK, D))
+
+
+class Tiles(NamedTuple):
+    """The descriptors of the tensors that more than one stage reads: the inputs' chunk rows, A's [64, 64] tiles, the
+    states' [K, V] tiles and Vn's and X's [64, V] ones. Made once for a backward's three kernels, where each kernel
+    made its own (the host's launch time is near the GPU's at the smaller shapes: bench/results/
+    2026-11-30-42fc4b0-comba-host-probe.log)."""
+
+    q: TensorDescriptor
+    k: TensorDescriptor
+    p: TensorDescriptor
+    v: TensorDescriptor
+    do: TensorDescriptor
+    A: TensorDescriptor
+    S: TensorDescriptor
+    dS: TensorDescriptor
+    Vn: TensorDescriptor
+    X: TensorDescriptor
+
+
+def tiles(q, k, p, v, do, A, S, dS, Vn, X) -> Tiles:
+    """The Tiles of inputs (B, T, H, *), A (BH, N, 64, 64), S and dS (BH, N, K, V), Vn and X (BH, T, V)."""
+    K, V = q.shape[-1], v.shape[-1]
+    states = (descriptor(x.view(-1, V), (K, V)) for x in (S, dS))
+    positions = (descriptor(x.view(-1, V), (CHUNK, V)) for x in (Vn, X))
+    return Tiles(*(chunk_rows(x) for x in (q, k, p, v, do)), descriptor(A.view(-1, CHUNK), (CHUNK, CHUNK)), *states,
+                 *positions)

@@ -49,7 +49,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from .gluon_common import BT, WARPS, chunk_rows, descriptor, gates
+from .gluon_common import BT, WARPS, chunk_rows, gates, shared_layout
 from .reference import CHUNK
 
 
@@ -252,14 +252,12 @@ def _ctas(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
 
 
-def launch(q, k, p, beta, g, do, S, dS, Vn, X, dbeta_v, dq, dk, dp, dbeta, dg, scale: float):
-    """dq, dk, dp, dbeta and dg (written in place) from the inputs (B, T, H, *) with T a multiple of the chunk, the
-    scans' S and dS' (BH, N, K, V), Vn and X (BH, T, V) and dbeta's v parts (NV, B, T, H)."""
+def launch(t, q, do, beta, g, dbeta_v, dq, dk, dp, dbeta, dg, scale: float):
+    """dq, dk, dp, dbeta and dg (written in place) from the inputs (B, T, H, *) with T a multiple of the chunk, their
+    Tiles `t` (of the scans' S, dS', Vn and X among them) and dbeta's v parts (NV, B, T, H)."""
     B, T, H, K = q.shape
     V = do.shape[-1]
     _grads_gluon_kernel[(min(B * H * (T // CHUNK), _ctas(q.device)),)](
-        chunk_rows(q), chunk_rows(k), chunk_rows(p), chunk_rows(do), descriptor(S.view(-1, V), [K, V]),
-        descriptor(dS.view(-1, V), [K, V]), descriptor(Vn.view(-1, V), [CHUNK, V]),
-        descriptor(X.view(-1, V), [CHUNK, V]), chunk_rows(dq), chunk_rows(dk), chunk_rows(dp), beta, g, dbeta_v,
-        dbeta, dg, scale, T // CHUNK, H, B * T * H, K, V, dbeta_v.shape[0],
-        gl.NVMMASharedLayout.get_default_for([CHUNK, CHUNK], gl.bfloat16), num_warps=WARPS)
+        t.q, t.k, t.p, t.do, t.S, t.dS, t.Vn, t.X, chunk_rows(dq), chunk_rows(dk), chunk_rows(dp), beta, g, dbeta_v,
+        dbeta, dg, scale, T // CHUNK, H, B * T * H, K, V, dbeta_v.shape[0], shared_layout((CHUNK, CHUNK), q.dtype),
+        num_warps=WARPS)

@@ -582,10 +582,10 @@ def comba_backward_stages(q, k, v, p, beta, g, do, scale: float, grads=None):
     stages = {"transform": lambda: _transform_kernel[chunks](k, p, beta, g, A, N, H, K, num_warps=TRANSFORM_WARPS,
                                                             num_stages=1)}
     if gluon:
-        stages["forward_scan"] = lambda: gluon_forward.launch(k, v, p, beta, g, A, S, Vn)
-        stages["reverse_scan"] = lambda: gluon_reverse.launch(q, k, v, p, beta, g, do, A, dS, X, dv, dbeta_v, scale)
-        stages["grads"] = lambda: gluon_grads.launch(q, k, p, beta, g, do, S, dS, Vn, X, dbeta_v, dq, dk, dp, dbeta,
-                                                     dg, scale)
+        t = gluon_common.tiles(q, k, p, v, do, A, S, dS, Vn, X)
+        stages["forward_scan"] = lambda: gluon_forward.launch(t, k, v, beta, g)
+        stages["reverse_scan"] = lambda: gluon_reverse.launch(t, q, v, beta, g, dv, dbeta_v, scale)
+        stages["grads"] = lambda: gluon_grads.launch(t, q, do, beta, g, dbeta_v, dq, dk, dp, dbeta, dg, scale)
     else:
         dgc_parts = torch.empty(3, BH, Tp, device=dev, dtype=torch.float32)  # d gc terms, per gradient part
         stages["forward_scan"] = lambda: _forward_scan_kernel[(V // SBV, BH)](k, v, p, beta, g, A, S, Vn, N, H, **scan)
