@@ -1,5 +1,6 @@
-"""What the Gluon kernels (`gluon_forward`, `gluon_reverse`, `gluon_grads`) share: the rule for when they run, the
-chunk, their warps, the gates of a chunk and the TMA descriptors of their tensors."""
+"""What the Gluon kernels (`gluon_forward`, `gluon_reverse`, `gluon_grads`, `gluon_grads64`) share: the rule for
+which stages they run, the chunk, their warps at K = 128, the gates of a chunk and the TMA descriptors of their
+tensors."""
 
 import functools
 from typing import NamedTuple
@@ -12,28 +13,30 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from .reference import CHUNK
 
 BT = gl.constexpr(CHUNK)
-WARPS = 8  # two warpgroups: the kernels' layouts are written for them
 # bf16 inputs only: the kernels take their operand type from k, and A, S_n, Vn, dS'_n and X are bf16 whatever the
 # inputs, so float16 inputs would have those bits read as float16 (the Triton kernels convert them instead).
 GL_DTYPES = {torch.bfloat16: gl.bfloat16}
+WARPS = 8  # two warpgroups: the layouts of the kernels at K = 128 are written for them
+ALL = ("forward_scan", "reverse_scan", "grads")
 
 
 @functools.cache
-def takes(device: torch.device, dtype: torch.dtype, K: int, V: int) -> bool:
-    """Whether the Gluon kernels run a call: K = V = 128, bf16 inputs, and a CUDA device of compute capability 9
-    (their warpgroup MMA is Hopper's alone), or meta tensors (an offline compile for sm_90)."""
-    if K != 128 or V != 128 or dtype not in GL_DTYPES:
-        return False
-    if device.type == "meta":
-        return True
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
+def takes(device: torch.device, dtype: torch.dtype, K: int, V: int) -> tuple:
+    """The stages a Gluon kernel runs (the others run the Triton kernels): on a CUDA device of compute capability 9
+    (their warpgroup MMA is Hopper's alone), or meta tensors (an offline compile for sm_90), with bf16 inputs and
+    V = 128, all three at K = 128 and the forward scan and the gradients at K = 64."""
+    if V != 128 or dtype not in GL_DTYPES or K not in (64, 128):
+        return ()
+    if device.type != "meta" and (device.type != "cuda" or torch.cuda.get_device_capability(device)[0] != 9):
+        return ()
+    return ALL if K == 128 else ("forward_scan", "grads")
 
 
 @gluon.jit
 def gates(g, beta, scal_base, t0, H):
     """gc (the inclusive cumsum of g in the chunk, as a masked row sum: a scan does not lower in these layouts),
-    glast and beta, fp32, gc and beta [BT] in the row slice of a [BT, BT] blocked layout."""
-    sq: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])
+    glast and beta, fp32, gc and beta [BT] in the row slice of a [BT, BT] blocked layout over the kernel's warps."""
+    sq: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
     ri = gl.arange(0, BT, layout=gl.SliceLayout(1, sq))
     rj = gl.arange(0, BT, layout=gl.SliceLayout(0, sq))
     gj = gl.load(g + scal_base + (t0 + rj) * H)
