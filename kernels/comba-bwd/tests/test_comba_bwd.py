@@ -341,21 +341,23 @@ def test_stages_rerun_alone_give_the_same_gradients(triton_bwd):
 @needs_triton
 @pytest.mark.kernels_ci
 def test_gluon_rule(triton_bwd):
-    """The Gluon kernels take K = V = 128 in bf16 on Hopper (and meta tensors, for the offline compile), never
-    float16 (they would read the bf16 scratch as float16) or float32, K or V = 64, nor CPU tensors (the
-    interpreter runs the Triton kernels); where they take a call the batch is not cut in pieces."""
+    """Gluon kernels take bf16 inputs with V = 128 on Hopper (and meta tensors, for the offline compile): all three
+    stages at K = 128, the gradients at K = 64; never float16 (they would read the bf16 scratch as
+    float16) or float32, V = 64, nor CPU tensors (the interpreter runs the Triton kernels). Where they take a call the
+    batch is not cut in pieces."""
     if triton_bwd.gluon_common is None:
         pytest.skip("this Triton has no Gluon")
     takes = triton_bwd.gluon_common.takes
     meta, cpu = torch.device("meta"), torch.device("cpu")
-    assert takes(meta, torch.bfloat16, 128, 128)
+    assert takes(meta, torch.bfloat16, 128, 128) == ("forward_scan", "reverse_scan", "grads")
+    assert takes(meta, torch.bfloat16, 64, 128) == ("grads",)
     assert not any(takes(meta, dtype, K, V) for dtype, K, V in
-                   [(torch.float16, 128, 128), (torch.float32, 128, 128), (torch.bfloat16, 64, 128),
-                    (torch.bfloat16, 128, 64)])
-    assert not takes(cpu, torch.bfloat16, 128, 128)
+                   [(torch.float16, 128, 128), (torch.float32, 128, 128), (torch.float16, 64, 128),
+                    (torch.bfloat16, 128, 64), (torch.bfloat16, 64, 64), (torch.bfloat16, 32, 128)])
+    assert not takes(cpu, torch.bfloat16, 128, 128) and not takes(cpu, torch.bfloat16, 64, 128)
     q = lambda device, K: torch.empty(4, 64, 2, K, device=device, dtype=torch.bfloat16)  # noqa: E731
-    assert triton_bwd._batch_pieces(q(meta, 128), 128) == 1
-    assert triton_bwd._batch_pieces(q(meta, 64), 128) == triton_bwd._batch_pieces(q(cpu, 128), 128) == 2
+    assert triton_bwd._batch_pieces(q(meta, 128), 128) == triton_bwd._batch_pieces(q(meta, 64), 128) == 1
+    assert triton_bwd._batch_pieces(q(meta, 64), 64) == triton_bwd._batch_pieces(q(cpu, 128), 128) == 2
 
 
 def _check_against_spec(backward, shape, tol=2e-2):
@@ -389,17 +391,19 @@ def test_cuda_backward_matches_spec_measure_shapes(comba, shape):
 
 
 @needs_cuda
-@pytest.mark.parametrize("shape", [(3, 100, 3, 128, 128), (1, 768, 12, 128, 128), (1, 64, 1, 128, 128)])
+@pytest.mark.parametrize("shape", [(3, 100, 3, 128, 128), (1, 768, 12, 128, 128), (1, 64, 1, 128, 128),
+                                   (3, 100, 3, 64, 128), (1, 1536, 12, 64, 128), (1, 64, 1, 64, 128)])
 def test_cuda_gluon_kernels_match_the_triton_kernels(triton_bwd, shape, monkeypatch):
-    """Where the Gluon kernels run (K = V = 128, bf16, Hopper), the backward with them against the backward with
-    the Triton kernels, all six gradients, and both against float64. T = 100 is padded; (1, 768, 12) has 144
-    chunks, more than an H200's 132 persistent CTAs of the gradient kernel, so some CTAs take two and copy the
-    next one's tiles while they compute; T = 64 is one chunk (no next tiles for any kernel to copy)."""
-    if not triton_bwd._gluon_takes(torch.empty(1, 1, 1, shape[3], device="cuda", dtype=torch.bfloat16), shape[4]):
+    """Where Gluon kernels run (bf16, V = 128, Hopper), the backward with them against the backward with the Triton
+    kernels, all six gradients, and both against float64. T = 100 is padded; (1, 768, 12) at K = 128 has 144 chunks,
+    more than an H200's 132 persistent CTAs of the gradient kernel, and (1, 1536, 12) at K = 64 has 288, more than
+    its 264, so some CTAs take two and copy the next one's tiles while they compute; T = 64 is one chunk (no next tiles
+    for any kernel to copy)."""
+    if not triton_bwd._gluon_stages(torch.empty(1, 1, 1, shape[3], device="cuda", dtype=torch.bfloat16), shape[4]):
         pytest.skip("the Gluon kernels run on Hopper only")
     inputs = make_inputs(*shape, torch.bfloat16, "cuda", seed=13)
     with_gluon = triton_bwd.comba_backward_triton(*inputs, 0.1)
-    monkeypatch.setattr(triton_bwd, "_gluon_takes", lambda q, V: False)
+    monkeypatch.setattr(triton_bwd, "_gluon_stages", lambda q, V: ())
     with_triton = triton_bwd.comba_backward_triton(*inputs, 0.1)
     ref = float64_grads(inputs, 0.1)
     assert_grads_close(with_gluon, ref, 1e-2)
@@ -409,8 +413,8 @@ def test_cuda_gluon_kernels_match_the_triton_kernels(triton_bwd, shape, monkeypa
 
 @needs_cuda
 def test_cuda_backward_cuts_an_odd_batch(comba):
-    """B = 3 runs as batch pieces of 1 and 2, each on streams of its own."""
-    _check_against_spec(comba.comba_backward, (3, 192, 2, 64, 128))
+    """B = 3 runs as batch pieces of 1 and 2, each on streams of its own (V = 64: the Triton kernels, in pieces)."""
+    _check_against_spec(comba.comba_backward, (3, 192, 2, 64, 64))
 
 
 @needs_cuda

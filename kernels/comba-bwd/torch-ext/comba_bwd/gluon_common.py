@@ -1,7 +1,9 @@
-"""What the Gluon kernels (`gluon_forward`, `gluon_reverse`, `gluon_grads`) share: the rule for when they run, the
-chunk, their warps, the gates of a chunk and the TMA descriptors of their tensors."""
+"""What the Gluon kernels (`gluon_forward`, `gluon_reverse`, `gluon_grads`, `gluon_grads64`) share: the rule for
+which stages they run, the chunk, their warps at K = 128, the gates of a chunk and the TMA descriptors of their
+tensors."""
 
 import functools
+from typing import NamedTuple
 
 import torch
 from triton.experimental import gluon
@@ -11,28 +13,30 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from .reference import CHUNK
 
 BT = gl.constexpr(CHUNK)
-WARPS = 8  # two warpgroups: the kernels' layouts are written for them
 # bf16 inputs only: the kernels take their operand type from k, and A, S_n, Vn, dS'_n and X are bf16 whatever the
 # inputs, so float16 inputs would have those bits read as float16 (the Triton kernels convert them instead).
 GL_DTYPES = {torch.bfloat16: gl.bfloat16}
+WARPS = 8  # two warpgroups: the layouts of the kernels at K = 128 are written for them
+ALL = ("forward_scan", "reverse_scan", "grads")
 
 
 @functools.cache
-def takes(device: torch.device, dtype: torch.dtype, K: int, V: int) -> bool:
-    """Whether the Gluon kernels run a call: K = V = 128, bf16 inputs, and a CUDA device of compute capability 9
-    (their warpgroup MMA is Hopper's alone), or meta tensors (an offline compile for sm_90)."""
-    if K != 128 or V != 128 or dtype not in GL_DTYPES:
-        return False
-    if device.type == "meta":
-        return True
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
+def takes(device: torch.device, dtype: torch.dtype, K: int, V: int) -> tuple:
+    """The stages a Gluon kernel runs (the others run the Triton kernels): on a CUDA device of compute capability 9
+    (their warpgroup MMA is Hopper's alone), or meta tensors (an offline compile for sm_90), with bf16 inputs and
+    V = 128, all three at K = 128 and the gradients at K = 64."""
+    if V != 128 or dtype not in GL_DTYPES or K not in (64, 128):
+        return ()
+    if device.type != "meta" and (device.type != "cuda" or torch.cuda.get_device_capability(device)[0] != 9):
+        return ()
+    return ALL if K == 128 else ("grads",)
 
 
 @gluon.jit
 def gates(g, beta, scal_base, t0, H):
     """gc (the inclusive cumsum of g in the chunk, as a masked row sum: a scan does not lower in these layouts),
-    glast and beta, fp32, gc and beta [BT] in the row slice of a [BT, BT] blocked layout."""
-    sq: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])
+    glast and beta, fp32, gc and beta [BT] in the row slice of a [BT, BT] blocked layout over the kernel's warps."""
+    sq: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
     ri = gl.arange(0, BT, layout=gl.SliceLayout(1, sq))
     rj = gl.arange(0, BT, layout=gl.SliceLayout(0, sq))
     gj = gl.load(g + scal_base + (t0 + rj) * H)
@@ -41,13 +45,46 @@ def gates(g, beta, scal_base, t0, H):
     return gc, gl.sum(gj, 0), bk
 
 
-def descriptor(x2d: torch.Tensor, block: list) -> TensorDescriptor:
+@functools.cache
+def shared_layout(block: tuple, dtype: torch.dtype) -> gl.NVMMASharedLayout:
+    """The default shared-memory layout of `block` tiles, made once: making it took 6 of a descriptor's 9 us on the
+    host."""
+    return gl.NVMMASharedLayout.get_default_for(list(block), GL_DTYPES[dtype])
+
+
+def descriptor(x2d: torch.Tensor, block: tuple) -> TensorDescriptor:
     """A TMA descriptor of `block` tiles of the matrix x2d, in the default shared-memory layout for them."""
-    layout = gl.NVMMASharedLayout.get_default_for(block, GL_DTYPES[x2d.dtype])
-    return TensorDescriptor.from_tensor(x2d, block, layout)
+    return TensorDescriptor.from_tensor(x2d, list(block), shared_layout(block, x2d.dtype))
 
 
 def chunk_rows(x: torch.Tensor) -> TensorDescriptor:
     """[64, D] tiles (a chunk of one head) of a (B, T, H, D) tensor, taken as the (B T, H D) matrix."""
     B, T, H, D = x.shape
-    return descriptor(x.view(B * T, H * D), [CHUNK, D])
+    return descriptor(x.view(B * T, H * D), (CHUNK, D))
+
+
+class Tiles(NamedTuple):
+    """The descriptors of the tensors that more than one stage reads: the inputs' chunk rows, A's [64, 64] tiles, the
+    states' [K, V] tiles and Vn's and X's [64, V] ones. Made once for a backward's three kernels, where each kernel
+    made its own (the host's launch time is near the GPU's at the smaller shapes: bench/results/
+    2026-11-30-42fc4b0-comba-host-probe.log)."""
+
+    q: TensorDescriptor
+    k: TensorDescriptor
+    p: TensorDescriptor
+    v: TensorDescriptor
+    do: TensorDescriptor
+    A: TensorDescriptor
+    S: TensorDescriptor
+    dS: TensorDescriptor
+    Vn: TensorDescriptor
+    X: TensorDescriptor
+
+
+def tiles(q, k, p, v, do, A, S, dS, Vn, X) -> Tiles:
+    """The Tiles of inputs (B, T, H, *), A (BH, N, 64, 64), S and dS (BH, N, K, V), Vn and X (BH, T, V)."""
+    K, V = q.shape[-1], v.shape[-1]
+    states = (descriptor(x.view(-1, V), (K, V)) for x in (S, dS))
+    positions = (descriptor(x.view(-1, V), (CHUNK, V)) for x in (Vn, X))
+    return Tiles(*(chunk_rows(x) for x in (q, k, p, v, do)), descriptor(A.view(-1, CHUNK), (CHUNK, CHUNK)), *states,
+                 *positions)

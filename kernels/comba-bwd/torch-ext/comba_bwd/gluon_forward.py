@@ -27,7 +27,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from .gluon_common import BT, WARPS, chunk_rows, descriptor, gates
+from .gluon_common import BT, WARPS, gates
 from .reference import CHUNK
 
 
@@ -119,12 +119,9 @@ def _forward_scan_gluon_kernel(k_desc, p_desc, v_desc, a_desc, s_desc, vn_desc, 
         mbarrier.invalidate(bars.index(st))
 
 
-def launch(k, v, p, beta, g, A, S, Vn):
-    """The scan over inputs (B, T, H, 128) with T a multiple of the chunk: writes S (BH, N, K, V) and Vn (BH, T, V),
-    as `_forward_scan_kernel` with one V block."""
+def launch(t, k, v, beta, g):
+    """The scan over inputs (B, T, H, 128) with T a multiple of the chunk, their Tiles `t`: writes S (BH, N, K, V) and
+    Vn (BH, T, V), as `_forward_scan_kernel` with one V block."""
     B, T, H, K = k.shape
     V = v.shape[-1]
-    _forward_scan_gluon_kernel[(B * H,)](
-        chunk_rows(k), chunk_rows(p), chunk_rows(v), descriptor(A.view(-1, CHUNK), [CHUNK, CHUNK]),
-        descriptor(S.view(-1, V), [K, V]), descriptor(Vn.view(-1, V), [CHUNK, V]), beta, g, T // CHUNK, H, K, V,
-        num_warps=WARPS)
+    _forward_scan_gluon_kernel[(B * H,)](t.k, t.p, t.v, t.A, t.S, t.Vn, beta, g, T // CHUNK, H, K, V, num_warps=WARPS)

@@ -25,9 +25,15 @@ P's rows (P's tile is used as the TMA copy left it), and k . dk's read part is k
 Triton kernel sums read_ij (k_i . q_j) from K Q^T. Checked in torch on the CPU against the Triton kernels'
 outputs: dq, dk, dp and dbeta agree to their bf16 rounding, dg to 3e-5.
 
+The products over V are issued asynchronously, the four [64, 64] ones together and then the three [64, K] ones:
+0.680 -> 0.668 ms at (8, 2048, 32, 128, 128) and 1.680 -> 1.644 at (10, 4096, 32, 128, 128). All seven at once
+spilled 48 B and took 0.713 and 1.798; the products over the chunk issued asynchronously as well gained nothing more
+(0.671 and 1.647; bench/results/2026-11-30-d9737f1-comba-grads-async-probe.log).
+
 K = 64 keeps the Triton kernels: there this kernel (208 registers, no spill, 148 KB) took 1.030 ms against their
 1.033 at (16, 2048, 32, 64, 128), and the backward in one batch piece 2.217 against 2.186 in two with them
-(bench/results/2026-11-30-f4ff440-comba-gluon-grads-probe.log).
+(bench/results/2026-11-30-f4ff440-comba-gluon-grads-probe.log); with its products over V asynchronous, 1.007 to
+1.027 ms against 1.033 (-d9737f1-comba-grads-async-probe.log).
 """
 
 import functools
@@ -35,9 +41,15 @@ import functools
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
 
-from .gluon_common import BT, WARPS, chunk_rows, descriptor, gates
+from .gluon_common import BT, WARPS, chunk_rows, gates, shared_layout
 from .reference import CHUNK
 
 
@@ -165,17 +177,31 @@ def _grads_gluon_kernel(q_desc, k_desc, p_desc, do_desc, s_desc, ds_desc, vn_des
         for r0 in gl.static_range(0, K, 32):
             s_ds += gl.sum(gl.sum(s_s.slice(r0, 32).load(sq).to(gl.float32)
                                   * ds_s.slice(r0, 32).load(sq).to(gl.float32), 1), 0)
+        # The four [64, 64] products are issued together, so that the tensor cores run them back to back while the
+        # warps scale and store each as it completes; the three [64, K] ones follow.
+        a0 = warpgroup_mma(do_s, vn_s.permute((1, 0)), zero_tt, is_async=True)
+        a1 = warpgroup_mma(vn_s, do_s.permute((1, 0)), zero_tt, is_async=True)
+        a2 = warpgroup_mma(vn_s, x_s.permute((1, 0)), zero_tt, is_async=True)
+        a3 = warpgroup_mma(x_s, vn_s.permute((1, 0)), zero_tt, is_async=True)
         e_low = gl.exp(gl.where(i_tt >= j_tt, gc_r[:, None] - gc_c[None, :], float("-inf")))      # E
         e_up = gl.exp(gl.where(j_tt >= i_tt, gc_c[None, :] - gc_r[:, None], float("-inf")))       # E^T
-        tt_b.index(zero + 0).store((warpgroup_mma(do_s, vn_s.permute((1, 0)), zero_tt) * e_low * scale).to(dtype))
-        tt_b.index(zero + 1).store((warpgroup_mma(vn_s, do_s.permute((1, 0)), zero_tt) * e_up * scale).to(dtype))
-        dr_t = gl.where(i_tt < j_tt, -warpgroup_mma(vn_s, x_s.permute((1, 0)), zero_tt) * e_up, 0.0)
+        a0 = warpgroup_mma_wait(3, deps=[a0])
+        tt_b.index(zero + 0).store((a0 * e_low * scale).to(dtype))
+        a1 = warpgroup_mma_wait(2, deps=[a1])
+        tt_b.index(zero + 1).store((a1 * e_up * scale).to(dtype))
+        a2 = warpgroup_mma_wait(1, deps=[a2])
+        dr_t = gl.where(i_tt < j_tt, -a2 * e_up, 0.0)
         tt_b.index(zero + 2).store((dr_t * gl.convert_layout(bk, col_t)[None, :]).to(dtype))
-        dle = gl.where(i_tt > j_tt, -warpgroup_mma(x_s, vn_s.permute((1, 0)), zero_tt) * e_low, 0.0)
+        a3 = warpgroup_mma_wait(0, deps=[a3])
+        dle = gl.where(i_tt > j_tt, -a3 * e_low, 0.0)
         tt_b.index(zero + 3).store(dle.to(dtype))
-        dq = warpgroup_mma(do_s, s_s.permute((1, 0)), zero_tk) * (scale * gl.exp(gc_k))[:, None]
-        dk = warpgroup_mma(vn_s, ds_s.permute((1, 0)), zero_tk) * gl.exp(glast - gc_k)[:, None]
-        y = warpgroup_mma(x_s, s_s.permute((1, 0)), zero_tk) * -gl.exp(gc_k)[:, None]          # Y
+        dq = warpgroup_mma(do_s, s_s.permute((1, 0)), zero_tk, is_async=True)
+        dk = warpgroup_mma(vn_s, ds_s.permute((1, 0)), zero_tk, is_async=True)
+        y = warpgroup_mma(x_s, s_s.permute((1, 0)), zero_tk, is_async=True)
+        dq, dk, y = warpgroup_mma_wait(0, deps=[dq, dk, y])
+        dq = dq * (scale * gl.exp(gc_k))[:, None]
+        dk = dk * gl.exp(glast - gc_k)[:, None]
+        y = y * -gl.exp(gc_k)[:, None]                                                            # Y
         fence_async_shared()
         gl.thread_barrier()  # the operands are in tt_b, and no warp reads the state group any more
         _issue_state(s_desc, ds_desc, vn_desc, x_desc, do_desc, s_s, ds_s, vn_s, x_s, do_s, state_bar, n_state_row,
@@ -226,14 +252,12 @@ def _ctas(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
 
 
-def launch(q, k, p, beta, g, do, S, dS, Vn, X, dbeta_v, dq, dk, dp, dbeta, dg, scale: float):
-    """dq, dk, dp, dbeta and dg (written in place) from the inputs (B, T, H, *) with T a multiple of the chunk, the
-    scans' S and dS' (BH, N, K, V), Vn and X (BH, T, V) and dbeta's v parts (NV, B, T, H)."""
+def launch(t, q, do, beta, g, dbeta_v, dq, dk, dp, dbeta, dg, scale: float):
+    """dq, dk, dp, dbeta and dg (written in place) from the inputs (B, T, H, *) with T a multiple of the chunk, their
+    Tiles `t` (of the scans' S, dS', Vn and X among them) and dbeta's v parts (NV, B, T, H)."""
     B, T, H, K = q.shape
     V = do.shape[-1]
     _grads_gluon_kernel[(min(B * H * (T // CHUNK), _ctas(q.device)),)](
-        chunk_rows(q), chunk_rows(k), chunk_rows(p), chunk_rows(do), descriptor(S.view(-1, V), [K, V]),
-        descriptor(dS.view(-1, V), [K, V]), descriptor(Vn.view(-1, V), [CHUNK, V]),
-        descriptor(X.view(-1, V), [CHUNK, V]), chunk_rows(dq), chunk_rows(dk), chunk_rows(dp), beta, g, dbeta_v,
-        dbeta, dg, scale, T // CHUNK, H, B * T * H, K, V, dbeta_v.shape[0],
-        gl.NVMMASharedLayout.get_default_for([CHUNK, CHUNK], gl.bfloat16), num_warps=WARPS)
+        t.q, t.k, t.p, t.do, t.S, t.dS, t.Vn, t.X, chunk_rows(dq), chunk_rows(dk), chunk_rows(dp), beta, g, dbeta_v,
+        dbeta, dg, scale, T // CHUNK, H, B * T * H, K, V, dbeta_v.shape[0], shared_layout((CHUNK, CHUNK), q.dtype),
+        num_warps=WARPS)

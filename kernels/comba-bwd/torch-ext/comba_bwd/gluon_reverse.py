@@ -29,7 +29,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from .gluon_common import BT, WARPS, chunk_rows, descriptor, gates
+from .gluon_common import BT, WARPS, chunk_rows, gates
 from .reference import CHUNK
 
 
@@ -155,12 +155,10 @@ def _reverse_scan_gluon_kernel(k_desc, q_desc, p_desc, do_desc, a_desc, ds_desc,
         mbarrier.invalidate(bars.index(st))
 
 
-def launch(q, k, v, p, beta, g, do, A, dS, X, dv, dbeta_v, scale: float):
-    """The scan over inputs (B, T, H, 128) with T a multiple of the chunk: writes dS (BH, N, K, V), X (BH, T, V),
-    dv like v and dbeta_v (1, B, T, H), as `_reverse_scan_kernel` with one V block."""
+def launch(t, q, v, beta, g, dv, dbeta_v, scale: float):
+    """The scan over inputs (B, T, H, 128) with T a multiple of the chunk, their Tiles `t`: writes dS (BH, N, K, V),
+    X (BH, T, V), dv like v and dbeta_v (1, B, T, H), as `_reverse_scan_kernel` with one V block."""
     B, T, H, K = q.shape
     V = v.shape[-1]
-    _reverse_scan_gluon_kernel[(B * H,)](
-        chunk_rows(k), chunk_rows(q), chunk_rows(p), chunk_rows(do), descriptor(A.view(-1, CHUNK), [CHUNK, CHUNK]),
-        descriptor(dS.view(-1, V), [K, V]), descriptor(X.view(-1, V), [CHUNK, V]), chunk_rows(dv), v, beta, g,
-        dbeta_v, scale, T // CHUNK, H, K, V, num_warps=WARPS)
+    _reverse_scan_gluon_kernel[(B * H,)](t.k, t.q, t.p, t.do, t.A, t.dS, t.X, chunk_rows(dv), v, beta, g, dbeta_v,
+                                         scale, T // CHUNK, H, K, V, num_warps=WARPS)

@@ -14,8 +14,9 @@ A = (I + L)^-1, Vn = A (beta V) - A (beta gam P) S, X = A^T dVn.
   5. _dg_kernel           (chunk-parallel)  dg from the three parts' terms of d gc.
   The gradient parts loop over V in blocks, accumulating their products over V in fp32, so that no whole
   (K, V) state or [64, V] tile is live at once.
-At K = V = 128 on Hopper (bf16 inputs) Gluon kernels run instead of stages 2 to 5: `gluon_forward` and
-`gluon_reverse`, one CTA of 8 warps a (b, h) over all of V, and `gluon_grads`, stages 4 and 5 in one kernel.
+On Hopper with bf16 inputs and V = 128, Gluon kernels run instead of stages 2 to 5 at K = 128: `gluon_forward` and
+`gluon_reverse`, one CTA a (b, h) over all of V, and `gluon_grads`, stages 4 and 5 in one kernel; at K = 64
+`gluon_grads64` (one warpgroup a CTA, two CTAs an SM) instead of stages 4 and 5.
 
 Design choices (see README "Design"):
 - The per-chunk A and states are materialised in HBM: the solve would sit on the serial path of the scans,
@@ -37,8 +38,8 @@ import triton.language as tl
 
 from .reference import CHUNK, pad_time
 
-try:  # Gluon, Triton's explicit-layout dialect: the scans and the gradients at K = V = 128 on Hopper
-    from . import gluon_common, gluon_forward, gluon_grads, gluon_reverse
+try:  # Gluon, Triton's explicit-layout dialect: the scans and the gradients on Hopper (gluon_common.takes)
+    from . import gluon_common, gluon_forward, gluon_grads, gluon_grads64, gluon_reverse
 except ImportError:  # a Triton without it: the Triton kernels everywhere
     gluon_common = None
 
@@ -567,8 +568,8 @@ def comba_backward_stages(q, k, v, p, beta, g, do, scale: float, grads=None):
     N, BH = Tp // CHUNK, B * H
     BV, SBV = min(V_BLOCK, V), min(V, SCAN_STATE // K)
     dev = q.device
-    gluon = _gluon_takes(q, V)
-    NV = 1 if gluon else V // SBV  # dbeta's v parts: one per reverse-scan V block
+    gluon = _gluon_stages(q, V)
+    NV = 1 if "reverse_scan" in gluon else V // SBV  # dbeta's v parts: one per reverse-scan V block
     A = torch.empty(BH, N, CHUNK, CHUNK, device=dev, dtype=torch.bfloat16)
     S = torch.empty(BH, N, K, V, device=dev, dtype=torch.bfloat16)
     dS = torch.empty_like(S)
@@ -579,18 +580,23 @@ def comba_backward_stages(q, k, v, p, beta, g, do, scale: float, grads=None):
     scan = dict(K=K, V=V, BV=SBV, STAGES=_scan_stages(dev), num_warps=SCAN_WARPS, num_stages=1)
     parts = dict(K=K, V=V, BV=BV, num_warps=GRADS_WARPS, num_stages=1, maxnreg=GRADS_MAXNREG[K])
     chunks = (N, BH)
+    t = gluon_common.tiles(q, k, p, v, do, A, S, dS, Vn, X) if gluon else None
     stages = {"transform": lambda: _transform_kernel[chunks](k, p, beta, g, A, N, H, K, num_warps=TRANSFORM_WARPS,
                                                             num_stages=1)}
-    if gluon:
-        stages["forward_scan"] = lambda: gluon_forward.launch(k, v, p, beta, g, A, S, Vn)
-        stages["reverse_scan"] = lambda: gluon_reverse.launch(q, k, v, p, beta, g, do, A, dS, X, dv, dbeta_v, scale)
-        stages["grads"] = lambda: gluon_grads.launch(q, k, p, beta, g, do, S, dS, Vn, X, dbeta_v, dq, dk, dp, dbeta,
-                                                     dg, scale)
+    if "forward_scan" in gluon:
+        stages["forward_scan"] = lambda: gluon_forward.launch(t, k, v, beta, g)
     else:
-        dgc_parts = torch.empty(3, BH, Tp, device=dev, dtype=torch.float32)  # d gc terms, per gradient part
         stages["forward_scan"] = lambda: _forward_scan_kernel[(V // SBV, BH)](k, v, p, beta, g, A, S, Vn, N, H, **scan)
+    if "reverse_scan" in gluon:
+        stages["reverse_scan"] = lambda: gluon_reverse.launch(t, q, v, beta, g, dv, dbeta_v, scale)
+    else:
         stages["reverse_scan"] = lambda: _reverse_scan_kernel[(V // SBV, BH)](q, k, v, p, beta, g, do, A, dS, X, dv,
                                                                              dbeta_v, scale, N, H, **scan)
+    if "grads" in gluon:
+        kernel = gluon_grads if K == 128 else gluon_grads64
+        stages["grads"] = lambda: kernel.launch(t, q, do, beta, g, dbeta_v, dq, dk, dp, dbeta, dg, scale)
+    else:
+        dgc_parts = torch.empty(3, BH, Tp, device=dev, dtype=torch.float32)  # d gc terms, per gradient part
         stages["grads"] = lambda: _grads_kernel[(3 * N, BH)](q, k, p, beta, g, do, S, dS, Vn, X, dbeta_v, dq, dk, dp,
                                                              dbeta, dgc_parts, scale, N, H, NV=NV, **parts)
         stages["dg"] = lambda: _dg_kernel[chunks](dgc_parts, dg, N, H, num_warps=1, num_stages=1)
@@ -613,20 +619,20 @@ def _gradients_like(q, k, v, p, beta, g):
 BATCH_PIECES = 2
 
 
-def _gluon_takes(q, V: int) -> bool:
-    """Whether the Gluon kernels (the scans and the gradients) run a call with these q (B, T, H, K) and V."""
-    return gluon_common is not None and gluon_common.takes(q.device, q.dtype, q.shape[-1], V)
+def _gluon_stages(q, V: int) -> tuple:
+    """The stages a Gluon kernel runs for a call with these q (B, T, H, K) and V (`gluon_common.takes`)."""
+    return gluon_common.takes(q.device, q.dtype, q.shape[-1], V) if gluon_common is not None else ()
 
 
 def _batch_pieces(q, V: int) -> int:
-    """How many pieces the batch is cut in: BATCH_PIECES, but one where the Gluon kernels run. In two pieces the
+    """How many pieces the batch is cut in: BATCH_PIECES, but one where Gluon kernels run. In two pieces the
     backward's time varied from run to run: at (8, 2048, 32, 128, 128) 2.213 and 1.593 ms in two probes and 3.123
     in a benchmark, one piece 1.633 and 1.615 (-f4ff440-comba-gluon-grads-probe.log,
-    -35b0702-comba-gluon-grads-schedules-probe.log, -2cea20a-comba.md; the Triton forward scan then). The likely
-    cause, not established: the host takes 0.9 to 1.2 ms to launch one piece of the Gluon path (its TMA
-    descriptors 17 us each among it; -42fc4b0-comba-host-probe.log), so two pieces' launches take about as long
-    as the GPU's work at that shape, and the timing loop then measures the host."""
-    return 1 if _gluon_takes(q, V) else BATCH_PIECES
+    -35b0702-comba-gluon-grads-schedules-probe.log, -2cea20a-comba.md; the Triton forward scan then), most likely
+    as the host took about as long to launch two pieces as the GPU to run them. In one piece the host takes 0.54 ms
+    a call there, and the backward replayed from a CUDA graph takes as long as the eager call (1.574 against 1.578
+    ms, -104769c-comba-graph-probe.log)."""
+    return 1 if _gluon_stages(q, V) else BATCH_PIECES
 
 
 @functools.cache

@@ -1,0 +1,204 @@
+"""Every gradient but dv in one Gluon kernel on Hopper at K = 64 (V = 128, bf16 inputs): `gluon_grads`' work for a
+chunk, in persistent CTAs of one warpgroup, two an SM.
+
+At K = 64 the two-warpgroup `gluon_grads` (148 KB of shared memory, one CTA an SM) took as long as the Triton
+gradient kernels; its chunk's products run one after another, and while a CTA waits on a product or a copy its SM has
+nothing else to run. Here a CTA is one warpgroup of at most 255 registers a thread, and its tiles take 105 KB, so that
+two CTAs share an SM and each runs while the other waits. To fit:
+- the [64, 64] A operands of the products over the chunk stay in registers (one warpgroup holds each whole anyway)
+  instead of four 8 KB shared buffers;
+- a chunk's products go in three groups, dq's, dk's and dp's, each with the products over V it needs, so that few
+  accumulators are live at once; dk leaves (by TMA, from q's buffer) before dp's group starts;
+- dq is stored from registers (a TMA store would need another 8 KB buffer: 16 bytes more than two CTAs may have).
+The gates, the state and key groups of tiles and their copies are `gluon_grads`'. The products, their roundings to
+bf16 and the terms of d gc are that kernel's, but each chunk total of d gc (sum_i k_i . dk_i over the state part, and
+Gam <S_n, dS'_n>) is added to every row of dg in the final masked row sum, where that kernel adds it to the chunk's last
+row before the reverse cumsum: the same sums, and here the form that was right (added to the last row through a mask
+on the accumulator's row slice, the totals came out wrong in this one-warpgroup layout; dq, dk, dp and dbeta did not;
+bench/results/2026-11-30-104769c-comba-k64-probe.log).
+
+At (16, 2048, 32, 64, 128), in the stage sweep: 0.863 ms (at dd4a94c), where the Triton gradient kernels took 1.031 +
+0.020 (at cbae741); side by side in one probe, an earlier form of it (its accumulators in two layouts) 0.935 against
+their 1.054, and 1.246 with one CTA an SM (-104769c-comba-k64-probe.log). ptxas: 255 registers, 168 bytes of spill
+(the benchmark's SPILLS_BY_DESIGN), 107.5 KB of shared memory.
+
+The forward scan in one warpgroup at K = 64 (two CTAs an SM, A in a buffer of its own) took 0.333 against 0.362 ms
+there, but its Vn was wrong where T is one chunk (rel. 0.23 against the Triton scan's; right from two chunks on), cause
+not found: K = 64 keeps the Triton scans.
+"""
+
+import functools
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+from .gluon_common import BT, chunk_rows, gates
+from .gluon_grads import _chunk_rows, _issue_keys, _issue_state
+from .reference import CHUNK
+
+WARPS = 4
+CTAS_PER_SM = 2
+
+
+@gluon.jit
+def _grads64_gluon_kernel(q_desc, k_desc, p_desc, do_desc, s_desc, ds_desc, vn_desc, x_desc, dk_desc, dp_desc, dq,
+                          beta, g, dbeta_v, dbeta, dg, scale, N, H, n_pos, K: gl.constexpr, V: gl.constexpr,
+                          NV: gl.constexpr):
+    dtype: gl.constexpr = q_desc.dtype
+    # One layout for every [64, 64] accumulator (K = 64 = the chunk), and the A operands taken from it in registers.
+    acc: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, K, 16])
+    a_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc, k_width=2)
+    row: gl.constexpr = gl.SliceLayout(1, acc)
+    col: gl.constexpr = gl.SliceLayout(0, acc)
+    sq: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+
+    s_b = gl.allocate_shared_memory(dtype, [1, K, V], s_desc.layout)
+    ds_b = gl.allocate_shared_memory(dtype, [1, K, V], ds_desc.layout)
+    vn_b = gl.allocate_shared_memory(dtype, [1, BT, V], vn_desc.layout)
+    x_b = gl.allocate_shared_memory(dtype, [1, BT, V], x_desc.layout)
+    do_b = gl.allocate_shared_memory(dtype, [1, BT, V], do_desc.layout)
+    q_b = gl.allocate_shared_memory(dtype, [1, BT, K], q_desc.layout)    # q, then dk for its TMA store
+    k_b = gl.allocate_shared_memory(dtype, [1, BT, K], k_desc.layout)
+    p_b = gl.allocate_shared_memory(dtype, [1, BT, K], p_desc.layout)    # p, then dp
+    bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(bars.index(0), count=1)
+    mbarrier.init(bars.index(1), count=1)
+    state_bar = bars.index(0)
+    keys_bar = bars.index(1)
+    zero_acc = gl.zeros([BT, K], gl.float32, acc)
+
+    C = n_pos // BT  # chunks in all: B H N (n_pos = B T H)
+    step = gl.num_programs(0)
+    first = gl.program_id(0)
+    _, _, _, state_row, pos_row, trow, _, hv = _chunk_rows(first, N, H, K, V)
+    _issue_state(s_desc, ds_desc, vn_desc, x_desc, do_desc, s_b.index(0), ds_b.index(0), vn_b.index(0),
+                 x_b.index(0), do_b.index(0), state_bar, state_row, pos_row, trow, hv, True)
+
+    phase = 0
+    for c in range(first, C, step):
+        b, h, t0, _, _, trow, hk, _ = _chunk_rows(c, N, H, K, V)
+        _, _, _, n_state_row, n_pos_row, n_row, _, n_hv = _chunk_rows(c + step, N, H, K, V)
+        scal_base = b.to(gl.int64) * (N * BT) * H + h
+        # The runtime zero of `gluon_grads`: the buffer views and masks are formed in each iteration, not hoisted.
+        zero = c // C
+        s_s = s_b.index(zero)
+        ds_s = ds_b.index(zero)
+        vn_s = vn_b.index(zero)
+        x_s = x_b.index(zero)
+        do_s = do_b.index(zero)
+        q_s = q_b.index(zero)
+        k_s = k_b.index(zero)
+        p_s = p_b.index(zero)
+        i_tt = gl.arange(0, BT, layout=row)[:, None] + zero
+        j_tt = gl.arange(0, BT, layout=col)[None, :]
+        ri = gl.arange(0, BT, layout=gl.SliceLayout(1, sq)) + zero
+        rj = gl.arange(0, BT, layout=gl.SliceLayout(0, sq))
+        gc, glast, bk = gates(g, beta, scal_base, t0, H)
+        rows_h = scal_base + (t0 + gl.arange(0, BT, layout=row)) * H
+        db = gl.load(dbeta_v + rows_h)
+        for iv in gl.static_range(1, NV):
+            db += gl.load(dbeta_v + iv * n_pos + rows_h)
+        tma.store_wait(0)
+        gl.thread_barrier()  # the previous chunk's dk and dp have left q_s and p_s
+        _issue_keys(q_desc, k_desc, p_desc, q_s, k_s, p_s, keys_bar, trow, hk, True)
+        gc_r = gl.convert_layout(gc, row)
+        gc_c = gl.convert_layout(gc, col)
+        bk_r = gl.convert_layout(bk, row)
+
+        mbarrier.wait(state_bar, phase)
+        s_ds = 0.0
+        for r0 in gl.static_range(0, K, 32):
+            s_ds += gl.sum(gl.sum(s_s.slice(r0, 32).load(sq).to(gl.float32)
+                                  * ds_s.slice(r0, 32).load(sq).to(gl.float32), 1), 0)
+
+        # dq = scale [gam (dO S^T) + bf16(dO Vn^T * E) K]                                      q . dq -> d gc
+        a0 = warpgroup_mma(do_s, vn_s.permute((1, 0)), zero_acc, is_async=True)
+        dq_acc = warpgroup_mma(do_s, s_s.permute((1, 0)), zero_acc, is_async=True)
+        e_low = gl.exp(gl.where(i_tt >= j_tt, gc_r[:, None] - gc_c[None, :], float("-inf")))      # E
+        a0, dq_acc = warpgroup_mma_wait(0, deps=[a0, dq_acc])
+        op = gl.convert_layout((a0 * e_low * scale).to(dtype), a_op)
+        dq_acc = dq_acc * (scale * gl.exp(gc_r))[:, None]
+        mbarrier.wait(keys_bar, phase)
+        dq_acc = warpgroup_mma(op, k_s, dq_acc)
+        dgc = gl.sum(q_s.load(acc).to(gl.float32) * dq_acc, 1)
+        dq_rows = (b.to(gl.int64) * (N * BT) + t0 + gl.arange(0, BT, layout=row)) * (H * K) + hk
+        gl.store(dq + dq_rows[:, None] + gl.arange(0, K, layout=col)[None, :], dq_acc.to(dtype))
+
+        # dk = (Gam/gam) Vn dS'^T + read Q + bf16(dR^T diag(beta)) P, read = bf16(Vn dO^T * E^T * scale),
+        # dR^T = -(Vn X^T * E^T) on r < c;                                                    k . dk -> d gc
+        a1 = warpgroup_mma(vn_s, do_s.permute((1, 0)), zero_acc, is_async=True)
+        a2 = warpgroup_mma(vn_s, x_s.permute((1, 0)), zero_acc, is_async=True)
+        e_up = gl.exp(gl.where(j_tt >= i_tt, gc_c[None, :] - gc_r[:, None], float("-inf")))       # E^T
+        a1, a2 = warpgroup_mma_wait(0, deps=[a1, a2])
+        op_read = gl.convert_layout((a1 * e_up * scale).to(dtype), a_op)
+        dr_t = gl.where(i_tt < j_tt, -a2 * e_up, 0.0) * gl.convert_layout(bk, col)[None, :]
+        op_dr = gl.convert_layout(dr_t.to(dtype), a_op)
+        dk = warpgroup_mma(vn_s, ds_s.permute((1, 0)), zero_acc) * gl.exp(glast - gc_r)[:, None]
+        k_state = gl.sum(k_s.load(acc).to(gl.float32) * dk, 1)        # its chunk total goes to every row of dg
+        dk = warpgroup_mma(op_read, q_s, dk)
+        dgc -= gl.sum(k_s.load(acc).to(gl.float32) * dk, 1)
+        dk = warpgroup_mma(op_dr, p_s, dk)
+        gl.thread_barrier()  # no warp reads q_s any more: dk goes there
+        q_s.store(dk.to(dtype))
+        fence_async_shared()
+        gl.thread_barrier()
+        tma.async_copy_shared_to_global(dk_desc, [trow, hk], q_s)
+
+        # dp = beta (Y + bf16(dLE) K), Y = -gam (X S^T), dLE = -(X Vn^T * E) strictly lower;
+        # dbeta = p . Y + sum_j bf16(dLE)_ij (p_i . k_j) + the reverse scan's v parts
+        a3 = warpgroup_mma(x_s, vn_s.permute((1, 0)), zero_acc, is_async=True)
+        y = warpgroup_mma(x_s, s_s.permute((1, 0)), zero_acc, is_async=True)
+        a3, y = warpgroup_mma_wait(0, deps=[a3, y])
+        gl.thread_barrier()  # no warp reads the state group any more: the next chunk's may come
+        _issue_state(s_desc, ds_desc, vn_desc, x_desc, do_desc, s_s, ds_s, vn_s, x_s, do_s, state_bar, n_state_row,
+                     n_pos_row, n_row, n_hv, c + step < C)
+        e_low = gl.exp(gl.where(i_tt >= j_tt, gc_r[:, None] - gc_c[None, :], float("-inf")))
+        dle = gl.where(i_tt > j_tt, -a3 * e_low, 0.0)
+        y = y * -gl.exp(gc_r)[:, None]
+        pk = warpgroup_mma(p_s, k_s.permute((1, 0)), zero_acc, is_async=True)                  # P K^T
+        p_y = gl.sum(p_s.load(acc).to(gl.float32) * y, 1)
+        y = warpgroup_mma(gl.convert_layout(dle.to(dtype), a_op), k_s, y, is_async=True)
+        pk, y = warpgroup_mma_wait(0, deps=[pk, y])
+        gl.thread_barrier()  # no warp reads p_s any more: dp goes there
+        p_s.store((bk_r[:, None] * y).to(dtype))
+        fence_async_shared()
+        gl.thread_barrier()
+        tma.async_copy_shared_to_global(dp_desc, [trow, hk], p_s)
+
+        db += p_y + gl.sum(dle.to(dtype).to(gl.float32) * pk, 1)
+        gl.store(dbeta + rows_h, db.to(dbeta.dtype.element_ty))
+        dl_l = dle * pk * bk_r[:, None]
+        dgc += gl.sum(dl_l, 1) - gl.convert_layout(gl.sum(dl_l, 0), row) + bk_r * p_y
+        # dg: the sum of d gc over the chunk's rows from each row on, plus the chunk totals.
+        dgc_j = gl.convert_layout(dgc, gl.SliceLayout(0, sq))
+        k_state_j = gl.convert_layout(k_state, gl.SliceLayout(0, sq))
+        dg_i = gl.sum(gl.where(rj[None, :] >= ri[:, None], dgc_j[None, :], 0.0) + k_state_j[None, :], 1)
+        gl.store(dg + scal_base + (t0 + ri) * H, dg_i + gl.exp(glast) * s_ds)
+        phase ^= 1
+    tma.store_wait(0)
+    mbarrier.invalidate(state_bar)
+    mbarrier.invalidate(keys_bar)
+
+
+@functools.cache
+def _ctas(device: torch.device) -> int:
+    """The persistent grid: two CTAs an SM; an H200's 132 SMs for meta tensors."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+    return CTAS_PER_SM * sms
+
+
+def launch(t, q, do, beta, g, dbeta_v, dq, dk, dp, dbeta, dg, scale: float):
+    """As `gluon_grads.launch`, at K = 64: dq, dk, dp, dbeta and dg written in place."""
+    B, T, H, K = q.shape
+    V = do.shape[-1]
+    _grads64_gluon_kernel[(min(B * H * (T // CHUNK), _ctas(q.device)),)](
+        t.q, t.k, t.p, t.do, t.S, t.dS, t.Vn, t.X, chunk_rows(dk), chunk_rows(dp), dq, beta, g, dbeta_v, dbeta, dg,
+        scale, T // CHUNK, H, B * T * H, K, V, dbeta_v.shape[0], num_warps=WARPS)
