@@ -77,6 +77,24 @@ def _issue_keys(q_desc, k_desc, p_desc, q_s, k_s, p_s, bar, row, hk, pred):
 
 
 @gluon.jit
+def _issue_first_state(s_desc, ds_desc, vn_desc, x_desc, do_desc, s_b, ds_b, vn_b, x_b, do_b, bar, N, H,
+                       K: gl.constexpr, V: gl.constexpr):
+    """Start the copies of this CTA's first chunk's state group (its chunk loop copies the next ones)."""
+    _, _, _, state_row, pos_row, row, _, hv = _chunk_rows(gl.program_id(0), N, H, K, V)
+    _issue_state(s_desc, ds_desc, vn_desc, x_desc, do_desc, s_b.index(0), ds_b.index(0), vn_b.index(0),
+                 x_b.index(0), do_b.index(0), bar, state_row, pos_row, row, hv, True)
+
+
+@gluon.jit
+def _chunk_coords(c, step, N, H, K: gl.constexpr, V: gl.constexpr):
+    """Chunk c's b, first row t0, row in (B T, H D) and column offset of its head's keys, the offset of its
+    (b, 0, h) in (B, T, H), and the rows of the next chunk's (c + step) state group."""
+    b, h, t0, _, _, row, hk, _ = _chunk_rows(c, N, H, K, V)
+    _, _, _, n_state_row, n_pos_row, n_row, _, n_hv = _chunk_rows(c + step, N, H, K, V)
+    return b, t0, row, hk, b.to(gl.int64) * (N * BT) * H + h, n_state_row, n_pos_row, n_row, n_hv
+
+
+@gluon.jit
 def _chunk_rows(c, N, H, K: gl.constexpr, V: gl.constexpr):
     """Chunk c's (b, h) and first row t0, and the rows of its tiles: the state row in (BH N K, V), the position row
     in (BH T, V), the row in (B T, H D) and the head's column offsets there."""
@@ -86,6 +104,56 @@ def _chunk_rows(c, N, H, K: gl.constexpr, V: gl.constexpr):
     h = bh % H
     T = N * BT
     return b, h, n * BT, c * K, bh * T + n * BT, b * T + n * BT, h * K, h * V
+
+
+@gluon.jit
+def _tile_buffers(q_desc, k_desc, p_desc, do_desc, s_desc, ds_desc, vn_desc, x_desc, K: gl.constexpr,
+                  V: gl.constexpr):
+    """Shared memory for one chunk's state group (S_n, dS'_n, Vn, X, dO) and key group (q, k, p; q's buffer then
+    holds dk and p's dp for their TMA stores), each [1, ...] so that a kernel takes it as a view at a runtime index
+    that is always zero (`_views`), and the two groups' barriers."""
+    dtype: gl.constexpr = q_desc.dtype
+    s_b = gl.allocate_shared_memory(dtype, [1, K, V], s_desc.layout)
+    ds_b = gl.allocate_shared_memory(dtype, [1, K, V], ds_desc.layout)
+    vn_b = gl.allocate_shared_memory(dtype, [1, BT, V], vn_desc.layout)
+    x_b = gl.allocate_shared_memory(dtype, [1, BT, V], x_desc.layout)
+    do_b = gl.allocate_shared_memory(dtype, [1, BT, V], do_desc.layout)
+    q_b = gl.allocate_shared_memory(dtype, [1, BT, K], q_desc.layout)
+    k_b = gl.allocate_shared_memory(dtype, [1, BT, K], k_desc.layout)
+    p_b = gl.allocate_shared_memory(dtype, [1, BT, K], p_desc.layout)
+    bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(bars.index(0), count=1)
+    mbarrier.init(bars.index(1), count=1)
+    return s_b, ds_b, vn_b, x_b, do_b, q_b, k_b, p_b, bars.index(0), bars.index(1)
+
+
+@gluon.jit
+def _views(zero, s_b, ds_b, vn_b, x_b, do_b, q_b, k_b, p_b):
+    """The tile buffers as views at `zero`, a zero the compiler cannot prove (c // C in the chunk loop: it folds
+    c >= C from the loop's guard, not this division), so that the views, and the masks made with it, are formed in
+    each iteration where they are used. Hoisted out of the loop, the products' shared-memory descriptors and the
+    masks took some 150 registers, and the K = 128 kernel spilled 736 B (none with this)."""
+    return (s_b.index(zero), ds_b.index(zero), vn_b.index(zero), x_b.index(zero), do_b.index(zero), q_b.index(zero),
+            k_b.index(zero), p_b.index(zero))
+
+
+@gluon.jit
+def _state_product(s_s, ds_s, layout: gl.constexpr, K: gl.constexpr):
+    """<S_n, dS'_n> (fp32) from their tiles, 32 rows at a time, to hold few registers."""
+    s_ds = 0.0
+    for r0 in gl.static_range(0, K, 32):
+        s_ds += gl.sum(gl.sum(s_s.slice(r0, 32).load(layout).to(gl.float32)
+                              * ds_s.slice(r0, 32).load(layout).to(gl.float32), 1), 0)
+    return s_ds
+
+
+@gluon.jit
+def _v_parts(dbeta_v, rows_h, n_pos, NV: gl.constexpr):
+    """dbeta's v parts from the reverse scan (one per V block of it), summed, at rows_h of the (B, T, H) layout."""
+    db = gl.load(dbeta_v + rows_h)
+    for iv in gl.static_range(1, NV):
+        db += gl.load(dbeta_v + iv * n_pos + rows_h)
+    return db
 
 
 @gluon.jit
@@ -101,53 +169,25 @@ def _grads_gluon_kernel(q_desc, k_desc, p_desc, do_desc, s_desc, ds_desc, vn_des
     col_t: gl.constexpr = gl.SliceLayout(0, acc_tt)
     sq: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])
 
-    # Each buffer is taken as a view at a runtime index that is always zero (`zero` below).
-    s_b = gl.allocate_shared_memory(dtype, [1, K, V], s_desc.layout)
-    ds_b = gl.allocate_shared_memory(dtype, [1, K, V], ds_desc.layout)
-    vn_b = gl.allocate_shared_memory(dtype, [1, BT, V], vn_desc.layout)
-    x_b = gl.allocate_shared_memory(dtype, [1, BT, V], x_desc.layout)
-    do_b = gl.allocate_shared_memory(dtype, [1, BT, V], do_desc.layout)
-    q_b = gl.allocate_shared_memory(dtype, [1, BT, K], q_desc.layout)    # q, then dk for its TMA store
-    k_b = gl.allocate_shared_memory(dtype, [1, BT, K], k_desc.layout)
-    p_b = gl.allocate_shared_memory(dtype, [1, BT, K], p_desc.layout)    # p, then dp
+    s_b, ds_b, vn_b, x_b, do_b, q_b, k_b, p_b, state_bar, keys_bar = _tile_buffers(
+        q_desc, k_desc, p_desc, do_desc, s_desc, ds_desc, vn_desc, x_desc, K, V)
     dq_b = gl.allocate_shared_memory(dtype, [1, BT, K], dq_desc.layout)
     # The [64, 64] A operands of the products over the chunk, in shared memory: in registers both warpgroups
     # would hold each whole (they split the product's columns).
     tt_b = gl.allocate_shared_memory(dtype, [4, BT, BT], tt_layout)   # bf16 dO Vn^T E, read, dR^T, dLE
-    bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(bars.index(0), count=1)
-    mbarrier.init(bars.index(1), count=1)
-    state_bar = bars.index(0)
-    keys_bar = bars.index(1)
 
     zero_tk = gl.zeros([BT, K], gl.float32, acc_tk)
     zero_tt = gl.zeros([BT, BT], gl.float32, acc_tt)
 
     C = n_pos // BT  # chunks in all: B H N (n_pos = B T H)
     step = gl.num_programs(0)
-    first = gl.program_id(0)
-    _, _, _, state_row, pos_row, row, _, hv = _chunk_rows(first, N, H, K, V)
-    _issue_state(s_desc, ds_desc, vn_desc, x_desc, do_desc, s_b.index(0), ds_b.index(0), vn_b.index(0),
-                 x_b.index(0), do_b.index(0), state_bar, state_row, pos_row, row, hv, True)
+    _issue_first_state(s_desc, ds_desc, vn_desc, x_desc, do_desc, s_b, ds_b, vn_b, x_b, do_b, state_bar, N, H, K, V)
 
     phase = 0
-    for c in range(first, C, step):
-        b, h, t0, _, _, row, hk, _ = _chunk_rows(c, N, H, K, V)
-        _, _, _, n_state_row, n_pos_row, n_row, _, n_hv = _chunk_rows(c + step, N, H, K, V)
-        scal_base = b.to(gl.int64) * (N * BT) * H + h
-        # A zero the compiler cannot prove (c < C here; it folds c >= C from the loop's guard, not this division):
-        # the buffer views and the [64, 64] masks made with it are formed in each iteration where they are used.
-        # Hoisted out of the loop, the products' shared-memory descriptors and the masks took some 150 registers,
-        # and the kernel spilled 736 B at K = 128 (none with this).
+    for c in range(gl.program_id(0), C, step):
+        b, t0, row, hk, scal_base, n_state_row, n_pos_row, n_row, n_hv = _chunk_coords(c, step, N, H, K, V)
         zero = c // C
-        s_s = s_b.index(zero)
-        ds_s = ds_b.index(zero)
-        vn_s = vn_b.index(zero)
-        x_s = x_b.index(zero)
-        do_s = do_b.index(zero)
-        q_s = q_b.index(zero)
-        k_s = k_b.index(zero)
-        p_s = p_b.index(zero)
+        s_s, ds_s, vn_s, x_s, do_s, q_s, k_s, p_s = _views(zero, s_b, ds_b, vn_b, x_b, do_b, q_b, k_b, p_b)
         dq_s = dq_b.index(zero)
         i_tt = gl.arange(0, BT, layout=row_t)[:, None] + zero
         j_tt = gl.arange(0, BT, layout=col_t)[None, :]
@@ -159,9 +199,7 @@ def _grads_gluon_kernel(q_desc, k_desc, p_desc, do_desc, s_desc, ds_desc, vn_des
         # waits; then this chunk's key group, once the previous chunk's gradients have left q_s, p_s and dq_s.
         gc, glast, bk = gates(g, beta, scal_base, t0, H)
         rows_h = scal_base + (t0 + gl.arange(0, BT, layout=row_t)) * H
-        db = gl.load(dbeta_v + rows_h)
-        for iv in gl.static_range(1, NV):
-            db += gl.load(dbeta_v + iv * n_pos + rows_h)
+        db = _v_parts(dbeta_v, rows_h, n_pos, NV)
         tma.store_wait(0)
         gl.thread_barrier()
         _issue_keys(q_desc, k_desc, p_desc, q_s, k_s, p_s, keys_bar, row, hk, True)
@@ -171,12 +209,9 @@ def _grads_gluon_kernel(q_desc, k_desc, p_desc, do_desc, s_desc, ds_desc, vn_des
         bk_r = gl.convert_layout(bk, row_t)
         bk_k = gl.convert_layout(bk, row_k)
 
-        # The products over V, from the state group; <S_n, dS'_n> 32 rows at a time, to hold few registers.
+        # The products over V, from the state group.
         mbarrier.wait(state_bar, phase)
-        s_ds = 0.0
-        for r0 in gl.static_range(0, K, 32):
-            s_ds += gl.sum(gl.sum(s_s.slice(r0, 32).load(sq).to(gl.float32)
-                                  * ds_s.slice(r0, 32).load(sq).to(gl.float32), 1), 0)
+        s_ds = _state_product(s_s, ds_s, sq, K)
         # The four [64, 64] products are issued together, so that the tensor cores run them back to back while the
         # warps scale and store each as it completes; the three [64, K] ones follow.
         a0 = warpgroup_mma(do_s, vn_s.permute((1, 0)), zero_tt, is_async=True)

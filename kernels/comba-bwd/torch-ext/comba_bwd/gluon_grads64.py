@@ -41,7 +41,16 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from .gluon_common import BT, chunk_rows, gates
-from .gluon_grads import _chunk_rows, _issue_keys, _issue_state
+from .gluon_grads import (
+    _chunk_coords,
+    _issue_first_state,
+    _issue_keys,
+    _issue_state,
+    _state_product,
+    _tile_buffers,
+    _v_parts,
+    _views,
+)
 from .reference import CHUNK
 
 WARPS = 4
@@ -60,52 +69,26 @@ def _grads64_gluon_kernel(q_desc, k_desc, p_desc, do_desc, s_desc, ds_desc, vn_d
     col: gl.constexpr = gl.SliceLayout(0, acc)
     sq: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
 
-    s_b = gl.allocate_shared_memory(dtype, [1, K, V], s_desc.layout)
-    ds_b = gl.allocate_shared_memory(dtype, [1, K, V], ds_desc.layout)
-    vn_b = gl.allocate_shared_memory(dtype, [1, BT, V], vn_desc.layout)
-    x_b = gl.allocate_shared_memory(dtype, [1, BT, V], x_desc.layout)
-    do_b = gl.allocate_shared_memory(dtype, [1, BT, V], do_desc.layout)
-    q_b = gl.allocate_shared_memory(dtype, [1, BT, K], q_desc.layout)    # q, then dk for its TMA store
-    k_b = gl.allocate_shared_memory(dtype, [1, BT, K], k_desc.layout)
-    p_b = gl.allocate_shared_memory(dtype, [1, BT, K], p_desc.layout)    # p, then dp
-    bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(bars.index(0), count=1)
-    mbarrier.init(bars.index(1), count=1)
-    state_bar = bars.index(0)
-    keys_bar = bars.index(1)
+    s_b, ds_b, vn_b, x_b, do_b, q_b, k_b, p_b, state_bar, keys_bar = _tile_buffers(
+        q_desc, k_desc, p_desc, do_desc, s_desc, ds_desc, vn_desc, x_desc, K, V)
     zero_acc = gl.zeros([BT, K], gl.float32, acc)
 
     C = n_pos // BT  # chunks in all: B H N (n_pos = B T H)
     step = gl.num_programs(0)
-    first = gl.program_id(0)
-    _, _, _, state_row, pos_row, trow, _, hv = _chunk_rows(first, N, H, K, V)
-    _issue_state(s_desc, ds_desc, vn_desc, x_desc, do_desc, s_b.index(0), ds_b.index(0), vn_b.index(0),
-                 x_b.index(0), do_b.index(0), state_bar, state_row, pos_row, trow, hv, True)
+    _issue_first_state(s_desc, ds_desc, vn_desc, x_desc, do_desc, s_b, ds_b, vn_b, x_b, do_b, state_bar, N, H, K, V)
 
     phase = 0
-    for c in range(first, C, step):
-        b, h, t0, _, _, trow, hk, _ = _chunk_rows(c, N, H, K, V)
-        _, _, _, n_state_row, n_pos_row, n_row, _, n_hv = _chunk_rows(c + step, N, H, K, V)
-        scal_base = b.to(gl.int64) * (N * BT) * H + h
-        # The runtime zero of `gluon_grads`: the buffer views and masks are formed in each iteration, not hoisted.
+    for c in range(gl.program_id(0), C, step):
+        b, t0, trow, hk, scal_base, n_state_row, n_pos_row, n_row, n_hv = _chunk_coords(c, step, N, H, K, V)
         zero = c // C
-        s_s = s_b.index(zero)
-        ds_s = ds_b.index(zero)
-        vn_s = vn_b.index(zero)
-        x_s = x_b.index(zero)
-        do_s = do_b.index(zero)
-        q_s = q_b.index(zero)
-        k_s = k_b.index(zero)
-        p_s = p_b.index(zero)
+        s_s, ds_s, vn_s, x_s, do_s, q_s, k_s, p_s = _views(zero, s_b, ds_b, vn_b, x_b, do_b, q_b, k_b, p_b)
         i_tt = gl.arange(0, BT, layout=row)[:, None] + zero
         j_tt = gl.arange(0, BT, layout=col)[None, :]
         ri = gl.arange(0, BT, layout=gl.SliceLayout(1, sq)) + zero
         rj = gl.arange(0, BT, layout=gl.SliceLayout(0, sq))
         gc, glast, bk = gates(g, beta, scal_base, t0, H)
         rows_h = scal_base + (t0 + gl.arange(0, BT, layout=row)) * H
-        db = gl.load(dbeta_v + rows_h)
-        for iv in gl.static_range(1, NV):
-            db += gl.load(dbeta_v + iv * n_pos + rows_h)
+        db = _v_parts(dbeta_v, rows_h, n_pos, NV)
         tma.store_wait(0)
         gl.thread_barrier()  # the previous chunk's dk and dp have left q_s and p_s
         _issue_keys(q_desc, k_desc, p_desc, q_s, k_s, p_s, keys_bar, trow, hk, True)
@@ -114,10 +97,7 @@ def _grads64_gluon_kernel(q_desc, k_desc, p_desc, do_desc, s_desc, ds_desc, vn_d
         bk_r = gl.convert_layout(bk, row)
 
         mbarrier.wait(state_bar, phase)
-        s_ds = 0.0
-        for r0 in gl.static_range(0, K, 32):
-            s_ds += gl.sum(gl.sum(s_s.slice(r0, 32).load(sq).to(gl.float32)
-                                  * ds_s.slice(r0, 32).load(sq).to(gl.float32), 1), 0)
+        s_ds = _state_product(s_s, ds_s, sq, K)
 
         # dq = scale [gam (dO S^T) + bf16(dO Vn^T * E) K]                                      q . dq -> d gc
         a0 = warpgroup_mma(do_s, vn_s.permute((1, 0)), zero_acc, is_async=True)
