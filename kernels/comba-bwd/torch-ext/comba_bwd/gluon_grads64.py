@@ -17,14 +17,10 @@ row before the reverse cumsum: the same sums, and here the form that was right (
 on the accumulator's row slice, the totals came out wrong in this one-warpgroup layout; dq, dk, dp and dbeta did not;
 bench/results/2026-11-30-104769c-comba-k64-probe.log).
 
-At (16, 2048, 32, 64, 128), in the stage sweep: 0.863 ms (at dd4a94c), where the Triton gradient kernels took 1.031 +
-0.020 (at cbae741); side by side in one probe, an earlier form of it (its accumulators in two layouts) 0.935 against
+At (16, 2048, 32, 64, 128), in the benchmark's stage sweep: 0.867 ms (bench/results/2026-11-30-c5b1718-comba.md),
+where the Triton gradient kernels took 1.031 + 0.020 (-cbae741-comba.md); side by side in one probe, an earlier form of it (its accumulators in two layouts) 0.935 against
 their 1.054, and 1.246 with one CTA an SM (-104769c-comba-k64-probe.log). ptxas: 255 registers, 168 bytes of spill
 (the benchmark's SPILLS_BY_DESIGN), 107.5 KB of shared memory.
-
-The forward scan in one warpgroup at K = 64 (two CTAs an SM, A in a buffer of its own) took 0.333 against 0.362 ms
-there, but its Vn was wrong where T is one chunk (rel. 0.23 against the Triton scan's; right from two chunks on), cause
-not found: K = 64 keeps the Triton scans.
 """
 
 import functools
