@@ -18,9 +18,10 @@ on the accumulator's row slice, the totals came out wrong in this one-warpgroup 
 bench/results/2026-11-30-104769c-comba-k64-probe.log).
 
 At (16, 2048, 32, 64, 128), in the benchmark's stage sweep: 0.867 ms (bench/results/2026-11-30-c5b1718-comba.md),
-where the Triton gradient kernels took 1.031 + 0.020 (-cbae741-comba.md); side by side in one probe, an earlier form of it (its accumulators in two layouts) 0.935 against
-their 1.054, and 1.246 with one CTA an SM (-104769c-comba-k64-probe.log). ptxas: 255 registers, 168 bytes of spill
-(the benchmark's SPILLS_BY_DESIGN), 107.5 KB of shared memory.
+where the Triton gradient kernels took 1.031 + 0.020 (-cbae741-comba.md); side by side in one probe, an earlier form
+of it (its accumulators in two layouts) 0.935 against their 1.054, and 1.246 with one CTA an SM
+(-104769c-comba-k64-probe.log). ptxas: 255 registers, 168 bytes of spill (the benchmark's SPILLS_BY_DESIGN), 107.5 KB
+of shared memory.
 """
 
 import functools
