@@ -30,10 +30,10 @@ The products over V are issued asynchronously, the four [64, 64] ones together a
 spilled 48 B and took 0.713 and 1.798; the products over the chunk issued asynchronously as well gained nothing more
 (0.671 and 1.647; bench/results/2026-11-30-d9737f1-comba-grads-async-probe.log).
 
-K = 64 keeps the Triton kernels: there this kernel (208 registers, no spill, 148 KB) took 1.030 ms against their
-1.033 at (16, 2048, 32, 64, 128), and the backward in one batch piece 2.217 against 2.186 in two with them
-(bench/results/2026-11-30-f4ff440-comba-gluon-grads-probe.log); with its products over V asynchronous, 1.007 to
-1.027 ms against 1.033 (-d9737f1-comba-grads-async-probe.log).
+At K = 64 this kernel (208 registers, no spill, 148 KB: one CTA an SM) took 1.030 ms against the Triton kernels'
+1.033 at (16, 2048, 32, 64, 128) (bench/results/2026-11-30-f4ff440-comba-gluon-grads-probe.log), and 1.007 to 1.027
+with its products over V asynchronous (-d9737f1-comba-grads-async-probe.log): K = 64 runs `gluon_grads64`, one
+warpgroup a CTA and two CTAs an SM.
 """
 
 import functools
