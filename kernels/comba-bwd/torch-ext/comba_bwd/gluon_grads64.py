@@ -3,8 +3,8 @@ chunk, in persistent CTAs of one warpgroup, two an SM.
 
 At K = 64 the two-warpgroup `gluon_grads` (148 KB of shared memory, one CTA an SM) took as long as the Triton
 gradient kernels; its chunk's products run one after another, and while a CTA waits on a product or a copy its SM has
-nothing else to run. Here a CTA is one warpgroup of at most 255 registers a thread, and its tiles take 105 KB, so that
-two CTAs share an SM and each runs while the other waits. To fit:
+nothing else to run. Here a CTA is one warpgroup of at most 255 registers a thread, and its tiles take 104 KB (107.5
+with the compiler's scratch), so that two CTAs share an SM and each runs while the other waits. To fit:
 - the [64, 64] A operands of the products over the chunk stay in registers (one warpgroup holds each whole anyway)
   instead of four 8 KB shared buffers;
 - a chunk's products go in three groups, dq's, dk's and dp's, each with the products over V it needs, so that few
