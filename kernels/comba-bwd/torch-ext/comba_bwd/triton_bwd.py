@@ -630,9 +630,8 @@ def _batch_pieces(q, V: int) -> int:
     in a benchmark, one piece 1.633 and 1.615 (-f4ff440-comba-gluon-grads-probe.log,
     -35b0702-comba-gluon-grads-schedules-probe.log, -2cea20a-comba.md; the Triton forward scan then), most likely
     as the host took about as long to launch two pieces as the GPU to run them. In one piece the host takes 0.54 ms
-    a call in comba_backward_triton there (about 1.5 through the public op, -104769c-comba-host-probe.log), and the
-    backward replayed from a CUDA graph takes as long as the eager call (1.574 against 1.579 ms,
-    -104769c-comba-graph-probe.log)."""
+    a call in comba_backward_triton there, and the backward replayed from a CUDA graph takes as long as the eager
+    call (1.574 against 1.579 ms, -104769c-comba-graph-probe.log)."""
     return 1 if _gluon_stages(q, V) else BATCH_PIECES
 
 
