@@ -33,6 +33,12 @@ def takes(device: torch.device, dtype: torch.dtype, K: int, V: int) -> tuple:
     return ALL if K == 128 else ("grads",)
 
 
+@functools.cache
+def sms(device: torch.device) -> int:
+    """The SMs of `device`, for the persistent grids; an H200's 132 for meta tensors (an offline compile)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+
+
 @gluon.jit
 def gates(g, beta, scal_base, t0, H):
     """gc (the inclusive cumsum of g in the chunk, as a masked row sum: a scan does not lower in these layouts),

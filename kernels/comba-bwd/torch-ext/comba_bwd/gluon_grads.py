@@ -36,9 +36,6 @@ with its products over V asynchronous (-d9737f1-comba-grads-async-probe.log): K 
 warpgroup a CTA and two CTAs an SM.
 """
 
-import functools
-
-import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -49,12 +46,12 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from .gluon_common import BT, WARPS, chunk_rows, gates, shared_layout
+from .gluon_common import BT, WARPS, chunk_rows, gates, shared_layout, sms
 from .reference import CHUNK
 
 
 @gluon.jit
-def _issue_state(s_desc, ds_desc, vn_desc, x_desc, do_desc, s_s, ds_s, vn_s, x_s, do_s, bar, state_row, pos_row,
+def issue_state(s_desc, ds_desc, vn_desc, x_desc, do_desc, s_s, ds_s, vn_s, x_s, do_s, bar, state_row, pos_row,
                  row, hv, pred):
     """Start the copies of one chunk's S_n, dS'_n, Vn, X and dO tiles (where pred)."""
     nbytes: gl.constexpr = (2 * s_desc.block_type.nbytes + 2 * vn_desc.block_type.nbytes
@@ -68,7 +65,7 @@ def _issue_state(s_desc, ds_desc, vn_desc, x_desc, do_desc, s_s, ds_s, vn_s, x_s
 
 
 @gluon.jit
-def _issue_keys(q_desc, k_desc, p_desc, q_s, k_s, p_s, bar, row, hk, pred):
+def issue_keys(q_desc, k_desc, p_desc, q_s, k_s, p_s, bar, row, hk, pred):
     """Start the copies of one chunk's q, k and p tiles (where pred)."""
     mbarrier.expect(bar, 3 * q_desc.block_type.nbytes, pred=pred)
     tma.async_copy_global_to_shared(q_desc, [row, hk], bar, q_s, pred)
@@ -77,16 +74,16 @@ def _issue_keys(q_desc, k_desc, p_desc, q_s, k_s, p_s, bar, row, hk, pred):
 
 
 @gluon.jit
-def _issue_first_state(s_desc, ds_desc, vn_desc, x_desc, do_desc, s_b, ds_b, vn_b, x_b, do_b, bar, N, H,
+def issue_first_state(s_desc, ds_desc, vn_desc, x_desc, do_desc, s_b, ds_b, vn_b, x_b, do_b, bar, N, H,
                        K: gl.constexpr, V: gl.constexpr):
     """Start the copies of this CTA's first chunk's state group (its chunk loop copies the next ones)."""
     _, _, _, state_row, pos_row, row, _, hv = _chunk_rows(gl.program_id(0), N, H, K, V)
-    _issue_state(s_desc, ds_desc, vn_desc, x_desc, do_desc, s_b.index(0), ds_b.index(0), vn_b.index(0),
+    issue_state(s_desc, ds_desc, vn_desc, x_desc, do_desc, s_b.index(0), ds_b.index(0), vn_b.index(0),
                  x_b.index(0), do_b.index(0), bar, state_row, pos_row, row, hv, True)
 
 
 @gluon.jit
-def _chunk_coords(c, step, N, H, K: gl.constexpr, V: gl.constexpr):
+def chunk_coords(c, step, N, H, K: gl.constexpr, V: gl.constexpr):
     """Chunk c's b, first row t0, row in (B T, H D) and column offset of its head's keys, the offset of its
     (b, 0, h) in (B, T, H), and the rows of the next chunk's (c + step) state group."""
     b, h, t0, _, _, row, hk, _ = _chunk_rows(c, N, H, K, V)
@@ -107,11 +104,11 @@ def _chunk_rows(c, N, H, K: gl.constexpr, V: gl.constexpr):
 
 
 @gluon.jit
-def _tile_buffers(q_desc, k_desc, p_desc, do_desc, s_desc, ds_desc, vn_desc, x_desc, K: gl.constexpr,
+def tile_buffers(q_desc, k_desc, p_desc, do_desc, s_desc, ds_desc, vn_desc, x_desc, K: gl.constexpr,
                   V: gl.constexpr):
     """Shared memory for one chunk's state group (S_n, dS'_n, Vn, X, dO) and key group (q, k, p; q's buffer then
     holds dk and p's dp for their TMA stores), each [1, ...] so that a kernel takes it as a view at a runtime index
-    that is always zero (`_views`), and the two groups' barriers."""
+    that is always zero (`views`), and the two groups' barriers."""
     dtype: gl.constexpr = q_desc.dtype
     s_b = gl.allocate_shared_memory(dtype, [1, K, V], s_desc.layout)
     ds_b = gl.allocate_shared_memory(dtype, [1, K, V], ds_desc.layout)
@@ -128,7 +125,7 @@ def _tile_buffers(q_desc, k_desc, p_desc, do_desc, s_desc, ds_desc, vn_desc, x_d
 
 
 @gluon.jit
-def _views(zero, s_b, ds_b, vn_b, x_b, do_b, q_b, k_b, p_b):
+def views(zero, s_b, ds_b, vn_b, x_b, do_b, q_b, k_b, p_b):
     """The tile buffers as views at `zero`, a zero the compiler cannot prove (c // C in the chunk loop: it folds
     c >= C from the loop's guard, not this division), so that the views, and the masks made with it, are formed in
     each iteration where they are used. Hoisted out of the loop, the products' shared-memory descriptors and the
@@ -138,7 +135,7 @@ def _views(zero, s_b, ds_b, vn_b, x_b, do_b, q_b, k_b, p_b):
 
 
 @gluon.jit
-def _state_product(s_s, ds_s, layout: gl.constexpr, K: gl.constexpr):
+def state_product(s_s, ds_s, layout: gl.constexpr, K: gl.constexpr):
     """<S_n, dS'_n> (fp32) from their tiles, 32 rows at a time, to hold few registers."""
     s_ds = 0.0
     for r0 in gl.static_range(0, K, 32):
@@ -148,7 +145,7 @@ def _state_product(s_s, ds_s, layout: gl.constexpr, K: gl.constexpr):
 
 
 @gluon.jit
-def _v_parts(dbeta_v, rows_h, n_pos, NV: gl.constexpr):
+def v_parts(dbeta_v, rows_h, n_pos, NV: gl.constexpr):
     """dbeta's v parts from the reverse scan (one per V block of it), summed, at rows_h of the (B, T, H) layout."""
     db = gl.load(dbeta_v + rows_h)
     for iv in gl.static_range(1, NV):
@@ -169,7 +166,7 @@ def _grads_gluon_kernel(q_desc, k_desc, p_desc, do_desc, s_desc, ds_desc, vn_des
     col_t: gl.constexpr = gl.SliceLayout(0, acc_tt)
     sq: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])
 
-    s_b, ds_b, vn_b, x_b, do_b, q_b, k_b, p_b, state_bar, keys_bar = _tile_buffers(
+    s_b, ds_b, vn_b, x_b, do_b, q_b, k_b, p_b, state_bar, keys_bar = tile_buffers(
         q_desc, k_desc, p_desc, do_desc, s_desc, ds_desc, vn_desc, x_desc, K, V)
     dq_b = gl.allocate_shared_memory(dtype, [1, BT, K], dq_desc.layout)
     # The [64, 64] A operands of the products over the chunk, in shared memory: in registers both warpgroups
@@ -181,13 +178,13 @@ def _grads_gluon_kernel(q_desc, k_desc, p_desc, do_desc, s_desc, ds_desc, vn_des
 
     C = n_pos // BT  # chunks in all: B H N (n_pos = B T H)
     step = gl.num_programs(0)
-    _issue_first_state(s_desc, ds_desc, vn_desc, x_desc, do_desc, s_b, ds_b, vn_b, x_b, do_b, state_bar, N, H, K, V)
+    issue_first_state(s_desc, ds_desc, vn_desc, x_desc, do_desc, s_b, ds_b, vn_b, x_b, do_b, state_bar, N, H, K, V)
 
     phase = 0
     for c in range(gl.program_id(0), C, step):
-        b, t0, row, hk, scal_base, n_state_row, n_pos_row, n_row, n_hv = _chunk_coords(c, step, N, H, K, V)
+        b, t0, row, hk, scal_base, n_state_row, n_pos_row, n_row, n_hv = chunk_coords(c, step, N, H, K, V)
         zero = c // C
-        s_s, ds_s, vn_s, x_s, do_s, q_s, k_s, p_s = _views(zero, s_b, ds_b, vn_b, x_b, do_b, q_b, k_b, p_b)
+        s_s, ds_s, vn_s, x_s, do_s, q_s, k_s, p_s = views(zero, s_b, ds_b, vn_b, x_b, do_b, q_b, k_b, p_b)
         dq_s = dq_b.index(zero)
         i_tt = gl.arange(0, BT, layout=row_t)[:, None] + zero
         j_tt = gl.arange(0, BT, layout=col_t)[None, :]
@@ -199,10 +196,10 @@ def _grads_gluon_kernel(q_desc, k_desc, p_desc, do_desc, s_desc, ds_desc, vn_des
         # waits; then this chunk's key group, once the previous chunk's gradients have left q_s, p_s and dq_s.
         gc, glast, bk = gates(g, beta, scal_base, t0, H)
         rows_h = scal_base + (t0 + gl.arange(0, BT, layout=row_t)) * H
-        db = _v_parts(dbeta_v, rows_h, n_pos, NV)
+        db = v_parts(dbeta_v, rows_h, n_pos, NV)
         tma.store_wait(0)
         gl.thread_barrier()
-        _issue_keys(q_desc, k_desc, p_desc, q_s, k_s, p_s, keys_bar, row, hk, True)
+        issue_keys(q_desc, k_desc, p_desc, q_s, k_s, p_s, keys_bar, row, hk, True)
         gc_r = gl.convert_layout(gc, row_t)
         gc_c = gl.convert_layout(gc, col_t)
         gc_k = gl.convert_layout(gc, row_k)
@@ -211,7 +208,7 @@ def _grads_gluon_kernel(q_desc, k_desc, p_desc, do_desc, s_desc, ds_desc, vn_des
 
         # The products over V, from the state group.
         mbarrier.wait(state_bar, phase)
-        s_ds = _state_product(s_s, ds_s, sq, K)
+        s_ds = state_product(s_s, ds_s, sq, K)
         # The four [64, 64] products are issued together, so that the tensor cores run them back to back while the
         # warps scale and store each as it completes; the three [64, K] ones follow.
         a0 = warpgroup_mma(do_s, vn_s.permute((1, 0)), zero_tt, is_async=True)
@@ -239,7 +236,7 @@ def _grads_gluon_kernel(q_desc, k_desc, p_desc, do_desc, s_desc, ds_desc, vn_des
         y = y * -gl.exp(gc_k)[:, None]                                                            # Y
         fence_async_shared()
         gl.thread_barrier()  # the operands are in tt_b, and no warp reads the state group any more
-        _issue_state(s_desc, ds_desc, vn_desc, x_desc, do_desc, s_s, ds_s, vn_s, x_s, do_s, state_bar, n_state_row,
+        issue_state(s_desc, ds_desc, vn_desc, x_desc, do_desc, s_s, ds_s, vn_s, x_s, do_s, state_bar, n_state_row,
                      n_pos_row, n_row, n_hv, c + step < C)
 
         # The products over the chunk, from the key group.
@@ -281,18 +278,12 @@ def _grads_gluon_kernel(q_desc, k_desc, p_desc, do_desc, s_desc, ds_desc, vn_des
     mbarrier.invalidate(keys_bar)
 
 
-@functools.cache
-def _ctas(device: torch.device) -> int:
-    """The persistent grid: one CTA an SM (214 KB of shared memory at K = 128); an H200's 132 for meta tensors."""
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
-
-
 def launch(t, q, do, beta, g, dbeta_v, dq, dk, dp, dbeta, dg, scale: float):
     """dq, dk, dp, dbeta and dg (written in place) from the inputs (B, T, H, *) with T a multiple of the chunk, their
     Tiles `t` (of the scans' S, dS', Vn and X among them) and dbeta's v parts (NV, B, T, H)."""
     B, T, H, K = q.shape
     V = do.shape[-1]
-    _grads_gluon_kernel[(min(B * H * (T // CHUNK), _ctas(q.device)),)](
+    _grads_gluon_kernel[(min(B * H * (T // CHUNK), sms(q.device)),)](  # one CTA an SM (214 KB of shared memory)
         t.q, t.k, t.p, t.do, t.S, t.dS, t.Vn, t.X, chunk_rows(dq), chunk_rows(dk), chunk_rows(dp), beta, g, dbeta_v,
         dbeta, dg, scale, T // CHUNK, H, B * T * H, K, V, dbeta_v.shape[0], shared_layout((CHUNK, CHUNK), q.dtype),
         num_warps=WARPS)

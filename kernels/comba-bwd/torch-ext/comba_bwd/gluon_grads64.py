@@ -24,9 +24,6 @@ of it (its accumulators in two layouts) 0.935 against their 1.054, and 1.246 wit
 of shared memory.
 """
 
-import functools
-
-import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -37,16 +34,16 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from .gluon_common import BT, chunk_rows, gates
+from .gluon_common import BT, chunk_rows, gates, sms
 from .gluon_grads import (
-    _chunk_coords,
-    _issue_first_state,
-    _issue_keys,
-    _issue_state,
-    _state_product,
-    _tile_buffers,
-    _v_parts,
-    _views,
+    chunk_coords,
+    issue_first_state,
+    issue_keys,
+    issue_state,
+    state_product,
+    tile_buffers,
+    v_parts,
+    views,
 )
 from .reference import CHUNK
 
@@ -66,35 +63,35 @@ def _grads64_gluon_kernel(q_desc, k_desc, p_desc, do_desc, s_desc, ds_desc, vn_d
     col: gl.constexpr = gl.SliceLayout(0, acc)
     sq: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
 
-    s_b, ds_b, vn_b, x_b, do_b, q_b, k_b, p_b, state_bar, keys_bar = _tile_buffers(
+    s_b, ds_b, vn_b, x_b, do_b, q_b, k_b, p_b, state_bar, keys_bar = tile_buffers(
         q_desc, k_desc, p_desc, do_desc, s_desc, ds_desc, vn_desc, x_desc, K, V)
     zero_acc = gl.zeros([BT, K], gl.float32, acc)
 
     C = n_pos // BT  # chunks in all: B H N (n_pos = B T H)
     step = gl.num_programs(0)
-    _issue_first_state(s_desc, ds_desc, vn_desc, x_desc, do_desc, s_b, ds_b, vn_b, x_b, do_b, state_bar, N, H, K, V)
+    issue_first_state(s_desc, ds_desc, vn_desc, x_desc, do_desc, s_b, ds_b, vn_b, x_b, do_b, state_bar, N, H, K, V)
 
     phase = 0
     for c in range(gl.program_id(0), C, step):
-        b, t0, trow, hk, scal_base, n_state_row, n_pos_row, n_row, n_hv = _chunk_coords(c, step, N, H, K, V)
+        b, t0, trow, hk, scal_base, n_state_row, n_pos_row, n_row, n_hv = chunk_coords(c, step, N, H, K, V)
         zero = c // C
-        s_s, ds_s, vn_s, x_s, do_s, q_s, k_s, p_s = _views(zero, s_b, ds_b, vn_b, x_b, do_b, q_b, k_b, p_b)
+        s_s, ds_s, vn_s, x_s, do_s, q_s, k_s, p_s = views(zero, s_b, ds_b, vn_b, x_b, do_b, q_b, k_b, p_b)
         i_tt = gl.arange(0, BT, layout=row)[:, None] + zero
         j_tt = gl.arange(0, BT, layout=col)[None, :]
         ri = gl.arange(0, BT, layout=gl.SliceLayout(1, sq)) + zero
         rj = gl.arange(0, BT, layout=gl.SliceLayout(0, sq))
         gc, glast, bk = gates(g, beta, scal_base, t0, H)
         rows_h = scal_base + (t0 + gl.arange(0, BT, layout=row)) * H
-        db = _v_parts(dbeta_v, rows_h, n_pos, NV)
+        db = v_parts(dbeta_v, rows_h, n_pos, NV)
         tma.store_wait(0)
         gl.thread_barrier()  # the previous chunk's dk and dp have left q_s and p_s
-        _issue_keys(q_desc, k_desc, p_desc, q_s, k_s, p_s, keys_bar, trow, hk, True)
+        issue_keys(q_desc, k_desc, p_desc, q_s, k_s, p_s, keys_bar, trow, hk, True)
         gc_r = gl.convert_layout(gc, row)
         gc_c = gl.convert_layout(gc, col)
         bk_r = gl.convert_layout(bk, row)
 
         mbarrier.wait(state_bar, phase)
-        s_ds = _state_product(s_s, ds_s, sq, K)
+        s_ds = state_product(s_s, ds_s, sq, K)
 
         # dq = scale [gam (dO S^T) + bf16(dO Vn^T * E) K]                                      q . dq -> d gc
         a0 = warpgroup_mma(do_s, vn_s.permute((1, 0)), zero_acc, is_async=True)
@@ -135,7 +132,7 @@ def _grads64_gluon_kernel(q_desc, k_desc, p_desc, do_desc, s_desc, ds_desc, vn_d
         y = warpgroup_mma(x_s, s_s.permute((1, 0)), zero_acc, is_async=True)
         a3, y = warpgroup_mma_wait(0, deps=[a3, y])
         gl.thread_barrier()  # no warp reads the state group any more: the next chunk's may come
-        _issue_state(s_desc, ds_desc, vn_desc, x_desc, do_desc, s_s, ds_s, vn_s, x_s, do_s, state_bar, n_state_row,
+        issue_state(s_desc, ds_desc, vn_desc, x_desc, do_desc, s_s, ds_s, vn_s, x_s, do_s, state_bar, n_state_row,
                      n_pos_row, n_row, n_hv, c + step < C)
         e_low = gl.exp(gl.where(i_tt >= j_tt, gc_r[:, None] - gc_c[None, :], float("-inf")))
         dle = gl.where(i_tt > j_tt, -a3 * e_low, 0.0)
@@ -165,17 +162,10 @@ def _grads64_gluon_kernel(q_desc, k_desc, p_desc, do_desc, s_desc, ds_desc, vn_d
     mbarrier.invalidate(keys_bar)
 
 
-@functools.cache
-def _ctas(device: torch.device) -> int:
-    """The persistent grid: two CTAs an SM; an H200's 132 SMs for meta tensors."""
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
-    return CTAS_PER_SM * sms
-
-
 def launch(t, q, do, beta, g, dbeta_v, dq, dk, dp, dbeta, dg, scale: float):
     """As `gluon_grads.launch`, at K = 64: dq, dk, dp, dbeta and dg written in place."""
     B, T, H, K = q.shape
     V = do.shape[-1]
-    _grads64_gluon_kernel[(min(B * H * (T // CHUNK), _ctas(q.device)),)](
+    _grads64_gluon_kernel[(min(B * H * (T // CHUNK), CTAS_PER_SM * sms(q.device)),)](
         t.q, t.k, t.p, t.do, t.S, t.dS, t.Vn, t.X, chunk_rows(dk), chunk_rows(dp), dq, beta, g, dbeta_v, dbeta, dg,
         scale, T // CHUNK, H, B * T * H, K, V, dbeta_v.shape[0], num_warps=WARPS)
