@@ -24,13 +24,13 @@ ALL = ("forward_scan", "reverse_scan", "grads")
 def takes(device: torch.device, dtype: torch.dtype, K: int, V: int) -> tuple:
     """The stages a Gluon kernel runs (the others run the Triton kernels): on a CUDA device of compute capability 9
     (their warpgroup MMA is Hopper's alone), or meta tensors (an offline compile for sm_90), with bf16 inputs and
-    V = 128, all three at K = 128 and the gradients at K = 64. (A one-warpgroup forward scan at K = 64 was faster than
-    the Triton scan but compiled wrong for one chunk with N = 1 specialized; not taken yet: see the card's Tried.)"""
+    V = 128, all three at K = 128, the forward scan and the gradients at K = 64 (the Gluon reverse scan lost to the
+    Triton one there: see the card's Design)."""
     if V != 128 or dtype not in GL_DTYPES or K not in (64, 128):
         return ()
     if device.type != "meta" and (device.type != "cuda" or torch.cuda.get_device_capability(device)[0] != 9):
         return ()
-    return ALL if K == 128 else ("grads",)
+    return ALL if K == 128 else ("forward_scan", "grads")
 
 
 @functools.cache
