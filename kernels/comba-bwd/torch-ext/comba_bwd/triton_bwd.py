@@ -111,45 +111,17 @@ def _n_pos(T, H):
 
 
 SUB = tl.constexpr(16)  # sub-block of the blocked transform: 4 x 4 blocks of 16 x 16 per chunk
-L_SLICE = tl.constexpr(32)
 
 
 @triton.jit
-def _l_block(pk, bk, gc_i, gc_j, DIAGONAL: tl.constexpr):
-    """Block (i, j) of L = strict_lower((beta P) K^T * E) from pk = P_i K_j^T (fp32 [SUB, SUB]) and beta on block
-    i's rows, beta applied in fp32 after the product; a diagonal block keeps only its strictly lower part."""
+def _l_block(pk, bk, gc_i, kt, gc_j, DIAGONAL: tl.constexpr):
+    """Block (i, j) of L = strict_lower((beta P) K^T * E) from P and beta on block i's rows (pk bf16 [SUB, K])
+    and K^T on block j's ([K, SUB]), beta applied in fp32 after the product; a
+    diagonal block keeps only its strictly lower part."""
     diff = gc_i[:, None] - gc_j[None, :]
     if DIAGONAL:
         diff = tl.where(tl.arange(0, SUB)[:, None] > tl.arange(0, SUB)[None, :], diff, float("-inf"))
-    return pk * bk[:, None] * tl.exp(diff)
-
-
-@triton.jit
-def _pk_blocks(k, p, kbase, t0, H, K: tl.constexpr):
-    """P_i K_j^T (j <= i) of the chunk's four 16-row blocks, fp32 [SUB, SUB] each, over K in slices of L_SLICE
-    columns (P's rows and K^T's columns loaded for one slice at a time)."""
-    z = tl.zeros([SUB, SUB], dtype=tl.float32)
-    a00, a10, a20, a30, a11, a21, a31, a22, a32, a33 = z, z, z, z, z, z, z, z, z, z
-    for c0 in tl.range(0, K, L_SLICE):
-        p0 = tl.load(_rows(p, kbase + c0, t0, H * K, L_SLICE, SUB)).to(tl.bfloat16)
-        p1 = tl.load(_rows(p, kbase + c0, t0 + SUB, H * K, L_SLICE, SUB)).to(tl.bfloat16)
-        p2 = tl.load(_rows(p, kbase + c0, t0 + 2 * SUB, H * K, L_SLICE, SUB)).to(tl.bfloat16)
-        p3 = tl.load(_rows(p, kbase + c0, t0 + 3 * SUB, H * K, L_SLICE, SUB)).to(tl.bfloat16)
-        kt0 = tl.load(_rows_t(k, kbase + c0, t0, H * K, L_SLICE, SUB)).to(tl.bfloat16)
-        kt1 = tl.load(_rows_t(k, kbase + c0, t0 + SUB, H * K, L_SLICE, SUB)).to(tl.bfloat16)
-        kt2 = tl.load(_rows_t(k, kbase + c0, t0 + 2 * SUB, H * K, L_SLICE, SUB)).to(tl.bfloat16)
-        kt3 = tl.load(_rows_t(k, kbase + c0, t0 + 3 * SUB, H * K, L_SLICE, SUB)).to(tl.bfloat16)
-        a00 = tl.dot(p0, kt0, a00)
-        a10 = tl.dot(p1, kt0, a10)
-        a20 = tl.dot(p2, kt0, a20)
-        a30 = tl.dot(p3, kt0, a30)
-        a11 = tl.dot(p1, kt1, a11)
-        a21 = tl.dot(p2, kt1, a21)
-        a31 = tl.dot(p3, kt1, a31)
-        a22 = tl.dot(p2, kt2, a22)
-        a32 = tl.dot(p3, kt2, a32)
-        a33 = tl.dot(p3, kt3, a33)
-    return a00, a10, a20, a30, a11, a21, a31, a22, a32, a33
+    return tl.dot(pk, kt) * bk[:, None] * tl.exp(diff)
 
 
 @triton.jit
@@ -213,17 +185,27 @@ def _transform_kernel(k, p, beta, g, A, N, H, K: tl.constexpr):
     gc1, off, b1 = _gates(g, beta, scal_base, t0 + SUB, H, SUB, off)
     gc2, off, b2 = _gates(g, beta, scal_base, t0 + 2 * SUB, H, SUB, off)
     gc3, _, b3 = _gates(g, beta, scal_base, t0 + 3 * SUB, H, SUB, off)
-    a00, a10, a20, a30, a11, a21, a31, a22, a32, a33 = _pk_blocks(k, p, kbase, t0, H, K)
-    L00 = _l_block(a00, b0, gc0, gc0, True)
-    L10 = _l_block(a10, b1, gc1, gc0, False)
-    L20 = _l_block(a20, b2, gc2, gc0, False)
-    L30 = _l_block(a30, b3, gc3, gc0, False)
-    L11 = _l_block(a11, b1, gc1, gc1, True)
-    L21 = _l_block(a21, b2, gc2, gc1, False)
-    L31 = _l_block(a31, b3, gc3, gc1, False)
-    L22 = _l_block(a22, b2, gc2, gc2, True)
-    L32 = _l_block(a32, b3, gc3, gc2, False)
-    L33 = _l_block(a33, b3, gc3, gc3, True)
+    # P on each block's rows, K^T on each block's columns (loaded transposed)
+    p0 = tl.load(_rows(p, kbase, t0, H * K, K, SUB)).to(tl.bfloat16)
+    p1 = tl.load(_rows(p, kbase, t0 + SUB, H * K, K, SUB)).to(tl.bfloat16)
+    p2 = tl.load(_rows(p, kbase, t0 + 2 * SUB, H * K, K, SUB)).to(tl.bfloat16)
+    p3 = tl.load(_rows(p, kbase, t0 + 3 * SUB, H * K, K, SUB)).to(tl.bfloat16)
+    kt0 = tl.load(_rows_t(k, kbase, t0, H * K, K, SUB)).to(tl.bfloat16)
+    kt1 = tl.load(_rows_t(k, kbase, t0 + SUB, H * K, K, SUB)).to(tl.bfloat16)
+    kt2 = tl.load(_rows_t(k, kbase, t0 + 2 * SUB, H * K, K, SUB)).to(tl.bfloat16)
+    kt3 = tl.load(_rows_t(k, kbase, t0 + 3 * SUB, H * K, K, SUB)).to(tl.bfloat16)
+
+    # Every block of L first, so that the P and K tiles are dead before the substitutions.
+    L00 = _l_block(p0, b0, gc0, kt0, gc0, True)
+    L10 = _l_block(p1, b1, gc1, kt0, gc0, False)
+    L20 = _l_block(p2, b2, gc2, kt0, gc0, False)
+    L30 = _l_block(p3, b3, gc3, kt0, gc0, False)
+    L11 = _l_block(p1, b1, gc1, kt1, gc1, True)
+    L21 = _l_block(p2, b2, gc2, kt1, gc1, False)
+    L31 = _l_block(p3, b3, gc3, kt1, gc1, False)
+    L22 = _l_block(p2, b2, gc2, kt2, gc2, True)
+    L32 = _l_block(p3, b3, gc3, kt2, gc2, False)
+    L33 = _l_block(p3, b3, gc3, kt3, gc3, True)
     D0 = _inv_unit_lower(L00)
     D1 = _inv_unit_lower(L11)
     D2 = _inv_unit_lower(L22)
