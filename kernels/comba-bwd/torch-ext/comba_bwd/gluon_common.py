@@ -40,16 +40,31 @@ def sms(device: torch.device) -> int:
 
 
 @gluon.jit
-def gates(g, beta, scal_base, t0, H):
-    """gc (the inclusive cumsum of g in the chunk, as a masked row sum: a scan does not lower in these layouts),
-    glast and beta, fp32, gc and beta [BT] in the row slice of a [BT, BT] blocked layout over the kernel's warps."""
+def gate_loads(g, beta, scal_base, t0, H):
+    """The gates of the chunk from t0 as loaded: g [BT] in the column slice and beta [BT] in the row slice of a
+    [BT, BT] blocked layout over the kernel's warps. The scans load them a chunk ahead (`chunk_gates` turns them into
+    the chunk's gates), so that their latency is not on the scans' serial path."""
+    sq: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
+    gj = gl.load(g + scal_base + (t0 + gl.arange(0, BT, layout=gl.SliceLayout(0, sq))) * H)
+    return gj, gl.load(beta + scal_base + (t0 + gl.arange(0, BT, layout=gl.SliceLayout(1, sq))) * H)
+
+
+@gluon.jit
+def chunk_gates(gj, beta_rows):
+    """gc (the inclusive cumsum of g in the chunk, as a masked row sum: a scan does not lower in these layouts), glast
+    and beta, fp32, gc and beta [BT] in the row slice of the [BT, BT] blocked layout, from `gate_loads`."""
     sq: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
     ri = gl.arange(0, BT, layout=gl.SliceLayout(1, sq))
     rj = gl.arange(0, BT, layout=gl.SliceLayout(0, sq))
-    gj = gl.load(g + scal_base + (t0 + rj) * H)
-    bk = gl.load(beta + scal_base + (t0 + ri) * H).to(gl.float32)
     gc = gl.sum(gl.where(rj[None, :] <= ri[:, None], gj[None, :], 0.0), 1)
-    return gc, gl.sum(gj, 0), bk
+    return gc, gl.sum(gj, 0), beta_rows.to(gl.float32)
+
+
+@gluon.jit
+def gates(g, beta, scal_base, t0, H):
+    """`chunk_gates` of the chunk from t0, loaded now."""
+    gj, beta_rows = gate_loads(g, beta, scal_base, t0, H)
+    return chunk_gates(gj, beta_rows)
 
 
 @functools.cache

@@ -36,7 +36,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from .gluon_common import BT, gates
+from .gluon_common import BT, chunk_gates, gate_loads
 from .reference import CHUNK
 
 
@@ -103,6 +103,7 @@ def _forward_scan_gluon_kernel(k_desc, p_desc, v_desc, a_desc, s_desc, vn_desc, 
         _issue_a(a_desc, a_s.index(0), a_bar, bh * N * BT, True)
 
     S = gl.zeros([K, V], gl.float32, acc_kv)
+    gj, beta_rows = gate_loads(g, beta, scal_base, 0, H)
     for n in range(N):
         s = n % 2
         t0 = n * BT
@@ -111,7 +112,8 @@ def _forward_scan_gluon_kernel(k_desc, p_desc, v_desc, a_desc, s_desc, vn_desc, 
         _issue(k_desc, p_desc, v_desc, a_desc, k_s.index(1 - s), p_s.index(1 - s), v_s.index(1 - s),
                a_s.index((1 - s) % A_STAGES), bars.index(1 - s), row0 + nxt * BT, hk, hv, (bh * N + nxt) * BT, n + 1 < N,
                A_STAGES == 2)
-        gc, glast, bk = gates(g, beta, scal_base, t0, H)
+        gc, glast, bk = chunk_gates(gj, beta_rows)
+        gj, beta_rows = gate_loads(g, beta, scal_base, nxt * BT, H)  # the next chunk's, a chunk ahead
         mbarrier.wait(bars.index(s), (n // 2) & 1)
 
         # U and -W do not wait on S: they run while S_n goes to shared memory.

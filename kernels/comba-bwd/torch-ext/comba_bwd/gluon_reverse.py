@@ -29,7 +29,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from .gluon_common import BT, WARPS, chunk_rows, gates
+from .gluon_common import BT, WARPS, chunk_gates, chunk_rows, gate_loads
 from .reference import CHUNK
 
 
@@ -90,6 +90,7 @@ def _reverse_scan_gluon_kernel(k_desc, q_desc, p_desc, do_desc, a_desc, ds_desc,
     cols_tv = gl.arange(0, V, layout=gl.SliceLayout(0, acc_tv))
     i_tt = gl.arange(0, BT, layout=gl.SliceLayout(1, acc_tt))[:, None]
     j_tt = gl.arange(0, BT, layout=gl.SliceLayout(0, acc_tt))[None, :]
+    gj, beta_rows = gate_loads(g, beta, scal_base, (N - 1) * BT, H)
     for i in range(N):  # chunks N - 1 down to 0
         n = N - 1 - i
         s = i % 2
@@ -105,7 +106,8 @@ def _reverse_scan_gluon_kernel(k_desc, q_desc, p_desc, do_desc, a_desc, ds_desc,
         fence_async_shared()
         gl.thread_barrier()
         tma.async_copy_shared_to_global(ds_desc, [(bh * N + n) * K, 0], dsb_s)
-        gc, glast, bk = gates(g, beta, scal_base, t0, H)
+        gc, glast, bk = chunk_gates(gj, beta_rows)
+        gj, beta_rows = gate_loads(g, beta, scal_base, nxt * BT, H)  # the next chunk's, a chunk ahead
         pos = (b.to(gl.int64) * T + t0 + rows_tv)[:, None] * (H * V) + hv + cols_tv[None, :]
         vk = gl.load(v + pos)
         mbarrier.wait(bars.index(s), (i // 2) & 1)
