@@ -18,8 +18,13 @@ share an SM); in the one-piece backward that runs it, the backward gained at eve
 
 At K = 64 one warpgroup (236 registers, no spill) holds the state, and A has one buffer of its own, copied once the
 previous chunk's A is in registers, so that the tiles take 112 KB and two CTAs share an SM (with two buffers, 120 KB:
-one CTA an SM). At (16, 2048, 32, 64, 128): 0.333 ms against 0.362 for the Triton scan (with S_n and Vn within their
-bf16 rounding of its), -104769c-comba-k64-probe.log.
+one CTA an SM). At (16, 2048, 32, 64, 128): 0.331 ms against 0.362 for the Triton scan (with S_n and Vn within their
+bf16 rounding of its; bench/results/2026-11-30-f83d5d4-comba-slices-probe.log).
+
+The next chunk's gates are loaded a chunk ahead: loaded with the chunk, after the next tiles' copies were started,
+they were needed at once, and their latency sat on the serial path (Nsight Compute: 39% of the scan's stall cycles on
+global loads, -ad11608-comba-ncu.txt). 0.278 -> 0.240 ms at (8, 2048, 32, 128, 128), 0.333 -> 0.328 at K = 64
+(-8d3e6d2-comba-gates-probe.log).
 
 N is not specialized (one compile serves every T): compiled with N = 1 (T one chunk), as Triton specializes an integer
 argument equal to 1, the scan at K = 64 gave a wrong Vn (rel. 0.28; right with N not specialized,
@@ -110,8 +115,8 @@ def _forward_scan_gluon_kernel(k_desc, p_desc, v_desc, a_desc, s_desc, vn_desc, 
         # The next chunk's tiles into the other stage, whose reads all ended with the previous iteration.
         nxt = gl.minimum(n + 1, N - 1)
         _issue(k_desc, p_desc, v_desc, a_desc, k_s.index(1 - s), p_s.index(1 - s), v_s.index(1 - s),
-               a_s.index((1 - s) % A_STAGES), bars.index(1 - s), row0 + nxt * BT, hk, hv, (bh * N + nxt) * BT, n + 1 < N,
-               A_STAGES == 2)
+               a_s.index((1 - s) % A_STAGES), bars.index(1 - s), row0 + nxt * BT, hk, hv, (bh * N + nxt) * BT,
+               n + 1 < N, A_STAGES == 2)
         gc, glast, bk = chunk_gates(gj, beta_rows)
         gj, beta_rows = gate_loads(g, beta, scal_base, nxt * BT, H)  # the next chunk's, a chunk ahead
         mbarrier.wait(bars.index(s), (n // 2) & 1)
