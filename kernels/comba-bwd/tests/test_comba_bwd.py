@@ -342,7 +342,7 @@ def test_stages_rerun_alone_give_the_same_gradients(triton_bwd):
 @pytest.mark.kernels_ci
 def test_gluon_rule(triton_bwd):
     """Gluon kernels take bf16 inputs with V = 128 on Hopper (and meta tensors, for the offline compile): all three
-    stages at K = 128, the gradients at K = 64; never float16 (they would read the bf16 scratch as
+    stages at K = 128, the forward scan and the gradients at K = 64; never float16 (they would read the bf16 scratch as
     float16) or float32, V = 64, nor CPU tensors (the interpreter runs the Triton kernels). Where they take a call the
     batch is not cut in pieces."""
     if triton_bwd.gluon_common is None:
@@ -350,7 +350,7 @@ def test_gluon_rule(triton_bwd):
     takes = triton_bwd.gluon_common.takes
     meta, cpu = torch.device("meta"), torch.device("cpu")
     assert takes(meta, torch.bfloat16, 128, 128) == ("forward_scan", "reverse_scan", "grads")
-    assert takes(meta, torch.bfloat16, 64, 128) == ("grads",)
+    assert takes(meta, torch.bfloat16, 64, 128) == ("forward_scan", "grads")
     assert not any(takes(meta, dtype, K, V) for dtype, K, V in
                    [(torch.float16, 128, 128), (torch.float32, 128, 128), (torch.float16, 64, 128),
                     (torch.bfloat16, 128, 64), (torch.bfloat16, 64, 64), (torch.bfloat16, 32, 128)])

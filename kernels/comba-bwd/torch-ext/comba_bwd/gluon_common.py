@@ -24,13 +24,13 @@ ALL = ("forward_scan", "reverse_scan", "grads")
 def takes(device: torch.device, dtype: torch.dtype, K: int, V: int) -> tuple:
     """The stages a Gluon kernel runs (the others run the Triton kernels): on a CUDA device of compute capability 9
     (their warpgroup MMA is Hopper's alone), or meta tensors (an offline compile for sm_90), with bf16 inputs and
-    V = 128, all three at K = 128 and the gradients at K = 64. (A one-warpgroup forward scan at K = 64 was faster than
-    the Triton scan but compiled wrong for one chunk with N = 1 specialized; not taken yet: see the card's Tried.)"""
+    V = 128, all three at K = 128, the forward scan and the gradients at K = 64 (the Gluon reverse scan lost to the
+    Triton one there: see the card's Design)."""
     if V != 128 or dtype not in GL_DTYPES or K not in (64, 128):
         return ()
     if device.type != "meta" and (device.type != "cuda" or torch.cuda.get_device_capability(device)[0] != 9):
         return ()
-    return ALL if K == 128 else ("grads",)
+    return ALL if K == 128 else ("forward_scan", "grads")
 
 
 @functools.cache
@@ -40,16 +40,31 @@ def sms(device: torch.device) -> int:
 
 
 @gluon.jit
-def gates(g, beta, scal_base, t0, H):
-    """gc (the inclusive cumsum of g in the chunk, as a masked row sum: a scan does not lower in these layouts),
-    glast and beta, fp32, gc and beta [BT] in the row slice of a [BT, BT] blocked layout over the kernel's warps."""
+def gate_loads(g, beta, scal_base, t0, H):
+    """The gates of the chunk from t0 as loaded: g [BT] in the column slice and beta [BT] in the row slice of a
+    [BT, BT] blocked layout over the kernel's warps. The scans load them a chunk ahead (`chunk_gates` turns them into
+    the chunk's gates), so that their latency is not on the scans' serial path."""
+    sq: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
+    gj = gl.load(g + scal_base + (t0 + gl.arange(0, BT, layout=gl.SliceLayout(0, sq))) * H)
+    return gj, gl.load(beta + scal_base + (t0 + gl.arange(0, BT, layout=gl.SliceLayout(1, sq))) * H)
+
+
+@gluon.jit
+def chunk_gates(gj, beta_rows):
+    """gc (the inclusive cumsum of g in the chunk, as a masked row sum: a scan does not lower in these layouts), glast
+    and beta, fp32, gc and beta [BT] in the row slice of the [BT, BT] blocked layout, from `gate_loads`."""
     sq: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
     ri = gl.arange(0, BT, layout=gl.SliceLayout(1, sq))
     rj = gl.arange(0, BT, layout=gl.SliceLayout(0, sq))
-    gj = gl.load(g + scal_base + (t0 + rj) * H)
-    bk = gl.load(beta + scal_base + (t0 + ri) * H).to(gl.float32)
     gc = gl.sum(gl.where(rj[None, :] <= ri[:, None], gj[None, :], 0.0), 1)
-    return gc, gl.sum(gj, 0), bk
+    return gc, gl.sum(gj, 0), beta_rows.to(gl.float32)
+
+
+@gluon.jit
+def gates(g, beta, scal_base, t0, H):
+    """`chunk_gates` of the chunk from t0, loaded now."""
+    gj, beta_rows = gate_loads(g, beta, scal_base, t0, H)
+    return chunk_gates(gj, beta_rows)
 
 
 @functools.cache

@@ -1,6 +1,6 @@
-"""The forward scan in Gluon for K = V = 128 on Hopper: one CTA of 8 warps a (b, h) over all of V, where the Triton
-scan (`triton_bwd._forward_scan_kernel`) runs two V blocks of 4 warps. Same outputs as that scan with one V block:
-S_n (bf16, the state before chunk n) and Vn.
+"""The forward scan in Gluon on Hopper, V = 128 and K = 128 or 64: one CTA a (b, h) over all of V, of one warpgroup
+for each 64 of K, where the Triton scan (`triton_bwd._forward_scan_kernel`) runs V blocks of 4 warps. Same outputs
+as that scan with one V block: S_n (bf16, the state before chunk n) and Vn.
 
 Per chunk n, S (fp32 [K, V]) in registers:
   U = (A diag(beta)) V,  -W = (A diag(-beta gam)) P           [64, V], [64, K]  (A scaled by column in registers)
@@ -15,6 +15,20 @@ which they do not wait on. At (8, 2048, 32, 128, 128): 0.277 ms against 0.316 fo
 two scans on two streams, it lost where a piece's scans fit in one wave (one CTA an SM each, the two scans could not
 share an SM); in the one-piece backward that runs it, the backward gained at every K = 128 measure shape
 (bench/results/2026-11-30-f3bf90e-comba-gluon-forward-probe.log).
+
+At K = 64 one warpgroup (236 registers, no spill) holds the state, and A has one buffer of its own, copied once the
+previous chunk's A is in registers, so that the tiles take 112 KB and two CTAs share an SM (with two buffers, 120 KB:
+one CTA an SM). At (16, 2048, 32, 64, 128): 0.331 ms against 0.362 for the Triton scan (with S_n and Vn within their
+bf16 rounding of its; bench/results/2026-11-30-f83d5d4-comba-slices-probe.log).
+
+The next chunk's gates are loaded a chunk ahead: loaded with the chunk, after the next tiles' copies were started,
+they were needed at once, and their latency sat on the serial path (Nsight Compute: 39% of the scan's stall cycles on
+global loads, -ad11608-comba-ncu.txt). 0.278 -> 0.240 ms at (8, 2048, 32, 128, 128), 0.333 -> 0.328 at K = 64
+(-8d3e6d2-comba-gates-probe.log).
+
+N is not specialized (one compile serves every T): compiled with N = 1 (T one chunk), as Triton specializes an integer
+argument equal to 1, the scan at K = 64 gave a wrong Vn (rel. 0.28; right with N not specialized,
+bench/results/2026-11-30-5404c07-comba-forward64-probe.log).
 """
 
 from triton.experimental import gluon
@@ -27,24 +41,33 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from .gluon_common import BT, WARPS, gates
+from .gluon_common import BT, chunk_gates, gate_loads
 from .reference import CHUNK
 
 
 @gluon.jit
-def _issue(k_desc, p_desc, v_desc, a_desc, k_s, p_s, v_s, a_s, bar, row, hk, hv, a_row, pred):
-    """Start the copies of one chunk's k, p, v and A tiles into one stage (where pred)."""
-    nbytes: gl.constexpr = 2 * k_desc.block_type.nbytes + v_desc.block_type.nbytes + a_desc.block_type.nbytes
+def _issue(k_desc, p_desc, v_desc, a_desc, k_s, p_s, v_s, a_s, bar, row, hk, hv, a_row, pred, WITH_A: gl.constexpr):
+    """Start the copies of one chunk's k, p, v and (WITH_A) A tiles into one stage (where pred)."""
+    nbytes: gl.constexpr = (2 * k_desc.block_type.nbytes + v_desc.block_type.nbytes
+                            + WITH_A * a_desc.block_type.nbytes)
     mbarrier.expect(bar, nbytes, pred=pred)
     tma.async_copy_global_to_shared(k_desc, [row, hk], bar, k_s, pred)
     tma.async_copy_global_to_shared(p_desc, [row, hk], bar, p_s, pred)
     tma.async_copy_global_to_shared(v_desc, [row, hv], bar, v_s, pred)
-    tma.async_copy_global_to_shared(a_desc, [a_row, 0], bar, a_s, pred)
+    if WITH_A:
+        tma.async_copy_global_to_shared(a_desc, [a_row, 0], bar, a_s, pred)
 
 
 @gluon.jit
+def _issue_a(a_desc, a_s, bar, a_row, pred):
+    """Start the copy of one chunk's A tile into its own buffer (where pred)."""
+    mbarrier.expect(bar, a_desc.block_type.nbytes, pred=pred)
+    tma.async_copy_global_to_shared(a_desc, [a_row, 0], bar, a_s, pred)
+
+
+@gluon.jit(do_not_specialize=["N"])
 def _forward_scan_gluon_kernel(k_desc, p_desc, v_desc, a_desc, s_desc, vn_desc, beta, g, N, H, K: gl.constexpr,
-                               V: gl.constexpr):
+                               V: gl.constexpr, WG: gl.constexpr, A_STAGES: gl.constexpr):
     bh = gl.program_id(0)
     b = bh // H
     h = bh % H
@@ -52,47 +75,61 @@ def _forward_scan_gluon_kernel(k_desc, p_desc, v_desc, a_desc, s_desc, vn_desc, 
     scal_base = b.to(gl.int64) * T * H + h
     dtype: gl.constexpr = k_desc.dtype
 
-    # Accumulator layouts: [K, V] (the state) with the two warpgroups along M, [64, V] and [64, K] along N.
-    acc_kv: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[8, 1], instr_shape=[16, V, 16])
-    acc_tv: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, V // 2, 16])
-    acc_tk: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, K // 2, 16])
+    # Accumulator layouts: [K, V] (the state) with the WG warpgroups along M, [64, V] and [64, K] along N.
+    acc_kv: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4 * WG, 1], instr_shape=[16, V, 16])
+    acc_tv: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, WG],
+                                                     instr_shape=[16, V // WG, 16])
+    acc_tk: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, WG],
+                                                     instr_shape=[16, K // WG, 16])
     a_tv: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_tv, k_width=2)
     a_tk: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_tk, k_width=2)
     a_kv: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_kv, k_width=2)
-    blk: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])
-    blk_t: gl.constexpr = gl.BlockedLayout([8, 1], [8, 4], [1, 8], [0, 1])
+    blk: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4 * WG, 1], [1, 0])
+    blk_t: gl.constexpr = gl.BlockedLayout([8, 1], [8, 4], [1, 4 * WG], [0, 1])
 
     k_s = gl.allocate_shared_memory(dtype, [2, BT, K], k_desc.layout)
     p_s = gl.allocate_shared_memory(dtype, [2, BT, K], p_desc.layout)
     v_s = gl.allocate_shared_memory(dtype, [2, BT, V], v_desc.layout)
-    a_s = gl.allocate_shared_memory(dtype, [2, BT, BT], a_desc.layout)
+    a_s = gl.allocate_shared_memory(dtype, [A_STAGES, BT, BT], a_desc.layout)  # in the stages, or alone
     sb_s = gl.allocate_shared_memory(dtype, [K, V], s_desc.layout)
     vn_s = gl.allocate_shared_memory(dtype, [BT, V], vn_desc.layout)
-    bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    for st in gl.static_range(2):
+    N_BARS: gl.constexpr = 4 - A_STAGES  # the two stages', and A's where it has a buffer of its own
+    bars = gl.allocate_shared_memory(gl.int64, [N_BARS, 1], mbarrier.MBarrierLayout())
+    for st in gl.static_range(N_BARS):
         mbarrier.init(bars.index(st), count=1)
+    a_bar = bars.index(N_BARS - 1)  # used where A_STAGES == 1 only
 
     row0 = b * T
     hk = h * K
     hv = h * V
     _issue(k_desc, p_desc, v_desc, a_desc, k_s.index(0), p_s.index(0), v_s.index(0), a_s.index(0), bars.index(0),
-           row0, hk, hv, bh * N * BT, True)
+           row0, hk, hv, bh * N * BT, True, A_STAGES == 2)
+    if A_STAGES == 1:
+        _issue_a(a_desc, a_s.index(0), a_bar, bh * N * BT, True)
 
     S = gl.zeros([K, V], gl.float32, acc_kv)
+    gj, beta_rows = gate_loads(g, beta, scal_base, 0, H)
     for n in range(N):
         s = n % 2
         t0 = n * BT
         # The next chunk's tiles into the other stage, whose reads all ended with the previous iteration.
         nxt = gl.minimum(n + 1, N - 1)
-        _issue(k_desc, p_desc, v_desc, a_desc, k_s.index(1 - s), p_s.index(1 - s), v_s.index(1 - s), a_s.index(1 - s),
-               bars.index(1 - s), row0 + nxt * BT, hk, hv, (bh * N + nxt) * BT, n + 1 < N)
-        gc, glast, bk = gates(g, beta, scal_base, t0, H)
+        _issue(k_desc, p_desc, v_desc, a_desc, k_s.index(1 - s), p_s.index(1 - s), v_s.index(1 - s),
+               a_s.index((1 - s) % A_STAGES), bars.index(1 - s), row0 + nxt * BT, hk, hv, (bh * N + nxt) * BT,
+               n + 1 < N, A_STAGES == 2)
+        gc, glast, bk = chunk_gates(gj, beta_rows)
+        gj, beta_rows = gate_loads(g, beta, scal_base, nxt * BT, H)  # the next chunk's, a chunk ahead
         mbarrier.wait(bars.index(s), (n // 2) & 1)
 
         # U and -W do not wait on S: they run while S_n goes to shared memory.
         bk_c = gl.convert_layout(bk, gl.SliceLayout(0, blk))
         gam_c = gl.exp(gl.convert_layout(gc, gl.SliceLayout(0, blk)))
-        a_f = a_s.index(s).load(blk).to(gl.float32)
+        if A_STAGES == 1:
+            mbarrier.wait(a_bar, n & 1)
+        a_f = a_s.index(s % A_STAGES).load(blk).to(gl.float32)
+        if A_STAGES == 1:
+            gl.thread_barrier()  # every warp has this chunk's A in registers: the next one may come
+            _issue_a(a_desc, a_s.index(0), a_bar, (bh * N + nxt) * BT, n + 1 < N)
         u = warpgroup_mma(gl.convert_layout((a_f * bk_c[None, :]).to(dtype), a_tv), v_s.index(s),
                           gl.zeros([BT, V], gl.float32, acc_tv), is_async=True)
         w = warpgroup_mma(gl.convert_layout((a_f * -(bk_c * gam_c)[None, :]).to(dtype), a_tk), p_s.index(s),
@@ -113,15 +150,17 @@ def _forward_scan_gluon_kernel(k_desc, p_desc, v_desc, a_desc, s_desc, vn_desc, 
         gc_t = gl.convert_layout(gc, gl.SliceLayout(0, blk_t))
         k_t = k_s.index(s).permute((1, 0)).load(blk_t).to(gl.float32) * gl.exp(glast - gc_t)[None, :]
         S = warpgroup_mma(gl.convert_layout(k_t.to(dtype), a_kv), vn_s, S * gl.exp(glast))
-        gl.thread_barrier()  # both warpgroups are done with this stage's tiles before the next copy into it
+        gl.thread_barrier()  # every warp is done with this stage's tiles before the next copy into it
     tma.store_wait(0)
-    for st in gl.static_range(2):
+    for st in gl.static_range(N_BARS):
         mbarrier.invalidate(bars.index(st))
 
 
 def launch(t, k, v, beta, g):
-    """The scan over inputs (B, T, H, 128) with T a multiple of the chunk, their Tiles `t`: writes S (BH, N, K, V) and
+    """The scan over inputs (B, T, H, K) with T a multiple of the chunk, their Tiles `t`: writes S (BH, N, K, V) and
     Vn (BH, T, V), as `_forward_scan_kernel` with one V block."""
     B, T, H, K = k.shape
     V = v.shape[-1]
-    _forward_scan_gluon_kernel[(B * H,)](t.k, t.p, t.v, t.A, t.S, t.Vn, beta, g, T // CHUNK, H, K, V, num_warps=WARPS)
+    wg = K // 64
+    _forward_scan_gluon_kernel[(B * H,)](t.k, t.p, t.v, t.A, t.S, t.Vn, beta, g, T // CHUNK, H, K, V, wg,
+                                         2 if wg == 2 else 1, num_warps=4 * wg)

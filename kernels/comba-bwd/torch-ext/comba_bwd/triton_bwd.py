@@ -16,7 +16,8 @@ A = (I + L)^-1, Vn = A (beta V) - A (beta gam P) S, X = A^T dVn.
   (K, V) state or [64, V] tile is live at once.
 On Hopper with bf16 inputs and V = 128, Gluon kernels run instead of stages 2 to 5 at K = 128: `gluon_forward` and
 `gluon_reverse`, one CTA a (b, h) over all of V, and `gluon_grads`, stages 4 and 5 in one kernel; at K = 64
-`gluon_grads64` (one warpgroup a CTA, two CTAs an SM) instead of stages 4 and 5.
+`gluon_forward` (one warpgroup a CTA) instead of stage 2 and `gluon_grads64` (one warpgroup a CTA, two CTAs an SM)
+instead of stages 4 and 5.
 
 Design choices (see README "Design"):
 - The per-chunk A and states are materialised in HBM: the solve would sit on the serial path of the scans,
