@@ -162,5 +162,6 @@ def launch(t, k, v, beta, g):
     B, T, H, K = k.shape
     V = v.shape[-1]
     wg = K // 64
-    _forward_scan_gluon_kernel[(B * H,)](t.k, t.p, t.v, t.A, t.S, t.Vn, beta, g, T // CHUNK, H, K, V, wg,
-                                         2 if wg == 2 else 1, num_warps=4 * wg)
+    a_stages = 2 if wg == 2 else 1  # A in a buffer of its own at K = 64, so that two CTAs share an SM
+    _forward_scan_gluon_kernel[(B * H,)](t.k, t.p, t.v, t.A, t.S, t.Vn, beta, g, T // CHUNK, H, K, V, wg, a_stages,
+                                         num_warps=4 * wg)

@@ -12,9 +12,9 @@ Per chunk n (reversed), dS' (fp32 [K, V]) in registers:
 The next chunk's q, k, p, dO and A tiles are copied by TMA while one is computed (two stages, 221 KB of shared
 memory: one CTA an SM). The gates and v are plain loads: v issued before the wait for the tiles so that its latency
 overlaps it, the gates a chunk ahead, as in the forward scan. This scan lost by that (0.463 -> 0.469 ms, where the
-forward scan gained 0.278 -> 0.240; bench/results/2026-11-30-8d3e6d2-comba-gates-probe.log); the two went together,
-as measured, and this scan's gates with the chunk again is not yet measured. At (8, 2048, 32, 128, 128), the gates
-with the chunk: 0.464 ms against 0.526 for the Triton scan; 0.550 with X and dv
+forward scan gained 0.278 -> 0.240; bench/results/2026-11-30-8d3e6d2-comba-gates-probe.log). Both scans are shipped
+so, as measured; the backward with the forward scan's gates ahead alone has not been measured. At
+(8, 2048, 32, 128, 128), the gates with the chunk: 0.464 ms against 0.526 for the Triton scan; 0.550 with X and dv
 stored from registers, 0.693 with the gates loaded where each layout needed them; products issued earlier and
 asynchronously spilled 96-212 B and were slower (bench/results/2026-11-30-d51ce6b-dirty-comba-gluon-reverse-probe.log).
 At K = 64 the same scan with its two warpgroups along V (156 KB, one CTA an SM) took 0.783 ms at
