@@ -46,7 +46,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from .gluon_common import BT, WARPS, chunk_gates, gate_loads, shared_layout, sms
+from .gluon_common import BT, WARPS, chunk_gates, chunk_rows, gate_loads, shared_layout, sms
 from .reference import CHUNK
 
 
@@ -84,24 +84,17 @@ def issue_first_state(s_desc, ds_desc, vn_desc, x_desc, do_desc, s_b, ds_b, vn_b
 
 @gluon.jit
 def chunk_coords(c, step, N, H, K: gl.constexpr, V: gl.constexpr):
-    """Chunk c's b, first row t0 and the column offset of its head's keys in (B T, H K), the offset of its (b, 0, h)
-    in (B, T, H), and the rows of the next chunk's (c + step) state and key groups."""
-    b, h, t0, _, _, _, hk, _ = _chunk_rows(c, N, H, K, V)
-    _, _, _, n_state_row, n_pos_row, n_row, n_hk, n_hv = _chunk_rows(c + step, N, H, K, V)
-    return b, t0, hk, _scal_base(b, h, N, H), n_state_row, n_pos_row, n_row, n_hk, n_hv
+    """Chunk c's b, first row t0, row in (B T, H D) and column offset of its head's keys, the offset of its
+    (b, 0, h) in (B, T, H), and the rows of the next chunk's (c + step) state group."""
+    b, h, t0, _, _, row, hk, _ = _chunk_rows(c, N, H, K, V)
+    _, _, _, n_state_row, n_pos_row, n_row, _, n_hv = _chunk_rows(c + step, N, H, K, V)
+    return b, t0, row, hk, _scal_base(b, h, N, H), n_state_row, n_pos_row, n_row, n_hv
 
 
 @gluon.jit
 def _scal_base(b, h, N, H):
     """The offset of (b, 0, h) in a (B, T, H) tensor."""
     return b.to(gl.int64) * (N * BT) * H + h
-
-
-@gluon.jit
-def issue_first_keys(q_desc, k_desc, p_desc, q_s, k_s, p_s, bar, N, H, K: gl.constexpr, V: gl.constexpr):
-    """Start the copies of this CTA's first chunk's key group (its chunk loop copies the next ones)."""
-    _, _, _, _, _, row, hk, _ = _chunk_rows(gl.program_id(0), N, H, K, V)
-    issue_keys(q_desc, k_desc, p_desc, q_s, k_s, p_s, bar, row, hk, True)
 
 
 @gluon.jit
@@ -112,13 +105,6 @@ def chunk_loads(g, beta, dbeta_v, c, N, H, n_pos, NV: gl.constexpr, row: gl.cons
     scal_base = _scal_base(b, h, N, H)
     gj, beta_rows = gate_loads(g, beta, scal_base, t0, H)
     return gj, beta_rows, v_parts(dbeta_v, scal_base + (t0 + gl.arange(0, BT, layout=row)) * H, n_pos, NV)
-
-
-@gluon.jit
-def store_chunk_rows(x, tile, b, t0, hk, N, H, K: gl.constexpr, layout: gl.constexpr):
-    """Store a chunk's [64, K] tile (fp32, in `layout`) into x (B, T, H, K) from registers."""
-    rows = (b.to(gl.int64) * (N * BT) + t0 + gl.arange(0, BT, layout=gl.SliceLayout(1, layout))) * (H * K) + hk
-    gl.store(x + rows[:, None] + gl.arange(0, K, layout=gl.SliceLayout(0, layout))[None, :], tile.to(x.dtype.element_ty))
 
 
 @gluon.jit
@@ -184,9 +170,9 @@ def v_parts(dbeta_v, rows_h, n_pos, NV: gl.constexpr):
 
 
 @gluon.jit
-def _grads_gluon_kernel(q_desc, k_desc, p_desc, do_desc, s_desc, ds_desc, vn_desc, x_desc, dq_out, dk_out, dp_out, beta, g,
-                        dbeta_v, dbeta, dg, scale, N, H, n_pos, K: gl.constexpr, V: gl.constexpr, NV: gl.constexpr,
-                        tt_layout: gl.constexpr):
+def _grads_gluon_kernel(q_desc, k_desc, p_desc, do_desc, s_desc, ds_desc, vn_desc, x_desc, dq_desc, dk_desc,
+                        dp_desc, beta, g, dbeta_v, dbeta, dg, scale, N, H, n_pos, K: gl.constexpr,
+                        V: gl.constexpr, NV: gl.constexpr, tt_layout: gl.constexpr):
     dtype: gl.constexpr = q_desc.dtype
     # Every product has M = 64 rows; the two warpgroups split its columns.
     acc_tk: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, K // 2, 16])
@@ -198,6 +184,7 @@ def _grads_gluon_kernel(q_desc, k_desc, p_desc, do_desc, s_desc, ds_desc, vn_des
 
     s_b, ds_b, vn_b, x_b, do_b, q_b, k_b, p_b, state_bar, keys_bar = tile_buffers(
         q_desc, k_desc, p_desc, do_desc, s_desc, ds_desc, vn_desc, x_desc, K, V)
+    dq_b = gl.allocate_shared_memory(dtype, [1, BT, K], dq_desc.layout)
     # The [64, 64] A operands of the products over the chunk, in shared memory: in registers both warpgroups
     # would hold each whole (they split the product's columns).
     tt_b = gl.allocate_shared_memory(dtype, [4, BT, BT], tt_layout)   # bf16 dO Vn^T E, read, dR^T, dLE
@@ -208,24 +195,29 @@ def _grads_gluon_kernel(q_desc, k_desc, p_desc, do_desc, s_desc, ds_desc, vn_des
     C = n_pos // BT  # chunks in all: B H N (n_pos = B T H)
     step = gl.num_programs(0)
     issue_first_state(s_desc, ds_desc, vn_desc, x_desc, do_desc, s_b, ds_b, vn_b, x_b, do_b, state_bar, N, H, K, V)
-    issue_first_keys(q_desc, k_desc, p_desc, q_b.index(0), k_b.index(0), p_b.index(0), keys_bar, N, H, K, V)
     gj, beta_rows, db_next = chunk_loads(g, beta, dbeta_v, gl.program_id(0), N, H, n_pos, NV, row_t)
 
     phase = 0
     for c in range(gl.program_id(0), C, step):
-        b, t0, hk, scal_base, n_state_row, n_pos_row, n_row, n_hk, n_hv = chunk_coords(c, step, N, H, K, V)
+        b, t0, row, hk, scal_base, n_state_row, n_pos_row, n_row, n_hv = chunk_coords(c, step, N, H, K, V)
         zero = c // C
         s_s, ds_s, vn_s, x_s, do_s, q_s, k_s, p_s = views(zero, s_b, ds_b, vn_b, x_b, do_b, q_b, k_b, p_b)
+        dq_s = dq_b.index(zero)
         i_tt = gl.arange(0, BT, layout=row_t)[:, None] + zero
         j_tt = gl.arange(0, BT, layout=col_t)[None, :]
         ri = gl.arange(0, BT, layout=gl.SliceLayout(1, sq)) + zero
         rj = gl.arange(0, BT, layout=gl.SliceLayout(0, sq))
         last_t = gl.arange(0, BT, layout=row_t) + zero == BT - 1
         last_k = gl.arange(0, BT, layout=row_k) + zero == BT - 1
+        # The gates and dbeta's v parts (from the reverse scan) were loaded a chunk ahead; this chunk's key group is
+        # copied once the previous chunk's gradients have left q_s, p_s and dq_s.
         gc, glast, bk = chunk_gates(gj, beta_rows)
         db = db_next
         gj, beta_rows, db_next = chunk_loads(g, beta, dbeta_v, gl.minimum(c + step, C - 1), N, H, n_pos, NV, row_t)
         rows_h = scal_base + (t0 + gl.arange(0, BT, layout=row_t)) * H
+        tma.store_wait(0)
+        gl.thread_barrier()
+        issue_keys(q_desc, k_desc, p_desc, q_s, k_s, p_s, keys_bar, row, hk, True)
         gc_r = gl.convert_layout(gc, row_t)
         gc_c = gl.convert_layout(gc, col_t)
         gc_k = gl.convert_layout(gc, row_k)
@@ -269,7 +261,7 @@ def _grads_gluon_kernel(q_desc, k_desc, p_desc, do_desc, s_desc, ds_desc, vn_des
         mbarrier.wait(keys_bar, phase)
         dq = warpgroup_mma(tt_b.index(zero + 0), k_s, dq)
         dgc = gl.convert_layout(gl.sum(q_s.load(acc_tk).to(gl.float32) * dq, 1), row_t)             # q . dq
-        store_chunk_rows(dq_out, dq, b, t0, hk, N, H, K, acc_tk)
+        dq_s.store(dq.to(dtype))
         # k . dk: the state part's row sums (their total goes to the last row) and, with the read part added,
         # both at once, read as k . (read Q) where the Triton kernel takes sum_j read_ij (k_i . q_j).
         k_state = gl.sum(k_s.load(acc_tk).to(gl.float32) * dk, 1)
@@ -280,10 +272,14 @@ def _grads_gluon_kernel(q_desc, k_desc, p_desc, do_desc, s_desc, ds_desc, vn_des
         pk = warpgroup_mma(p_s, k_s.permute((1, 0)), zero_tt)                                  # P K^T
         p_y = gl.sum(p_s.load(acc_tk).to(gl.float32) * y, 1)
         y = warpgroup_mma(tt_b.index(zero + 3), k_s, y)
-        gl.thread_barrier()  # no warp reads the key group any more: the next chunk's may come
-        issue_keys(q_desc, k_desc, p_desc, q_s, k_s, p_s, keys_bar, n_row, n_hk, c + step < C)
-        store_chunk_rows(dk_out, dk, b, t0, hk, N, H, K, acc_tk)
-        store_chunk_rows(dp_out, bk_k[:, None] * y, b, t0, hk, N, H, K, acc_tk)
+        gl.thread_barrier()  # no warp reads q_s or p_s any more: dk and dp go there
+        q_s.store(dk.to(dtype))
+        p_s.store((bk_k[:, None] * y).to(dtype))
+        fence_async_shared()
+        gl.thread_barrier()
+        tma.async_copy_shared_to_global(dq_desc, [row, hk], dq_s)
+        tma.async_copy_shared_to_global(dk_desc, [row, hk], q_s)
+        tma.async_copy_shared_to_global(dp_desc, [row, hk], p_s)
 
         # dbeta = p . Y + sum_j bf16(dLE)_ij (p_i . k_j) + the reverse scan's v parts, and the pb part's d gc.
         db += gl.convert_layout(p_y, row_t) + gl.sum(dle.to(dtype).to(gl.float32) * pk, 1)
@@ -295,6 +291,7 @@ def _grads_gluon_kernel(q_desc, k_desc, p_desc, do_desc, s_desc, ds_desc, vn_des
         dgc_j = gl.convert_layout(dgc, gl.SliceLayout(0, sq))
         gl.store(dg + scal_base + (t0 + ri) * H, gl.sum(gl.where(rj[None, :] >= ri[:, None], dgc_j[None, :], 0.0), 1))
         phase ^= 1
+    tma.store_wait(0)
     mbarrier.invalidate(state_bar)
     mbarrier.invalidate(keys_bar)
 
@@ -305,6 +302,6 @@ def launch(t, q, do, beta, g, dbeta_v, dq, dk, dp, dbeta, dg, scale: float):
     B, T, H, K = q.shape
     V = do.shape[-1]
     _grads_gluon_kernel[(min(B * H * (T // CHUNK), sms(q.device)),)](  # one CTA an SM (214 KB of shared memory)
-        t.q, t.k, t.p, t.do, t.S, t.dS, t.Vn, t.X, dq, dk, dp, beta, g, dbeta_v,
+        t.q, t.k, t.p, t.do, t.S, t.dS, t.Vn, t.X, chunk_rows(dq), chunk_rows(dk), chunk_rows(dp), beta, g, dbeta_v,
         dbeta, dg, scale, T // CHUNK, H, B * T * H, K, V, dbeta_v.shape[0], shared_layout((CHUNK, CHUNK), q.dtype),
         num_warps=WARPS)

@@ -27,21 +27,21 @@ of shared memory.
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
     mbarrier,
+    tma,
     warpgroup_mma,
     warpgroup_mma_wait,
 )
 
-from .gluon_common import BT, chunk_gates, sms
+from .gluon_common import BT, chunk_gates, chunk_rows, sms
 from .gluon_grads import (
     chunk_coords,
     chunk_loads,
-    issue_first_keys,
     issue_first_state,
     issue_keys,
     issue_state,
     state_product,
-    store_chunk_rows,
     tile_buffers,
     views,
 )
@@ -52,8 +52,9 @@ CTAS_PER_SM = 2
 
 
 @gluon.jit
-def _grads64_gluon_kernel(q_desc, k_desc, p_desc, do_desc, s_desc, ds_desc, vn_desc, x_desc, dq, dk_out, dp, beta, g,
-                          dbeta_v, dbeta, dg, scale, N, H, n_pos, K: gl.constexpr, V: gl.constexpr, NV: gl.constexpr):
+def _grads64_gluon_kernel(q_desc, k_desc, p_desc, do_desc, s_desc, ds_desc, vn_desc, x_desc, dk_desc, dp_desc, dq,
+                          beta, g, dbeta_v, dbeta, dg, scale, N, H, n_pos, K: gl.constexpr, V: gl.constexpr,
+                          NV: gl.constexpr):
     dtype: gl.constexpr = q_desc.dtype
     # One layout for every [64, 64] accumulator (K = 64 = the chunk), and the A operands taken from it in registers.
     acc: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, K, 16])
@@ -69,12 +70,11 @@ def _grads64_gluon_kernel(q_desc, k_desc, p_desc, do_desc, s_desc, ds_desc, vn_d
     C = n_pos // BT  # chunks in all: B H N (n_pos = B T H)
     step = gl.num_programs(0)
     issue_first_state(s_desc, ds_desc, vn_desc, x_desc, do_desc, s_b, ds_b, vn_b, x_b, do_b, state_bar, N, H, K, V)
-    issue_first_keys(q_desc, k_desc, p_desc, q_b.index(0), k_b.index(0), p_b.index(0), keys_bar, N, H, K, V)
     gj, beta_rows, db_next = chunk_loads(g, beta, dbeta_v, gl.program_id(0), N, H, n_pos, NV, row)
 
     phase = 0
     for c in range(gl.program_id(0), C, step):
-        b, t0, hk, scal_base, n_state_row, n_pos_row, n_row, n_hk, n_hv = chunk_coords(c, step, N, H, K, V)
+        b, t0, trow, hk, scal_base, n_state_row, n_pos_row, n_row, n_hv = chunk_coords(c, step, N, H, K, V)
         zero = c // C
         s_s, ds_s, vn_s, x_s, do_s, q_s, k_s, p_s = views(zero, s_b, ds_b, vn_b, x_b, do_b, q_b, k_b, p_b)
         i_tt = gl.arange(0, BT, layout=row)[:, None] + zero
@@ -85,6 +85,9 @@ def _grads64_gluon_kernel(q_desc, k_desc, p_desc, do_desc, s_desc, ds_desc, vn_d
         db = db_next
         gj, beta_rows, db_next = chunk_loads(g, beta, dbeta_v, gl.minimum(c + step, C - 1), N, H, n_pos, NV, row)
         rows_h = scal_base + (t0 + gl.arange(0, BT, layout=row)) * H
+        tma.store_wait(0)
+        gl.thread_barrier()  # the previous chunk's dk and dp have left q_s and p_s
+        issue_keys(q_desc, k_desc, p_desc, q_s, k_s, p_s, keys_bar, trow, hk, True)
         gc_r = gl.convert_layout(gc, row)
         gc_c = gl.convert_layout(gc, col)
         bk_r = gl.convert_layout(bk, row)
@@ -102,7 +105,8 @@ def _grads64_gluon_kernel(q_desc, k_desc, p_desc, do_desc, s_desc, ds_desc, vn_d
         mbarrier.wait(keys_bar, phase)
         dq_acc = warpgroup_mma(op, k_s, dq_acc)
         dgc = gl.sum(q_s.load(acc).to(gl.float32) * dq_acc, 1)
-        store_chunk_rows(dq, dq_acc, b, t0, hk, N, H, K, acc)
+        dq_rows = (b.to(gl.int64) * (N * BT) + t0 + gl.arange(0, BT, layout=row)) * (H * K) + hk
+        gl.store(dq + dq_rows[:, None] + gl.arange(0, K, layout=col)[None, :], dq_acc.to(dtype))
 
         # dk = (Gam/gam) Vn dS'^T + read Q + bf16(dR^T diag(beta)) P, read = bf16(Vn dO^T * E^T * scale),
         # dR^T = -(Vn X^T * E^T) on r < c;                                                    k . dk -> d gc
@@ -118,7 +122,11 @@ def _grads64_gluon_kernel(q_desc, k_desc, p_desc, do_desc, s_desc, ds_desc, vn_d
         dk = warpgroup_mma(op_read, q_s, dk)
         dgc -= gl.sum(k_s.load(acc).to(gl.float32) * dk, 1)
         dk = warpgroup_mma(op_dr, p_s, dk)
-        store_chunk_rows(dk_out, dk, b, t0, hk, N, H, K, acc)
+        gl.thread_barrier()  # no warp reads q_s any more: dk goes there
+        q_s.store(dk.to(dtype))
+        fence_async_shared()
+        gl.thread_barrier()
+        tma.async_copy_shared_to_global(dk_desc, [trow, hk], q_s)
 
         # dp = beta (Y + bf16(dLE) K), Y = -gam (X S^T), dLE = -(X Vn^T * E) strictly lower;
         # dbeta = p . Y + sum_j bf16(dLE)_ij (p_i . k_j) + the reverse scan's v parts
@@ -135,9 +143,11 @@ def _grads64_gluon_kernel(q_desc, k_desc, p_desc, do_desc, s_desc, ds_desc, vn_d
         p_y = gl.sum(p_s.load(acc).to(gl.float32) * y, 1)
         y = warpgroup_mma(gl.convert_layout(dle.to(dtype), a_op), k_s, y, is_async=True)
         pk, y = warpgroup_mma_wait(0, deps=[pk, y])
-        gl.thread_barrier()  # no warp reads the key group any more: the next chunk's may come
-        issue_keys(q_desc, k_desc, p_desc, q_s, k_s, p_s, keys_bar, n_row, n_hk, c + step < C)
-        store_chunk_rows(dp, bk_r[:, None] * y, b, t0, hk, N, H, K, acc)
+        gl.thread_barrier()  # no warp reads p_s any more: dp goes there
+        p_s.store((bk_r[:, None] * y).to(dtype))
+        fence_async_shared()
+        gl.thread_barrier()
+        tma.async_copy_shared_to_global(dp_desc, [trow, hk], p_s)
 
         db += p_y + gl.sum(dle.to(dtype).to(gl.float32) * pk, 1)
         gl.store(dbeta + rows_h, db.to(dbeta.dtype.element_ty))
@@ -149,6 +159,7 @@ def _grads64_gluon_kernel(q_desc, k_desc, p_desc, do_desc, s_desc, ds_desc, vn_d
         dg_i = gl.sum(gl.where(rj[None, :] >= ri[:, None], dgc_j[None, :], 0.0) + k_state_j[None, :], 1)
         gl.store(dg + scal_base + (t0 + ri) * H, dg_i + gl.exp(glast) * s_ds)
         phase ^= 1
+    tma.store_wait(0)
     mbarrier.invalidate(state_bar)
     mbarrier.invalidate(keys_bar)
 
@@ -158,5 +169,5 @@ def launch(t, q, do, beta, g, dbeta_v, dq, dk, dp, dbeta, dg, scale: float):
     B, T, H, K = q.shape
     V = do.shape[-1]
     _grads64_gluon_kernel[(min(B * H * (T // CHUNK), CTAS_PER_SM * sms(q.device)),)](
-        t.q, t.k, t.p, t.do, t.S, t.dS, t.Vn, t.X, dq, dk, dp, beta, g, dbeta_v, dbeta, dg,
+        t.q, t.k, t.p, t.do, t.S, t.dS, t.Vn, t.X, chunk_rows(dk), chunk_rows(dp), dq, beta, g, dbeta_v, dbeta, dg,
         scale, T // CHUNK, H, B * T * H, K, V, dbeta_v.shape[0], num_warps=WARPS)

@@ -48,28 +48,16 @@ BT = tl.constexpr(CHUNK)
 
 
 @triton.jit
-def _gate_loads(g, beta, scal_base, t0, H, R: tl.constexpr = BT):
-    """g and beta on the R rows from t0, as loaded."""
+def _gates(g, beta, scal_base, t0, H, R: tl.constexpr = BT, offset=None):
+    """On the R rows from t0 (a chunk, or a block of one), all fp32 [R]: gc (inclusive cumsum of g), the
+    log-decay to the last row, and beta; `offset` is the log-decay before t0 inside the chunk (for a block)."""
     r = tl.arange(0, R)
-    return tl.load(g + scal_base + (t0 + r) * H), tl.load(beta + scal_base + (t0 + r) * H)
-
-
-@triton.jit
-def _chunk_gates(gk, bk, offset=None):
-    """From g and beta on R rows (a chunk, or a block of one), all fp32 [R]: gc (inclusive cumsum of g), the
-    log-decay to the last row, and beta; `offset` is the log-decay before the rows inside the chunk (for a block)."""
-    gk = gk.to(tl.float32)
+    gk = tl.load(g + scal_base + (t0 + r) * H).to(tl.float32)
+    bk = tl.load(beta + scal_base + (t0 + r) * H).to(tl.float32)
     gc, total = tl.cumsum(gk, 0), tl.sum(gk, 0)
     if offset is not None:
         gc, total = offset + gc, offset + total
-    return gc, total, bk.to(tl.float32)
-
-
-@triton.jit
-def _gates(g, beta, scal_base, t0, H, R: tl.constexpr = BT, offset=None):
-    """`_chunk_gates` of the R rows from t0, loaded now."""
-    gk, bk = _gate_loads(g, beta, scal_base, t0, H, R)
-    return _chunk_gates(gk, bk, offset)
+    return gc, total, bk
 
 
 @triton.jit
@@ -256,11 +244,11 @@ def _transform_kernel(k, p, beta, g, A, N, H, K: tl.constexpr):
 
 
 @triton.jit
-def _scan_chunk(gk, bk, state_out, state, n, bh, N, cv, K: tl.constexpr, V: tl.constexpr):
-    """Chunk n of either scan, with its g and beta as loaded (gk, bk): store the carried state (S_n, or dS'_n in the
-    reverse scan), return the chunk's first position, its gates and its index: (t0, gc, glast, bk, gam, chunk)."""
+def _scan_chunk(g, beta, state_out, state, n, bh, scal_base, N, H, cv, K: tl.constexpr, V: tl.constexpr):
+    """Chunk n of either scan: store the carried state (S_n, or dS'_n in the reverse scan), return the chunk's
+    first position, its gates and its index: (t0, gc, glast, bk, gam, chunk)."""
     t0 = n * BT
-    gc, glast, bk = _chunk_gates(gk, bk)
+    gc, glast, bk = _gates(g, beta, scal_base, t0, H)
     chunk = bh.to(tl.int64) * N + n
     ck = tl.arange(0, K)
     tl.store(state_out + (chunk * K + ck[:, None]) * V + cv[None, :], state.to(state_out.dtype.element_ty))
@@ -268,12 +256,12 @@ def _scan_chunk(gk, bk, state_out, state, n, bh, N, cv, K: tl.constexpr, V: tl.c
 
 
 @triton.jit
-def _forward_step(k, v, p, A, S_out, Vn_out, S, gk, bk, n, bh, scal_base, N, H, cv, K: tl.constexpr,
+def _forward_step(k, v, p, beta, g, A, S_out, Vn_out, S, n, bh, scal_base, N, H, cv, K: tl.constexpr,
                   V: tl.constexpr):
     """Chunk n of the forward scan: store S_n and Vn, return S_{n+1}."""
     T = N * BT
     r = tl.arange(0, BT)
-    t0, gc, glast, bk, gam, chunk = _scan_chunk(gk, bk, S_out, S, n, bh, N, cv, K, V)
+    t0, gc, glast, bk, gam, chunk = _scan_chunk(g, beta, S_out, S, n, bh, scal_base, N, H, cv, K, V)
     a = tl.load(A + chunk * BT * BT + r[:, None] * BT + r[None, :])
     vk = tl.load(v + scal_base * V + (t0 + r)[:, None] * (H * V) + cv[None, :])
     pk = tl.load(_rows(p, scal_base * K, t0, H * K, K))
@@ -292,9 +280,7 @@ def _forward_step(k, v, p, A, S_out, Vn_out, S, gk, bk, n, bh, scal_base, N, H, 
 # The scans' loops are pipelined STAGES deep (`_scan_stages`): the next chunk's tiles are copied into shared
 # memory while one is computed. At (8, 2048, 32, 128, 128) the forward scan went 0.424 -> 0.319 ms and the
 # reverse 0.840 -> 0.523 (bench/results/2026-11-30-f671932-dirty-comba-scan-pipeline.log); 2 CTAs an SM still
-# fit (90 and 115 KB of shared memory at K = V = 128). N is not specialized: one compile for every T. The gates
-# (g, and beta: 2-byte strided loads, which the pipeliner does not copy asynchronously) are loaded a chunk ahead by
-# hand.
+# fit (90 and 115 KB of shared memory at K = V = 128). N is not specialized: one compile for every T.
 @triton.jit(do_not_specialize=["N"])
 def _forward_scan_kernel(k, v, p, beta, g, A, S_out, Vn_out, N, H, K: tl.constexpr, V: tl.constexpr,
                          BV: tl.constexpr, STAGES: tl.constexpr):
@@ -302,21 +288,18 @@ def _forward_scan_kernel(k, v, p, beta, g, A, S_out, Vn_out, N, H, K: tl.constex
     scal_base = (bh // H).to(tl.int64) * N * BT * H + bh % H
     cv = iv * BV + tl.arange(0, BV)
     S = tl.zeros([K, BV], dtype=tl.float32)
-    gk, bk = _gate_loads(g, beta, scal_base, 0, H)
     for n in tl.range(0, N, num_stages=STAGES):
-        gk_next, bk_next = _gate_loads(g, beta, scal_base, tl.minimum(n + 1, N - 1) * BT, H)
-        S = _forward_step(k, v, p, A, S_out, Vn_out, S, gk, bk, n, bh, scal_base, N, H, cv, K, V)
-        gk, bk = gk_next, bk_next
+        S = _forward_step(k, v, p, beta, g, A, S_out, Vn_out, S, n, bh, scal_base, N, H, cv, K, V)
 
 
 @triton.jit
-def _reverse_step(q, k, v, p, do, A, dS_out, X_out, dv, dbeta_v, dS, gk, bk, n, bh, iv, scal_base, scale, N, H, cv,
-                  K: tl.constexpr, V: tl.constexpr, W_FIRST: tl.constexpr):
+def _reverse_step(q, k, v, p, beta, g, do, A, dS_out, X_out, dv, dbeta_v, dS, n, bh, iv, scal_base, scale, N,
+                  H, cv, K: tl.constexpr, V: tl.constexpr, W_FIRST: tl.constexpr):
     """Chunk n of the reverse scan: store dS'_n, X = A^T dVn, dv and this V block's part of sum_v(v X); return
     the gradient of the state before the chunk."""
     T = N * BT
     r = tl.arange(0, BT)
-    t0, gc, glast, bk, gam, chunk = _scan_chunk(gk, bk, dS_out, dS, n, bh, N, cv, K, V)
+    t0, gc, glast, bk, gam, chunk = _scan_chunk(g, beta, dS_out, dS, n, bh, scal_base, N, H, cv, K, V)
     kk = tl.load(_rows(k, scal_base * K, t0, H * K, K))
     qt = tl.load(_rows_t(q, scal_base * K, t0, H * K, K))
     dok = tl.load(do + scal_base * V + (t0 + r)[:, None] * (H * V) + cv[None, :]).to(tl.bfloat16)
@@ -359,12 +342,9 @@ def _reverse_scan_kernel(q, k, v, p, beta, g, do, A, dS_out, X_out, dv, dbeta_v,
     scal_base = (bh // H).to(tl.int64) * N * BT * H + bh % H
     cv = iv * BV + tl.arange(0, BV)
     dS = tl.zeros([K, BV], dtype=tl.float32)
-    gk, bk = _gate_loads(g, beta, scal_base, (N - 1) * BT, H)
     for i in tl.range(0, N, num_stages=STAGES):  # chunks N - 1 down to 0
-        gk_next, bk_next = _gate_loads(g, beta, scal_base, tl.maximum(N - 2 - i, 0) * BT, H)
-        dS = _reverse_step(q, k, v, p, do, A, dS_out, X_out, dv, dbeta_v, dS, gk, bk, N - 1 - i, bh, iv, scal_base,
+        dS = _reverse_step(q, k, v, p, beta, g, do, A, dS_out, X_out, dv, dbeta_v, dS, N - 1 - i, bh, iv, scal_base,
                            scale, N, H, cv, K, V, BV == V)
-        gk, bk = gk_next, bk_next
 
 
 @triton.jit
