@@ -12,6 +12,13 @@ key group is copied as the chunk starts, once the previous chunk's dk and dp, st
 buffers (shared memory holds no more at K = 128: 214 KB, one CTA an SM), have left. The [64, 64] A operands of the
 products over the chunk go through shared memory too: in registers each warpgroup would hold each whole.
 
+The gates and dbeta's v parts, plain loads, come a chunk ahead: with the chunk, their latency was on its path (one
+CTA an SM, nothing else to run meanwhile). 0.672 -> 0.632 ms at (8, 2048, 32, 128, 128), and the backward 1.550 ->
+1.496 there, all outputs bitwise equal (bench/results/2026-11-30-8451943-comba-gates-ahead-probe.log). Storing dq, dk
+and dp from registers instead, which frees the key group's buffers for the next chunk's copy a chunk ahead, took
+0.810 ms (-01f2d5c-comba-keys-ahead-probe.log): register stores from the accumulator layout write 4 bytes a thread
+where a TMA store writes whole lines, as the reverse scan found for X and dv.
+
 Per chunk, with E the decay (lower, with the diagonal), E^T its transpose, r < c strictly upper:
   over V:  dO S^T, dO Vn^T, Vn dO^T, Vn X^T, Vn dS'^T, X S^T, X Vn^T, and <S_n, dS'_n>
   dq = scale [gam (dO S^T) + bf16(dO Vn^T * E) K]                            q . dq  -> d gc
@@ -99,8 +106,8 @@ def _scal_base(b, h, N, H):
 
 @gluon.jit
 def chunk_loads(g, beta, dbeta_v, c, N, H, n_pos, NV: gl.constexpr, row: gl.constexpr):
-    """Chunk c's gates as loaded (`gluon_common.gate_loads`) and dbeta's v parts (`v_parts`, in the `row` layout):
-    the kernels load them a chunk ahead, so that their latency is not on the chunk's path."""
+    """Chunk c's gates as loaded (`gluon_common.gate_loads`) and dbeta's v parts (`v_parts`, in the `row` layout),
+    which the kernel loads a chunk ahead, so that their latency is not on the chunk's path."""
     b, h, t0, _, _, _, _, _ = _chunk_rows(c, N, H, BT, BT)
     scal_base = _scal_base(b, h, N, H)
     gj, beta_rows = gate_loads(g, beta, scal_base, t0, H)

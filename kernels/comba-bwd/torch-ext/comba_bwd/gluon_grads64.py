@@ -22,6 +22,12 @@ where the Triton gradient kernels took 1.031 + 0.020 (-cbae741-comba.md); side b
 of it (its accumulators in two layouts) 0.935 against their 1.054, and 1.246 with one CTA an SM
 (-104769c-comba-k64-probe.log). ptxas: 255 registers, 168 bytes of spill (the benchmark's SPILLS_BY_DESIGN), 107.5 KB
 of shared memory.
+
+Its gates and dbeta's v parts are loaded with the chunk. A chunk ahead, as `gluon_grads` loads them, they held
+registers across the chunk (192 B of spill) and the kernel took 0.877-0.893 against 0.863-0.900 ms, the backward
+2.056 against 2.036-2.049 (bench/results/2026-11-30-8451943-comba-gates-ahead-probe.log); two CTAs an SM hide most of
+their latency. dk and dp stored from registers, so that the next chunk's key group could be copied a chunk ahead, took
+0.987 against 0.862 ms (-01f2d5c-comba-keys-ahead-probe.log).
 """
 
 from triton.experimental import gluon
@@ -34,15 +40,15 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from .gluon_common import BT, chunk_gates, chunk_rows, sms
+from .gluon_common import BT, chunk_rows, gates, sms
 from .gluon_grads import (
     chunk_coords,
-    chunk_loads,
     issue_first_state,
     issue_keys,
     issue_state,
     state_product,
     tile_buffers,
+    v_parts,
     views,
 )
 from .reference import CHUNK
@@ -70,7 +76,6 @@ def _grads64_gluon_kernel(q_desc, k_desc, p_desc, do_desc, s_desc, ds_desc, vn_d
     C = n_pos // BT  # chunks in all: B H N (n_pos = B T H)
     step = gl.num_programs(0)
     issue_first_state(s_desc, ds_desc, vn_desc, x_desc, do_desc, s_b, ds_b, vn_b, x_b, do_b, state_bar, N, H, K, V)
-    gj, beta_rows, db_next = chunk_loads(g, beta, dbeta_v, gl.program_id(0), N, H, n_pos, NV, row)
 
     phase = 0
     for c in range(gl.program_id(0), C, step):
@@ -81,10 +86,9 @@ def _grads64_gluon_kernel(q_desc, k_desc, p_desc, do_desc, s_desc, ds_desc, vn_d
         j_tt = gl.arange(0, BT, layout=col)[None, :]
         ri = gl.arange(0, BT, layout=gl.SliceLayout(1, sq)) + zero
         rj = gl.arange(0, BT, layout=gl.SliceLayout(0, sq))
-        gc, glast, bk = chunk_gates(gj, beta_rows)
-        db = db_next
-        gj, beta_rows, db_next = chunk_loads(g, beta, dbeta_v, gl.minimum(c + step, C - 1), N, H, n_pos, NV, row)
+        gc, glast, bk = gates(g, beta, scal_base, t0, H)
         rows_h = scal_base + (t0 + gl.arange(0, BT, layout=row)) * H
+        db = v_parts(dbeta_v, rows_h, n_pos, NV)
         tma.store_wait(0)
         gl.thread_barrier()  # the previous chunk's dk and dp have left q_s and p_s
         issue_keys(q_desc, k_desc, p_desc, q_s, k_s, p_s, keys_bar, trow, hk, True)

@@ -12,10 +12,11 @@ Per chunk n (reversed), dS' (fp32 [K, V]) in registers:
 The next chunk's q, k, p, dO and A tiles are copied by TMA while one is computed (two stages, 221 KB of shared
 memory: one CTA an SM). The gates and v are plain loads, issued before the wait for the tiles so that their latency
 overlaps it. Loaded a chunk ahead, as the forward scan loads them, the gates made this scan slower: 0.463 -> 0.469 ms
-(bench/results/2026-11-30-8d3e6d2-comba-gates-probe.log), and 0.465 against 0.470 beside the other kernels as shipped
-(-PROBE). At (8, 2048, 32, 128, 128): 0.464 ms against 0.526 for the Triton scan; 0.550 with X and dv
-stored from registers, 0.693 with the gates loaded where each layout needed them; products issued earlier and
-asynchronously spilled 96-212 B and were slower (bench/results/2026-11-30-d51ce6b-dirty-comba-gluon-reverse-probe.log).
+(bench/results/2026-11-30-8d3e6d2-comba-gates-probe.log), and 0.462-0.463 against 0.468-0.470 in the next probe, all
+outputs bitwise equal (-8451943-comba-gates-ahead-probe.log). At (8, 2048, 32, 128, 128): 0.464 ms against 0.526 for
+the Triton scan; 0.550 with X and dv stored from registers, 0.693 with the gates loaded where each layout needed them;
+products issued earlier and asynchronously spilled 96-212 B and were slower
+(bench/results/2026-11-30-d51ce6b-dirty-comba-gluon-reverse-probe.log).
 At K = 64 the same scan with its two warpgroups along V (156 KB, one CTA an SM) took 0.783 ms at
 (16, 2048, 32, 64, 128) against 0.568 for the Triton scan, which fits two CTAs an SM: K = 64 keeps the Triton scan
 (bench/results/2026-11-30-c9d1677-comba-gluon-reverse-probe.log).
