@@ -12,6 +12,13 @@ key group is copied as the chunk starts, once the previous chunk's dk and dp, st
 buffers (shared memory holds no more at K = 128: 214 KB, one CTA an SM), have left. The [64, 64] A operands of the
 products over the chunk go through shared memory too: in registers each warpgroup would hold each whole.
 
+The gates and dbeta's v parts, plain loads, come a chunk ahead: with the chunk, their latency was on its path (one
+CTA an SM, nothing else to run meanwhile). 0.672 -> 0.632 ms at (8, 2048, 32, 128, 128), and the backward 1.550 ->
+1.496 there, all outputs bitwise equal (bench/results/2026-11-30-8451943-comba-gates-ahead-probe.log). Storing dq, dk
+and dp from registers instead, which frees the key group's buffers for the next chunk's copy a chunk ahead, took
+0.810 ms (-01f2d5c-comba-keys-ahead-probe.log): register stores from the accumulator layout write 4 bytes a thread
+where a TMA store writes whole lines, as the reverse scan found for X and dv.
+
 Per chunk, with E the decay (lower, with the diagonal), E^T its transpose, r < c strictly upper:
   over V:  dO S^T, dO Vn^T, Vn dO^T, Vn X^T, Vn dS'^T, X S^T, X Vn^T, and <S_n, dS'_n>
   dq = scale [gam (dO S^T) + bf16(dO Vn^T * E) K]                            q . dq  -> d gc
@@ -46,7 +53,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from .gluon_common import BT, WARPS, chunk_rows, gates, shared_layout, sms
+from .gluon_common import BT, WARPS, chunk_gates, chunk_rows, gate_loads, shared_layout, sms
 from .reference import CHUNK
 
 
@@ -88,7 +95,23 @@ def chunk_coords(c, step, N, H, K: gl.constexpr, V: gl.constexpr):
     (b, 0, h) in (B, T, H), and the rows of the next chunk's (c + step) state group."""
     b, h, t0, _, _, row, hk, _ = _chunk_rows(c, N, H, K, V)
     _, _, _, n_state_row, n_pos_row, n_row, _, n_hv = _chunk_rows(c + step, N, H, K, V)
-    return b, t0, row, hk, b.to(gl.int64) * (N * BT) * H + h, n_state_row, n_pos_row, n_row, n_hv
+    return b, t0, row, hk, _scal_base(b, h, N, H), n_state_row, n_pos_row, n_row, n_hv
+
+
+@gluon.jit
+def _scal_base(b, h, N, H):
+    """The offset of (b, 0, h) in a (B, T, H) tensor."""
+    return b.to(gl.int64) * (N * BT) * H + h
+
+
+@gluon.jit
+def chunk_loads(g, beta, dbeta_v, c, N, H, n_pos, NV: gl.constexpr, row: gl.constexpr):
+    """Chunk c's gates as loaded (`gluon_common.gate_loads`) and dbeta's v parts (`v_parts`, in the `row` layout),
+    which the kernel loads a chunk ahead, so that their latency is not on the chunk's path."""
+    b, h, t0, _, _, _, _, _ = _chunk_rows(c, N, H, BT, BT)
+    scal_base = _scal_base(b, h, N, H)
+    gj, beta_rows = gate_loads(g, beta, scal_base, t0, H)
+    return gj, beta_rows, v_parts(dbeta_v, scal_base + (t0 + gl.arange(0, BT, layout=row)) * H, n_pos, NV)
 
 
 @gluon.jit
@@ -179,6 +202,7 @@ def _grads_gluon_kernel(q_desc, k_desc, p_desc, do_desc, s_desc, ds_desc, vn_des
     C = n_pos // BT  # chunks in all: B H N (n_pos = B T H)
     step = gl.num_programs(0)
     issue_first_state(s_desc, ds_desc, vn_desc, x_desc, do_desc, s_b, ds_b, vn_b, x_b, do_b, state_bar, N, H, K, V)
+    gj, beta_rows, db_next = chunk_loads(g, beta, dbeta_v, gl.program_id(0), N, H, n_pos, NV, row_t)
 
     phase = 0
     for c in range(gl.program_id(0), C, step):
@@ -192,11 +216,12 @@ def _grads_gluon_kernel(q_desc, k_desc, p_desc, do_desc, s_desc, ds_desc, vn_des
         rj = gl.arange(0, BT, layout=gl.SliceLayout(0, sq))
         last_t = gl.arange(0, BT, layout=row_t) + zero == BT - 1
         last_k = gl.arange(0, BT, layout=row_k) + zero == BT - 1
-        # The gates and dbeta's v parts (from the reverse scan) first, so that their loads' latency overlaps the
-        # waits; then this chunk's key group, once the previous chunk's gradients have left q_s, p_s and dq_s.
-        gc, glast, bk = gates(g, beta, scal_base, t0, H)
+        # The gates and dbeta's v parts (from the reverse scan) were loaded a chunk ahead; this chunk's key group is
+        # copied once the previous chunk's gradients have left q_s, p_s and dq_s.
+        gc, glast, bk = chunk_gates(gj, beta_rows)
+        db = db_next
+        gj, beta_rows, db_next = chunk_loads(g, beta, dbeta_v, gl.minimum(c + step, C - 1), N, H, n_pos, NV, row_t)
         rows_h = scal_base + (t0 + gl.arange(0, BT, layout=row_t)) * H
-        db = v_parts(dbeta_v, rows_h, n_pos, NV)
         tma.store_wait(0)
         gl.thread_barrier()
         issue_keys(q_desc, k_desc, p_desc, q_s, k_s, p_s, keys_bar, row, hk, True)

@@ -22,6 +22,12 @@ where the Triton gradient kernels took 1.031 + 0.020 (-cbae741-comba.md); side b
 of it (its accumulators in two layouts) 0.935 against their 1.054, and 1.246 with one CTA an SM
 (-104769c-comba-k64-probe.log). ptxas: 255 registers, 168 bytes of spill (the benchmark's SPILLS_BY_DESIGN), 107.5 KB
 of shared memory.
+
+Its gates and dbeta's v parts are loaded with the chunk. A chunk ahead, as `gluon_grads` loads them, they held
+registers across the chunk (192 B of spill) and the kernel took 0.877-0.893 against 0.863-0.900 ms, the backward
+2.056 against 2.036-2.049 (bench/results/2026-11-30-8451943-comba-gates-ahead-probe.log); two CTAs an SM hide most of
+their latency. dk and dp stored from registers, so that the next chunk's key group could be copied a chunk ahead, took
+0.987 against 0.862 ms (-01f2d5c-comba-keys-ahead-probe.log).
 """
 
 from triton.experimental import gluon

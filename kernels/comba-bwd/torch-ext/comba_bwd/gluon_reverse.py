@@ -10,13 +10,13 @@ Per chunk n (reversed), dS' (fp32 [K, V]) in registers:
   dS = Gam dS' + ((gam scale) Q)^T dO + (-W^T) dVn          [K, V]
   X = A^T dVn                                               [64, V]   -> X and dv by TMA stores, sum_v(v X)
 The next chunk's q, k, p, dO and A tiles are copied by TMA while one is computed (two stages, 221 KB of shared
-memory: one CTA an SM). The gates and v are plain loads: v issued before the wait for the tiles so that its latency
-overlaps it, the gates a chunk ahead, as in the forward scan. This scan lost by that (0.463 -> 0.469 ms, where the
-forward scan gained 0.278 -> 0.240; bench/results/2026-11-30-8d3e6d2-comba-gates-probe.log). Both scans are shipped
-so, as measured; the backward with the forward scan's gates ahead alone has not been measured. At
-(8, 2048, 32, 128, 128), the gates with the chunk: 0.464 ms against 0.526 for the Triton scan; 0.550 with X and dv
-stored from registers, 0.693 with the gates loaded where each layout needed them; products issued earlier and
-asynchronously spilled 96-212 B and were slower (bench/results/2026-11-30-d51ce6b-dirty-comba-gluon-reverse-probe.log).
+memory: one CTA an SM). The gates and v are plain loads, issued before the wait for the tiles so that their latency
+overlaps it. Loaded a chunk ahead, as the forward scan loads them, the gates made this scan slower: 0.463 -> 0.469 ms
+(bench/results/2026-11-30-8d3e6d2-comba-gates-probe.log), and 0.462-0.463 against 0.468-0.470 in the next probe, all
+outputs bitwise equal (-8451943-comba-gates-ahead-probe.log). At (8, 2048, 32, 128, 128): 0.464 ms against 0.526 for
+the Triton scan; 0.550 with X and dv stored from registers, 0.693 with the gates loaded where each layout needed them;
+products issued earlier and asynchronously spilled 96-212 B and were slower
+(bench/results/2026-11-30-d51ce6b-dirty-comba-gluon-reverse-probe.log).
 At K = 64 the same scan with its two warpgroups along V (156 KB, one CTA an SM) took 0.783 ms at
 (16, 2048, 32, 64, 128) against 0.568 for the Triton scan, which fits two CTAs an SM: K = 64 keeps the Triton scan
 (bench/results/2026-11-30-c9d1677-comba-gluon-reverse-probe.log).
@@ -32,7 +32,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from .gluon_common import BT, WARPS, chunk_gates, chunk_rows, gate_loads
+from .gluon_common import BT, WARPS, chunk_rows, gates
 from .reference import CHUNK
 
 
@@ -93,7 +93,6 @@ def _reverse_scan_gluon_kernel(k_desc, q_desc, p_desc, do_desc, a_desc, ds_desc,
     cols_tv = gl.arange(0, V, layout=gl.SliceLayout(0, acc_tv))
     i_tt = gl.arange(0, BT, layout=gl.SliceLayout(1, acc_tt))[:, None]
     j_tt = gl.arange(0, BT, layout=gl.SliceLayout(0, acc_tt))[None, :]
-    gj, beta_rows = gate_loads(g, beta, scal_base, (N - 1) * BT, H)
     for i in range(N):  # chunks N - 1 down to 0
         n = N - 1 - i
         s = i % 2
@@ -109,8 +108,7 @@ def _reverse_scan_gluon_kernel(k_desc, q_desc, p_desc, do_desc, a_desc, ds_desc,
         fence_async_shared()
         gl.thread_barrier()
         tma.async_copy_shared_to_global(ds_desc, [(bh * N + n) * K, 0], dsb_s)
-        gc, glast, bk = chunk_gates(gj, beta_rows)
-        gj, beta_rows = gate_loads(g, beta, scal_base, nxt * BT, H)  # the next chunk's, a chunk ahead
+        gc, glast, bk = gates(g, beta, scal_base, t0, H)
         pos = (b.to(gl.int64) * T + t0 + rows_tv)[:, None] * (H * V) + hv + cols_tv[None, :]
         vk = gl.load(v + pos)
         mbarrier.wait(bars.index(s), (i // 2) & 1)

@@ -280,7 +280,9 @@ def _forward_step(k, v, p, beta, g, A, S_out, Vn_out, S, n, bh, scal_base, N, H,
 # The scans' loops are pipelined STAGES deep (`_scan_stages`): the next chunk's tiles are copied into shared
 # memory while one is computed. At (8, 2048, 32, 128, 128) the forward scan went 0.424 -> 0.319 ms and the
 # reverse 0.840 -> 0.523 (bench/results/2026-11-30-f671932-dirty-comba-scan-pipeline.log); 2 CTAs an SM still
-# fit (90 and 115 KB of shared memory at K = V = 128). N is not specialized: one compile for every T.
+# fit (90 and 115 KB of shared memory at K = V = 128). N is not specialized: one compile for every T. The gates are
+# loaded with the chunk: loaded a chunk ahead by hand, as the Gluon forward scan loads them, they made the reverse scan
+# slower at (16, 2048, 32, 64, 128), 0.567 -> 0.585 ms (bench/results/2026-11-30-01f2d5c-comba-keys-ahead-probe.log).
 @triton.jit(do_not_specialize=["N"])
 def _forward_scan_kernel(k, v, p, beta, g, A, S_out, Vn_out, N, H, K: tl.constexpr, V: tl.constexpr,
                          BV: tl.constexpr, STAGES: tl.constexpr):
