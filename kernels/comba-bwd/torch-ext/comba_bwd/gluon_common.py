@@ -42,8 +42,9 @@ def sms(device: torch.device) -> int:
 @gluon.jit
 def gate_loads(g, beta, scal_base, t0, H):
     """The gates of the chunk from t0 as loaded: g [BT] in the column slice and beta [BT] in the row slice of a
-    [BT, BT] blocked layout over the kernel's warps. The scans load them a chunk ahead (`chunk_gates` turns them into
-    the chunk's gates), so that their latency is not on the scans' serial path."""
+    [BT, BT] blocked layout over the kernel's warps. The forward scan and the K = 128 gradient kernel load them a chunk
+    ahead (`chunk_gates` turns them into the chunk's gates), so that their latency is not on the chunk's path; the
+    reverse scan and the K = 64 gradient kernel, which lost by that, load them with the chunk (`gates`)."""
     sq: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
     gj = gl.load(g + scal_base + (t0 + gl.arange(0, BT, layout=gl.SliceLayout(0, sq))) * H)
     return gj, gl.load(beta + scal_base + (t0 + gl.arange(0, BT, layout=gl.SliceLayout(1, sq))) * H)

@@ -12,8 +12,8 @@ key group is copied as the chunk starts, once the previous chunk's dk and dp, st
 buffers (shared memory holds no more at K = 128: 214 KB, one CTA an SM), have left. The [64, 64] A operands of the
 products over the chunk go through shared memory too: in registers each warpgroup would hold each whole.
 
-The gates and dbeta's v parts, plain loads, come a chunk ahead: with the chunk, their latency was on its path (one
-CTA an SM, nothing else to run meanwhile). 0.672 -> 0.632 ms at (8, 2048, 32, 128, 128), and the backward 1.550 ->
+The gates and dbeta's v parts, plain loads, come a chunk ahead: with the chunk, their latency was on its path (likely
+because one CTA an SM has nothing else to run meanwhile; at K = 64, two CTAs an SM, the same change lost). 0.672 -> 0.632 ms at (8, 2048, 32, 128, 128), and the backward 1.550 ->
 1.496 there, all outputs bitwise equal (bench/results/2026-11-30-8451943-comba-gates-ahead-probe.log). Storing dq, dk
 and dp from registers instead, which frees the key group's buffers for the next chunk's copy a chunk ahead, took
 0.810 ms (-01f2d5c-comba-keys-ahead-probe.log): register stores from the accumulator layout write 4 bytes a thread
