@@ -110,7 +110,7 @@ def _scal_base(b, h, N, H):
 def chunk_loads(g, beta, dbeta_v, c, N, H, n_pos, NV: gl.constexpr, row: gl.constexpr):
     """Chunk c's gates as loaded (`gluon_common.gate_loads`) and dbeta's v parts (`v_parts`, in the `row` layout),
     which the kernel loads a chunk ahead, so that their latency is not on the chunk's path."""
-    b, h, t0, _, _, _, _, _ = _chunk_rows(c, N, H, BT, BT)
+    b, h, t0, _, _, _, _, _ = _chunk_rows(c, N, H, BT, BT)  # K and V shape only the rows not taken here
     scal_base = _scal_base(b, h, N, H)
     gj, beta_rows = gate_loads(g, beta, scal_base, t0, H)
     return gj, beta_rows, v_parts(dbeta_v, scal_base + (t0 + gl.arange(0, BT, layout=row)) * H, n_pos, NV)
