@@ -307,6 +307,20 @@ def test_transform_kernel_inverts_the_chunk_system(triton_bwd):
     assert rel_err(A, expected) < 1e-5
 
 
+@needs_cuda
+def test_cuda_gluon_transform_inverts_the_chunk_system(triton_bwd):
+    """The Gluon transform (fp32 A), which takes its products' operands from accumulators by relabelling them, against a
+    float64 inverse, every entry of A: a wrong relabelling or orientation of a block shows here. B * H = 6 chunks of
+    T = 128 a (b, h), so that the (b, t, h) offsets are checked too."""
+    if "transform" not in triton_bwd._gluon_stages(torch.empty(1, 1, 1, 64, device="cuda", dtype=torch.bfloat16), 128):
+        pytest.skip("the Gluon transform runs on Hopper only")
+    B, T, H, K = 2, 128, 3, 64
+    q, k, v, p, beta, g, do = make_inputs(B, T, H, K, 128, torch.bfloat16, "cuda", seed=3)
+    A = torch.full((B * H, T // 64, 64, 64), float("nan"), device="cuda")
+    triton_bwd.gluon_transform.launch(k, p, beta, g, A)
+    assert rel_err(A.cpu(), chunk_inverse_float64(k.cpu(), p.cpu(), beta.cpu(), g.cpu())) < 1e-5
+
+
 @needs_triton
 @pytest.mark.kernels_ci
 def test_scans_pipeline_only_where_shared_memory_allows(triton_bwd, monkeypatch):
@@ -341,8 +355,8 @@ def test_stages_rerun_alone_give_the_same_gradients(triton_bwd):
 @needs_triton
 @pytest.mark.kernels_ci
 def test_gluon_rule(triton_bwd):
-    """Gluon kernels take bf16 inputs with V = 128 on Hopper (and meta tensors, for the offline compile): all three
-    stages at K = 128, the forward scan and the gradients at K = 64; never float16 (they would read the bf16 scratch as
+    """Gluon kernels take bf16 inputs with V = 128 on Hopper (and meta tensors, for the offline compile): the scans and
+    the gradients at K = 128, the transform, the forward scan and the gradients at K = 64; never float16 (they would read the bf16 scratch as
     float16) or float32, V = 64, nor CPU tensors (the interpreter runs the Triton kernels). Where they take a call the
     batch is not cut in pieces."""
     if triton_bwd.gluon_common is None:
@@ -350,7 +364,7 @@ def test_gluon_rule(triton_bwd):
     takes = triton_bwd.gluon_common.takes
     meta, cpu = torch.device("meta"), torch.device("cpu")
     assert takes(meta, torch.bfloat16, 128, 128) == ("forward_scan", "reverse_scan", "grads")
-    assert takes(meta, torch.bfloat16, 64, 128) == ("forward_scan", "grads")
+    assert takes(meta, torch.bfloat16, 64, 128) == ("transform", "forward_scan", "grads")
     assert not any(takes(meta, dtype, K, V) for dtype, K, V in
                    [(torch.float16, 128, 128), (torch.float32, 128, 128), (torch.float16, 64, 128),
                     (torch.bfloat16, 128, 64), (torch.bfloat16, 64, 64), (torch.bfloat16, 32, 128)])

@@ -1,6 +1,6 @@
-"""What the Gluon kernels (`gluon_forward`, `gluon_reverse`, `gluon_grads`, `gluon_grads64`) share: the rule for
-which stages they run, the chunk, their warps at K = 128, the gates of a chunk and the TMA descriptors of their
-tensors."""
+"""What the Gluon kernels (`gluon_transform`, `gluon_forward`, `gluon_reverse`, `gluon_grads`, `gluon_grads64`)
+share: the rule for which stages they run, the chunk, their warps at K = 128, the gates of a chunk and the TMA
+descriptors of their tensors."""
 
 import functools
 from typing import NamedTuple
@@ -24,13 +24,14 @@ ALL = ("forward_scan", "reverse_scan", "grads")
 def takes(device: torch.device, dtype: torch.dtype, K: int, V: int) -> tuple:
     """The stages a Gluon kernel runs (the others run the Triton kernels): on a CUDA device of compute capability 9
     (their warpgroup MMA is Hopper's alone), or meta tensors (an offline compile for sm_90), with bf16 inputs and
-    V = 128, all three at K = 128, the forward scan and the gradients at K = 64 (the Gluon reverse scan lost to the
-    Triton one there: see the card's Design)."""
+    V = 128: the scans and the gradients at K = 128, the transform, the forward scan and the gradients at K = 64 (the
+    Gluon reverse scan lost to the Triton one there, and the Gluon transform to the Triton one at K = 128: see the
+    card's Design)."""
     if V != 128 or dtype not in GL_DTYPES or K not in (64, 128):
         return ()
     if device.type != "meta" and (device.type != "cuda" or torch.cuda.get_device_capability(device)[0] != 9):
         return ()
-    return ALL if K == 128 else ("forward_scan", "grads")
+    return ALL if K == 128 else ("transform", "forward_scan", "grads")
 
 
 @functools.cache

@@ -13,12 +13,13 @@ buffers (shared memory holds no more at K = 128: 214 KB, one CTA an SM), have le
 products over the chunk go through shared memory too: in registers each warpgroup would hold each whole.
 
 The gates and dbeta's v parts, plain loads, come a chunk ahead: with the chunk, their latency was on its path (likely
-because one CTA an SM has nothing else to run meanwhile; at K = 64, two CTAs an SM, the same change lost). 0.672 -> 0.632 ms at (8, 2048, 32, 128, 128), and the backward 1.550 ->
-1.496 there, all outputs bitwise equal (bench/results/2026-11-30-8451943-comba-gates-ahead-probe.log). Storing dq, dk
-and dp from registers instead, which frees the key group's buffers for the next chunk's copy a chunk ahead, took
-0.810 ms (-01f2d5c-comba-keys-ahead-probe.log): register stores from the accumulator layout write 4 bytes a thread
-where a TMA store writes whole lines, as the reverse scan found for X and dv. The key group a chunk ahead with dk and
-dp leaving by TMA through the [64, 64] operand buffers' bytes took 0.661 against 0.634 ms (20 B of spill;
+because one CTA an SM has nothing else to run meanwhile; at K = 64, two CTAs an SM, the same change lost). 0.672 ->
+0.632 ms at (8, 2048, 32, 128, 128), and the backward 1.550 -> 1.496 there, all outputs bitwise equal
+(bench/results/2026-11-30-8451943-comba-gates-ahead-probe.log). Storing dq, dk and dp from registers instead, which
+frees the key group's buffers for the next chunk's copy a chunk ahead, took 0.810 ms
+(-01f2d5c-comba-keys-ahead-probe.log): register stores from the accumulator layout write 4 bytes a thread where a TMA
+store writes whole lines, as the reverse scan found for X and dv. The key group a chunk ahead with dk and dp leaving by
+TMA through the [64, 64] operand buffers' bytes took 0.661 against 0.634 ms (20 B of spill;
 -421d589-comba-keys-ahead-tma-probe.log).
 
 Per chunk, with E the decay (lower, with the diagonal), E^T its transpose, r < c strictly upper:

@@ -20,14 +20,22 @@ bench/results/2026-11-30-104769c-comba-k64-probe.log).
 At (16, 2048, 32, 64, 128), in the benchmark's stage sweep: 0.867 ms (bench/results/2026-11-30-c5b1718-comba.md),
 where the Triton gradient kernels took 1.031 + 0.020 (-cbae741-comba.md); side by side in one probe, an earlier form
 of it (its accumulators in two layouts) 0.935 against their 1.054, and 1.246 with one CTA an SM
-(-104769c-comba-k64-probe.log). ptxas: 255 registers, 168 bytes of spill (the benchmark's SPILLS_BY_DESIGN), 107.5 KB
+(-104769c-comba-k64-probe.log). ptxas: 255 registers, 136 bytes of spill (the benchmark's SPILLS_BY_DESIGN), 107.5 KB
 of shared memory.
 
 Its gates and dbeta's v parts are loaded with the chunk. A chunk ahead, as `gluon_grads` loads them, they held
 registers across the chunk (192 B of spill) and the kernel took 0.877-0.893 against 0.863-0.900 ms, the backward
 2.056 against 2.036-2.049 (bench/results/2026-11-30-8451943-comba-gates-ahead-probe.log); two CTAs an SM hide most of
 their latency. dk and dp stored from registers, so that the next chunk's key group could be copied a chunk ahead, took
-0.987 against 0.862 ms (-01f2d5c-comba-keys-ahead-probe.log).
+0.987 against 0.862 ms (-01f2d5c-comba-keys-ahead-probe.log). Kept as TMA stores, with the next chunk's q and k
+copied once dk had left q_s (after dp's group of products, p's copy at the chunk's start behind a barrier of its own),
+it took 1.005 against 0.862 ms, all outputs bitwise equal (-a1c9155-dirty-comba-grads64-keys-exp2-probe.log).
+
+The decays are powers of 2 of exponents scaled by log2(e) once a row, with log2(scale) in the rows of the two scaled
+ones (E in dq's operand, E^T in the read part), so that no element takes the multiplications by log2(e) and scale;
+dLE's strict mask is on its exponent. 0.862 -> 0.848 ms, the backward 2.019 -> 2.010 (same log); the outputs moved
+by 2e-5 to 8e-5 (rel.) from the kernel's before, within their bf16 rounding. Both scaled factors come from the same
+fp32 exponents, so the read part's operand is still the transpose of dq's to the bit (their terms of d gc cancel).
 """
 
 from triton.experimental import gluon
@@ -55,6 +63,7 @@ from .reference import CHUNK
 
 WARPS = 4
 CTAS_PER_SM = 2
+LOG2E = gl.constexpr(1.4426950408889634)
 
 
 @gluon.jit
@@ -72,6 +81,7 @@ def _grads64_gluon_kernel(q_desc, k_desc, p_desc, do_desc, s_desc, ds_desc, vn_d
     s_b, ds_b, vn_b, x_b, do_b, q_b, k_b, p_b, state_bar, keys_bar = tile_buffers(
         q_desc, k_desc, p_desc, do_desc, s_desc, ds_desc, vn_desc, x_desc, K, V)
     zero_acc = gl.zeros([BT, K], gl.float32, acc)
+    log2_scale = gl.log2(scale)
 
     C = n_pos // BT  # chunks in all: B H N (n_pos = B T H)
     step = gl.num_programs(0)
@@ -92,8 +102,14 @@ def _grads64_gluon_kernel(q_desc, k_desc, p_desc, do_desc, s_desc, ds_desc, vn_d
         tma.store_wait(0)
         gl.thread_barrier()  # the previous chunk's dk and dp have left q_s and p_s
         issue_keys(q_desc, k_desc, p_desc, q_s, k_s, p_s, keys_bar, trow, hk, True)
+        # The decay's exponents in base 2, and scale's folded into the rows of the scaled E and E^T.
+        gc2 = gc * LOG2E
+        gs2 = gc2 + log2_scale
         gc_r = gl.convert_layout(gc, row)
-        gc_c = gl.convert_layout(gc, col)
+        g2_r = gl.convert_layout(gc2, row)
+        g2_c = gl.convert_layout(gc2, col)
+        gs_r = gl.convert_layout(gs2, row)
+        gs_c = gl.convert_layout(gs2, col)
         bk_r = gl.convert_layout(bk, row)
 
         mbarrier.wait(state_bar, phase)
@@ -102,9 +118,9 @@ def _grads64_gluon_kernel(q_desc, k_desc, p_desc, do_desc, s_desc, ds_desc, vn_d
         # dq = scale [gam (dO S^T) + bf16(dO Vn^T * E) K]                                      q . dq -> d gc
         a0 = warpgroup_mma(do_s, vn_s.permute((1, 0)), zero_acc, is_async=True)
         dq_acc = warpgroup_mma(do_s, s_s.permute((1, 0)), zero_acc, is_async=True)
-        e_low = gl.exp(gl.where(i_tt >= j_tt, gc_r[:, None] - gc_c[None, :], float("-inf")))      # E
+        e_low = gl.exp2(gl.where(i_tt >= j_tt, gs_r[:, None] - g2_c[None, :], float("-inf")))    # scale E
         a0, dq_acc = warpgroup_mma_wait(0, deps=[a0, dq_acc])
-        op = gl.convert_layout((a0 * e_low * scale).to(dtype), a_op)
+        op = gl.convert_layout((a0 * e_low).to(dtype), a_op)
         dq_acc = dq_acc * (scale * gl.exp(gc_r))[:, None]
         mbarrier.wait(keys_bar, phase)
         dq_acc = warpgroup_mma(op, k_s, dq_acc)
@@ -116,10 +132,10 @@ def _grads64_gluon_kernel(q_desc, k_desc, p_desc, do_desc, s_desc, ds_desc, vn_d
         # dR^T = -(Vn X^T * E^T) on r < c;                                                    k . dk -> d gc
         a1 = warpgroup_mma(vn_s, do_s.permute((1, 0)), zero_acc, is_async=True)
         a2 = warpgroup_mma(vn_s, x_s.permute((1, 0)), zero_acc, is_async=True)
-        e_up = gl.exp(gl.where(j_tt >= i_tt, gc_c[None, :] - gc_r[:, None], float("-inf")))       # E^T
+        e_up = gl.exp2(gl.where(j_tt >= i_tt, gs_c[None, :] - g2_r[:, None], float("-inf")))     # scale E^T
         a1, a2 = warpgroup_mma_wait(0, deps=[a1, a2])
-        op_read = gl.convert_layout((a1 * e_up * scale).to(dtype), a_op)
-        dr_t = gl.where(i_tt < j_tt, -a2 * e_up, 0.0) * gl.convert_layout(bk, col)[None, :]
+        op_read = gl.convert_layout((a1 * e_up).to(dtype), a_op)
+        dr_t = gl.where(i_tt < j_tt, a2 * e_up, 0.0) * gl.convert_layout(-bk / scale, col)[None, :]
         op_dr = gl.convert_layout(dr_t.to(dtype), a_op)
         dk = warpgroup_mma(vn_s, ds_s.permute((1, 0)), zero_acc) * gl.exp(glast - gc_r)[:, None]
         k_state = gl.sum(k_s.load(acc).to(gl.float32) * dk, 1)        # its chunk total goes to every row of dg
@@ -140,8 +156,7 @@ def _grads64_gluon_kernel(q_desc, k_desc, p_desc, do_desc, s_desc, ds_desc, vn_d
         gl.thread_barrier()  # no warp reads the state group any more: the next chunk's may come
         issue_state(s_desc, ds_desc, vn_desc, x_desc, do_desc, s_s, ds_s, vn_s, x_s, do_s, state_bar, n_state_row,
                      n_pos_row, n_row, n_hv, c + step < C)
-        e_low = gl.exp(gl.where(i_tt >= j_tt, gc_r[:, None] - gc_c[None, :], float("-inf")))
-        dle = gl.where(i_tt > j_tt, -a3 * e_low, 0.0)
+        dle = -a3 * gl.exp2(gl.where(i_tt > j_tt, g2_r[:, None] - g2_c[None, :], float("-inf")))  # strictly lower
         y = y * -gl.exp(gc_r)[:, None]
         pk = warpgroup_mma(p_s, k_s.permute((1, 0)), zero_acc, is_async=True)                  # P K^T
         p_y = gl.sum(p_s.load(acc).to(gl.float32) * y, 1)

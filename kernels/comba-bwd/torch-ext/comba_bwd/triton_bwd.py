@@ -16,8 +16,8 @@ A = (I + L)^-1, Vn = A (beta V) - A (beta gam P) S, X = A^T dVn.
   (K, V) state or [64, V] tile is live at once.
 On Hopper with bf16 inputs and V = 128, Gluon kernels run instead of stages 2 to 5 at K = 128: `gluon_forward` and
 `gluon_reverse`, one CTA a (b, h) over all of V, and `gluon_grads`, stages 4 and 5 in one kernel; at K = 64
-`gluon_forward` (one warpgroup a CTA) instead of stage 2 and `gluon_grads64` (one warpgroup a CTA, two CTAs an SM)
-instead of stages 4 and 5.
+`gluon_transform` (no data moved between threads) instead of stage 1, `gluon_forward` (one warpgroup a CTA) instead of
+stage 2 and `gluon_grads64` (one warpgroup a CTA, two CTAs an SM) instead of stages 4 and 5.
 
 Design choices (see README "Design"):
 - The per-chunk A and states are materialised in HBM: the solve would sit on the serial path of the scans,
@@ -40,7 +40,7 @@ import triton.language as tl
 from .reference import CHUNK, pad_time
 
 try:  # Gluon, Triton's explicit-layout dialect: the scans and the gradients on Hopper (gluon_common.takes)
-    from . import gluon_common, gluon_forward, gluon_grads, gluon_grads64, gluon_reverse
+    from . import gluon_common, gluon_forward, gluon_grads, gluon_grads64, gluon_reverse, gluon_transform
 except ImportError:  # a Triton without it: the Triton kernels everywhere
     gluon_common = None
 
@@ -584,8 +584,11 @@ def comba_backward_stages(q, k, v, p, beta, g, do, scale: float, grads=None):
     parts = dict(K=K, V=V, BV=BV, num_warps=GRADS_WARPS, num_stages=1, maxnreg=GRADS_MAXNREG[K])
     chunks = (N, BH)
     t = gluon_common.tiles(q, k, p, v, do, A, S, dS, Vn, X) if gluon else None
-    stages = {"transform": lambda: _transform_kernel[chunks](k, p, beta, g, A, N, H, K, num_warps=TRANSFORM_WARPS,
-                                                            num_stages=1)}
+    if "transform" in gluon:
+        stages = {"transform": lambda: gluon_transform.launch(k, p, beta, g, A)}
+    else:
+        stages = {"transform": lambda: _transform_kernel[chunks](k, p, beta, g, A, N, H, K,
+                                                                num_warps=TRANSFORM_WARPS, num_stages=1)}
     if "forward_scan" in gluon:
         stages["forward_scan"] = lambda: gluon_forward.launch(t, k, v, beta, g)
     else:
