@@ -631,14 +631,19 @@ def _gluon_stages(q, V: int) -> tuple:
 
 
 def _batch_pieces(q, V: int) -> int:
-    """How many pieces the batch is cut in: BATCH_PIECES, but one where Gluon kernels run. In two pieces the
-    backward's time varied from run to run: at (8, 2048, 32, 128, 128) 2.213 and 1.593 ms in two probes and 3.123
+    """How many pieces the batch is cut in: BATCH_PIECES, but one where Gluon kernels run at K = 128. In two pieces the
+    backward's time varied from run to run there: at (8, 2048, 32, 128, 128) 2.213 and 1.593 ms in two probes and 3.123
     in a benchmark, one piece 1.633 and 1.615 (-f4ff440-comba-gluon-grads-probe.log,
     -35b0702-comba-gluon-grads-schedules-probe.log, -2cea20a-comba.md; the Triton forward scan then), most likely
     as the host took about as long to launch two pieces as the GPU to run them. In one piece the host takes 0.54 ms
     a call in comba_backward_triton there, and the backward replayed from a CUDA graph takes as long as the eager
-    call (1.574 against 1.579 ms, -104769c-comba-graph-probe.log)."""
-    return 1 if _gluon_stages(q, V) else BATCH_PIECES
+    call (1.574 against 1.579 ms, -104769c-comba-graph-probe.log); with the kernels of a1c9155, two pieces took 3.649,
+    3.855 and 3.641 ms at (10, 4096, 32, 128, 128) against 3.772, 3.715 and 3.770 for one.
+    At K = 64 the backward takes about 2.5 times the host's 0.8 ms for two pieces, and two pieces were faster in every
+    run: 1.992, 1.987, 1.984 ms against 2.021, 2.023, 2.026 at (16, 2048, 32, 64, 128)
+    (bench/results/2026-11-30-a1c9155-comba-schedule-probe.log), and 2.048 against 2.096 with the kernels of the next
+    probe's variant C (-a1c9155-dirty-comba-grads64-keys-exp2-probe.log)."""
+    return 1 if _gluon_stages(q, V) and q.shape[-1] == 128 else BATCH_PIECES
 
 
 @functools.cache
