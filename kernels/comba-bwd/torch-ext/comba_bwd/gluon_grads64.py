@@ -17,11 +17,11 @@ row before the reverse cumsum: the same sums, and here the form that was right (
 on the accumulator's row slice, the totals came out wrong in this one-warpgroup layout; dq, dk, dp and dbeta did not;
 bench/results/2026-11-30-104769c-comba-k64-probe.log).
 
-At (16, 2048, 32, 64, 128), in the benchmark's stage sweep: 0.867 ms (bench/results/2026-11-30-c5b1718-comba.md),
-where the Triton gradient kernels took 1.031 + 0.020 (-cbae741-comba.md); side by side in one probe, an earlier form
-of it (its accumulators in two layouts) 0.935 against their 1.054, and 1.246 with one CTA an SM
-(-104769c-comba-k64-probe.log). ptxas: 255 registers, 136 bytes of spill (the benchmark's SPILLS_BY_DESIGN), 107.5 KB
-of shared memory.
+At (16, 2048, 32, 64, 128), in the benchmark's stage sweep: 0.850 ms (bench/results/2026-11-30-be323b0-comba.md; 0.867
+at c5b1718, -c5b1718-comba.md), where the Triton gradient kernels took 1.031 + 0.020 (-cbae741-comba.md); side by side
+in one probe, an earlier form of it (its accumulators in two layouts) 0.935 against their 1.054, and 1.246 with one CTA
+an SM (-104769c-comba-k64-probe.log). ptxas: 255 registers, 136 bytes of spill (the benchmark's SPILLS_BY_DESIGN), 107.5
+KB of shared memory.
 
 Its gates and dbeta's v parts are loaded with the chunk. A chunk ahead, as `gluon_grads` loads them, they held
 registers across the chunk (192 B of spill) and the kernel took 0.877-0.893 against 0.863-0.900 ms, the backward
