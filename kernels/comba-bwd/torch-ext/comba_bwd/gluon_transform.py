@@ -18,8 +18,11 @@ transform-probe.log). At (8, 2048, 32, 128, 128), with L's products over K in sl
 0.177 (68 B of spill): K = 128 keeps the Triton kernel, and this one is written for K = 64. Tried at K = 64
 (-gluon-transform-variants-probe.log): the two small products chained apart from the large one and added after,
 0.275 ms (255 registers, 20 B of spill, where this kernel takes 231 and none); capped at 200 registers for 10 CTAs an
-SM, 0.292 (168 B of spill); L's blocks made where they are used, 0.241 (255 registers, 8 B of spill),
-kept out for the registers' margin.
+SM, 0.292 (168 B of spill); L's blocks made where they are used, 0.241 (255 registers, 8 B of spill), kept out for
+the registers' margin; that and the blocks made in an order that keeps few live (each block of A stored once made,
+each D_i, A10 and -M dropped after its last product: 188 registers, no spill, 10 CTAs an SM), 0.294 ms against 0.245
+(-2867bf0-comba-transform-registers-probe.log, branch tried/comba-transform-registers): the occupancy gained less
+than the order lost (likely the four diagonal chains, which no longer overlap).
 """
 
 from triton.experimental import gluon
