@@ -31,6 +31,7 @@ from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 from .gluon_common import BT
 from .reference import CHUNK
+from .tf32 import tf32_high
 
 SUB = gl.constexpr(16)  # the blocks: 4 x 4 of them a chunk
 MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8]))
@@ -49,12 +50,6 @@ def _relabel(x):
 
 
 @gluon.jit
-def _tf32_high(x):
-    """x rounded to TF32 by integer arithmetic on its bits: `triton_bwd._tf32_high` (a Gluon kernel cannot call it)."""
-    return ((x.to(gl.int32, bitcast=True) + 0x1000) & -8192).to(gl.float32, bitcast=True)
-
-
-@gluon.jit
 def _tf32_dot(x, z, acc):
     """acc + (x P^T)(P z^T), one TF32 product of two accumulators taken as its operands where they lie."""
     a = gl.convert_layout(_relabel(x), TF32_A, assert_trivial=True)
@@ -65,8 +60,8 @@ def _tf32_dot(x, z, acc):
 @gluon.jit
 def mm(x, z, acc):
     """acc + x z^T in fp32 (x, z, acc [16, 16] accumulators) by three TF32 products, as `triton_bwd._mm`."""
-    x_hi = _tf32_high(x)
-    z_hi = _tf32_high(z)
+    x_hi = tf32_high(x)
+    z_hi = tf32_high(z)
     acc = _tf32_dot(x - x_hi, z_hi, acc)
     acc = _tf32_dot(x_hi, z - z_hi, acc)
     return _tf32_dot(x_hi, z_hi, acc)

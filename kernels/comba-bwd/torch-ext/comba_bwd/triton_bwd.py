@@ -38,6 +38,7 @@ import triton
 import triton.language as tl
 
 from .reference import CHUNK, pad_time
+from .tf32 import tf32_high
 
 try:  # Gluon, Triton's explicit-layout dialect: the scans and the gradients on Hopper (gluon_common.takes)
     from . import gluon_common, gluon_forward, gluon_grads, gluon_grads64, gluon_reverse, gluon_transform
@@ -149,23 +150,14 @@ def _mm(a, b):
     replicated layouts, which bound the transform (bench/results/2026-11-30-e13af20-dirty-comba-tf32x3-probe.log).
     At 2 warps the 3xTF32 transform was the slower one (0.340 against 0.299 ms, in an earlier design).
 
-    The split is `_tf32_high`'s rather than tf32x3's: 0.177 against 0.213 ms at K = 128, A's errors the same as
+    The split is `tf32_high`'s rather than tf32x3's: 0.177 against 0.213 ms at K = 128, A's errors the same as
     tf32x3's (3.9e-8 and 2.9e-8 at K = 64 and 128; 2026-11-30-1d744dd-dirty-tf32-round-probe.log). Truncated high
     parts (one instruction) took 0.175 against 0.212 and 0.254 against 0.325 at K = 64, with errors 5.2e-8 and
     3.9e-8 (-1d744dd-comba-tf32-split-probe.log)."""
-    a_hi, b_hi = _tf32_high(a), _tf32_high(b)
+    a_hi, b_hi = tf32_high(a), tf32_high(b)
     product = tl.dot(a - a_hi, b_hi, input_precision="tf32")
     product = tl.dot(a_hi, b - b_hi, product, input_precision="tf32")
     return tl.dot(a_hi, b_hi, product, input_precision="tf32")
-
-
-@triton.jit
-def _tf32_high(x):
-    """x rounded to TF32 (10 mantissa bits, ties away from zero, as cvt.rna.tf32) by integer arithmetic on its
-    bits: an add and a mask, where cvt.rna.tf32.f32 is four instructions on sm_90 (Triton's tf32x3 splits with
-    it). x - _tf32_high(x) is exact, and the MMA's truncation of that residual costs 2^-21 relative. A NaN's
-    high part may come out as -0, but its residual is NaN, so NaN still reaches the product."""
-    return ((x.to(tl.int32, bitcast=True) + 0x1000) & -8192).to(tl.float32, bitcast=True)
 
 
 @triton.jit
