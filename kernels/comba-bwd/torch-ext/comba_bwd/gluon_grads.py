@@ -9,7 +9,7 @@ product's columns). The tiles come in two groups with a barrier each, so that th
 the state group (S_n, dS'_n, Vn, X, dO), used by the products over V, and the key group (q, k, p), used by the
 products over the chunk. The next chunk's state group is copied once this chunk's products over V are done; a chunk's
 key group is copied as the chunk starts, once the previous chunk's dk and dp, stored from the key group's q and p
-buffers (shared memory holds no more at K = 128: 214 KB, one CTA an SM), have left. The [64, 64] A operands of the
+buffers (shared memory holds no more at K = 128: 206 KB, one CTA an SM), have left. The [64, 64] A operands of the
 products over the chunk go through shared memory too: in registers each warpgroup would hold each whole.
 
 The gates and dbeta's v parts, plain loads, come a chunk ahead: with the chunk, their latency was on its path (likely
@@ -23,10 +23,10 @@ TMA through the [64, 64] operand buffers' bytes took 0.661 against 0.634 ms (20 
 -421d589-comba-keys-ahead-tma-probe.log).
 
 Per chunk, with E the decay (lower, with the diagonal), E^T its transpose, r < c strictly upper:
-  over V:  dO S^T, dO Vn^T, Vn dO^T, Vn X^T, Vn dS'^T, X S^T, X Vn^T, and <S_n, dS'_n>
+  over V:  dO S^T, dO Vn^T, Vn dS'^T, X S^T, X Vn^T, and <S_n, dS'_n>
   dq = scale [gam (dO S^T) + bf16(dO Vn^T * E) K]                            q . dq  -> d gc
-  dk = (Gam/gam) Vn dS'^T + read Q + bf16(dR^T diag(beta)) P,                 read = bf16(Vn dO^T * E^T * scale),
-       dR^T = -(Vn X^T * E^T) on r < c                                        k . dk terms -> d gc
+  dk = (Gam/gam) Vn dS'^T + read Q + bf16(dR^T diag(beta)) P,                 read = bf16(dO Vn^T * E * scale)^T,
+       dR^T diag(beta) = (diag(beta) dLE)^T                                   k . dk terms -> d gc
   dLE = -(X Vn^T * E) strictly lower, Y = -gam (X S^T)
   dp = beta (Y + bf16(dLE) K), dbeta = p . Y + sum_j bf16(dLE)_ij (p_i . k_j) + the reverse scan's v part
   dg = the reverse cumsum in the chunk of the three parts' terms of d gc (as `_dg_kernel`).
@@ -35,10 +35,16 @@ P's rows (P's tile is used as the TMA copy left it), and k . dk's read part is k
 Triton kernel sums read_ij (k_i . q_j) from K Q^T. Checked in torch on the CPU against the Triton kernels'
 outputs: dq, dk, dp and dbeta agree to their bf16 rounding, dg to 3e-5.
 
-The products over V are issued asynchronously, the four [64, 64] ones together and then the three [64, K] ones:
-0.680 -> 0.668 ms at (8, 2048, 32, 128, 128) and 1.680 -> 1.644 at (10, 4096, 32, 128, 128). All seven at once
-spilled 48 B and took 0.713 and 1.798; the products over the chunk issued asynchronously as well gained nothing more
-(0.671 and 1.647; bench/results/2026-11-30-d9737f1-comba-grads-async-probe.log).
+dk's two operands over the chunk are transposes of [64, 64] tiles made for dq and dp, taken transposed from shared
+memory by the warpgroup MMA: Vn dO^T and Vn X^T are the transposes of dO Vn^T and X Vn^T (the same sums in the same
+order), so the kernel does not form them. This dropped two of the seven products over V and E^T's exponentials, with
+every output bitwise equal: 0.634 -> 0.580 ms at (8, 2048, 32, 128, 128), the backward 1.493 -> 1.437
+(bench/results/2026-11-30-3807016-dirty-comba-grads-transposes-probe.log).
+
+The products over V are issued asynchronously, the [64, 64] ones together and then the three [64, K] ones: with
+four [64, 64] ones then, 0.680 -> 0.668 ms at (8, 2048, 32, 128, 128) and 1.680 -> 1.644 at (10, 4096, 32, 128, 128).
+All seven at once spilled 48 B and took 0.713 and 1.798; the products over the chunk issued asynchronously as well
+gained nothing more (0.671 and 1.647; bench/results/2026-11-30-d9737f1-comba-grads-async-probe.log).
 
 At K = 64 this kernel (208 registers, no spill, 148 KB: one CTA an SM) took 1.030 ms against the Triton kernels'
 1.033 at (16, 2048, 32, 64, 128) (bench/results/2026-11-30-f4ff440-comba-gluon-grads-probe.log), and 1.007 to 1.027
@@ -197,7 +203,7 @@ def _grads_gluon_kernel(q_desc, k_desc, p_desc, do_desc, s_desc, ds_desc, vn_des
     dq_b = gl.allocate_shared_memory(dtype, [1, BT, K], dq_desc.layout)
     # The [64, 64] A operands of the products over the chunk, in shared memory: in registers both warpgroups
     # would hold each whole (they split the product's columns).
-    tt_b = gl.allocate_shared_memory(dtype, [4, BT, BT], tt_layout)   # bf16 dO Vn^T E, read, dR^T, dLE
+    tt_b = gl.allocate_shared_memory(dtype, [3, BT, BT], tt_layout)   # bf16 dO Vn^T E, diag(beta) dLE, dLE
 
     zero_tk = gl.zeros([BT, K], gl.float32, acc_tk)
     zero_tt = gl.zeros([BT, BT], gl.float32, acc_tt)
@@ -237,24 +243,17 @@ def _grads_gluon_kernel(q_desc, k_desc, p_desc, do_desc, s_desc, ds_desc, vn_des
         # The products over V, from the state group.
         mbarrier.wait(state_bar, phase)
         s_ds = state_product(s_s, ds_s, sq, K)
-        # The four [64, 64] products are issued together, so that the tensor cores run them back to back while the
+        # The two [64, 64] products are issued together, so that the tensor cores run them back to back while the
         # warps scale and store each as it completes; the three [64, K] ones follow.
         a0 = warpgroup_mma(do_s, vn_s.permute((1, 0)), zero_tt, is_async=True)
-        a1 = warpgroup_mma(vn_s, do_s.permute((1, 0)), zero_tt, is_async=True)
-        a2 = warpgroup_mma(vn_s, x_s.permute((1, 0)), zero_tt, is_async=True)
         a3 = warpgroup_mma(x_s, vn_s.permute((1, 0)), zero_tt, is_async=True)
         e_low = gl.exp(gl.where(i_tt >= j_tt, gc_r[:, None] - gc_c[None, :], float("-inf")))      # E
-        e_up = gl.exp(gl.where(j_tt >= i_tt, gc_c[None, :] - gc_r[:, None], float("-inf")))       # E^T
-        a0 = warpgroup_mma_wait(3, deps=[a0])
+        a0 = warpgroup_mma_wait(1, deps=[a0])
         tt_b.index(zero + 0).store((a0 * e_low * scale).to(dtype))
-        a1 = warpgroup_mma_wait(2, deps=[a1])
-        tt_b.index(zero + 1).store((a1 * e_up * scale).to(dtype))
-        a2 = warpgroup_mma_wait(1, deps=[a2])
-        dr_t = gl.where(i_tt < j_tt, -a2 * e_up, 0.0)
-        tt_b.index(zero + 2).store((dr_t * gl.convert_layout(bk, col_t)[None, :]).to(dtype))
         a3 = warpgroup_mma_wait(0, deps=[a3])
         dle = gl.where(i_tt > j_tt, -a3 * e_low, 0.0)
-        tt_b.index(zero + 3).store(dle.to(dtype))
+        tt_b.index(zero + 1).store((bk_r[:, None] * dle).to(dtype))
+        tt_b.index(zero + 2).store(dle.to(dtype))
         dq = warpgroup_mma(do_s, s_s.permute((1, 0)), zero_tk, is_async=True)
         dk = warpgroup_mma(vn_s, ds_s.permute((1, 0)), zero_tk, is_async=True)
         y = warpgroup_mma(x_s, s_s.permute((1, 0)), zero_tk, is_async=True)
@@ -275,13 +274,13 @@ def _grads_gluon_kernel(q_desc, k_desc, p_desc, do_desc, s_desc, ds_desc, vn_des
         # k . dk: the state part's row sums (their total goes to the last row) and, with the read part added,
         # both at once, read as k . (read Q) where the Triton kernel takes sum_j read_ij (k_i . q_j).
         k_state = gl.sum(k_s.load(acc_tk).to(gl.float32) * dk, 1)
-        dk = warpgroup_mma(tt_b.index(zero + 1), q_s, dk)
+        dk = warpgroup_mma(tt_b.index(zero + 0).permute((1, 0)), q_s, dk)
         k_dk = gl.sum(k_s.load(acc_tk).to(gl.float32) * dk, 1)
         dgc += gl.convert_layout(gl.where(last_k, gl.sum(k_state, 0), 0.0) - k_dk, row_t)
-        dk = warpgroup_mma(tt_b.index(zero + 2), p_s, dk)
+        dk = warpgroup_mma(tt_b.index(zero + 1).permute((1, 0)), p_s, dk)
         pk = warpgroup_mma(p_s, k_s.permute((1, 0)), zero_tt)                                  # P K^T
         p_y = gl.sum(p_s.load(acc_tk).to(gl.float32) * y, 1)
-        y = warpgroup_mma(tt_b.index(zero + 3), k_s, y)
+        y = warpgroup_mma(tt_b.index(zero + 2), k_s, y)
         gl.thread_barrier()  # no warp reads q_s or p_s any more: dk and dp go there
         q_s.store(dk.to(dtype))
         p_s.store((bk_k[:, None] * y).to(dtype))
@@ -311,7 +310,7 @@ def launch(t, q, do, beta, g, dbeta_v, dq, dk, dp, dbeta, dg, scale: float):
     Tiles `t` (of the scans' S, dS', Vn and X among them) and dbeta's v parts (NV, B, T, H)."""
     B, T, H, K = q.shape
     V = do.shape[-1]
-    _grads_gluon_kernel[(min(B * H * (T // CHUNK), sms(q.device)),)](  # one CTA an SM (214 KB of shared memory)
+    _grads_gluon_kernel[(min(B * H * (T // CHUNK), sms(q.device)),)](  # one CTA an SM (206 KB of shared memory)
         t.q, t.k, t.p, t.do, t.S, t.dS, t.Vn, t.X, chunk_rows(dq), chunk_rows(dk), chunk_rows(dp), beta, g, dbeta_v,
         dbeta, dg, scale, T // CHUNK, H, B * T * H, K, V, dbeta_v.shape[0], shared_layout((CHUNK, CHUNK), q.dtype),
         num_warps=WARPS)

@@ -5,10 +5,10 @@ At K = 64 the two-warpgroup `gluon_grads` (148 KB of shared memory, one CTA an S
 gradient kernels; its chunk's products run one after another, and while a CTA waits on a product or a copy its SM has
 nothing else to run. Here a CTA is one warpgroup of at most 255 registers a thread, and its tiles take 104 KB (107.5
 with the compiler's scratch), so that two CTAs share an SM and each runs while the other waits. To fit:
-- the [64, 64] A operands of the products over the chunk stay in registers (one warpgroup holds each whole anyway)
-  instead of four 8 KB shared buffers;
-- a chunk's products go in three groups, dq's, dk's and dp's, each with the products over V it needs, so that few
-  accumulators are live at once; dk leaves (by TMA, from q's buffer) before dp's group starts;
+- the [64, 64] A operands of dq's and dp's products over the chunk stay in registers (one warpgroup holds each whole
+  anyway); dk's two, taken transposed by the warpgroup MMA, go to dS'_n's buffer once dk's state part has read it;
+- a chunk's products go in three groups, dq's (with dk's state part), dk's and dp's, each with the products over V it
+  needs, so that few accumulators are live at once; dk leaves (by TMA, from q's buffer) before dp's group starts;
 - dq is stored from registers (a TMA store would need another 8 KB buffer: 16 bytes more than two CTAs may have).
 The gates, the state and key groups of tiles and their copies are `gluon_grads`'. The products, their roundings to
 bf16 and the terms of d gc are that kernel's, but each chunk total of d gc (sum_i k_i . dk_i over the state part, and
@@ -17,11 +17,19 @@ row before the reverse cumsum: the same sums, and here the form that was right (
 on the accumulator's row slice, the totals came out wrong in this one-warpgroup layout; dq, dk, dp and dbeta did not;
 bench/results/2026-11-30-104769c-comba-k64-probe.log).
 
-At (16, 2048, 32, 64, 128), in the benchmark's stage sweep: 0.850 ms (bench/results/2026-11-30-be323b0-comba.md; 0.867
-at c5b1718, -c5b1718-comba.md), where the Triton gradient kernels took 1.031 + 0.020 (-cbae741-comba.md); side by side
-in one probe, an earlier form of it (its accumulators in two layouts) 0.935 against their 1.054, and 1.246 with one CTA
-an SM (-104769c-comba-k64-probe.log). ptxas: 255 registers, 136 bytes of spill (the benchmark's SPILLS_BY_DESIGN), 107.5
-KB of shared memory.
+dk's operands over the chunk are transposes of tiles made for dq and dp: read = bf16(Vn dO^T * E^T * scale) is bf16(dO
+Vn^T * E * scale)^T, the same sums rounded the same way, and dR^T diag(beta) = -(Vn X^T * E^T) diag(beta) on r < c is
+(diag(beta) dLE)^T, dLE = -(X Vn^T * E) strictly lower. So the kernel forms neither Vn dO^T nor Vn X^T (two of its
+seven [64, 64, V] products) nor E^T: at (16, 2048, 32, 64, 128) 0.848 -> 0.753 ms, the backward 1.949 -> 1.851, with
+dq, dv, dp, dbeta and dg bitwise equal and dk within 1e-5 (rel.; diag(beta) dLE is rounded once where the kernel
+before scaled by beta/scale a product that held scale), and 136 -> 36 B of spill
+(bench/results/2026-11-30-3807016-dirty-comba-grads-transposes-probe.log).
+
+At (16, 2048, 32, 64, 128), in the benchmark's stage sweep before that: 0.850 ms
+(bench/results/2026-11-30-be323b0-comba.md; 0.867 at c5b1718, -c5b1718-comba.md), where the Triton gradient kernels
+took 1.031 + 0.020 (-cbae741-comba.md); side by side in one probe, an earlier form of it (its accumulators in two
+layouts) 0.935 against their 1.054, and 1.246 with one CTA an SM (-104769c-comba-k64-probe.log). ptxas: 255 registers,
+36 bytes of spill (within the benchmark's SPILLS_BY_DESIGN), 107.5 KB of shared memory.
 
 Its gates and dbeta's v parts are loaded with the chunk. A chunk ahead, as `gluon_grads` loads them, they held
 registers across the chunk (192 B of spill) and the kernel took 0.877-0.893 against 0.863-0.900 ms, the backward
@@ -31,11 +39,10 @@ their latency. dk and dp stored from registers, so that the next chunk's key gro
 copied once dk had left q_s (after dp's group of products, p's copy at the chunk's start behind a barrier of its own),
 it took 1.005 against 0.862 ms, all outputs bitwise equal (-a1c9155-dirty-comba-grads64-keys-exp2-probe.log).
 
-The decays are powers of 2 of exponents scaled by log2(e) once a row, with log2(scale) in the rows of the two scaled
-ones (E in dq's operand, E^T in the read part), so that no element takes the multiplications by log2(e) and scale;
-dLE's strict mask is on its exponent. 0.862 -> 0.848 ms, the backward 2.019 -> 2.010 (same log); the outputs moved
-by 2e-5 to 8e-5 (rel.) from the kernel's before, within their bf16 rounding. Both scaled factors come from the same
-fp32 exponents, so the read part's operand is still the transpose of dq's to the bit (their terms of d gc cancel).
+The decays are powers of 2 of exponents scaled by log2(e) once a row, with log2(scale) in the rows of the scaled one
+(E in dq's operand), so that no element takes the multiplications by log2(e) and scale; dLE's strict mask is on its
+exponent. 0.862 -> 0.848 ms, the backward 2.019 -> 2.010 (-a1c9155-dirty-comba-grads64-keys-exp2-probe.log); the
+outputs moved by 2e-5 to 8e-5 (rel.) from the kernel's before, within their bf16 rounding.
 """
 
 from triton.experimental import gluon
@@ -80,6 +87,7 @@ def _grads64_gluon_kernel(q_desc, k_desc, p_desc, do_desc, s_desc, ds_desc, vn_d
 
     s_b, ds_b, vn_b, x_b, do_b, q_b, k_b, p_b, state_bar, keys_bar = tile_buffers(
         q_desc, k_desc, p_desc, do_desc, s_desc, ds_desc, vn_desc, x_desc, K, V)
+    tt_b = ds_b._reinterpret(dtype, [2, BT, BT], q_desc.layout)  # dS'_n's bytes, once dk's state part has read it
     zero_acc = gl.zeros([BT, K], gl.float32, acc)
     log2_scale = gl.log2(scale)
 
@@ -92,6 +100,8 @@ def _grads64_gluon_kernel(q_desc, k_desc, p_desc, do_desc, s_desc, ds_desc, vn_d
         b, t0, trow, hk, scal_base, n_state_row, n_pos_row, n_row, n_hv = chunk_coords(c, step, N, H, K, V)
         zero = c // C
         s_s, ds_s, vn_s, x_s, do_s, q_s, k_s, p_s = views(zero, s_b, ds_b, vn_b, x_b, do_b, q_b, k_b, p_b)
+        op_s = tt_b.index(zero)
+        dl_s = tt_b.index(zero + 1)
         i_tt = gl.arange(0, BT, layout=row)[:, None] + zero
         j_tt = gl.arange(0, BT, layout=col)[None, :]
         ri = gl.arange(0, BT, layout=gl.SliceLayout(1, sq)) + zero
@@ -102,61 +112,63 @@ def _grads64_gluon_kernel(q_desc, k_desc, p_desc, do_desc, s_desc, ds_desc, vn_d
         tma.store_wait(0)
         gl.thread_barrier()  # the previous chunk's dk and dp have left q_s and p_s
         issue_keys(q_desc, k_desc, p_desc, q_s, k_s, p_s, keys_bar, trow, hk, True)
-        # The decay's exponents in base 2, and scale's folded into the rows of the scaled E and E^T.
+        # The decay's exponents in base 2, and scale's folded into the rows of the scaled E.
         gc2 = gc * LOG2E
         gs2 = gc2 + log2_scale
         gc_r = gl.convert_layout(gc, row)
         g2_r = gl.convert_layout(gc2, row)
         g2_c = gl.convert_layout(gc2, col)
         gs_r = gl.convert_layout(gs2, row)
-        gs_c = gl.convert_layout(gs2, col)
         bk_r = gl.convert_layout(bk, row)
 
         mbarrier.wait(state_bar, phase)
         s_ds = state_product(s_s, ds_s, sq, K)
 
-        # dq = scale [gam (dO S^T) + bf16(dO Vn^T * E) K]                                      q . dq -> d gc
+        # The products over V that dq needs, and dk's state part, which frees dS'_n's buffer for the two [64, 64]
+        # operands that dk takes transposed from shared memory.
         a0 = warpgroup_mma(do_s, vn_s.permute((1, 0)), zero_acc, is_async=True)
         dq_acc = warpgroup_mma(do_s, s_s.permute((1, 0)), zero_acc, is_async=True)
+        dk = warpgroup_mma(vn_s, ds_s.permute((1, 0)), zero_acc, is_async=True)
         e_low = gl.exp2(gl.where(i_tt >= j_tt, gs_r[:, None] - g2_c[None, :], float("-inf")))    # scale E
-        a0, dq_acc = warpgroup_mma_wait(0, deps=[a0, dq_acc])
-        op = gl.convert_layout((a0 * e_low).to(dtype), a_op)
+        a0, dq_acc, dk = warpgroup_mma_wait(0, deps=[a0, dq_acc, dk])
+        op = (a0 * e_low).to(dtype)
+        gl.thread_barrier()  # no warp reads dS'_n any more: the operands go there
+        op_s.store(op)
+
+        # dq = scale [gam (dO S^T) + bf16(dO Vn^T * E) K]                                      q . dq -> d gc
         dq_acc = dq_acc * (scale * gl.exp(gc_r))[:, None]
         mbarrier.wait(keys_bar, phase)
-        dq_acc = warpgroup_mma(op, k_s, dq_acc)
+        dq_acc = warpgroup_mma(gl.convert_layout(op, a_op), k_s, dq_acc)
         dgc = gl.sum(q_s.load(acc).to(gl.float32) * dq_acc, 1)
         dq_rows = (b.to(gl.int64) * (N * BT) + t0 + gl.arange(0, BT, layout=row)) * (H * K) + hk
         gl.store(dq + dq_rows[:, None] + gl.arange(0, K, layout=col)[None, :], dq_acc.to(dtype))
 
-        # dk = (Gam/gam) Vn dS'^T + read Q + bf16(dR^T diag(beta)) P, read = bf16(Vn dO^T * E^T * scale),
-        # dR^T = -(Vn X^T * E^T) on r < c;                                                    k . dk -> d gc
-        a1 = warpgroup_mma(vn_s, do_s.permute((1, 0)), zero_acc, is_async=True)
-        a2 = warpgroup_mma(vn_s, x_s.permute((1, 0)), zero_acc, is_async=True)
-        e_up = gl.exp2(gl.where(j_tt >= i_tt, gs_c[None, :] - g2_r[:, None], float("-inf")))     # scale E^T
-        a1, a2 = warpgroup_mma_wait(0, deps=[a1, a2])
-        op_read = gl.convert_layout((a1 * e_up).to(dtype), a_op)
-        dr_t = gl.where(i_tt < j_tt, a2 * e_up, 0.0) * gl.convert_layout(-bk / scale, col)[None, :]
-        op_dr = gl.convert_layout(dr_t.to(dtype), a_op)
-        dk = warpgroup_mma(vn_s, ds_s.permute((1, 0)), zero_acc) * gl.exp(glast - gc_r)[:, None]
+        # dLE = -(X Vn^T * E) strictly lower. dk = (Gam/gam) Vn dS'^T + read Q + bf16(dR^T diag(beta)) P, with
+        # read = bf16(Vn dO^T * E^T * scale), dq's operand transposed, and dR^T diag(beta) = (diag(beta) dLE)^T, both
+        # from shared memory;                                                                         k . dk -> d gc
+        a3 = warpgroup_mma(x_s, vn_s.permute((1, 0)), zero_acc, is_async=True)
+        dk = dk * gl.exp(glast - gc_r)[:, None]
         k_state = gl.sum(k_s.load(acc).to(gl.float32) * dk, 1)        # its chunk total goes to every row of dg
-        dk = warpgroup_mma(op_read, q_s, dk)
+        a3 = warpgroup_mma_wait(0, deps=[a3])
+        dle = -a3 * gl.exp2(gl.where(i_tt > j_tt, g2_r[:, None] - g2_c[None, :], float("-inf")))  # strictly lower
+        dl_s.store((bk_r[:, None] * dle).to(dtype))
+        fence_async_shared()
+        gl.thread_barrier()
+        dk = warpgroup_mma(op_s.permute((1, 0)), q_s, dk)
         dgc -= gl.sum(k_s.load(acc).to(gl.float32) * dk, 1)
-        dk = warpgroup_mma(op_dr, p_s, dk)
+        dk = warpgroup_mma(dl_s.permute((1, 0)), p_s, dk)
         gl.thread_barrier()  # no warp reads q_s any more: dk goes there
         q_s.store(dk.to(dtype))
         fence_async_shared()
         gl.thread_barrier()
         tma.async_copy_shared_to_global(dk_desc, [trow, hk], q_s)
 
-        # dp = beta (Y + bf16(dLE) K), Y = -gam (X S^T), dLE = -(X Vn^T * E) strictly lower;
+        # dp = beta (Y + bf16(dLE) K), Y = -gam (X S^T);
         # dbeta = p . Y + sum_j bf16(dLE)_ij (p_i . k_j) + the reverse scan's v parts
-        a3 = warpgroup_mma(x_s, vn_s.permute((1, 0)), zero_acc, is_async=True)
-        y = warpgroup_mma(x_s, s_s.permute((1, 0)), zero_acc, is_async=True)
-        a3, y = warpgroup_mma_wait(0, deps=[a3, y])
+        y = warpgroup_mma(x_s, s_s.permute((1, 0)), zero_acc)
         gl.thread_barrier()  # no warp reads the state group any more: the next chunk's may come
         issue_state(s_desc, ds_desc, vn_desc, x_desc, do_desc, s_s, ds_s, vn_s, x_s, do_s, state_bar, n_state_row,
                      n_pos_row, n_row, n_hv, c + step < C)
-        dle = -a3 * gl.exp2(gl.where(i_tt > j_tt, g2_r[:, None] - g2_c[None, :], float("-inf")))  # strictly lower
         y = y * -gl.exp(gc_r)[:, None]
         pk = warpgroup_mma(p_s, k_s.permute((1, 0)), zero_acc, is_async=True)                  # P K^T
         p_y = gl.sum(p_s.load(acc).to(gl.float32) * y, 1)
