@@ -26,6 +26,10 @@ they were needed at once, and their latency sat on the serial path (Nsight Compu
 global loads, -ad11608-comba-ncu.txt). 0.278 -> 0.240 ms at (8, 2048, 32, 128, 128), 0.333 -> 0.328 at K = 64
 (-8d3e6d2-comba-gates-probe.log).
 
+A TMA store is issued by one thread, so a wait on the stores holds that thread alone: a barrier after it keeps the
+other warps from writing a buffer that a store issued in the previous chunk may not have read yet (no change in time
+or outputs: bench/results/2026-11-30-824780b-comba-store-wait-probe.log).
+
 N is not specialized (one compile serves every T): compiled with N = 1 (T one chunk), as Triton specializes an integer
 argument equal to 1, the scan at K = 64 gave a wrong Vn (rel. 0.28; right with N not specialized,
 bench/results/2026-11-30-5404c07-comba-forward64-probe.log).
@@ -136,6 +140,7 @@ def _forward_scan_gluon_kernel(k_desc, p_desc, v_desc, a_desc, s_desc, vn_desc, 
                           gl.zeros([BT, K], gl.float32, acc_tk), is_async=True)
         # S_n in bf16 to shared memory once the previous chunk's stores have read it (and vn_s).
         tma.store_wait(0)
+        gl.thread_barrier()  # one thread issued the stores: its wait holds the other warps
         sb_s.store(S.to(dtype))
         fence_async_shared()
         gl.thread_barrier()

@@ -17,9 +17,17 @@ outputs bitwise equal (-8451943-comba-gates-ahead-probe.log). At (8, 2048, 32, 1
 the Triton scan; 0.550 with X and dv stored from registers, 0.693 with the gates loaded where each layout needed them;
 products issued earlier and asynchronously spilled 96-212 B and were slower
 (bench/results/2026-11-30-d51ce6b-dirty-comba-gluon-reverse-probe.log).
+
+A TMA store is issued by one thread, so a wait on the stores holds that thread alone: a barrier after it keeps the
+other warps from writing a buffer that a store issued in the previous chunk may not have read yet (no change in time
+or outputs: bench/results/2026-11-30-824780b-comba-store-wait-probe.log).
+
 At K = 64 the same scan with its two warpgroups along V (156 KB, one CTA an SM) took 0.783 ms at
 (16, 2048, 32, 64, 128) against 0.568 for the Triton scan, which fits two CTAs an SM: K = 64 keeps the Triton scan
-(bench/results/2026-11-30-c9d1677-comba-gluon-reverse-probe.log).
+(bench/results/2026-11-30-c9d1677-comba-gluon-reverse-probe.log). One warpgroup over all of V at K = 64, two CTAs an
+SM (p loaded into registers, A in one buffer, dv stored from dS'_n's buffer: 112 KB), took 0.643-0.667 ms against
+0.567 (-3807016-dirty-comba-gluon-reverse64-probe.log, branch tried/comba-gluon-reverse64), and 0.672 with the gates
+a chunk ahead and dv's store waited on apart from X's (-824780b-comba-store-wait-probe.log).
 """
 
 from triton.experimental import gluon
@@ -104,6 +112,7 @@ def _reverse_scan_gluon_kernel(k_desc, q_desc, p_desc, do_desc, a_desc, ds_desc,
                (bh * N + nxt) * BT, n > 0)
         # dS'_n in bf16 to shared memory once the previous chunk's stores have read it (and dvn_s, dv_s).
         tma.store_wait(0)
+        gl.thread_barrier()  # one thread issued the stores: its wait holds the other warps
         dsb_s.store(dS.to(dtype))
         fence_async_shared()
         gl.thread_barrier()
