@@ -38,6 +38,13 @@ their latency. dk and dp stored from registers, so that the next chunk's key gro
 0.987 against 0.862 ms (-01f2d5c-comba-keys-ahead-probe.log). Kept as TMA stores, with the next chunk's q and k
 copied once dk had left q_s (after dp's group of products, p's copy at the chunk's start behind a barrier of its own),
 it took 1.005 against 0.862 ms, all outputs bitwise equal (-a1c9155-dirty-comba-grads64-keys-exp2-probe.log).
+With the transposed operands (36 B of spill), each try to hide more latency spilled more and lost: the gates and
+dbeta's v parts a chunk ahead again 0.762-0.764 against 0.754-0.757 ms (60 B); each chunk's dg stored while the next
+chunk's first products run 0.761-0.763 (68 B); both 0.816-0.821 (140 B)
+(bench/results/2026-11-30-99980e5-comba-grads64-overlap-probe.log); X Vn^T's product and dLE before the wait for the
+key group, 0.745-0.785 against 0.752-0.767 in two probes, not kept, and with <S_n, dS'_n> then taken as the trace of
+S_n dS'_n^T (a product issued with dq's) 0.767-0.787 (52 B; -824780b-comba-store-wait-probe.log,
+-824780b-dirty-comba-grads64-order-probe.log).
 
 The decays are powers of 2 of exponents scaled by log2(e) once a row, with log2(scale) in the rows of the scaled one
 (E in dq's operand), so that no element takes the multiplications by log2(e) and scale; dLE's strict mask is on its
