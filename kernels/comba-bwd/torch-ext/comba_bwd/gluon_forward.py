@@ -16,7 +16,7 @@ two scans on two streams, it lost where a piece's scans fit in one wave (one CTA
 share an SM); in the one-piece backward that runs it, the backward gained at every K = 128 measure shape
 (bench/results/2026-11-30-f3bf90e-comba-gluon-forward-probe.log).
 
-At K = 64 one warpgroup (236 registers, no spill) holds the state, and A has one buffer of its own, copied once the
+At K = 64 one warpgroup (245 registers, no spill) holds the state, and A has one buffer of its own, copied once the
 previous chunk's A is in registers, so that the tiles take 112 KB and two CTAs share an SM (with two buffers, 120 KB:
 one CTA an SM). At (16, 2048, 32, 64, 128): 0.331 ms against 0.362 for the Triton scan (with S_n and Vn within their
 bf16 rounding of its; bench/results/2026-11-30-f83d5d4-comba-slices-probe.log).
