@@ -24,10 +24,6 @@ SPEC = "comba_backward"
 NAMES = ("dq", "dk", "dv", "dp", "dbeta", "dg")
 BENCH_SHAPE = (8, 2048, 32, 128, 128)
 SWEEP_SHAPES = [(8, 2048, 32, 128, 128), (16, 2048, 32, 64, 128)]
-# For `python -m tools.compile_sm90`: the gradient kernel at K = 64 is one warpgroup of 255 registers so that two CTAs
-# share an SM, and spills 36 B for it (two CTAs an SM against one: 0.935 against 1.246 ms for an earlier form of it,
-# bench/results/2026-11-30-104769c-comba-k64-probe.log).
-SPILLS_BY_DESIGN = {"_grads64_gluon_kernel": 256}
 
 
 def _make(B, T, H, K, V, device, seed=0):

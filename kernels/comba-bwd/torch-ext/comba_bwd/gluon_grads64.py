@@ -1,16 +1,18 @@
-"""Every gradient but dv in one Gluon kernel on Hopper at K = 64 (V = 128, bf16 inputs): `gluon_grads`' work for a
-chunk, in persistent CTAs of one warpgroup, two an SM.
+"""Every gradient in one Gluon kernel on Hopper at K = 64 (V = 128, bf16 inputs): `gluon_grads`' work for a chunk, and
+dv and dbeta's v part, which the reverse scan leaves out here, in persistent CTAs of one warpgroup, two an SM.
 
 At K = 64 the two-warpgroup `gluon_grads` (148 KB of shared memory, one CTA an SM) took as long as the Triton
 gradient kernels; its chunk's products run one after another, and while a CTA waits on a product or a copy its SM has
-nothing else to run. Here a CTA is one warpgroup of at most 255 registers a thread, and its tiles take 104 KB (107.5
-with the compiler's scratch), so that two CTAs share an SM and each runs while the other waits. To fit:
+nothing else to run. Here a CTA is one warpgroup of at most 255 registers a thread, and its tiles take 104 KB (105.6
+with the compiler's scratch, barriers and two [64] vectors), so that two CTAs share an SM and each runs while the other
+waits. To fit:
 - the [64, 64] A operands of dq's and dp's products over the chunk stay in registers (one warpgroup holds each whole
   anyway); dk's two, taken transposed by the warpgroup MMA, go to dS'_n's buffer once dk's state part has read it;
 - a chunk's products go in three groups, dq's (with dk's state part), dk's and dp's, each with the products over V it
   needs, so that few accumulators are live at once; dk leaves (by TMA, from q's buffer) before dp's group starts;
-- dq is stored from registers (a TMA store would need another 8 KB buffer: 16 bytes more than two CTAs may have).
-The gates, the state and key groups of tiles and their copies are `gluon_grads`'. The products, their roundings to
+- buffers are lent while their tiles are not needed: dq leaves by TMA from dLE's half of dS'_n's buffer, before dLE is
+  made there, and v comes into dS'_n's buffer once dk's products are done, for v . X (dbeta's v part).
+The gates, the key group and its copy are `gluon_grads`'. The products, their roundings to
 bf16 and the terms of d gc are that kernel's, but each chunk total of d gc (sum_i k_i . dk_i over the state part, and
 Gam <S_n, dS'_n>) is added to every row of dg in the final masked row sum, where that kernel adds it to the chunk's last
 row before the reverse cumsum: the same sums, and here the form that was right (added to the last row through a mask
@@ -28,17 +30,45 @@ before scaled by beta/scale a product that held scale), and 136 -> 36 B of spill
 At (16, 2048, 32, 64, 128), in the benchmark's stage sweep before that: 0.850 ms
 (bench/results/2026-11-30-be323b0-comba.md; 0.867 at c5b1718, -c5b1718-comba.md), where the Triton gradient kernels
 took 1.031 + 0.020 (-cbae741-comba.md); side by side in one probe, an earlier form of it (its accumulators in two
-layouts) 0.935 against their 1.054, and 1.246 with one CTA an SM (-104769c-comba-k64-probe.log). ptxas: 255 registers,
-36 bytes of spill (within the benchmark's SPILLS_BY_DESIGN), 107.5 KB of shared memory.
+layouts) 0.935 against their 1.054, and 1.246 with one CTA an SM (-104769c-comba-k64-probe.log).
 
-Its gates and dbeta's v parts are loaded with the chunk. A chunk ahead, as `gluon_grads` loads them, they held
+The kernel's time follows the bytes it moves more than its products (Nsight Compute had its DRAM 56% busy and no pipe
+near its limit, -e5117ea-comba-ncu-k64.txt), and how early a tile's copy starts counts: each of the state group's
+tiles is copied for the next chunk as soon as this chunk is done with it, on a barrier of its own, dO after the first
+products, Vn after X Vn^T, S_n after X S^T, dS'_n after v . X (its buffer lent to v) and X at the chunk's end, after
+dv; the wait at the chunk's start is on S_n, dS'_n, dO and Vn, and X's before X Vn^T. In side-by-side probes at
+(16, 2048, 32, 64, 128) (bench/results/2026-12-01-1dbcb26-dirty-comba-grads64-*-probe.log), against the kernel before
+(all five tiles on one barrier, copied after X S^T; 0.750-0.785 ms, backward 1.846-1.914 across the probes):
+- dO and Vn copied early: 0.706-0.786 ms in three probes, backward 1.797-1.890 against 1.846-1.914
+  (-early-copies-probe.log, -early-copies2-probe.log, -dv-dq-probe.log); dS'_n as well, once dk's products are
+  done: 0.720-0.723 against 0.706-0.712 (-early-copies2);
+- dv = beta X stored here (the reverse scan then stores none: 0.567 -> 0.484 ms), from X's tile at the chunk's end with
+  X then copied on a barrier of its own: 0.668-0.716, backward 1.714-1.781 (-dv-dq-probe.log, -dv-dq-tma-probe.log);
+  dv stored while X S^T runs, X still with S_n and dS'_n: 0.859-0.864 (-early-copies2);
+- dq by TMA from dLE's buffer (its register stores cost about 0.07 ms: 0.661-0.667 without them, -dv-dq): 0.640-0.658,
+  backward 1.697-1.710 against 1.714-1.718 and head's 1.860-1.864 (-dv-dq-tma-probe.log); dq converted to 16-byte
+  stores through the compiler's scratch instead, 0.691-0.697 (-dv-dq); dv too by TMA, from X's buffer (X then copied at
+  the next chunk's start), 0.641-0.649 but backward 1.716-1.731 (-dv-dq-tma);
+- dbeta's v part here too (the reverse scan then loads no v: 0.484 -> 0.399 ms): 0.697-0.703, backward 1.679-1.698
+  against 1.700-1.717 and head's 1.851-1.856 (-v-part-probe.log). With v copied into dO's buffer after the first
+  products instead (dO then copied after X S^T), 0.857-0.944 and a backward within 0.05 ms of head's either way
+  (bench/results/2026-11-30-1dbcb26-dirty-comba-v-adjoint-in-grads-probe.log, -early-copies-probe.log,
+  -early-copies2-probe.log).
+dv and dbeta's v part are made from X in bf16, where the reverse scan made them from X in fp32: dv moved from the
+Triton path's by 2.8e-3 and dbeta by 2.5e-3 (rel.), one more bf16 rounding; their errors against the spec are in
+the benchmark. dO Vn^T issued before the wait on S_n and dS'_n read dO and Vn before they had landed in a CTA's
+first chunk (they come with its state group there) and gave NaN (-dq-tma-probe.log, A0); it was no faster.
+ptxas: 255 registers, no spill, 105.6 KB of shared memory.
+
+Its gates are loaded with the chunk. A chunk ahead, as `gluon_grads` loads them (with dbeta's v parts, which came
+from the reverse scan then), they held
 registers across the chunk (192 B of spill) and the kernel took 0.877-0.893 against 0.863-0.900 ms, the backward
 2.056 against 2.036-2.049 (bench/results/2026-11-30-8451943-comba-gates-ahead-probe.log); two CTAs an SM hide most of
 their latency. dk and dp stored from registers, so that the next chunk's key group could be copied a chunk ahead, took
 0.987 against 0.862 ms (-01f2d5c-comba-keys-ahead-probe.log). Kept as TMA stores, with the next chunk's q and k
 copied once dk had left q_s (after dp's group of products, p's copy at the chunk's start behind a barrier of its own),
 it took 1.005 against 0.862 ms, all outputs bitwise equal (-a1c9155-dirty-comba-grads64-keys-exp2-probe.log).
-With the transposed operands (36 B of spill), each try to hide more latency spilled more and lost: the gates and
+With the transposed operands (36 B of spill then), each try to hide more latency spilled more and lost: the gates and
 dbeta's v parts a chunk ahead again 0.762-0.764 against 0.754-0.757 ms (60 B); each chunk's dg stored while the next
 chunk's first products run 0.761-0.763 (68 B); both 0.816-0.821 (140 B)
 (bench/results/2026-11-30-99980e5-comba-grads64-overlap-probe.log); X Vn^T's product and dLE before the wait for the
@@ -67,10 +97,8 @@ from .gluon_grads import (
     chunk_coords,
     issue_first_state,
     issue_keys,
-    issue_state,
     state_product,
     tile_buffers,
-    v_parts,
     views,
 )
 from .reference import CHUNK
@@ -81,9 +109,39 @@ LOG2E = gl.constexpr(1.4426950408889634)
 
 
 @gluon.jit
-def _grads64_gluon_kernel(q_desc, k_desc, p_desc, do_desc, s_desc, ds_desc, vn_desc, x_desc, dk_desc, dp_desc, dq,
-                          beta, g, dbeta_v, dbeta, dg, scale, N, H, n_pos, K: gl.constexpr, V: gl.constexpr,
-                          NV: gl.constexpr):
+def _copy_tile(desc, row, col, bar, buf, pred):
+    """Start the copy of one tile into buf, on a barrier of its own (where pred)."""
+    mbarrier.expect(bar, desc.block_type.nbytes, pred=pred)
+    tma.async_copy_global_to_shared(desc, [row, col], bar, buf, pred)
+
+
+@gluon.jit
+def _store_dv(x_s, beta_s, dv, trow, hv, H, V: gl.constexpr):
+    """dv = beta X of the chunk from X's tile and beta (fp32 [BT] in shared memory), 16 rows at a time, so that few
+    registers are live, and 16 bytes a thread a store."""
+    rows: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
+    c = gl.arange(0, V, layout=gl.SliceLayout(0, rows))
+    for r0 in gl.static_range(0, BT, 16):
+        r = r0 + gl.arange(0, 16, layout=gl.SliceLayout(1, rows))
+        b = beta_s.slice(r0, 16).load(gl.SliceLayout(1, rows))
+        x = x_s.slice(r0, 16).load(rows).to(gl.float32)
+        gl.store(dv + (trow + r).to(gl.int64)[:, None] * (H * V) + hv + c[None, :],
+                 (b[:, None] * x).to(dv.dtype.element_ty))
+
+
+@gluon.jit
+def _v_dot_x(x_s, v_s, vx_s, V: gl.constexpr):
+    """dbeta's v part, v . X by row, from v's and X's tiles to vx_s (fp32 [BT]), 16 rows at a time."""
+    rows: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
+    for r0 in gl.static_range(0, BT, 16):
+        x = x_s.slice(r0, 16).load(rows).to(gl.float32)
+        vx_s.slice(r0, 16).store(gl.sum(v_s.slice(r0, 16).load(rows).to(gl.float32) * x, 1))
+
+
+@gluon.jit
+def _grads64_gluon_kernel(q_desc, k_desc, p_desc, do_desc, v_desc, s_desc, ds_desc, vn_desc, x_desc, dq_desc,
+                          dk_desc, dp_desc, dv, beta, g, dbeta, dg, scale, N, H, n_pos, K: gl.constexpr,
+                          V: gl.constexpr):
     dtype: gl.constexpr = q_desc.dtype
     # One layout for every [64, 64] accumulator (K = 64 = the chunk), and the A operands taken from it in registers.
     acc: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, K, 16])
@@ -95,12 +153,31 @@ def _grads64_gluon_kernel(q_desc, k_desc, p_desc, do_desc, s_desc, ds_desc, vn_d
     s_b, ds_b, vn_b, x_b, do_b, q_b, k_b, p_b, state_bar, keys_bar = tile_buffers(
         q_desc, k_desc, p_desc, do_desc, s_desc, ds_desc, vn_desc, x_desc, K, V)
     tt_b = ds_b._reinterpret(dtype, [2, BT, BT], q_desc.layout)  # dS'_n's bytes, once dk's state part has read it
+    # dO, Vn and X are copied for the next chunk as soon as this one is done with them, each on a barrier of its own;
+    # the state_bar of `tile_buffers` then covers S_n and dS'_n alone (all five for a CTA's first chunk).
+    early_bars = gl.allocate_shared_memory(gl.int64, [5, 1], mbarrier.MBarrierLayout())
+    do_bar = early_bars.index(0)
+    vn_bar = early_bars.index(1)
+    x_bar = early_bars.index(2)
+    ds_bar = early_bars.index(3)
+    v_bar = early_bars.index(4)
+    mbarrier.init(do_bar, count=1)
+    mbarrier.init(vn_bar, count=1)
+    mbarrier.init(x_bar, count=1)
+    mbarrier.init(ds_bar, count=1)
+    mbarrier.init(v_bar, count=1)
+    vx_s = gl.allocate_shared_memory(gl.float32, [BT], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    beta_s = gl.allocate_shared_memory(gl.float32, [BT], gl.SwizzledSharedLayout(1, 1, 1, [0]))  # for dv
     zero_acc = gl.zeros([BT, K], gl.float32, acc)
     log2_scale = gl.log2(scale)
 
     C = n_pos // BT  # chunks in all: B H N (n_pos = B T H)
     step = gl.num_programs(0)
     issue_first_state(s_desc, ds_desc, vn_desc, x_desc, do_desc, s_b, ds_b, vn_b, x_b, do_b, state_bar, N, H, K, V)
+    mbarrier.arrive(do_bar)  # the first chunk's dO, Vn and X come with its state group
+    mbarrier.arrive(vn_bar)
+    mbarrier.arrive(x_bar)
+    mbarrier.arrive(ds_bar)
 
     phase = 0
     for c in range(gl.program_id(0), C, step):
@@ -114,8 +191,8 @@ def _grads64_gluon_kernel(q_desc, k_desc, p_desc, do_desc, s_desc, ds_desc, vn_d
         ri = gl.arange(0, BT, layout=gl.SliceLayout(1, sq)) + zero
         rj = gl.arange(0, BT, layout=gl.SliceLayout(0, sq))
         gc, glast, bk = gates(g, beta, scal_base, t0, H)
+        beta_s.store(bk)
         rows_h = scal_base + (t0 + gl.arange(0, BT, layout=row)) * H
-        db = v_parts(dbeta_v, rows_h, n_pos, NV)
         tma.store_wait(0)
         gl.thread_barrier()  # the previous chunk's dk and dp have left q_s and p_s
         issue_keys(q_desc, k_desc, p_desc, q_s, k_s, p_s, keys_bar, trow, hk, True)
@@ -129,6 +206,9 @@ def _grads64_gluon_kernel(q_desc, k_desc, p_desc, do_desc, s_desc, ds_desc, vn_d
         bk_r = gl.convert_layout(bk, row)
 
         mbarrier.wait(state_bar, phase)
+        mbarrier.wait(ds_bar, phase)
+        mbarrier.wait(do_bar, phase)
+        mbarrier.wait(vn_bar, phase)
         s_ds = state_product(s_s, ds_s, sq, K)
 
         # The products over V that dq needs, and dk's state part, which frees dS'_n's buffer for the two [64, 64]
@@ -140,6 +220,8 @@ def _grads64_gluon_kernel(q_desc, k_desc, p_desc, do_desc, s_desc, ds_desc, vn_d
         a0, dq_acc, dk = warpgroup_mma_wait(0, deps=[a0, dq_acc, dk])
         op = (a0 * e_low).to(dtype)
         gl.thread_barrier()  # no warp reads dS'_n any more: the operands go there
+        nxt = c + step < C
+        _copy_tile(do_desc, n_row, n_hv, do_bar, do_s, nxt)
         op_s.store(op)
 
         # dq = scale [gam (dO S^T) + bf16(dO Vn^T * E) K]                                      q . dq -> d gc
@@ -147,24 +229,31 @@ def _grads64_gluon_kernel(q_desc, k_desc, p_desc, do_desc, s_desc, ds_desc, vn_d
         mbarrier.wait(keys_bar, phase)
         dq_acc = warpgroup_mma(gl.convert_layout(op, a_op), k_s, dq_acc)
         dgc = gl.sum(q_s.load(acc).to(gl.float32) * dq_acc, 1)
-        dq_rows = (b.to(gl.int64) * (N * BT) + t0 + gl.arange(0, BT, layout=row)) * (H * K) + hk
-        gl.store(dq + dq_rows[:, None] + gl.arange(0, K, layout=col)[None, :], dq_acc.to(dtype))
+        dl_s.store(dq_acc.to(dtype))  # dq leaves by TMA from dLE's buffer before dLE is made there
+        fence_async_shared()
+        gl.thread_barrier()
+        tma.async_copy_shared_to_global(dq_desc, [trow, hk], dl_s)
 
         # dLE = -(X Vn^T * E) strictly lower. dk = (Gam/gam) Vn dS'^T + read Q + bf16(dR^T diag(beta)) P, with
         # read = bf16(Vn dO^T * E^T * scale), dq's operand transposed, and dR^T diag(beta) = (diag(beta) dLE)^T, both
         # from shared memory;                                                                         k . dk -> d gc
+        mbarrier.wait(x_bar, phase)
         a3 = warpgroup_mma(x_s, vn_s.permute((1, 0)), zero_acc, is_async=True)
         dk = dk * gl.exp(glast - gc_r)[:, None]
         k_state = gl.sum(k_s.load(acc).to(gl.float32) * dk, 1)        # its chunk total goes to every row of dg
         a3 = warpgroup_mma_wait(0, deps=[a3])
         dle = -a3 * gl.exp2(gl.where(i_tt > j_tt, g2_r[:, None] - g2_c[None, :], float("-inf")))  # strictly lower
+        tma.store_wait(0)
+        gl.thread_barrier()  # dq has left dl_s
         dl_s.store((bk_r[:, None] * dle).to(dtype))
         fence_async_shared()
         gl.thread_barrier()
+        _copy_tile(vn_desc, n_pos_row, 0, vn_bar, vn_s, nxt)
         dk = warpgroup_mma(op_s.permute((1, 0)), q_s, dk)
         dgc -= gl.sum(k_s.load(acc).to(gl.float32) * dk, 1)
         dk = warpgroup_mma(dl_s.permute((1, 0)), p_s, dk)
         gl.thread_barrier()  # no warp reads q_s any more: dk goes there
+        _copy_tile(v_desc, trow, hk // K * V, v_bar, ds_s, True)  # v into dS'_n's bytes, for v . X
         q_s.store(dk.to(dtype))
         fence_async_shared()
         gl.thread_barrier()
@@ -173,9 +262,8 @@ def _grads64_gluon_kernel(q_desc, k_desc, p_desc, do_desc, s_desc, ds_desc, vn_d
         # dp = beta (Y + bf16(dLE) K), Y = -gam (X S^T);
         # dbeta = p . Y + sum_j bf16(dLE)_ij (p_i . k_j) + the reverse scan's v parts
         y = warpgroup_mma(x_s, s_s.permute((1, 0)), zero_acc)
-        gl.thread_barrier()  # no warp reads the state group any more: the next chunk's may come
-        issue_state(s_desc, ds_desc, vn_desc, x_desc, do_desc, s_s, ds_s, vn_s, x_s, do_s, state_bar, n_state_row,
-                     n_pos_row, n_row, n_hv, c + step < C)
+        gl.thread_barrier()  # no warp reads S_n or dS'_n any more: the next chunk's may come
+        _copy_tile(s_desc, n_state_row, 0, state_bar, s_s, nxt)
         y = y * -gl.exp(gc_r)[:, None]
         pk = warpgroup_mma(p_s, k_s.permute((1, 0)), zero_acc, is_async=True)                  # P K^T
         p_y = gl.sum(p_s.load(acc).to(gl.float32) * y, 1)
@@ -186,6 +274,11 @@ def _grads64_gluon_kernel(q_desc, k_desc, p_desc, do_desc, s_desc, ds_desc, vn_d
         fence_async_shared()
         gl.thread_barrier()
         tma.async_copy_shared_to_global(dp_desc, [trow, hk], p_s)
+        mbarrier.wait(v_bar, phase)
+        _v_dot_x(x_s, ds_s, vx_s, V)
+        gl.thread_barrier()  # v has left dS'_n's bytes: the next chunk's dS'_n may come
+        _copy_tile(ds_desc, n_state_row, 0, ds_bar, ds_s, nxt)
+        db = vx_s.load(row)
 
         db += p_y + gl.sum(dle.to(dtype).to(gl.float32) * pk, 1)
         gl.store(dbeta + rows_h, db.to(dbeta.dtype.element_ty))
@@ -196,16 +289,25 @@ def _grads64_gluon_kernel(q_desc, k_desc, p_desc, do_desc, s_desc, ds_desc, vn_d
         k_state_j = gl.convert_layout(k_state, gl.SliceLayout(0, sq))
         dg_i = gl.sum(gl.where(rj[None, :] >= ri[:, None], dgc_j[None, :], 0.0) + k_state_j[None, :], 1)
         gl.store(dg + scal_base + (t0 + ri) * H, dg_i + gl.exp(glast) * s_ds)
+        _store_dv(x_s, beta_s, dv, trow, hk // K * V, H, V)
+        gl.thread_barrier()  # no warp reads X any more: the next chunk's may come
+        _copy_tile(x_desc, n_pos_row, 0, x_bar, x_s, nxt)
         phase ^= 1
     tma.store_wait(0)
     mbarrier.invalidate(state_bar)
     mbarrier.invalidate(keys_bar)
+    mbarrier.invalidate(do_bar)
+    mbarrier.invalidate(vn_bar)
+    mbarrier.invalidate(x_bar)
+    mbarrier.invalidate(ds_bar)
+    mbarrier.invalidate(v_bar)
 
 
-def launch(t, q, do, beta, g, dbeta_v, dq, dk, dp, dbeta, dg, scale: float):
-    """As `gluon_grads.launch`, at K = 64: dq, dk, dp, dbeta and dg written in place."""
+def launch(t, q, beta, g, dq, dk, dv, dp, dbeta, dg, scale: float):
+    """As `gluon_grads.launch`, at K = 64, with dv (= beta X) and dbeta's v part (v . X) made here, where the reverse
+    scan leaves them out: dq, dk, dv, dp, dbeta and dg written in place."""
     B, T, H, K = q.shape
-    V = do.shape[-1]
+    V = dv.shape[-1]
     _grads64_gluon_kernel[(min(B * H * (T // CHUNK), CTAS_PER_SM * sms(q.device)),)](
-        t.q, t.k, t.p, t.do, t.S, t.dS, t.Vn, t.X, chunk_rows(dk), chunk_rows(dp), dq, beta, g, dbeta_v, dbeta, dg,
-        scale, T // CHUNK, H, B * T * H, K, V, dbeta_v.shape[0], num_warps=WARPS)
+        t.q, t.k, t.p, t.do, t.v, t.S, t.dS, t.Vn, t.X, chunk_rows(dq), chunk_rows(dk), chunk_rows(dp), dv, beta, g,
+        dbeta, dg, scale, T // CHUNK, H, B * T * H, K, V, num_warps=WARPS)

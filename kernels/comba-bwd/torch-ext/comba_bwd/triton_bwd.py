@@ -8,7 +8,7 @@ A = (I + L)^-1, Vn = A (beta V) - A (beta gam P) S, X = A^T dVn.
   2. _forward_scan_kernel (serial over chunks, per (b, h, V block))  S_n (bf16) and Vn (bf16) -> HBM.
   3. _reverse_scan_kernel (serial over chunks, reversed, dS in fp32)  dS'_n (bf16) -> HBM, and the chunk
      transform's adjoint X = A^T dVn of its V block: X (bf16), dv = beta X, and the block's part of
-     sum_v(v X) (fp32) -> HBM; dVn itself never leaves registers.
+     sum_v(v X) (fp32) -> HBM (the last two left to `gluon_grads64` where it runs); dVn never leaves registers.
   4. _grads_kernel        (chunk-parallel, three programs a chunk)  dq, dk, dp and dbeta, by three parts
      (_q_part, _k_part, _pb_part) that run side by side, each with its terms of d gc (fp32 scratch).
   5. _dg_kernel           (chunk-parallel)  dg from the three parts' terms of d gc.
@@ -17,7 +17,8 @@ A = (I + L)^-1, Vn = A (beta V) - A (beta gam P) S, X = A^T dVn.
 On Hopper with bf16 inputs and V = 128, Gluon kernels run instead of stages 2 to 5 at K = 128: `gluon_forward` and
 `gluon_reverse`, one CTA a (b, h) over all of V, and `gluon_grads`, stages 4 and 5 in one kernel; at K = 64
 `gluon_transform` (no data moved between threads) instead of stage 1, `gluon_forward` (one warpgroup a CTA) instead of
-stage 2 and `gluon_grads64` (one warpgroup a CTA, two CTAs an SM) instead of stages 4 and 5.
+stage 2 and `gluon_grads64` (one warpgroup a CTA, two CTAs an SM, dv and dbeta's v part from X as well) instead of
+stages 4 and 5.
 
 Design choices (see README "Design"):
 - The per-chunk A and states are materialised in HBM: the solve would sit on the serial path of the scans,
@@ -288,9 +289,9 @@ def _forward_scan_kernel(k, v, p, beta, g, A, S_out, Vn_out, N, H, K: tl.constex
 
 @triton.jit
 def _reverse_step(q, k, v, p, beta, g, do, A, dS_out, X_out, dv, dbeta_v, dS, n, bh, iv, scal_base, scale, N,
-                  H, cv, K: tl.constexpr, V: tl.constexpr, W_FIRST: tl.constexpr):
-    """Chunk n of the reverse scan: store dS'_n, X = A^T dVn, dv and this V block's part of sum_v(v X); return
-    the gradient of the state before the chunk."""
+                  H, cv, K: tl.constexpr, V: tl.constexpr, W_FIRST: tl.constexpr, V_ADJOINT: tl.constexpr):
+    """Chunk n of the reverse scan: store dS'_n, X = A^T dVn and, where V_ADJOINT, dv and this V block's part of
+    sum_v(v X) (else the gradient kernel makes them from X); return the gradient of the state before the chunk."""
     T = N * BT
     r = tl.arange(0, BT)
     t0, gc, glast, bk, gam, chunk = _scan_chunk(g, beta, dS_out, dS, n, bh, scal_base, N, H, cv, K, V)
@@ -320,9 +321,11 @@ def _reverse_step(q, k, v, p, beta, g, do, A, dS_out, X_out, dv, dbeta_v, dS, n,
     # The chunk transform's adjoint on this V block: X = A^T dVn, dv = beta X, dbeta's v part.
     X = tl.dot(a_t, dVn)
     tl.store(X_out + (bh.to(tl.int64) * T + t0 + r)[:, None] * V + cv[None, :], X.to(X_out.dtype.element_ty))
-    vk = tl.load(v + scal_base * V + (t0 + r)[:, None] * (H * V) + cv[None, :]).to(tl.float32)
-    tl.store(dv + scal_base * V + (t0 + r)[:, None] * (H * V) + cv[None, :], (bk[:, None] * X).to(dv.dtype.element_ty))
-    tl.store(dbeta_v + iv * _n_pos(T, H) + scal_base + (t0 + r) * H, tl.sum(vk * X, 1))
+    if V_ADJOINT:
+        vk = tl.load(v + scal_base * V + (t0 + r)[:, None] * (H * V) + cv[None, :]).to(tl.float32)
+        tl.store(dv + scal_base * V + (t0 + r)[:, None] * (H * V) + cv[None, :],
+                 (bk[:, None] * X).to(dv.dtype.element_ty))
+        tl.store(dbeta_v + iv * _n_pos(T, H) + scal_base + (t0 + r) * H, tl.sum(vk * X, 1))
     if not W_FIRST:
         pt = tl.load(_rows_t(p, scal_base * K, t0, H * K, K))
         dS = tl.dot((pt * -(bk * gam)[None, :]).to(tl.bfloat16), X.to(tl.bfloat16), acc=dS)
@@ -331,14 +334,14 @@ def _reverse_step(q, k, v, p, beta, g, do, A, dS_out, X_out, dv, dbeta_v, dS, n,
 
 @triton.jit(do_not_specialize=["N"])
 def _reverse_scan_kernel(q, k, v, p, beta, g, do, A, dS_out, X_out, dv, dbeta_v, scale, N, H, K: tl.constexpr,
-                         V: tl.constexpr, BV: tl.constexpr, STAGES: tl.constexpr):
+                         V: tl.constexpr, BV: tl.constexpr, STAGES: tl.constexpr, V_ADJOINT: tl.constexpr):
     iv, bh = tl.program_id(0), tl.program_id(1)
     scal_base = (bh // H).to(tl.int64) * N * BT * H + bh % H
     cv = iv * BV + tl.arange(0, BV)
     dS = tl.zeros([K, BV], dtype=tl.float32)
     for i in tl.range(0, N, num_stages=STAGES):  # chunks N - 1 down to 0
         dS = _reverse_step(q, k, v, p, beta, g, do, A, dS_out, X_out, dv, dbeta_v, dS, N - 1 - i, bh, iv, scal_base,
-                           scale, N, H, cv, K, V, BV == V)
+                           scale, N, H, cv, K, V, BV == V, V_ADJOINT)
 
 
 @triton.jit
@@ -564,7 +567,10 @@ def comba_backward_stages(q, k, v, p, beta, g, do, scale: float, grads=None):
     BV, SBV = min(V_BLOCK, V), min(V, SCAN_STATE // K)
     dev = q.device
     gluon = _gluon_stages(q, V)
-    NV = 1 if "reverse_scan" in gluon else V // SBV  # dbeta's v parts: one per reverse-scan V block
+    # dv = beta X and dbeta's v part, v . X, come from the reverse scan (the latter in parts, one per V block of it),
+    # or from the K = 64 Gluon gradient kernel, which reads X anyway, where that kernel runs (`gluon_grads64`).
+    v_adjoint_in_grads = "grads" in gluon and K == 64
+    NV = 0 if v_adjoint_in_grads else 1 if "reverse_scan" in gluon else V // SBV
     A = torch.empty(BH, N, CHUNK, CHUNK, device=dev, dtype=torch.bfloat16)
     S = torch.empty(BH, N, K, V, device=dev, dtype=torch.bfloat16)
     dS = torch.empty_like(S)
@@ -588,11 +594,12 @@ def comba_backward_stages(q, k, v, p, beta, g, do, scale: float, grads=None):
     if "reverse_scan" in gluon:
         stages["reverse_scan"] = lambda: gluon_reverse.launch(t, q, v, beta, g, dv, dbeta_v, scale)
     else:
-        stages["reverse_scan"] = lambda: _reverse_scan_kernel[(V // SBV, BH)](q, k, v, p, beta, g, do, A, dS, X, dv,
-                                                                             dbeta_v, scale, N, H, **scan)
-    if "grads" in gluon:
-        kernel = gluon_grads if K == 128 else gluon_grads64
-        stages["grads"] = lambda: kernel.launch(t, q, do, beta, g, dbeta_v, dq, dk, dp, dbeta, dg, scale)
+        stages["reverse_scan"] = lambda: _reverse_scan_kernel[(V // SBV, BH)](
+            q, k, v, p, beta, g, do, A, dS, X, dv, dbeta_v, scale, N, H, V_ADJOINT=not v_adjoint_in_grads, **scan)
+    if v_adjoint_in_grads:
+        stages["grads"] = lambda: gluon_grads64.launch(t, q, beta, g, dq, dk, dv, dp, dbeta, dg, scale)
+    elif "grads" in gluon:
+        stages["grads"] = lambda: gluon_grads.launch(t, q, do, beta, g, dbeta_v, dq, dk, dp, dbeta, dg, scale)
     else:
         dgc_parts = torch.empty(3, BH, Tp, device=dev, dtype=torch.float32)  # d gc terms, per gradient part
         stages["grads"] = lambda: _grads_kernel[(3 * N, BH)](q, k, p, beta, g, do, S, dS, Vn, X, dbeta_v, dq, dk, dp,
