@@ -153,8 +153,9 @@ def _grads64_gluon_kernel(q_desc, k_desc, p_desc, do_desc, v_desc, s_desc, ds_de
     s_b, ds_b, vn_b, x_b, do_b, q_b, k_b, p_b, state_bar, keys_bar = tile_buffers(
         q_desc, k_desc, p_desc, do_desc, s_desc, ds_desc, vn_desc, x_desc, K, V)
     tt_b = ds_b._reinterpret(dtype, [2, BT, BT], q_desc.layout)  # dS'_n's bytes, once dk's state part has read it
-    # dO, Vn and X are copied for the next chunk as soon as this one is done with them, each on a barrier of its own;
-    # the state_bar of `tile_buffers` then covers S_n and dS'_n alone (all five for a CTA's first chunk).
+    # dO, Vn, dS'_n and X are copied for the next chunk as soon as this one is done with them, each on a barrier of its
+    # own, and v into dS'_n's buffer on one more; the state_bar of `tile_buffers` then covers S_n alone (all five
+    # state tiles for a CTA's first chunk).
     early_bars = gl.allocate_shared_memory(gl.int64, [5, 1], mbarrier.MBarrierLayout())
     do_bar = early_bars.index(0)
     vn_bar = early_bars.index(1)
@@ -174,7 +175,7 @@ def _grads64_gluon_kernel(q_desc, k_desc, p_desc, do_desc, v_desc, s_desc, ds_de
     C = n_pos // BT  # chunks in all: B H N (n_pos = B T H)
     step = gl.num_programs(0)
     issue_first_state(s_desc, ds_desc, vn_desc, x_desc, do_desc, s_b, ds_b, vn_b, x_b, do_b, state_bar, N, H, K, V)
-    mbarrier.arrive(do_bar)  # the first chunk's dO, Vn and X come with its state group
+    mbarrier.arrive(do_bar)  # the first chunk's dO, Vn, X and dS'_n come with its state group
     mbarrier.arrive(vn_bar)
     mbarrier.arrive(x_bar)
     mbarrier.arrive(ds_bar)
