@@ -41,6 +41,12 @@ def sms(device: torch.device) -> int:
 
 
 @gluon.jit
+def scal_base(b, h, N, H):
+    """The offset of (b, 0, h) in a (B, T, H) tensor of N chunks in time."""
+    return b.to(gl.int64) * (N * BT) * H + h
+
+
+@gluon.jit
 def gate_loads(g, beta, scal_base, t0, H):
     """The gates of the chunk from t0 as loaded: g [BT] in the column slice and beta [BT] in the row slice of a
     [BT, BT] blocked layout over the kernel's warps. The forward scan and the K = 128 gradient kernel load them a chunk

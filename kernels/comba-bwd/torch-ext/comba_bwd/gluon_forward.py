@@ -45,7 +45,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from .gluon_common import BT, chunk_gates, gate_loads
+from .gluon_common import BT, chunk_gates, gate_loads, scal_base
 from .reference import CHUNK
 
 
@@ -76,7 +76,7 @@ def _forward_scan_gluon_kernel(k_desc, p_desc, v_desc, a_desc, s_desc, vn_desc, 
     b = bh // H
     h = bh % H
     T = N * BT
-    scal_base = b.to(gl.int64) * T * H + h
+    base = scal_base(b, h, N, H)
     dtype: gl.constexpr = k_desc.dtype
 
     # Accumulator layouts: [K, V] (the state) with the WG warpgroups along M, [64, V] and [64, K] along N.
@@ -112,7 +112,7 @@ def _forward_scan_gluon_kernel(k_desc, p_desc, v_desc, a_desc, s_desc, vn_desc, 
         _issue_a(a_desc, a_s.index(0), a_bar, bh * N * BT, True)
 
     S = gl.zeros([K, V], gl.float32, acc_kv)
-    gj, beta_rows = gate_loads(g, beta, scal_base, 0, H)
+    gj, beta_rows = gate_loads(g, beta, base, 0, H)
     for n in range(N):
         s = n % 2
         t0 = n * BT
@@ -122,7 +122,7 @@ def _forward_scan_gluon_kernel(k_desc, p_desc, v_desc, a_desc, s_desc, vn_desc, 
                a_s.index((1 - s) % A_STAGES), bars.index(1 - s), row0 + nxt * BT, hk, hv, (bh * N + nxt) * BT,
                n + 1 < N, A_STAGES == 2)
         gc, glast, bk = chunk_gates(gj, beta_rows)
-        gj, beta_rows = gate_loads(g, beta, scal_base, nxt * BT, H)  # the next chunk's, a chunk ahead
+        gj, beta_rows = gate_loads(g, beta, base, nxt * BT, H)  # the next chunk's, a chunk ahead
         mbarrier.wait(bars.index(s), (n // 2) & 1)
 
         # U and -W do not wait on S: they run while S_n goes to shared memory.

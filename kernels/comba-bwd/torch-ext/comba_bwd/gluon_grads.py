@@ -62,7 +62,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from .gluon_common import BT, WARPS, chunk_gates, chunk_rows, gate_loads, shared_layout, sms
+from .gluon_common import BT, WARPS, chunk_gates, chunk_rows, gate_loads, scal_base, shared_layout, sms
 from .reference import CHUNK
 
 
@@ -104,13 +104,7 @@ def chunk_coords(c, step, N, H, K: gl.constexpr, V: gl.constexpr):
     (b, 0, h) in (B, T, H), and the rows of the next chunk's (c + step) state group."""
     b, h, t0, _, _, row, hk, _ = _chunk_rows(c, N, H, K, V)
     _, _, _, n_state_row, n_pos_row, n_row, _, n_hv = _chunk_rows(c + step, N, H, K, V)
-    return b, t0, row, hk, _scal_base(b, h, N, H), n_state_row, n_pos_row, n_row, n_hv
-
-
-@gluon.jit
-def _scal_base(b, h, N, H):
-    """The offset of (b, 0, h) in a (B, T, H) tensor."""
-    return b.to(gl.int64) * (N * BT) * H + h
+    return b, t0, row, hk, scal_base(b, h, N, H), n_state_row, n_pos_row, n_row, n_hv
 
 
 @gluon.jit
@@ -118,9 +112,9 @@ def chunk_loads(g, beta, dbeta_v, c, N, H, n_pos, NV: gl.constexpr, row: gl.cons
     """Chunk c's gates as loaded (`gluon_common.gate_loads`) and dbeta's v parts (`v_parts`, in the `row` layout),
     which the kernel loads a chunk ahead, so that their latency is not on the chunk's path."""
     b, h, t0, _, _, _, _, _ = _chunk_rows(c, N, H, BT, BT)  # K and V shape only the rows not taken here
-    scal_base = _scal_base(b, h, N, H)
-    gj, beta_rows = gate_loads(g, beta, scal_base, t0, H)
-    return gj, beta_rows, v_parts(dbeta_v, scal_base + (t0 + gl.arange(0, BT, layout=row)) * H, n_pos, NV)
+    base = scal_base(b, h, N, H)
+    gj, beta_rows = gate_loads(g, beta, base, t0, H)
+    return gj, beta_rows, v_parts(dbeta_v, base + (t0 + gl.arange(0, BT, layout=row)) * H, n_pos, NV)
 
 
 @gluon.jit

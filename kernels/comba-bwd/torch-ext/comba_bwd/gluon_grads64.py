@@ -106,6 +106,9 @@ from .reference import CHUNK
 WARPS = 4
 CTAS_PER_SM = 2
 LOG2E = gl.constexpr(1.4426950408889634)
+# dv and v . X go through X's tile 16 rows at a time (few registers live), 16 bytes a thread a load and a store.
+SLICE = gl.constexpr(16)
+SLICE_ROWS = gl.constexpr(gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0]))
 
 
 @gluon.jit
@@ -117,25 +120,22 @@ def _copy_tile(desc, row, col, bar, buf, pred):
 
 @gluon.jit
 def _store_dv(x_s, beta_s, dv, trow, hv, H, V: gl.constexpr):
-    """dv = beta X of the chunk from X's tile and beta (fp32 [BT] in shared memory), 16 rows at a time, so that few
-    registers are live, and 16 bytes a thread a store."""
-    rows: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
-    c = gl.arange(0, V, layout=gl.SliceLayout(0, rows))
-    for r0 in gl.static_range(0, BT, 16):
-        r = r0 + gl.arange(0, 16, layout=gl.SliceLayout(1, rows))
-        b = beta_s.slice(r0, 16).load(gl.SliceLayout(1, rows))
-        x = x_s.slice(r0, 16).load(rows).to(gl.float32)
+    """dv = beta X of the chunk from X's tile and beta (fp32 [BT] in shared memory), by slices of rows."""
+    c = gl.arange(0, V, layout=gl.SliceLayout(0, SLICE_ROWS))
+    for r0 in gl.static_range(0, BT, SLICE):
+        r = r0 + gl.arange(0, SLICE, layout=gl.SliceLayout(1, SLICE_ROWS))
+        b = beta_s.slice(r0, SLICE).load(gl.SliceLayout(1, SLICE_ROWS))
+        x = x_s.slice(r0, SLICE).load(SLICE_ROWS).to(gl.float32)
         gl.store(dv + (trow + r).to(gl.int64)[:, None] * (H * V) + hv + c[None, :],
                  (b[:, None] * x).to(dv.dtype.element_ty))
 
 
 @gluon.jit
 def _v_dot_x(x_s, v_s, vx_s, V: gl.constexpr):
-    """dbeta's v part, v . X by row, from v's and X's tiles to vx_s (fp32 [BT]), 16 rows at a time."""
-    rows: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
-    for r0 in gl.static_range(0, BT, 16):
-        x = x_s.slice(r0, 16).load(rows).to(gl.float32)
-        vx_s.slice(r0, 16).store(gl.sum(v_s.slice(r0, 16).load(rows).to(gl.float32) * x, 1))
+    """dbeta's v part, v . X by row, from v's and X's tiles to vx_s (fp32 [BT]), by slices of rows."""
+    for r0 in gl.static_range(0, BT, SLICE):
+        x = x_s.slice(r0, SLICE).load(SLICE_ROWS).to(gl.float32)
+        vx_s.slice(r0, SLICE).store(gl.sum(v_s.slice(r0, SLICE).load(SLICE_ROWS).to(gl.float32) * x, 1))
 
 
 @gluon.jit

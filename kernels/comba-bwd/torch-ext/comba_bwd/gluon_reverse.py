@@ -40,7 +40,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from .gluon_common import BT, WARPS, chunk_rows, gates
+from .gluon_common import BT, WARPS, chunk_rows, gates, scal_base
 from .reference import CHUNK
 
 
@@ -63,7 +63,7 @@ def _reverse_scan_gluon_kernel(k_desc, q_desc, p_desc, do_desc, a_desc, ds_desc,
     b = bh // H
     h = bh % H
     T = N * BT
-    scal_base = b.to(gl.int64) * T * H + h
+    base = scal_base(b, h, N, H)
     dtype: gl.constexpr = k_desc.dtype
 
     # Accumulator layouts: [K, V] (the state) and [K, 64] with the two warpgroups along M, [64, V] and [64, 64]
@@ -117,7 +117,7 @@ def _reverse_scan_gluon_kernel(k_desc, q_desc, p_desc, do_desc, a_desc, ds_desc,
         fence_async_shared()
         gl.thread_barrier()
         tma.async_copy_shared_to_global(ds_desc, [(bh * N + n) * K, 0], dsb_s)
-        gc, glast, bk = gates(g, beta, scal_base, t0, H)
+        gc, glast, bk = gates(g, beta, base, t0, H)
         pos = (b.to(gl.int64) * T + t0 + rows_tv)[:, None] * (H * V) + hv + cols_tv[None, :]
         vk = gl.load(v + pos)
         mbarrier.wait(bars.index(s), (i // 2) & 1)
@@ -154,7 +154,7 @@ def _reverse_scan_gluon_kernel(k_desc, q_desc, p_desc, do_desc, a_desc, ds_desc,
 
         # dbeta's v part; X and dv through shared memory (dvn_s is free once both products have read it) by TMA
         bk_r = gl.convert_layout(bk, gl.SliceLayout(1, acc_tv))
-        gl.store(dbeta_v + scal_base + (t0 + rows_tv) * H, gl.sum(vk.to(gl.float32) * x, 1))
+        gl.store(dbeta_v + base + (t0 + rows_tv) * H, gl.sum(vk.to(gl.float32) * x, 1))
         dvn_s.store(x.to(dtype))
         dv_s.store((bk_r[:, None] * x).to(dtype))
         fence_async_shared()

@@ -17,19 +17,23 @@ the fp32 A 4.0e-8 from a float64 inverse as the Triton one's (bench/results/2026
 transform-probe.log). At (8, 2048, 32, 128, 128), with L's products over K in slices of 64, it took 0.187 against
 0.177 (68 B of spill): K = 128 keeps the Triton kernel, and this one is written for K = 64. Tried at K = 64
 (-gluon-transform-variants-probe.log): the two small products chained apart from the large one and added after,
-0.275 ms (255 registers, 20 B of spill, where this kernel takes 231 and none); capped at 200 registers for 10 CTAs an
+0.275 ms (255 registers, 20 B of spill, where this kernel took 231 and none); capped at 200 registers for 10 CTAs an
 SM, 0.292 (168 B of spill); L's blocks made where they are used, 0.241 (255 registers, 8 B of spill), kept out for
 the registers' margin; that and the blocks made in an order that keeps few live (each block of A stored once made,
 each D_i, A10 and -M dropped after its last product: 188 registers, no spill, 10 CTAs an SM), 0.294 ms against 0.245
 (-2867bf0-comba-transform-registers-probe.log, branch tried/comba-transform-registers): the occupancy gained less
 than the order lost (likely the four diagonal chains, which no longer overlap).
+
+ptxas: 236 registers, no spill, 8 CTAs an SM (231 before its (b, 0, h) offset came from `gluon_common.scal_base`, which
+put the first instructions in another order: A bitwise equal, 0.244-0.246 ms either way,
+bench/results/2026-12-01-f3148af-dirty-comba-scal-base-probe.log).
 """
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
-from .gluon_common import BT
+from .gluon_common import BT, scal_base
 from .reference import CHUNK
 from .tf32 import tf32_high
 
@@ -68,14 +72,14 @@ def mm(x, z, acc):
 
 
 @gluon.jit
-def _block_gates(g, beta, scal_base, r0, H, offset):
+def _block_gates(g, beta, base, r0, H, offset):
     """Of the 16 rows from r0: gc (offset plus the inclusive cumsum of g) in the row and in the column slice, beta in
     the row slice, and offset plus the block's sum of g (the next block's offset)."""
     r = gl.arange(0, SUB, layout=ROW)
     c = gl.arange(0, SUB, layout=COL)
-    g_c = gl.load(g + scal_base + (r0 + c) * H)
+    g_c = gl.load(g + base + (r0 + c) * H)
     gc_r = offset + gl.sum(gl.where(c[None, :] <= r[:, None], g_c[None, :], 0.0), 1)
-    beta_r = gl.load(beta + scal_base + (r0 + r) * H).to(gl.float32)
+    beta_r = gl.load(beta + base + (r0 + r) * H).to(gl.float32)
     return gc_r, gl.convert_layout(gc_r, COL), beta_r, offset + gl.sum(g_c, 0)
 
 
@@ -173,15 +177,14 @@ def _store_block(A, a_base, i: gl.constexpr, j: gl.constexpr, blk, TRANSPOSED: g
 @gluon.jit
 def _transform_gluon_kernel(k, p, beta, g, A, N, H, K: gl.constexpr):
     n, bh = gl.program_id(0), gl.program_id(1)
-    T = N * BT
-    scal_base = (bh // H).to(gl.int64) * T * H + bh % H
+    base = scal_base(bh // H, bh % H, N, H)
     t0 = n * BT
-    kbase = scal_base * K
+    kbase = base * K
     HK = H * K
-    gc0_r, gc0_c, b0, off = _block_gates(g, beta, scal_base, t0, H, 0.0)
-    gc1_r, gc1_c, b1, off = _block_gates(g, beta, scal_base, t0 + SUB, H, off)
-    gc2_r, gc2_c, b2, off = _block_gates(g, beta, scal_base, t0 + 2 * SUB, H, off)
-    gc3_r, gc3_c, b3, off = _block_gates(g, beta, scal_base, t0 + 3 * SUB, H, off)
+    gc0_r, gc0_c, b0, off = _block_gates(g, beta, base, t0, H, 0.0)
+    gc1_r, gc1_c, b1, off = _block_gates(g, beta, base, t0 + SUB, H, off)
+    gc2_r, gc2_c, b2, off = _block_gates(g, beta, base, t0 + 2 * SUB, H, off)
+    gc3_r, gc3_c, b3, off = _block_gates(g, beta, base, t0 + 3 * SUB, H, off)
 
     # P_i K_j^T for the ten blocks on or below the diagonal, and K_i P_i^T for the diagonal's transposes; K_j^T is
     # loaded for its column of blocks, so that only one is live with the four P_i.
