@@ -2,11 +2,20 @@
 PY := .venv/bin/python
 VENV_STAMP := .venv/.installed-$(shell sha1sum pyproject.toml | cut -c1-12)
 
-.PHONY: help venv build hub demo test lock publish-dry-run gpu-bench clean
+# The Triton releases the packages support besides the pinned one (3.6.0): each CUDA torch wheel pins one
+# (2.12 -> 3.7.0, 2.13 -> 3.7.1, 2.14 -> 3.8, 2.15 -> 3.9). Each is installed alone under .triton/<version>/ and put
+# ahead of .venv's on PYTHONPATH, so that the same torch and tools run under it.
+TRITONS := 3.7.1 3.8.0 3.9.0
+NEWEST_TRITON := 3.9.0
+
+.PHONY: help venv build hub demo test compile-matrix test-newest-triton ci lock publish-dry-run gpu-bench clean
 
 help:
 	@echo "make demo             set up, build, lay the Hub cache, load every kernel offline and run it"
-	@echo "make test             set up, build, lay the Hub cache, run the whole test suite (what CI runs)"
+	@echo "make test             set up, build, lay the Hub cache, run the whole test suite"
+	@echo "make compile-matrix   compile every shipped kernel for sm_90a under Triton 3.6.0 and each of $(TRITONS)"
+	@echo "make test-newest-triton  the kernels' CPU (interpreter) tests under Triton $(NEWEST_TRITON)"
+	@echo "make ci               test, compile-matrix and test-newest-triton: what CI's .ci/run calls"
 	@echo "make build            build kernels/<name>/build/torch-{cuda,cpu} for every kernel"
 	@echo "make hub              lay the builds into .hub/ (HF_HUB_CACHE layout, refs/v<N>)"
 	@echo "make lock             write kernels.lock from [tool.kernels.dependencies] and .hub/"
@@ -33,6 +42,19 @@ demo: hub
 test: hub
 	$(PY) -m pytest -q -p no:cacheprovider
 
+.triton/%/.installed:
+	$(PY) -m pip install -q --no-deps --target .triton/$* triton==$*
+	touch $@
+
+compile-matrix: hub $(TRITONS:%=.triton/%/.installed)
+	$(PY) -m tools.compile_sm90 --no-build
+	set -e; for v in $(TRITONS); do echo "== Triton $$v"; PYTHONPATH=.triton/$$v $(PY) -m tools.compile_sm90 --no-build; done
+
+test-newest-triton: hub .triton/$(NEWEST_TRITON)/.installed
+	PYTHONPATH=.triton/$(NEWEST_TRITON) $(PY) -m pytest -q -p no:cacheprovider kernels
+
+ci: test compile-matrix test-newest-triton
+
 lock: hub
 	$(PY) -m tools.lock
 
@@ -43,4 +65,4 @@ gpu-bench:
 	python3 -m tools.gpu_bench
 
 clean:
-	rm -rf .hub kernels/*/build
+	rm -rf .hub kernels/*/build .triton

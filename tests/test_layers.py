@@ -6,22 +6,22 @@ import inspect
 import pytest
 from torch import nn
 
-from testkit import load
+from testkit import load, submodule
 from tools.common import all_kernels
 
 KERNELS = all_kernels()
 
 
-def _transformers_is_pinned() -> bool:
-    from importlib.metadata import version
-
+@pytest.fixture
+def pinned_transformers():
+    """transformers at the version `make` pins (5.20.2-5.22.2); the test skips without it. The GPU machine
+    brings its own transformers, or none."""
     from packaging.version import Version
 
-    return Version("5.20.2") <= Version(version("transformers")) <= Version("5.22.2")
-
-
-# The GPU machine brings its own transformers; these check the environment `make` pins.
-pinned_transformers = pytest.mark.skipif(not _transformers_is_pinned(), reason="transformers outside 5.20.2-5.22.2")
+    transformers = pytest.importorskip("transformers")
+    if not Version("5.20.2") <= Version(transformers.__version__) <= Version("5.22.2"):
+        pytest.skip(f"transformers {transformers.__version__} is outside 5.20.2-5.22.2")
+    return transformers
 
 
 @pytest.mark.kernels_ci
@@ -38,16 +38,14 @@ def test_layers_follow_the_contract(kernel):
         assert cls.can_torch_compile is True
 
 
-@pinned_transformers
-def test_transformers_sees_hub_kernels():
+def test_transformers_sees_hub_kernels(pinned_transformers):
     """transformers 5.23+ silently disables Hub kernels with kernels 0.17.2; our pins must keep them on."""
     from transformers.utils.import_utils import is_kernels_available
 
     assert is_kernels_available()
 
 
-@pinned_transformers
-def test_transformers_decorated_module_kernelizes():
+def test_transformers_decorated_module_kernelizes(pinned_transformers):
     """A host module decorated with transformers' own decorator is replaced by our layer through kernelize."""
     import torch
     from kernels import LayerRepository, Mode, kernelize, use_kernel_mapping
@@ -71,3 +69,42 @@ def test_transformers_decorated_module_kernelizes():
     a, v = torch.randn(2, 2, 5, 11), torch.randn(2, 2, 4, 11)
     ldsa = load("ldsa")
     assert torch.equal(model.window(a, v), ldsa.ldsa_local_attention(a, v, 3, 1))
+
+
+def test_readme_kernelize_pattern_runs_the_kernel_on_cpu():
+    """The README's "Layers and `kernelize`" example as written there: one LayerRepository mapped for both
+    "cuda" and "cpu", kernelize with the device given and the default fallback. On the CPU the host forward
+    is replaced by the package's layer, which runs the eager reference, in the forward and in the backward."""
+    import torch
+    from kernels import LayerRepository, Mode, kernelize, use_kernel_forward_from_hub, use_kernel_mapping
+
+    @use_kernel_forward_from_hub("LDSAWindow")
+    class LDSAWindow(nn.Module):
+        def __init__(self, left, right):
+            super().__init__()
+            self.left, self.right = left, right
+
+        def forward(self, a_logits, v):
+            raise AssertionError("the kernel's forward should have replaced the host's")
+
+    model = nn.Sequential()
+    model.add_module("window", LDSAWindow(4, 2))
+
+    ldsa = LayerRepository("tessera/ldsa", layer_name="LDSAWindow", version=1, trust_remote_code=True)
+    mapping = {"LDSAWindow": {"cuda": ldsa, "cpu": ldsa}}
+    device = "cpu"  # the README's `"cuda" if torch.cuda.is_available() else "cpu"` on a machine without a GPU
+    with use_kernel_mapping(mapping):
+        model = kernelize(model, mode=Mode.TRAINING, device=device)
+
+    kernel = load("ldsa")
+    assert model.window.forward.__func__ is kernel.layers.LDSAWindow.forward
+    reference = submodule(kernel, "reference").ldsa_forward_reference
+    a = torch.randn(2, 3, 7, 19, requires_grad=True)
+    v = torch.randn(2, 3, 8, 19, requires_grad=True)
+    out = model.window(a, v)
+    assert torch.equal(out, reference(a, v, 4, 2))
+    grad = torch.randn_like(out)
+    got = torch.autograd.grad(out, (a, v), grad)
+    want = torch.autograd.grad(reference(a, v, 4, 2), (a, v), grad)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)

@@ -43,6 +43,36 @@ def test_missing_version_is_an_error(kernel):
         has_kernel(f"tessera/{kernel.name}", version=7)
 
 
+def on_cuda_gpu(monkeypatch, capability):
+    """Make torch report a CUDA build with one GPU of `capability`: what the loader's backend choice and arch
+    check read."""
+    import torch
+
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+
+
+@pytest.mark.parametrize("kernel", KERNELS, ids=lambda k: k.name)
+def test_get_kernel_checks_the_gpu_arch(kernel, monkeypatch):
+    """On a CUDA torch, `has_kernel` and `get_kernel` (arch check on by default) take the cached v1's
+    torch-cuda variant on the GPUs its archs declare and refuse a Turing GPU; the torch-cpu variant loads there
+    all the same."""
+    from kernels import get_kernel, has_kernel
+
+    repo = f"tessera/{kernel.name}"
+    for capability in [(8, 0), (8, 6), (8, 9), (9, 0), (10, 0), (12, 0)]:
+        on_cuda_gpu(monkeypatch, capability)
+        assert has_kernel(repo, version=1, trust_remote_code=True), capability
+    on_cuda_gpu(monkeypatch, (7, 5))
+    assert not has_kernel(repo, version=1, trust_remote_code=True)
+    assert has_kernel(repo, version=1, trust_remote_code=True, check_arch=False)
+    with pytest.raises(RuntimeError, match="CUDA capability 7.5 of the current device is not supported"):
+        get_kernel(repo, version=1, trust_remote_code=True)
+    assert get_kernel(repo, version=1, trust_remote_code=True, backend="cpu").__name__.startswith(
+        f"_{kernel.package}_cpu_")
+
+
 @pytest.fixture(scope="module")
 def two_versions(tmp_path_factory):
     """A Hub cache holding ldsa v1 (this tree) and a v2 whose code differs, built and laid by our tools."""

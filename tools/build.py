@@ -1,9 +1,10 @@
 """Build every kernel's noarch variants the way kernel-builder's noarch build does, without Nix.
 
 For each kernel and backend: copy `torch-ext/<pkg>/` flat into `build/torch-<backend>/`, render `_ops.py`
-(op namespace `_<pkg>_<backend>_<unique id>`), write `metadata.json` with the variant's digest, then run
-the checks the Nix build hooks run: build.toml and metadata.json through the `kernels` package's own
-parser, the package layout, `add_op_namespace_prefix` on every torch.library registration, relative
+(op namespace `_<pkg>_<backend>_<unique id>`), write `metadata.json` with the variant's digest (and, for
+CUDA, `[torch-noarch] cuda_capabilities` as its archs), then run the checks the Nix build hooks run:
+build.toml and metadata.json through the `kernels` package's own parser (the CUDA capabilities through its
+arch parser), the package layout, `add_op_namespace_prefix` on every torch.library registration, relative
 intra-kernel imports, and an import of the variant in a fresh interpreter where triton cannot be found.
 """
 
@@ -15,6 +16,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 from .common import BACKENDS, Kernel, git, resolve
@@ -42,6 +44,19 @@ class BuildError(Exception):
     pass
 
 
+# kernel-builder's `Metadata::for_backend` (kernels-data/src/metadata.rs, `precomputable_backend_archs`)
+# writes a noarch build's `[torch-noarch]` archs into the variant's `backend.archs`, verbatim, for these
+# backends only; the other backends' metadata carries no archs.
+NOARCH_ARCHS_KEYS = {"cuda": "cuda_capabilities", "rocm": "rocm_archs"}
+
+
+def backend_archs(kernel: Kernel, backend: str) -> list[str] | None:
+    """The archs kernel-builder writes into `backend` variant's metadata.json (None: no `archs` key)."""
+    noarch = tomllib.loads((kernel.path / "build.toml").read_text()).get("torch-noarch", {})
+    key = NOARCH_ARCHS_KEYS.get(backend)
+    return list(noarch[key]) if key in noarch else None
+
+
 def unique_id(kernel: Kernel) -> str:
     """The git short sha, as kernel-builder uses; a dirty kernel source adds a hash of its content so that
     two different dirty builds never share an op namespace."""
@@ -67,6 +82,21 @@ def check_build_toml(kernel: Kernel) -> None:
         raise BuildError(
             f"{kernel.name}: [general.hub] repo-id is {kernel.declared_repo_id!r}, expected {kernel.repo_id!r}"
         )
+    check_cuda_capabilities(kernel)
+
+
+def check_cuda_capabilities(kernel: Kernel) -> None:
+    """Every declared CUDA capability is in the form the loader's arch check parses (`8.0`, `9.0a`, `10.0f`,
+    `9.0+PTX`): the check skips a build none of whose archs it can parse, and ignores each one it cannot."""
+    from kernels.archs import _parse_cuda_arch
+
+    archs = backend_archs(kernel, "cuda")
+    if archs is None:
+        return
+    bad = [a for a in archs if _parse_cuda_arch(a) is None]
+    if not archs or bad:
+        raise BuildError(f"{kernel.path}/build.toml: cuda_capabilities {archs} must be a non-empty list of "
+                         f"capabilities like \"8.0\" (unparsed: {bad})")
 
 
 def check_layout(kernel: Kernel) -> None:
@@ -173,9 +203,15 @@ def build_variant(kernel: Kernel, backend: str, uid: str, out_root: Path) -> Pat
         "backend": {"type": backend},
         "digest": {"algorithm": "sha256", "files": dict(digest.files)},
     }
+    archs = backend_archs(kernel, backend)
+    if archs is not None:
+        metadata["backend"]["archs"] = archs
     (variant / "metadata.json").write_text(json.dumps(metadata, indent=2) + "\n")
-    # What we wrote must read back through the kernels package's own parser, digest included.
-    Metadata.read_from_file(str(variant / "metadata.json")).digest.validate(digest)
+    # What we wrote must read back through the kernels package's own parser, digest and archs included.
+    parsed = Metadata.read_from_file(str(variant / "metadata.json"))
+    parsed.digest.validate(digest)
+    if parsed.backend.archs != archs:
+        raise BuildError(f"{variant}/metadata.json: archs read back as {parsed.backend.archs}, wrote {archs}")
     return variant
 
 

@@ -32,7 +32,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from .common import resolve
+from .common import HUB_CACHE, resolve
 from .gpu_bench import build_into_hub, load_benchmark
 
 TARGET_ARCH = 90
@@ -48,13 +48,14 @@ def ctas_per_sm(registers: int, warps: int, shared: int) -> int:
 
 
 def ptxas(ptx: str) -> tuple[int, int]:
-    """(registers a thread, bytes of spill stores) from the bundled ptxas -v on the kernel's PTX."""
-    import triton
+    """(registers a thread, bytes of spill stores) from ptxas -v on the kernel's PTX: the ptxas the installed
+    Triton compiles sm_90a with (from 3.9 its `ptxas-blackwell`, which alone reads the PTX version it emits)."""
+    from triton.backends.nvidia.compiler import get_ptxas
 
     with tempfile.TemporaryDirectory() as tmp:
         source = Path(tmp) / "kernel.ptx"
         source.write_text(ptx)
-        log = subprocess.run([triton.knobs.nvidia.ptxas.path, "-v", f"--gpu-name=sm_{TARGET_ARCH}a", str(source),
+        log = subprocess.run([get_ptxas(TARGET_ARCH).path, "-v", f"--gpu-name=sm_{TARGET_ARCH}a", str(source),
                               "-o", str(Path(tmp) / "kernel.cubin")], check=True, capture_output=True, text=True).stderr
     registers = int(re.search(r"Used (\d+) registers", log).group(1))
     spills = int(re.search(r"(\d+) bytes spill stores", log).group(1))
@@ -102,9 +103,18 @@ class Compiler:
             report.update(registers=registers, spills=spills, shared=shared,
                           ctas=ctas_per_sm(registers, options.num_warps, shared))
         except Exception as e:  # noqa: BLE001 - report every failing kernel, not only the first
-            report["error"] = " ".join(str(e).split())[-300:]
+            report["error"] = error_text(e)
         self.reports[key] = report
         return None
+
+
+def error_text(error: BaseException) -> str:
+    """A compile error in one line: the innermost cause's message (a CompilationError's own text is the source
+    around the failing line; its cause, or the MLIR diagnostics ptxas or the verifier printed, say why)."""
+    while error.__cause__ is not None:
+        error = error.__cause__
+    text = str(error.args[-1] if error.args and isinstance(error.args[-1], str) else error)
+    return f"{type(error).__name__}: " + " ".join(text.split())[-300:]
 
 
 def status(report: dict, max_spill: int, by_design: dict) -> str:
@@ -121,6 +131,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tools.compile_sm90", description=__doc__.split("\n\n")[0])
     parser.add_argument("kernels", nargs="*", help="kernel names (default: all)")
     parser.add_argument("--match", help="only the cases whose label contains this text")
+    parser.add_argument("--no-build", action="store_true",
+                        help="load the kernels as built and laid into .hub/ already (make hub), without rebuilding")
     parser.add_argument("--max-spill", type=int, default=128,
                         help="spill bytes above which an uncapped kernel fails the check (default: 128)")
     args = parser.parse_args(argv)
@@ -128,8 +140,13 @@ def main(argv: list[str] | None = None) -> int:
         print("unset TRITON_INTERPRET: this compiles for the GPU", file=sys.stderr)
         return 2
     names = [k.name for k in resolve(args.kernels)]
-    build_into_hub(names)
+    if args.no_build:
+        os.environ.setdefault("HF_HUB_CACHE", str(HUB_CACHE))
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    else:
+        build_into_hub(names)
     import testkit  # the specs loader (gpu_bench put the repo on sys.path)
+    import triton
     from triton.runtime.jit import JITFunction
 
     compiler = Compiler()
@@ -157,7 +174,8 @@ def main(argv: list[str] | None = None) -> int:
         cells = [r.get(x, "-") for x in ("registers", "spills", "shared", "ctas")]
         print(f"| {r['case']} | {r['kernel']} | {r['dtypes']} | {r['warps']} | {r['stages']} | {r['maxnreg']} | "
               + " | ".join(map(str, cells)) + f" | {state} |")
-    print(f"\n{len(compiler.reports)} distinct kernels compiled for sm_{TARGET_ARCH}a, {failures} failing")
+    print(f"\n{len(compiler.reports)} distinct kernels compiled for sm_{TARGET_ARCH}a under Triton {triton.__version__}, "
+          f"{failures} failing")
     return 1 if failures else 0
 
 

@@ -1,9 +1,10 @@
 """comba-bwd through `get_kernel`: the eager forward and analytic backward against an independent float64
 token-by-token recurrence (and its autograd) and against the spec's code, the public functions, autograd
-through `comba_attention`, the registered ops (opcheck, torch.compile), bad input, the layer through
-`kernelize`, and the fused Triton backward (interpreter on CPU, the spec's shapes on CUDA)."""
+through `comba_attention`, strong decay and hard resets (g = -inf), the registered ops (opcheck, torch.compile),
+bad input, the layer through `kernelize`, and the fused Triton backward (interpreter on CPU, the spec's shapes on
+CUDA)."""
 
-
+import warnings
 from types import SimpleNamespace
 
 import pytest
@@ -93,6 +94,87 @@ def test_backward_reference_matches_spec(comba, shape):
     s = spec("comba_backward")
     inputs = [x.cpu().float() for x in s.make(*shape, 0)]
     assert_grads_close(comba.comba_backward_reference(*inputs), s.ref(*inputs), 1e-5)
+
+
+# ---------------------------------------------------------------- strong decay and hard resets
+
+
+@pytest.fixture(scope="module")
+def g_floor(comba):
+    return submodule(comba, "reference").G_FLOOR
+
+
+def strong_gates(kind, shape):
+    """g = -2 everywhere (a chunk's summed log-decay reaches -128) or fla's gate -16 softplus(x) (about -700)."""
+    if kind == "constant":
+        return torch.full(shape, -2.0)
+    return -16 * F.softplus(torch.randn(shape, generator=torch.Generator().manual_seed(21)))
+
+
+@pytest.mark.kernels_ci
+@pytest.mark.parametrize("kind,T,tol", [("constant", 64, 2e-5), ("constant", 128, 2e-5), ("softplus", 128, 1e-4)])
+def test_backward_reference_under_strong_decay(comba, kind, T, tol):
+    """Once gam = exp(gc) underflows to 0 in fp32 the backward still forms every decay as the exp of a
+    difference, so all six gradients stay finite and match float64 autograd through the token recurrence, and
+    fp32 autograd through the reference forward. The softplus gate's tolerance is wider because gc reaches about
+    -900 inside a chunk, where fp32 spacing (6e-5) limits every gc difference."""
+    inputs = list(make_inputs(2, T, 2, 32, 16, seed=20))
+    inputs[5] = strong_gates(kind, inputs[5].shape)
+    got = comba.comba_backward_reference(*inputs)
+    assert all(gr.isfinite().all() for gr in got)
+    assert_grads_close(got, float64_grads(inputs), tol)
+    *x, do = inputs
+    x = [t.clone().requires_grad_() for t in x]
+    assert_grads_close(got, torch.autograd.grad(comba.comba_forward_reference(*x), x, do), tol)
+
+
+def test_g_floor_is_the_largest_whole_number_with_a_zero_fp32_gate(g_floor):
+    assert torch.tensor(g_floor).exp().item() == 0.0
+    assert torch.tensor(g_floor + 1).exp().item() > 0.0
+
+
+def with_resets(g, value):
+    """g with `value` at the first step, in the first and at the last step of a chunk, at the chunk boundary,
+    at the last step, at one (b, h) alone, and a run of steps of one (b, h)."""
+    g = g.clone()
+    g[:, [0, 5, 63, 64, g.shape[1] - 1]] = value
+    g[0, 30, 1] = value
+    g[1, 40:50, 0] = value
+    return g
+
+
+@pytest.mark.kernels_ci
+def test_minus_inf_gate_is_the_floor(comba, g_floor):
+    """g = -inf, and any g below the floor, gives what g = G_FLOOR gives, bit for bit, finite everywhere; dg is
+    0 there, as float64 autograd through the token recurrence (where exp(-inf) = 0 resets the state) gives, and
+    the other gradients match it."""
+    inputs = list(make_inputs(2, 128, 2, 32, 16, seed=22))
+    g = inputs[5]
+    at_inf = [*inputs[:5], with_resets(g, float("-inf")), inputs[6]]
+    below = [*inputs[:5], with_resets(g, -1e30), inputs[6]]
+    at_floor = [*inputs[:5], with_resets(g, g_floor), inputs[6]]
+    got = comba.comba_backward(*at_inf)
+    assert all(gr.isfinite().all() for gr in got)
+    for other in (below, at_floor):
+        assert all(torch.equal(a, b) for a, b in zip(got, comba.comba_backward(*other)))
+        assert torch.equal(comba.comba_attention(*at_inf[:6]), comba.comba_attention(*other[:6]))
+    assert (got[5][at_inf[5] == float("-inf")] == 0).all()
+    assert_grads_close(got, float64_grads(at_inf), 5e-5)
+
+
+@pytest.mark.kernels_ci
+@pytest.mark.parametrize("r", [64, 77])
+def test_minus_inf_gate_resets_the_state(comba, r):
+    """With g = -inf at step r (every b, h), the output from r on is that of the sequence started afresh at r
+    from a zero state, and before r that of the sequence cut at r; at a chunk boundary (64) and inside a chunk."""
+    *x, _ = make_inputs(2, 128, 2, 32, 16, seed=23)
+    x[5] = x[5].clone()
+    x[5][:, r] = float("-inf")
+    o = comba.comba_attention(*x)
+    assert o.isfinite().all()
+    assert rel_err(o[:, r:], comba.comba_attention(*[t[:, r:] for t in x])) < 1e-5
+    assert rel_err(o[:, :r], comba.comba_attention(*[t[:, :r] for t in x])) < 1e-5
+    assert rel_err(o, comba_recurrence(*[t.double() for t in x])) < 1e-5
 
 
 # ---------------------------------------------------------------- public functions and autograd
@@ -201,6 +283,17 @@ def test_bad_scale_raises(comba, scale):
     *x, _ = make_inputs(1, 64, 2, 16, 8)
     with pytest.raises(TypeError, match="scale must be a float or None"):
         comba.comba_attention(*x, scale=scale)
+
+
+@pytest.mark.kernels_ci
+@pytest.mark.parametrize("scale", [float("nan"), float("inf"), -float("inf")])
+def test_non_finite_scale_raises(comba, scale):
+    """The rule based-bwd has: any finite scale (zero and negative too), never nan or inf."""
+    inputs = make_inputs(1, 64, 2, 16, 8)
+    with pytest.raises(ValueError, match="scale must be finite"):
+        comba.comba_attention(*inputs[:6], scale=scale)
+    with pytest.raises(ValueError, match="scale must be finite"):
+        comba.comba_backward(*inputs, scale=scale)
 
 
 @needs_cuda
@@ -350,6 +443,33 @@ def test_stages_rerun_alone_give_the_same_gradients(triton_bwd):
     for name in reversed(tuple(stages)):
         stages[name]()
     assert all(torch.equal(a, b) for a, b in zip(first, grads))
+
+
+@needs_triton
+def test_gluon_path_that_fails_to_compile_falls_back_once(comba, triton_bwd, monkeypatch):
+    """Where the Gluon kernels' first launch raises, the Gluon path is switched off with one warning and the call (and
+    later ones) run the Triton kernels: the Gluon stages stood in for by a backward that fails while they run."""
+    fast_paths = submodule(comba, "fast_paths")
+    monkeypatch.setattr(triton_bwd.FAST_PATHS, "switched_off", {})
+    monkeypatch.setattr(triton_bwd, "_gluon_launched", set())
+    gluon_on = lambda: "gluon" not in triton_bwd.FAST_PATHS.switched_off  # noqa: E731
+    monkeypatch.setattr(triton_bwd, "_gluon_stages", lambda q, V: ("grads",) if gluon_on() else ())
+    triton_backward = triton_bwd._backward
+
+    def backward(*args):
+        if gluon_on():
+            raise RuntimeError("error encountered during parsing")
+        return triton_backward(*args)
+
+    monkeypatch.setattr(triton_bwd, "_backward", backward)
+    inputs = make_inputs(1, 64, 1, 64, 64, device=TRITON_DEVICE)
+    with pytest.warns(fast_paths.FastPathFallback, match="comba-bwd: the gluon path failed to compile"):
+        grads = triton_bwd.comba_backward_triton(*inputs, 0.125)
+    assert_grads_close(grads, float64_grads(inputs, 0.125), 1e-2)  # bf16 scratch (A, S_n, Vn, X)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        again = triton_bwd.comba_backward_triton(*inputs, 0.125)
+    assert all(torch.equal(a, b) for a, b in zip(grads, again))
 
 
 @needs_triton

@@ -294,7 +294,8 @@ def compile_cases(kernel, spec):
         label = f"[{B},{T}] {name} {str(dtype)[6:]} {'bwd' if backward else 'fwd'} {config}"
         if backward and config == kernels.BAND_GLUON:
             gluon = kernels.ldsa_gluon_backward
-            if gluon is None or not gluon.takes(left + right + 1, left, DH, T, B * H, dtype):
+            if (gluon is None or not kernels.FAST_PATHS.compiles("band-gluon backward")
+                    or not gluon.takes(left + right + 1, left, DH, T, B * H, dtype)):
                 return None
             launch = kernels._gluon_backward_launch(left + right + 1, left, DH, T, B * H, dtype, -1)
             tensors = (a, v, torch.empty_like(v), torch.empty_like(a), torch.empty_like(v))
@@ -303,7 +304,7 @@ def compile_cases(kernel, spec):
             return label, lambda: kernels.ldsa_backward(a, v, torch.empty_like(v), left, right, config=config)
         if config == kernels.BAND_GLUON:
             lead = kernels._gluon_lead(left + right + 1, left, DH, T, B * H, dtype)
-            if lead is None:
+            if lead is None or not kernels.FAST_PATHS.compiles("band-gluon forward"):
                 return None
             launch = kernels._gluon_forward_launch(left + right + 1, left, lead, DH, T, B * H, dtype, -1)
             return label, lambda: kernels._launch(launch, (a, v, torch.empty_like(v)))

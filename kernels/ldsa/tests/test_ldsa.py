@@ -7,6 +7,7 @@ import itertools
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -337,6 +338,35 @@ def test_triton_interpreted_tma_kernels(ldsa, poisoned_outputs, left, right, T, 
 
 
 @needs_interpreter
+def test_a_fast_path_that_fails_to_compile_falls_back_once(ldsa, monkeypatch):
+    """A fast path whose first launch raises is switched off with one warning, and the call (and later ones) run the
+    portable kernels: band-tma's forward kernel replaced by one that fails, under the interpreter."""
+    kernels = submodule(ldsa, "ldsa_triton")
+    fast_paths = submodule(ldsa, "fast_paths")
+
+    class Failing:
+        def __getitem__(self, grid):
+            raise RuntimeError("error encountered during parsing")
+
+    monkeypatch.setattr(kernels, "_ldsa_forward_tma_kernel", Failing())
+    monkeypatch.setattr(kernels.FAST_PATHS, "switched_off", {})
+    kernels._clear_plans()
+    a, v = make(1, 4, 16, 64, 14, 0)
+    try:
+        assert kernels.forward_launch(a, v, 14, 0, kernels.BAND_TMA).config == kernels.BAND_TMA
+        with pytest.warns(fast_paths.FastPathFallback, match="band-tma forward.*error encountered during parsing"):
+            out = kernels.ldsa_forward(a, v, 14, 0, config=kernels.BAND_TMA)
+        assert rel_err(out, ldsa_float64(a, v, 14, 0)) < TOL[torch.float32]
+        assert kernels.forward_launch(a, v, 14, 0, kernels.BAND_TMA).config == kernels.BAND_PREFETCH
+        assert list(kernels.FAST_PATHS.switched_off) == ["band-tma forward"]
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert torch.equal(kernels.ldsa_forward(a, v, 14, 0, config=kernels.BAND_TMA), out)
+    finally:
+        kernels._clear_plans()
+
+
+@needs_interpreter
 @pytest.mark.parametrize("direction", ["forward", "backward"])
 def test_tma_kernels_take_only_what_tma_can_address(ldsa, direction):
     """band-tma runs as band-prefetch (forward) or band (backward) where TMA cannot take the call, and the
@@ -591,9 +621,10 @@ def test_cuda_gluon_forward_matches_float64(ldsa, left, right, dtype, Dh, T, B):
     a, v = make(B, 8, Dh, T, left, right, dtype, "cuda")
     takes = kernels._gluon_lead(left + right + 1, left, Dh, T, B * 8, dtype) is not None
     assert takes == ((left, right) not in [(13, 1), (15, 0)])
-    hopper = torch.cuda.get_device_capability()[0] >= 9
+    gluon_here = kernels.FAST_PATHS.runs("band-gluon forward", a.device)
+    elsewhere = kernels.BAND_TMA if kernels.FAST_PATHS.runs("band-tma forward", a.device) else kernels.BAND_PREFETCH
     assert kernels.forward_launch(a, v, left, right, kernels.BAND_GLUON).config == (
-        kernels.BAND_GLUON if takes and hopper else kernels.BAND_TMA)
+        kernels.BAND_GLUON if takes and gluon_here else elsewhere)
     out = kernels.ldsa_forward(a, v, left, right, config=kernels.BAND_GLUON)
     assert torch.equal(kernels.ldsa_forward(a, v, left, right, config=kernels.BAND_GLUON), out)  # the cached launch
     assert rel_err(out, ldsa_float64(a, v, left, right)) < FWD_TOL[dtype]
@@ -601,21 +632,26 @@ def test_cuda_gluon_forward_matches_float64(ldsa, left, right, dtype, Dh, T, B):
 
 @needs_cuda
 def test_cuda_large_calls_take_band_gluon(ldsa):
-    """The defaults for the calls band-gluon takes, forward and backward, from TMA_MIN_FRAMES frames up, on
-    Hopper, in every dtype."""
+    """The defaults for the calls band-gluon takes, forward and backward, from TMA_MIN_FRAMES frames up, where
+    the table of fast paths runs it (else band-tma where that runs), in every dtype."""
     kernels = submodule(ldsa, "ldsa_triton")
     device = torch.cuda.current_device()
-    gluon = kernels.BAND_GLUON if torch.cuda.get_device_capability(device)[0] >= 9 else kernels.BAND_TMA
 
     def config(plan, **call):
         shape = dict(W=15, left=14, Dh=64, T=3000, BH=512, dtype=torch.bfloat16, aligned=True, device=device) | call
         return plan(None, *shape.values()).config
 
-    for plan in (kernels._forward_launch, kernels._backward_launch):
+    for plan, direction in ((kernels._forward_launch, "forward"), (kernels._backward_launch, "backward")):
+        tma = kernels.FAST_PATHS.runs(f"band-tma {direction}", torch.device("cuda", device))
+        gluon = (kernels.BAND_GLUON if kernels.FAST_PATHS.runs(f"band-gluon {direction}", torch.device("cuda", device))
+                 else kernels.BAND_TMA if tma else kernels.default_config(direction, 15, torch.bfloat16))
         assert config(plan) == config(plan, left=7) == gluon
-        assert config(plan, dtype=torch.float16) == config(plan, dtype=torch.float32) == gluon
+        assert config(plan, dtype=torch.float16) == gluon
+        if gluon == kernels.BAND_GLUON:
+            assert config(plan, dtype=torch.float32) == gluon
         assert config(plan, BH=8) != kernels.BAND_GLUON
-        assert config(plan, W=31, left=30) == kernels.BAND_TMA
+        assert config(plan, W=31, left=30) == (kernels.BAND_TMA if tma else kernels.default_config(direction, 31,
+                                                                                                   torch.bfloat16))
 
 
 # The Gluon backward over windows its rule takes and three it does not (they run as band-tma, or band in float32),
@@ -638,10 +674,12 @@ def test_cuda_gluon_backward_matches_float64_autograd(ldsa, left, right, dtype, 
     go = grad_like(v)
     takes = kernels.ldsa_gluon_backward.takes(left + right + 1, left, Dh, T, B * 8, dtype)
     assert takes == ((left, right) not in [(13, 1), (1, 13), (15, 0)])
-    hopper = torch.cuda.get_device_capability()[0] >= 9
-    elsewhere = kernels.BAND_TMA if backward_takes_tma(kernels, left, right, Dh, T, B * 8, dtype) else kernels.BAND
+    gluon_here = kernels.FAST_PATHS.runs("band-gluon backward", a.device)
+    tma = backward_takes_tma(kernels, left, right, Dh, T, B * 8, dtype) and kernels.FAST_PATHS.runs(
+        "band-tma backward", a.device)
+    elsewhere = kernels.BAND_TMA if tma else kernels.BAND
     assert kernels.backward_launch(a, v, go, left, right, kernels.BAND_GLUON).config == (
-        kernels.BAND_GLUON if takes and hopper else elsewhere)
+        kernels.BAND_GLUON if takes and gluon_here else elsewhere)
     assert_backward_repeats_and_matches_float64(kernels, a, v, go, left, right, kernels.BAND_GLUON)
 
 
@@ -662,6 +700,8 @@ def test_cuda_tma_kernels_match_float64(ldsa, left, right, dtype, Dh, T, B):
     kernels = submodule(ldsa, "ldsa_triton")
     a, v = make(B, 8, Dh, T, left, right, dtype, "cuda")
     go = grad_like(v)
+    if not kernels.FAST_PATHS.runs("band-tma forward", a.device):
+        pytest.skip(f"band-tma is not verified under Triton {submodule(ldsa, 'fast_paths').TRITON_RELEASE} here")
     assert kernels.forward_launch(a, v, left, right, kernels.BAND_TMA).config == kernels.BAND_TMA
     takes = backward_takes_tma(kernels, left, right, Dh, T, B * 8, dtype)
     assert kernels.backward_launch(a, v, go, left, right, kernels.BAND_TMA).config == (

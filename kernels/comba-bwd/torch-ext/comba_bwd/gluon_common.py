@@ -10,9 +10,11 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from .reference import CHUNK
+from .dispatch import FAST_PATHS
+from .reference import CHUNK, G_FLOOR
 
 BT = gl.constexpr(CHUNK)
+FLOOR = gl.constexpr(G_FLOOR)  # the log-decay floor of reference.G_FLOOR: -inf is a hard reset
 # bf16 inputs only: the kernels take their operand type from k, and A, S_n, Vn, dS'_n and X are bf16 whatever the
 # inputs, so float16 inputs would have those bits read as float16 (the Triton kernels convert them instead).
 GL_DTYPES = {torch.bfloat16: gl.bfloat16}
@@ -20,16 +22,13 @@ WARPS = 8  # two warpgroups: the layouts of the kernels at K = 128 are written f
 ALL = ("forward_scan", "reverse_scan", "grads")
 
 
-@functools.cache
 def takes(device: torch.device, dtype: torch.dtype, K: int, V: int) -> tuple:
-    """The stages a Gluon kernel runs (the others run the Triton kernels): on a CUDA device of compute capability 9
-    (their warpgroup MMA is Hopper's alone), or meta tensors (an offline compile for sm_90), with bf16 inputs and
-    V = 128: the scans and the gradients at K = 128, the transform, the forward scan and the gradients at K = 64 (the
-    Gluon reverse scan lost to the Triton one there, and the Gluon transform to the Triton one at K = 128: see the
-    card's Design)."""
-    if V != 128 or dtype not in GL_DTYPES or K not in (64, 128):
-        return ()
-    if device.type != "meta" and (device.type != "cuda" or torch.cuda.get_device_capability(device)[0] != 9):
+    """The stages a Gluon kernel runs (the others run the Triton kernels): where `dispatch.FAST_PATHS` runs the
+    Gluon path (their warpgroup MMA is Hopper's alone; meta tensors, an offline compile for sm_90, under the releases
+    it compiles under), with bf16 inputs and V = 128: the scans and the gradients at K = 128, the transform, the
+    forward scan and the gradients at K = 64 (the Gluon reverse scan is slower than the Triton one there, and the
+    Gluon transform than the Triton one at K = 128)."""
+    if V != 128 or dtype not in GL_DTYPES or K not in (64, 128) or not FAST_PATHS.runs("gluon", device):
         return ()
     return ALL if K == 128 else ("transform", "forward_scan", "grads")
 
@@ -48,12 +47,13 @@ def scal_base(b, h, N, H):
 
 @gluon.jit
 def gate_loads(g, beta, scal_base, t0, H):
-    """The gates of the chunk from t0 as loaded: g [BT] in the column slice and beta [BT] in the row slice of a
-    [BT, BT] blocked layout over the kernel's warps. The forward scan and the K = 128 gradient kernel load them a chunk
-    ahead (`chunk_gates` turns them into the chunk's gates), so that their latency is not on the chunk's path; the
-    reverse scan and the K = 64 gradient kernel, which lost by that, load them with the chunk (`gates`)."""
+    """The gates of the chunk from t0 as loaded (g at least FLOOR): g [BT] in the column slice and beta [BT] in the
+    row slice of a [BT, BT] blocked layout over the kernel's warps. The forward scan and the K = 128 gradient kernel
+    load them a chunk ahead (`chunk_gates` turns them into the chunk's gates), so that their latency is not on the
+    chunk's path; the reverse scan and the K = 64 gradient kernel, which lost by that, load them with the chunk
+    (`gates`)."""
     sq: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
-    gj = gl.load(g + scal_base + (t0 + gl.arange(0, BT, layout=gl.SliceLayout(0, sq))) * H)
+    gj = gl.maximum(gl.load(g + scal_base + (t0 + gl.arange(0, BT, layout=gl.SliceLayout(0, sq))) * H), FLOOR)
     return gj, gl.load(beta + scal_base + (t0 + gl.arange(0, BT, layout=gl.SliceLayout(1, sq))) * H)
 
 

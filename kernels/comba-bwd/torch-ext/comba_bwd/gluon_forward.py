@@ -45,6 +45,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from . import gluon_compat as compat
 from .gluon_common import BT, chunk_gates, gate_loads, scal_base
 from .reference import CHUNK
 
@@ -55,18 +56,18 @@ def _issue(k_desc, p_desc, v_desc, a_desc, k_s, p_s, v_s, a_s, bar, row, hk, hv,
     nbytes: gl.constexpr = (2 * k_desc.block_type.nbytes + v_desc.block_type.nbytes
                             + WITH_A * a_desc.block_type.nbytes)
     mbarrier.expect(bar, nbytes, pred=pred)
-    tma.async_copy_global_to_shared(k_desc, [row, hk], bar, k_s, pred)
-    tma.async_copy_global_to_shared(p_desc, [row, hk], bar, p_s, pred)
-    tma.async_copy_global_to_shared(v_desc, [row, hv], bar, v_s, pred)
+    compat.tma_load(k_desc, [row, hk], bar, k_s, pred)
+    compat.tma_load(p_desc, [row, hk], bar, p_s, pred)
+    compat.tma_load(v_desc, [row, hv], bar, v_s, pred)
     if WITH_A:
-        tma.async_copy_global_to_shared(a_desc, [a_row, 0], bar, a_s, pred)
+        compat.tma_load(a_desc, [a_row, 0], bar, a_s, pred)
 
 
 @gluon.jit
 def _issue_a(a_desc, a_s, bar, a_row, pred):
     """Start the copy of one chunk's A tile into its own buffer (where pred)."""
     mbarrier.expect(bar, a_desc.block_type.nbytes, pred=pred)
-    tma.async_copy_global_to_shared(a_desc, [a_row, 0], bar, a_s, pred)
+    compat.tma_load(a_desc, [a_row, 0], bar, a_s, pred)
 
 
 @gluon.jit(do_not_specialize=["N"])
@@ -132,7 +133,7 @@ def _forward_scan_gluon_kernel(k_desc, p_desc, v_desc, a_desc, s_desc, vn_desc, 
             mbarrier.wait(a_bar, n & 1)
         a_f = a_s.index(s % A_STAGES).load(blk).to(gl.float32)
         if A_STAGES == 1:
-            gl.thread_barrier()  # every warp has this chunk's A in registers: the next one may come
+            compat.barrier()  # every warp has this chunk's A in registers: the next one may come
             _issue_a(a_desc, a_s.index(0), a_bar, (bh * N + nxt) * BT, n + 1 < N)
         u = warpgroup_mma(gl.convert_layout((a_f * bk_c[None, :]).to(dtype), a_tv), v_s.index(s),
                           gl.zeros([BT, V], gl.float32, acc_tv), is_async=True)
@@ -140,22 +141,22 @@ def _forward_scan_gluon_kernel(k_desc, p_desc, v_desc, a_desc, s_desc, vn_desc, 
                           gl.zeros([BT, K], gl.float32, acc_tk), is_async=True)
         # S_n in bf16 to shared memory once the previous chunk's stores have read it (and vn_s).
         tma.store_wait(0)
-        gl.thread_barrier()  # one thread issued the stores: its wait holds the other warps
+        compat.barrier()  # one thread issued the stores: its wait holds the other warps
         sb_s.store(S.to(dtype))
         fence_async_shared()
-        gl.thread_barrier()
-        tma.async_copy_shared_to_global(s_desc, [(bh * N + n) * K, 0], sb_s)
+        compat.barrier()
+        compat.tma_store(s_desc, [(bh * N + n) * K, 0], sb_s)
         w, u = warpgroup_mma_wait(0, deps=[w, u])
         vn = warpgroup_mma(gl.convert_layout(w.to(dtype), a_tv), sb_s, u)
         vn_s.store(vn.to(dtype))
         fence_async_shared()
-        gl.thread_barrier()
-        tma.async_copy_shared_to_global(vn_desc, [bh * T + t0, 0], vn_s)
+        compat.barrier()
+        compat.tma_store(vn_desc, [bh * T + t0, 0], vn_s)
 
         gc_t = gl.convert_layout(gc, gl.SliceLayout(0, blk_t))
         k_t = k_s.index(s).permute((1, 0)).load(blk_t).to(gl.float32) * gl.exp(glast - gc_t)[None, :]
         S = warpgroup_mma(gl.convert_layout(k_t.to(dtype), a_kv), vn_s, S * gl.exp(glast))
-        gl.thread_barrier()  # every warp is done with this stage's tiles before the next copy into it
+        compat.barrier()  # every warp is done with this stage's tiles before the next copy into it
     tma.store_wait(0)
     for st in gl.static_range(N_BARS):
         mbarrier.invalidate(bars.index(st))

@@ -62,6 +62,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from . import gluon_compat as compat
 from .gluon_common import BT, WARPS, chunk_gates, chunk_rows, gate_loads, scal_base, shared_layout, sms
 from .reference import CHUNK
 
@@ -73,20 +74,20 @@ def issue_state(s_desc, ds_desc, vn_desc, x_desc, do_desc, s_s, ds_s, vn_s, x_s,
     nbytes: gl.constexpr = (2 * s_desc.block_type.nbytes + 2 * vn_desc.block_type.nbytes
                             + do_desc.block_type.nbytes)
     mbarrier.expect(bar, nbytes, pred=pred)
-    tma.async_copy_global_to_shared(s_desc, [state_row, 0], bar, s_s, pred)
-    tma.async_copy_global_to_shared(ds_desc, [state_row, 0], bar, ds_s, pred)
-    tma.async_copy_global_to_shared(vn_desc, [pos_row, 0], bar, vn_s, pred)
-    tma.async_copy_global_to_shared(x_desc, [pos_row, 0], bar, x_s, pred)
-    tma.async_copy_global_to_shared(do_desc, [row, hv], bar, do_s, pred)
+    compat.tma_load(s_desc, [state_row, 0], bar, s_s, pred)
+    compat.tma_load(ds_desc, [state_row, 0], bar, ds_s, pred)
+    compat.tma_load(vn_desc, [pos_row, 0], bar, vn_s, pred)
+    compat.tma_load(x_desc, [pos_row, 0], bar, x_s, pred)
+    compat.tma_load(do_desc, [row, hv], bar, do_s, pred)
 
 
 @gluon.jit
 def issue_keys(q_desc, k_desc, p_desc, q_s, k_s, p_s, bar, row, hk, pred):
     """Start the copies of one chunk's q, k and p tiles (where pred)."""
     mbarrier.expect(bar, 3 * q_desc.block_type.nbytes, pred=pred)
-    tma.async_copy_global_to_shared(q_desc, [row, hk], bar, q_s, pred)
-    tma.async_copy_global_to_shared(k_desc, [row, hk], bar, k_s, pred)
-    tma.async_copy_global_to_shared(p_desc, [row, hk], bar, p_s, pred)
+    compat.tma_load(q_desc, [row, hk], bar, q_s, pred)
+    compat.tma_load(k_desc, [row, hk], bar, k_s, pred)
+    compat.tma_load(p_desc, [row, hk], bar, p_s, pred)
 
 
 @gluon.jit
@@ -226,7 +227,7 @@ def _grads_gluon_kernel(q_desc, k_desc, p_desc, do_desc, s_desc, ds_desc, vn_des
         gj, beta_rows, db_next = chunk_loads(g, beta, dbeta_v, gl.minimum(c + step, C - 1), N, H, n_pos, NV, row_t)
         rows_h = scal_base + (t0 + gl.arange(0, BT, layout=row_t)) * H
         tma.store_wait(0)
-        gl.thread_barrier()
+        compat.barrier()
         issue_keys(q_desc, k_desc, p_desc, q_s, k_s, p_s, keys_bar, row, hk, True)
         gc_r = gl.convert_layout(gc, row_t)
         gc_c = gl.convert_layout(gc, col_t)
@@ -256,7 +257,7 @@ def _grads_gluon_kernel(q_desc, k_desc, p_desc, do_desc, s_desc, ds_desc, vn_des
         dk = dk * gl.exp(glast - gc_k)[:, None]
         y = y * -gl.exp(gc_k)[:, None]                                                            # Y
         fence_async_shared()
-        gl.thread_barrier()  # the operands are in tt_b, and no warp reads the state group any more
+        compat.barrier()  # the operands are in tt_b, and no warp reads the state group any more
         issue_state(s_desc, ds_desc, vn_desc, x_desc, do_desc, s_s, ds_s, vn_s, x_s, do_s, state_bar, n_state_row,
                      n_pos_row, n_row, n_hv, c + step < C)
 
@@ -275,14 +276,14 @@ def _grads_gluon_kernel(q_desc, k_desc, p_desc, do_desc, s_desc, ds_desc, vn_des
         pk = warpgroup_mma(p_s, k_s.permute((1, 0)), zero_tt)                                  # P K^T
         p_y = gl.sum(p_s.load(acc_tk).to(gl.float32) * y, 1)
         y = warpgroup_mma(tt_b.index(zero + 2), k_s, y)
-        gl.thread_barrier()  # no warp reads q_s or p_s any more: dk and dp go there
+        compat.barrier()  # no warp reads q_s or p_s any more: dk and dp go there
         q_s.store(dk.to(dtype))
         p_s.store((bk_k[:, None] * y).to(dtype))
         fence_async_shared()
-        gl.thread_barrier()
-        tma.async_copy_shared_to_global(dq_desc, [row, hk], dq_s)
-        tma.async_copy_shared_to_global(dk_desc, [row, hk], q_s)
-        tma.async_copy_shared_to_global(dp_desc, [row, hk], p_s)
+        compat.barrier()
+        compat.tma_store(dq_desc, [row, hk], dq_s)
+        compat.tma_store(dk_desc, [row, hk], q_s)
+        compat.tma_store(dp_desc, [row, hk], p_s)
 
         # dbeta = p . Y + sum_j bf16(dLE)_ij (p_i . k_j) + the reverse scan's v parts, and the pb part's d gc.
         db += gl.convert_layout(p_y, row_t) + gl.sum(dle.to(dtype).to(gl.float32) * pk, 1)

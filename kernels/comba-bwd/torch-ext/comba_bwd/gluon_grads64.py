@@ -92,6 +92,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from . import gluon_compat as compat
 from .gluon_common import BT, chunk_rows, gates, sms
 from .gluon_grads import (
     chunk_coords,
@@ -115,7 +116,7 @@ SLICE_ROWS = gl.constexpr(gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0]))
 def _copy_tile(desc, row, col, bar, buf, pred):
     """Start the copy of one tile into buf, on a barrier of its own (where pred)."""
     mbarrier.expect(bar, desc.block_type.nbytes, pred=pred)
-    tma.async_copy_global_to_shared(desc, [row, col], bar, buf, pred)
+    compat.tma_load(desc, [row, col], bar, buf, pred)
 
 
 @gluon.jit
@@ -152,7 +153,8 @@ def _grads64_gluon_kernel(q_desc, k_desc, p_desc, do_desc, v_desc, s_desc, ds_de
 
     s_b, ds_b, vn_b, x_b, do_b, q_b, k_b, p_b, state_bar, keys_bar = tile_buffers(
         q_desc, k_desc, p_desc, do_desc, s_desc, ds_desc, vn_desc, x_desc, K, V)
-    tt_b = ds_b._reinterpret(dtype, [2, BT, BT], q_desc.layout)  # dS'_n's bytes, once dk's state part has read it
+    tt_layout: gl.constexpr = q_desc.layout
+    tt_b = compat.reinterpret(ds_b, dtype, [2, BT, BT], tt_layout)  # dS'_n's bytes, once dk's state part has read it
     # dO, Vn, dS'_n and X are copied for the next chunk as soon as this one is done with them, each on a barrier of its
     # own, and v into dS'_n's buffer on one more; the state_bar of `tile_buffers` then covers S_n alone (all five
     # state tiles for a CTA's first chunk).
@@ -195,7 +197,7 @@ def _grads64_gluon_kernel(q_desc, k_desc, p_desc, do_desc, v_desc, s_desc, ds_de
         beta_s.store(bk)
         rows_h = scal_base + (t0 + gl.arange(0, BT, layout=row)) * H
         tma.store_wait(0)
-        gl.thread_barrier()  # the previous chunk's dk and dp have left q_s and p_s
+        compat.barrier()  # the previous chunk's dk and dp have left q_s and p_s
         issue_keys(q_desc, k_desc, p_desc, q_s, k_s, p_s, keys_bar, trow, hk, True)
         # The decay's exponents in base 2, and scale's folded into the rows of the scaled E.
         gc2 = gc * LOG2E
@@ -220,7 +222,7 @@ def _grads64_gluon_kernel(q_desc, k_desc, p_desc, do_desc, v_desc, s_desc, ds_de
         e_low = gl.exp2(gl.where(i_tt >= j_tt, gs_r[:, None] - g2_c[None, :], float("-inf")))    # scale E
         a0, dq_acc, dk = warpgroup_mma_wait(0, deps=[a0, dq_acc, dk])
         op = (a0 * e_low).to(dtype)
-        gl.thread_barrier()  # no warp reads dS'_n any more: the operands go there
+        compat.barrier()  # no warp reads dS'_n any more: the operands go there
         nxt = c + step < C
         _copy_tile(do_desc, n_row, n_hv, do_bar, do_s, nxt)
         op_s.store(op)
@@ -232,8 +234,8 @@ def _grads64_gluon_kernel(q_desc, k_desc, p_desc, do_desc, v_desc, s_desc, ds_de
         dgc = gl.sum(q_s.load(acc).to(gl.float32) * dq_acc, 1)
         dl_s.store(dq_acc.to(dtype))  # dq leaves by TMA from dLE's buffer before dLE is made there
         fence_async_shared()
-        gl.thread_barrier()
-        tma.async_copy_shared_to_global(dq_desc, [trow, hk], dl_s)
+        compat.barrier()
+        compat.tma_store(dq_desc, [trow, hk], dl_s)
 
         # dLE = -(X Vn^T * E) strictly lower. dk = (Gam/gam) Vn dS'^T + read Q + bf16(dR^T diag(beta)) P, with
         # read = bf16(Vn dO^T * E^T * scale), dq's operand transposed, and dR^T diag(beta) = (diag(beta) dLE)^T, both
@@ -245,39 +247,39 @@ def _grads64_gluon_kernel(q_desc, k_desc, p_desc, do_desc, v_desc, s_desc, ds_de
         a3 = warpgroup_mma_wait(0, deps=[a3])
         dle = -a3 * gl.exp2(gl.where(i_tt > j_tt, g2_r[:, None] - g2_c[None, :], float("-inf")))  # strictly lower
         tma.store_wait(0)
-        gl.thread_barrier()  # dq has left dl_s
+        compat.barrier()  # dq has left dl_s
         dl_s.store((bk_r[:, None] * dle).to(dtype))
         fence_async_shared()
-        gl.thread_barrier()
+        compat.barrier()
         _copy_tile(vn_desc, n_pos_row, 0, vn_bar, vn_s, nxt)
         dk = warpgroup_mma(op_s.permute((1, 0)), q_s, dk)
         dgc -= gl.sum(k_s.load(acc).to(gl.float32) * dk, 1)
         dk = warpgroup_mma(dl_s.permute((1, 0)), p_s, dk)
-        gl.thread_barrier()  # no warp reads q_s any more: dk goes there
+        compat.barrier()  # no warp reads q_s any more: dk goes there
         _copy_tile(v_desc, trow, hk // K * V, v_bar, ds_s, True)  # v into dS'_n's bytes, for v . X
         q_s.store(dk.to(dtype))
         fence_async_shared()
-        gl.thread_barrier()
-        tma.async_copy_shared_to_global(dk_desc, [trow, hk], q_s)
+        compat.barrier()
+        compat.tma_store(dk_desc, [trow, hk], q_s)
 
         # dp = beta (Y + bf16(dLE) K), Y = -gam (X S^T);
         # dbeta = p . Y + sum_j bf16(dLE)_ij (p_i . k_j) + the reverse scan's v parts
         y = warpgroup_mma(x_s, s_s.permute((1, 0)), zero_acc)
-        gl.thread_barrier()  # no warp reads S_n or dS'_n any more: the next chunk's may come
+        compat.barrier()  # no warp reads S_n or dS'_n any more: the next chunk's may come
         _copy_tile(s_desc, n_state_row, 0, state_bar, s_s, nxt)
         y = y * -gl.exp(gc_r)[:, None]
         pk = warpgroup_mma(p_s, k_s.permute((1, 0)), zero_acc, is_async=True)                  # P K^T
         p_y = gl.sum(p_s.load(acc).to(gl.float32) * y, 1)
         y = warpgroup_mma(gl.convert_layout(dle.to(dtype), a_op), k_s, y, is_async=True)
         pk, y = warpgroup_mma_wait(0, deps=[pk, y])
-        gl.thread_barrier()  # no warp reads p_s any more: dp goes there
+        compat.barrier()  # no warp reads p_s any more: dp goes there
         p_s.store((bk_r[:, None] * y).to(dtype))
         fence_async_shared()
-        gl.thread_barrier()
-        tma.async_copy_shared_to_global(dp_desc, [trow, hk], p_s)
+        compat.barrier()
+        compat.tma_store(dp_desc, [trow, hk], p_s)
         mbarrier.wait(v_bar, phase)
         _v_dot_x(x_s, ds_s, vx_s, V)
-        gl.thread_barrier()  # v has left dS'_n's bytes: the next chunk's dS'_n may come
+        compat.barrier()  # v has left dS'_n's bytes: the next chunk's dS'_n may come
         _copy_tile(ds_desc, n_state_row, 0, ds_bar, ds_s, nxt)
         db = vx_s.load(row)
 
@@ -291,7 +293,7 @@ def _grads64_gluon_kernel(q_desc, k_desc, p_desc, do_desc, v_desc, s_desc, ds_de
         dg_i = gl.sum(gl.where(rj[None, :] >= ri[:, None], dgc_j[None, :], 0.0) + k_state_j[None, :], 1)
         gl.store(dg + scal_base + (t0 + ri) * H, dg_i + gl.exp(glast) * s_ds)
         _store_dv(x_s, beta_s, dv, trow, hk // K * V, H, V)
-        gl.thread_barrier()  # no warp reads X any more: the next chunk's may come
+        compat.barrier()  # no warp reads X any more: the next chunk's may come
         _copy_tile(x_desc, n_pos_row, 0, x_bar, x_s, nxt)
         phase ^= 1
     tma.store_wait(0)

@@ -40,6 +40,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from . import gluon_compat as compat
 from .gluon_common import BT, WARPS, chunk_rows, gates, scal_base
 from .reference import CHUNK
 
@@ -49,11 +50,11 @@ def _issue(k_desc, q_desc, p_desc, do_desc, a_desc, k_s, q_s, p_s, do_s, a_s, ba
     """Start the copies of one chunk's k, q, p, dO and A tiles into one stage (where pred)."""
     nbytes: gl.constexpr = 3 * k_desc.block_type.nbytes + do_desc.block_type.nbytes + a_desc.block_type.nbytes
     mbarrier.expect(bar, nbytes, pred=pred)
-    tma.async_copy_global_to_shared(k_desc, [row, hk], bar, k_s, pred)
-    tma.async_copy_global_to_shared(q_desc, [row, hk], bar, q_s, pred)
-    tma.async_copy_global_to_shared(p_desc, [row, hk], bar, p_s, pred)
-    tma.async_copy_global_to_shared(do_desc, [row, hv], bar, do_s, pred)
-    tma.async_copy_global_to_shared(a_desc, [a_row, 0], bar, a_s, pred)
+    compat.tma_load(k_desc, [row, hk], bar, k_s, pred)
+    compat.tma_load(q_desc, [row, hk], bar, q_s, pred)
+    compat.tma_load(p_desc, [row, hk], bar, p_s, pred)
+    compat.tma_load(do_desc, [row, hv], bar, do_s, pred)
+    compat.tma_load(a_desc, [a_row, 0], bar, a_s, pred)
 
 
 @gluon.jit
@@ -112,11 +113,11 @@ def _reverse_scan_gluon_kernel(k_desc, q_desc, p_desc, do_desc, a_desc, ds_desc,
                (bh * N + nxt) * BT, n > 0)
         # dS'_n in bf16 to shared memory once the previous chunk's stores have read it (and dvn_s, dv_s).
         tma.store_wait(0)
-        gl.thread_barrier()  # one thread issued the stores: its wait holds the other warps
+        compat.barrier()  # one thread issued the stores: its wait holds the other warps
         dsb_s.store(dS.to(dtype))
         fence_async_shared()
-        gl.thread_barrier()
-        tma.async_copy_shared_to_global(ds_desc, [(bh * N + n) * K, 0], dsb_s)
+        compat.barrier()
+        compat.tma_store(ds_desc, [(bh * N + n) * K, 0], dsb_s)
         gc, glast, bk = gates(g, beta, base, t0, H)
         pos = (b.to(gl.int64) * T + t0 + rows_tv)[:, None] * (H * V) + hv + cols_tv[None, :]
         vk = gl.load(v + pos)
@@ -139,7 +140,7 @@ def _reverse_scan_gluon_kernel(k_desc, q_desc, p_desc, do_desc, a_desc, ds_desc,
         dvn = warpgroup_mma_wait(0, deps=[dvn])
         dvn_s.store(dvn.to(dtype))
         fence_async_shared()
-        gl.thread_barrier()
+        compat.barrier()
 
         # -W^T, then dS = Gam dS' + ((gam scale) Q)^T dO + (-W^T) dVn, and X = A^T dVn beside it
         gc_t = gl.convert_layout(gc, gl.SliceLayout(0, blk_t))
@@ -158,10 +159,10 @@ def _reverse_scan_gluon_kernel(k_desc, q_desc, p_desc, do_desc, a_desc, ds_desc,
         dvn_s.store(x.to(dtype))
         dv_s.store((bk_r[:, None] * x).to(dtype))
         fence_async_shared()
-        gl.thread_barrier()
-        tma.async_copy_shared_to_global(x_desc, [bh * T + t0, 0], dvn_s)
-        tma.async_copy_shared_to_global(dv_desc, [row0 + t0, hv], dv_s)
-        gl.thread_barrier()  # both warpgroups are done with this stage's tiles before the next copy into it
+        compat.barrier()
+        compat.tma_store(x_desc, [bh * T + t0, 0], dvn_s)
+        compat.tma_store(dv_desc, [row0 + t0, hv], dv_s)
+        compat.barrier()  # both warpgroups are done with this stage's tiles before the next copy into it
     tma.store_wait(0)
     for st in gl.static_range(2):
         mbarrier.invalidate(bars.index(st))

@@ -33,7 +33,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
-from .gluon_common import BT, scal_base
+from .gluon_common import BT, FLOOR, scal_base
 from .reference import CHUNK
 from .tf32 import tf32_high
 
@@ -77,7 +77,7 @@ def _block_gates(g, beta, base, r0, H, offset):
     the row slice, and offset plus the block's sum of g (the next block's offset)."""
     r = gl.arange(0, SUB, layout=ROW)
     c = gl.arange(0, SUB, layout=COL)
-    g_c = gl.load(g + base + (r0 + c) * H)
+    g_c = gl.maximum(gl.load(g + base + (r0 + c) * H), FLOOR)
     gc_r = offset + gl.sum(gl.where(c[None, :] <= r[:, None], g_c[None, :], 0.0), 1)
     beta_r = gl.load(beta + base + (r0 + r) * H).to(gl.float32)
     return gc_r, gl.convert_layout(gc_r, COL), beta_r, offset + gl.sum(g_c, 0)

@@ -24,6 +24,16 @@ keep the adjoint of the chunk transform to ONE backward substitution, X = (I + L
     (I + L)^-T dW = -X S^T          (since dW = -dVn S^T)
     dL = -strict_lower(X U^T + Y W^T) = -strict_lower(X Vn^T)      (Y = -X S^T, Vn = U - W S)
 
+Every decay is formed from a difference of cumulative sums before exp (exp(gc_{C-1} - gc_j), and
+exp(gc_i - gc_j) masked to -inf above the diagonal before exp), never as a ratio of two exps: once a chunk's
+summed log-decay passes about -104, gam and Gam underflow to 0 in fp32 and Gam / gam would be 0 / 0, while
+the difference stays finite and every factor stays <= 1.
+
+A per-step log-decay below G_FLOOR is taken as G_FLOOR, on every path, without looking at the values (no
+device sync, so calls stay capturable in CUDA graphs): exp(G_FLOOR) is exactly 0 in fp32, so such a step,
+g = -inf included, is a hard reset of the state, and the recurrence cannot meet -inf - (-inf). dg is 0 at
+those steps, as exp(g) is: g_t enters the loss only through exp(g_t) S_{t-1}.
+
 Any T is accepted: the sequence is zero-padded to a multiple of C. Padding at the end is exact, because the
 recurrence is causal and a zero `do` on the padded steps adds nothing to the loss.
 """
@@ -31,6 +41,16 @@ recurrence is causal and a zero `do` on the padded steps adds nothing to the los
 import torch
 
 CHUNK = 64
+# The floor on a step's log-decay: the largest whole number whose exp rounds to 0.0 in fp32 (exp(x) does for
+# x below ln(2^-150) = -103.972, half the smallest subnormal). Finite g above it is untouched; below it exp(g)
+# is 0 in fp32 whatever the value, so the floor changes no result beyond fp32 rounding, and it keeps |gc|, and
+# with it the rounding of the gc differences later in the chunk, as small as a reset allows.
+G_FLOOR = -104.0
+
+
+def floor_log_decay(g: torch.Tensor) -> torch.Tensor:
+    """g with every step below G_FLOOR (-inf included) set to G_FLOOR: a hard reset, exp(G_FLOOR) = 0 in fp32."""
+    return g.clamp_min(G_FLOOR)
 
 
 def pad_time(x: torch.Tensor, multiple: int = CHUNK) -> torch.Tensor:
@@ -68,12 +88,17 @@ def _chunk_transform(k, p, v, beta, g):
     return gc, E, L, IL, U, W
 
 
+def _to_end(gc):
+    """Gam / gam = exp(gc_{C-1} - gc_j), the decay from step j to the chunk's end, as one exp of a difference."""
+    return (gc[..., -1:] - gc).exp()
+
+
 def _forward_scan(k, gc, U, W):
     """Chunk-start states S_n (B, H, N, K, V) and corrected values Vn (B, H, N, C, V)."""
     B, H, N, C, K = k.shape
     S = k.new_zeros(B, H, K, U.shape[-1])
     gam_last = gc[..., -1].exp()
-    k_to_end = k * (gc[..., -1:] - gc).exp()[..., None]      # K * Gam / gam: decay from step j to chunk end
+    k_to_end = k * _to_end(gc)[..., None]                    # K * Gam / gam: decay from step j to chunk end
     states, vns = [], []
     for n in range(N):
         states.append(S)
@@ -91,6 +116,7 @@ def comba_forward_reference(q, k, v, p, beta, g, scale=None) -> torch.Tensor:
     """Comba forward o (B, T, H, V) in v's dtype; computed in float32, chunked."""
     T, dtype = q.shape[1], v.dtype
     scale = _resolve_scale(scale, q.shape[-1])
+    g = floor_log_decay(g)
     q, k, v, p, beta, g = (_to_chunks(pad_time(x)) for x in (q, k, v, p, beta, g))
     gc, E, _, _, U, W = _chunk_transform(k, p, v, beta, g)
     S, Vn = _forward_scan(k, gc, U, W)
@@ -103,15 +129,19 @@ def comba_backward_reference(q, k, v, p, beta, g, do, scale=None):
     """Analytic Comba backward, float32: (dq, dk, dv, dp, dbeta, dg), all float32.
 
     Same arguments as the spec's `comba_backward`: q, k, p (B, T, H, K); v, do (B, T, H, V); beta, g (B, T, H).
+    g is floored at G_FLOOR first, and dg is 0 where the floored g is at the floor (there exp(g) is 0 in fp32).
     """
     T = q.shape[1]
     scale = _resolve_scale(scale, q.shape[-1])
+    g = floor_log_decay(g)
+    reset = g <= G_FLOOR
     q, k, v, p, beta, g, do = (_to_chunks(pad_time(x)) for x in (q, k, v, p, beta, g, do))
     gc, E, L, IL, U, W = _chunk_transform(k, p, v, beta, g)
     S, Vn = _forward_scan(k, gc, U, W)
     gam = gc.exp()
     gam_last = gam[..., -1]
-    k_to_end = k * (gc[..., -1:] - gc).exp()[..., None]
+    to_end = _to_end(gc)                                       # Gam / gam, never formed as a ratio
+    k_to_end = k * to_end[..., None]
     qs = q * scale
     scores = (qs @ k.mT) * E                                   # lower(scale Q K^T) * E
 
@@ -133,7 +163,7 @@ def comba_backward_reference(q, k, v, p, beta, g, do, scale=None):
     do_vn = (do @ Vn.mT) * E                                   # lower(dO Vn^T) * E
     dq = scale * (gam[..., None] * (do @ S.mT) + do_vn @ k)
     dk_read = scale * (do_vn.mT @ q)
-    dk_state = (gam_last[..., None, None] / gam[..., None]) * (Vn @ dS_next.mT)
+    dk_state = to_end[..., None] * (Vn @ dS_next.mT)
     dL = -(X @ Vn.mT).tril(-1)
     dR = dL * E                                                # gradient of the raw (beta P) K^T
     dR_k = dR @ k
@@ -146,4 +176,7 @@ def comba_backward_reference(q, k, v, p, beta, g, do, scale=None):
     last = (k * dk_state).sum((-1, -2)) + gam_last * (S * dS_next).sum((-1, -2))
     dgc = torch.cat([dgc[..., :-1], dgc[..., -1:] + last[..., None]], dim=-1)
     dg = dgc.flip(-1).cumsum(-1).flip(-1)                      # g_t feeds every gc_i with i >= t
-    return tuple(_from_chunks(x, T) for x in (dq, dk, dv, dp, dbeta, dg))
+    dq, dk, dv, dp, dbeta, dg = (_from_chunks(x, T) for x in (dq, dk, dv, dp, dbeta, dg))
+    # At the floor the reverse cumsum leaves only the rounding of terms that cancel; the gradient is exp(g_t)
+    # times a finite product, 0 in fp32.
+    return dq, dk, dv, dp, dbeta, dg.masked_fill(reset, 0.0)

@@ -38,7 +38,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .reference import CHUNK, pad_time
+from .dispatch import FAST_PATHS
+from .fast_paths import falls_back
+from .reference import CHUNK, G_FLOOR, pad_time
 from .tf32 import tf32_high
 
 try:  # Gluon, Triton's explicit-layout dialect: the scans and the gradients on Hopper (gluon_common.takes)
@@ -47,6 +49,7 @@ except ImportError:  # a Triton without it: the Triton kernels everywhere
     gluon_common = None
 
 BT = tl.constexpr(CHUNK)
+FLOOR = tl.constexpr(G_FLOOR)  # the log-decay floor of reference.G_FLOOR: -inf is a hard reset
 
 
 @triton.jit
@@ -54,7 +57,7 @@ def _gates(g, beta, scal_base, t0, H, R: tl.constexpr = BT, offset=None):
     """On the R rows from t0 (a chunk, or a block of one), all fp32 [R]: gc (inclusive cumsum of g), the
     log-decay to the last row, and beta; `offset` is the log-decay before t0 inside the chunk (for a block)."""
     r = tl.arange(0, R)
-    gk = tl.load(g + scal_base + (t0 + r) * H).to(tl.float32)
+    gk = tl.maximum(tl.load(g + scal_base + (t0 + r) * H).to(tl.float32), FLOOR)
     bk = tl.load(beta + scal_base + (t0 + r) * H).to(tl.float32)
     gc, total = tl.cumsum(gk, 0), tl.sum(gk, 0)
     if offset is not None:
@@ -673,8 +676,34 @@ def _launch_on_streams(pieces, device: torch.device):
         main.wait_stream(own)
 
 
+# The (dtype, K, V) of the calls whose Gluon kernels have launched in this process: a Gluon kernel compiles at its
+# first launch, which `comba_backward_triton` guards.
+_gluon_launched: set = set()
+
+
 def comba_backward_triton(q, k, v, p, beta, g, do, scale: float):
-    """(dq, dk, dv, dp, dbeta, dg) in their inputs' dtypes (dg float32); inputs contiguous, K, V in {64, 128}."""
+    """(dq, dk, dv, dp, dbeta, dg) in their inputs' dtypes (dg float32); inputs contiguous, K, V in {64, 128}.
+
+    The first call of a (dtype, K, V) that takes Gluon kernels compiles them; if that raises, the Gluon path is
+    switched off for the process (`dispatch.FAST_PATHS.failed`, one warning) and the call runs on the Triton
+    kernels, after the device has finished what the failed attempt launched (its scratch is freed)."""
+    key = (q.dtype, q.shape[-1], v.shape[-1])
+    if key in _gluon_launched or not _gluon_stages(q, v.shape[-1]):
+        return _backward(q, k, v, p, beta, g, do, scale)
+    try:
+        grads = _backward(q, k, v, p, beta, g, do, scale)
+    except Exception as error:
+        if not falls_back(error):
+            raise
+        FAST_PATHS.failed("gluon", error)
+        if q.is_cuda and not torch.cuda.is_current_stream_capturing():
+            torch.cuda.synchronize(q.device)
+        return _backward(q, k, v, p, beta, g, do, scale)
+    _gluon_launched.add(key)
+    return grads
+
+
+def _backward(q, k, v, p, beta, g, do, scale: float):
     B, T = q.shape[:2]
     inputs = [pad_time(x) for x in (q, k, v, p, beta, g, do)]
     grads = _gradients_like(*inputs[:6])

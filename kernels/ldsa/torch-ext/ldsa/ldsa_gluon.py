@@ -46,6 +46,7 @@ from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from . import gluon_compat as compat
 from .window_weights import _hi_lo_pairs, _tf32_high, _window_softmax
 
 # Tile sizes, constexprs for the kernel (the host reads their .value).
@@ -78,9 +79,9 @@ def _issue(a_desc, v_desc, halo_desc, a_s, v_s, halo_s, st, bar, i, n_chunks, W,
     nbytes: gl.constexpr = NBOX * (a_desc.block_type.nbytes + v_desc.block_type.nbytes) + halo_desc.block_type.nbytes
     mbarrier.expect(bar, nbytes, pred=pred)
     for n in gl.static_range(NBOX):
-        tma.async_copy_global_to_shared(a_desc, [bh * W, t0 + BOX * n], bar, a_s.index(NBOX * st + n), pred)
-        tma.async_copy_global_to_shared(v_desc, [bh * DH, t0 - lead + BOX * n], bar, v_s.index(NBOX * st + n), pred)
-    tma.async_copy_global_to_shared(halo_desc, [bh * DH, t0 - lead + CHUNK], bar, halo_s.index(st), pred)
+        compat.tma_load(a_desc, [bh * W, t0 + BOX * n], bar, a_s.index(NBOX * st + n), pred)
+        compat.tma_load(v_desc, [bh * DH, t0 - lead + BOX * n], bar, v_s.index(NBOX * st + n), pred)
+    compat.tma_load(halo_desc, [bh * DH, t0 - lead + CHUNK], bar, halo_s.index(st), pred)
 
 
 @gluon.jit
@@ -224,14 +225,14 @@ def _ldsa_forward_gluon_kernel(a_desc, v_desc, halo_desc, out_desc, W, left, lea
 
     for it in range(count):
         s = it % STAGES
-        gl.thread_barrier()  # every warp is done reading the stage refilled next (chunk it - 1's)
+        compat.barrier()  # every warp is done reading the stage refilled next (chunk it - 1's)
         nxt = it + STAGES - 1
         _issue(a_desc, v_desc, halo_desc, a_s, v_s, halo_s, nxt % STAGES, bars.index(nxt % STAGES),
                pid + nxt * programs, n_chunks, W, lead, DH, nxt < count)
         mbarrier.wait(bars.index(s), (it // STAGES) & 1)
         i = pid + it * programs
         tma.store_wait(0)  # the previous chunk's output store has read out_s
-        gl.thread_barrier()
+        compat.barrier()
         for b in gl.static_range(CHUNK // BLOCK):
             logits = a_s.index(NBOX * s + BLOCK * b // BOX).slice(BLOCK * b % BOX, BLOCK, dim=1).load(b_layout)
             w0, w1, w2, w3 = _split_slots(_weight_words(_window_softmax(logits, tap_ok, 0), dtype), KW)
@@ -249,9 +250,9 @@ def _ldsa_forward_gluon_kernel(a_desc, v_desc, halo_desc, out_desc, W, left, lea
                 acc = _band_product(vals, band, acc)
             out_s.index(BLOCK * b // BOX).slice(BLOCK * b % BOX, BLOCK, dim=1).store(acc.to(dtype))
         fence_async_shared()
-        gl.thread_barrier()
+        compat.barrier()
         for n in gl.static_range(NBOX):
-            tma.async_copy_shared_to_global(out_desc, [(i // n_chunks) * DH, (i % n_chunks) * CHUNK + BOX * n],
+            compat.tma_store(out_desc, [(i // n_chunks) * DH, (i % n_chunks) * CHUNK + BOX * n],
                                             out_s.index(n))
 
     tma.store_wait(0)

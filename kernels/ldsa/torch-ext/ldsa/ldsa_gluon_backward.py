@@ -37,6 +37,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 
+from . import gluon_compat as compat
 from .ldsa_gluon import BLOCK, CHUNK, GL_DTYPES, HALO, WARPS, _band_product, _precise_product, _weight_words, box_frames
 from .window_weights import _window_softmax
 
@@ -60,10 +61,10 @@ def _issue_dlogits_boxes(lg_desc, v_desc, vh_desc, g_desc, lg_s, v_s, vh_s, g_s,
                             + vh_desc.block_type.nbytes)
     mbarrier.expect(bar, nbytes, pred=pred)
     for n in gl.static_range(NBOX):
-        tma.async_copy_global_to_shared(lg_desc, [bh, 0, t0 + BOX * n], bar, lg_s.index(n), pred)
-        tma.async_copy_global_to_shared(v_desc, [bh * DH, t0 - lead + BOX * n], bar, v_s.index(n), pred)
-        tma.async_copy_global_to_shared(g_desc, [bh * DH, t0 + BOX * n], bar, g_s.index(n), pred)
-    tma.async_copy_global_to_shared(vh_desc, [bh * DH, t0 - lead + CHUNK], bar, vh_s, pred)
+        compat.tma_load(lg_desc, [bh, 0, t0 + BOX * n], bar, lg_s.index(n), pred)
+        compat.tma_load(v_desc, [bh * DH, t0 - lead + BOX * n], bar, v_s.index(n), pred)
+        compat.tma_load(g_desc, [bh * DH, t0 + BOX * n], bar, g_s.index(n), pred)
+    compat.tma_load(vh_desc, [bh * DH, t0 - lead + CHUNK], bar, vh_s, pred)
 
 
 @gluon.jit
@@ -79,10 +80,10 @@ def _issue_dv_boxes(lg_desc, lgh_desc, g_desc, gh_desc, lg_s, lgh_s, g_s, gh_s, 
                             + lgh_desc.block_type.nbytes + gh_desc.block_type.nbytes)
     mbarrier.expect(bar, nbytes, pred=pred)
     for n in gl.static_range(NBOX):
-        tma.async_copy_global_to_shared(lg_desc, [bh, W - ROWS, t0 + BOX * n], bar, lg_s.index(n), pred)
-        tma.async_copy_global_to_shared(g_desc, [bh * DH, t0 + BOX * n], bar, g_s.index(n), pred)
-    tma.async_copy_global_to_shared(lgh_desc, [bh, W - ROWS, t0 + CHUNK], bar, lgh_s, pred)
-    tma.async_copy_global_to_shared(gh_desc, [bh * DH, t0 + CHUNK], bar, gh_s, pred)
+        compat.tma_load(lg_desc, [bh, W - ROWS, t0 + BOX * n], bar, lg_s.index(n), pred)
+        compat.tma_load(g_desc, [bh * DH, t0 + BOX * n], bar, g_s.index(n), pred)
+    compat.tma_load(lgh_desc, [bh, W - ROWS, t0 + CHUNK], bar, lgh_s, pred)
+    compat.tma_load(gh_desc, [bh * DH, t0 + CHUNK], bar, gh_s, pred)
 
 
 @gluon.jit
@@ -107,7 +108,8 @@ def _frames(boxes, halo, start: gl.constexpr, n: gl.constexpr):
 def _at_cell(buf, offset, dtype: gl.constexpr, shape: gl.constexpr, layout: gl.constexpr):
     """A view of `buf` from cell `offset` on (a runtime offset: a [N, 1, 1] view's row, reinterpreted)."""
     column: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
-    return buf._reinterpret(dtype, [8192, 1, 1], column).index(offset)._reinterpret(dtype, shape, layout)
+    cell = compat.reinterpret(buf, dtype, [8192, 1, 1], column).index(offset)
+    return compat.reinterpret(cell, dtype, shape, layout)
 
 
 @gluon.jit
@@ -176,13 +178,13 @@ def _ldsa_backward_gluon_kernel(lg_desc, lgh_desc, v_desc, vh_desc, g_desc, gh_d
     bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for part in gl.static_range(2):
         mbarrier.init(bars.index(part), count=1)
-    gc_p = gc_s._reinterpret(dtype, [NBOX, DH, BOX], BOX_VIEW)
-    v_p = v_s._reinterpret(dtype, [NBOX, DH, BOX], BOX_VIEW)
-    vh_p = vh_s._reinterpret(dtype, [DH, HALO], HALO_VIEW)
+    gc_p = compat.reinterpret(gc_s, dtype, [NBOX, DH, BOX], BOX_VIEW)
+    v_p = compat.reinterpret(v_s, dtype, [NBOX, DH, BOX], BOX_VIEW)
+    vh_p = compat.reinterpret(vh_s, dtype, [DH, HALO], HALO_VIEW)
     # The band buffer's cells other than the stored weights stay zero, all chunks long.
     flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
     zl: gl.constexpr = gl.BlockedLayout([4], [32], [WARPS], [0])
-    cells = w_s._reinterpret(gl.int32, [8192], flat)
+    cells = compat.reinterpret(w_s, gl.int32, [8192], flat)
     cells.slice(0, 4096).store(gl.zeros([4096], gl.int32, zl))
     cells.slice(4096, W_CELLS - 4096).store(gl.zeros([W_CELLS - 4096], gl.int32, zl))
     e_r = gl.maximum(c2 - W, 0)
@@ -219,7 +221,7 @@ def _ldsa_backward_gluon_kernel(lg_desc, lgh_desc, v_desc, vh_desc, g_desc, gh_d
                 vals = _frames(v_p, vh_p, BLOCK * b + 16 * j, 16).load(b_p)
                 pj = _precise_product(gt, vals, gl.zeros([BLOCK, 16], gl.float32, mma_p))
                 p_s.slice(16 * j, 16, dim=1).store(pj)
-            gl.thread_barrier()
+            compat.barrier()
             da = gl.where(ok1, da_view.slice(0, ROWS, dim=1).load(l_da), 0.0)
             logits = _frames(lg1_s, lg1_s, BLOCK * b, BLOCK).permute((1, 0)).load(l_da)
             a1 = _window_softmax(logits, ok1, 1)
@@ -227,12 +229,12 @@ def _ldsa_backward_gluon_kernel(lg_desc, lgh_desc, v_desc, vh_desc, g_desc, gh_d
             t = t0 + BLOCK * b + t_i
             rows = (bh * W + tap1).to(gl.int64) * T
             gl.store(dl_ptr + rows + t, dl.to(dl_ptr.dtype.element_ty), mask=ok1 & (t < T))
-            gl.thread_barrier()  # p_s is read before the next block overwrites it
+            compat.barrier()  # p_s is read before the next block overwrites it
         _issue_dlogits_boxes(lg_desc, v_desc, vh_desc, g_desc, lg1_s, v_s, vh_s, gc_s, bars.index(0), i + programs,
                              n_chunks, lead, DH, it + 1 < count)
         mbarrier.wait(bars.index(1), it & 1)
         tma.store_wait(0)  # dv_s: the previous chunk's store has read it
-        gl.thread_barrier()
+        compat.barrier()
 
         # dv, a block of 32 positions at a time
         for b in gl.static_range(CHUNK // BLOCK):
@@ -240,18 +242,18 @@ def _ldsa_backward_gluon_kernel(lg_desc, lgh_desc, v_desc, vh_desc, g_desc, gh_d
                 lg = _frames(lg2_s, lg2h_s, BLOCK * b + 16 * kk, 16)
                 w2 = _window_softmax(lg.permute((1, 0)).load(l_w), ok2, 1)  # [16 frames, 16 tap columns]
                 w_view.slice(16 + 16 * kk, 16, dim=0).slice(0, ROWS, dim=1).store(_weight_words(w2, dtype))
-            gl.thread_barrier()
+            compat.barrier()
             acc = gl.zeros([DH, BLOCK], gl.float32, mma_dv)
             for kk in gl.static_range(3):
                 gu = _frames(ga_s, gh_s, BLOCK * b + 16 * kk, 16).load(a_dv)
                 band = band_view.slice(16 + 16 * kk, 16, dim=0).slice(32, BLOCK, dim=1).load(b_dv)
                 acc = _band_product(gu, band, acc)
             _frames(dv_s, dv_s, BLOCK * b, BLOCK).store(acc.to(dtype))
-            gl.thread_barrier()  # w_s is read before the next block overwrites it
+            compat.barrier()  # w_s is read before the next block overwrites it
         fence_async_shared()
-        gl.thread_barrier()
+        compat.barrier()
         for n in gl.static_range(NBOX):
-            tma.async_copy_shared_to_global(dv_desc, [bh * DH, t0 + BOX * n], dv_s.index(n))
+            compat.tma_store(dv_desc, [bh * DH, t0 + BOX * n], dv_s.index(n))
         _issue_dv_boxes(lg_desc, lgh_desc, g_desc, gh_desc, lg2_s, lg2h_s, ga_s, gh_s, bars.index(1), i + programs,
                         n_chunks, W, lead_r, DH, it + 1 < count)
 

@@ -47,6 +47,8 @@ import triton.language as tl
 from triton.compiler.compiler import CompiledKernel
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from .dispatch import FAST_PATHS
+from .fast_paths import falls_back
 from .window_weights import _hi_lo_pairs, _split_hi_lo, _tf32_high, _window_softmax
 
 try:  # Gluon, Triton's explicit-layout dialect (its Hopper TMA and mma.sync): band-gluon
@@ -589,24 +591,27 @@ class _Launch:
     its tensor arguments), meta-parameters and warps. Built once per shape by the cached plan functions below
     and compared by identity, so the compiled-kernel cache keys on the object itself (and keeps it alive)."""
 
-    __slots__ = ("kernel", "programs", "ints", "meta", "num_warps", "config", "arguments")
+    __slots__ = ("kernel", "programs", "ints", "meta", "num_warps", "config", "arguments", "fast_path")
 
     def __init__(self, kernel, programs: int, ints: tuple, meta: dict, num_warps: int, config: str,
-                 arguments: tuple | None = None):  # fmt: skip
+                 arguments: tuple | None = None, fast_path: str | None = None):  # fmt: skip
         self.kernel, self.programs, self.ints, self.meta, self.num_warps = kernel, programs, ints, meta, num_warps
         # The configuration that runs, and for a TMA kernel its tensor arguments: each the index of a tensor
         # handed to `_launch`, or (index, shape, block[, shared layout]) for a descriptor of that tensor viewed
-        # as the row-major `shape`.
-        self.config, self.arguments = config, arguments
+        # as the row-major `shape`; for a fast path, its row in `dispatch.FAST_PATHS`.
+        self.config, self.arguments, self.fast_path = config, arguments, fast_path
 
 
 # Launchers of compiled kernels by (_Launch, device, each tensor's dtype and 16-byte alignment): see `_launch`.
 _compiled: dict = {}
 
 
-def _launch(launch: _Launch, tensors: tuple) -> None:
+def _launch(launch: _Launch, tensors: tuple) -> bool:
     """launch.kernel[(launch.programs,)](*tensors, *launch.ints, **launch.meta, num_warps=launch.num_warps),
-    minus Triton's per-call binding (host time that launch-bound calls cannot spare).
+    minus Triton's per-call binding (host time that launch-bound calls cannot spare). False where the launch is a
+    fast path's first of its specialization and it fails to compile: the path is then switched off
+    (`FAST_PATHS.failed`) and the plans forgotten, so that planning the call again gives the portable launch
+    (`_run`).
 
     Triton specializes a launch on its tensors' dtypes and 16-byte alignment and on its integers (fixed by
     the _Launch). The first launch of a specialization goes through the JIT (compiling, or loading its cache)
@@ -625,13 +630,28 @@ def _launch(launch: _Launch, tensors: tuple) -> None:
     if fast:
         run, function, metadata, stream_of, trailing = hit
         run(launch.programs, 1, 1, stream_of(device), function, metadata, None, None, None, *tensors, *trailing)
-        return
-    compiled = launch.kernel[(launch.programs,)](*tensors, *launch.ints, **launch.meta, num_warps=launch.num_warps)
+        return True
+    try:
+        compiled = launch.kernel[(launch.programs,)](*tensors, *launch.ints, **launch.meta, num_warps=launch.num_warps)
+    except Exception as error:
+        if launch.fast_path is None or not falls_back(error):
+            raise
+        FAST_PATHS.failed(launch.fast_path, error)
+        _clear_plans()
+        return False
     if isinstance(compiled, CompiledKernel):
         constexprs = tuple(launch.meta[name] for name in launch.kernel.arg_names[len(tensors) + len(launch.ints) :])
         stream_of = triton.runtime.driver.active.get_current_stream
         trailing = (*launch.ints, *constexprs)
         _compiled[key] = (compiled.run, compiled.function, compiled.packed_metadata, stream_of, trailing)
+    return True
+
+
+def _run(plan, tensors: tuple) -> None:
+    """Launch `plan()`'s kernel on `tensors`, planning again after a fast path failed to compile (each failure
+    switches one path off, and the portable launches are not caught, so this ends)."""
+    while not _launch(plan(), tensors):
+        pass
 
 
 class _HostDescriptor(NamedTuple):
@@ -728,12 +748,23 @@ def _gluon_lead(W: int, left: int, Dh: int, T: int, BH: int, dtype: torch.dtype)
     return lead if ldsa_gluon is not None and ldsa_gluon.takes(W, lead - left, Dh, T, BH, dtype) else None
 
 
-def _gluon_runs(aligned: bool, logits_dtype: torch.dtype | None, dtype: torch.dtype, device: int) -> bool:
-    """Whether band-gluon can run a call, whatever its window: tensors on 16 bytes (TMA), logits in the values'
-    dtype (None: the same), and CUDA device `device` with Hopper's TMA and mbarriers (compute capability 9.0 or
-    more; not the interpreter, -1)."""
+def _gluon_runs(direction: str, aligned: bool, logits_dtype: torch.dtype | None, dtype: torch.dtype,
+                device: int) -> bool:  # fmt: skip
+    """Whether band-gluon can run a call in `direction`, whatever its window: tensors on 16 bytes (TMA), logits in
+    the values' dtype (None: the same), and CUDA device `device` where `dispatch.FAST_PATHS` runs it (not the
+    interpreter, -1)."""
     return (aligned and logits_dtype in (None, dtype) and device >= 0
-            and torch.cuda.get_device_capability(device)[0] >= 9)
+            and FAST_PATHS.runs(f"{BAND_GLUON} {direction}", torch.device("cuda", device)))
+
+
+def _tma_runs(direction: str, aligned: bool, device: int) -> bool:
+    """Whether band-tma can run a call in `direction`: tensors on 16 bytes and CUDA device `device` where
+    `dispatch.FAST_PATHS` runs it, or the interpreter's CPU tensors and meta tensors (-1) while it is not switched
+    off."""
+    name = f"{BAND_TMA} {direction}"
+    if device < 0:
+        return aligned and name not in FAST_PATHS.switched_off
+    return aligned and FAST_PATHS.runs(name, torch.device("cuda", device))
 
 
 def _gluon_forward_launch(W: int, left: int, lead: int, Dh: int, T: int, BH: int, dtype: torch.dtype,
@@ -749,7 +780,7 @@ def _gluon_forward_launch(W: int, left: int, lead: int, Dh: int, T: int, BH: int
     arguments = ((0, rows, (taps, box), layouts[0]), (1, values, (Dh, box), layouts[1]),
                  (1, values, (Dh, halo), layouts[2]), (2, values, (Dh, box), layouts[3]))
     return _Launch(g._ldsa_forward_gluon_kernel, programs, (W, left, lead, n_chunks, BH * n_chunks),
-                   dict(DH=Dh, STAGES=g.STAGES), g.WARPS.value, BAND_GLUON, arguments)
+                   dict(DH=Dh, STAGES=g.STAGES), g.WARPS.value, BAND_GLUON, arguments, f"{BAND_GLUON} forward")
 
 
 @functools.cache
@@ -764,12 +795,13 @@ def _forward_launch(
     band-gluon asked for runs as band-tma where it cannot.
 
     band-gluon: `_gluon_forward_launch`. band-tma: `_tma_plan`. The others: `_band_plan` plus the PREFETCH flag."""
-    gluon_lead = _gluon_lead(W, left, Dh, T, BH, dtype) if _gluon_runs(aligned, logits_dtype, dtype, device) else None
+    gluon_runs = _gluon_runs("forward", aligned, logits_dtype, dtype, device)
+    gluon_lead = _gluon_lead(W, left, Dh, T, BH, dtype) if gluon_runs else None
     if config == BAND_GLUON or (config is None and gluon_lead is not None and BH * T >= TMA_MIN_FRAMES):
         if gluon_lead is not None:
             return _gluon_forward_launch(W, left, gluon_lead, Dh, T, BH, dtype, device)
         config = BAND_TMA
-    tiles = _tma_tiles("forward", W, left, Dh, T, BH, dtype) if aligned else None
+    tiles = _tma_tiles("forward", W, left, Dh, T, BH, dtype) if _tma_runs("forward", aligned, device) else None
     config = _chosen_config("forward", config, W, dtype, _tma_by_default(tiles, Dh, dtype, BH * T))
     if config == BAND_TMA and tiles is not None:
         N, K, lead, _ = tiles
@@ -777,7 +809,8 @@ def _forward_launch(
         rows, values = (BH * W, T), (BH * Dh, T)
         chunk = meta["PARTS"] * N
         arguments = ((0, rows, (meta["BLOCK_W"], chunk)), (1, values, (Dh, K)), (2, values, (Dh, chunk)))
-        return _Launch(_ldsa_forward_tma_kernel, programs, (W, left, lead, *ints), meta, num_warps, config, arguments)
+        return _Launch(_ldsa_forward_tma_kernel, programs, (W, left, lead, *ints), meta, num_warps, config, arguments,
+                       f"{BAND_TMA} forward")
     if config == BAND_TMA:
         config = BAND_PREFETCH
     n_ttiles, (lead, _), meta, num_warps = _band_plan(W, left, Dh, T, BH, dtype.itemsize)
@@ -802,7 +835,7 @@ def _gluon_backward_launch(W: int, left: int, Dh: int, T: int, BH: int, dtype: t
     ints = (T, W, left, _round_up(left, 8), _round_up(W - 1 - left, 8), n_chunks, BH * n_chunks)
     box_view, halo_view = g.p_operand_views(dtype, Dh)
     return _Launch(g._ldsa_backward_gluon_kernel, programs, ints, dict(DH=Dh, BOX_VIEW=box_view, HALO_VIEW=halo_view),
-                   ldsa_gluon.WARPS.value, BAND_GLUON, arguments)
+                   ldsa_gluon.WARPS.value, BAND_GLUON, arguments, f"{BAND_GLUON} backward")
 
 
 @functools.cache
@@ -814,13 +847,13 @@ def _backward_launch(
     `_forward_launch`: band-gluon for the calls `ldsa_gluon_backward.takes` on Hopper from TMA_MIN_FRAMES frames
     up (asked for elsewhere, it runs as band-tma, or band where that cannot), band-tma where `_tma_tiles` takes
     the call (band otherwise), band."""
-    gluon = (_gluon_runs(aligned, logits_dtype, dtype, device) and ldsa_gluon_backward is not None
+    gluon = (_gluon_runs("backward", aligned, logits_dtype, dtype, device) and ldsa_gluon_backward is not None
              and ldsa_gluon_backward.takes(W, left, Dh, T, BH, dtype))
     if config == BAND_GLUON or (config is None and gluon and BH * T >= TMA_MIN_FRAMES):
         if gluon:
             return _gluon_backward_launch(W, left, Dh, T, BH, dtype, device)
         config = BAND_TMA
-    tiles = _tma_tiles("backward", W, left, Dh, T, BH, dtype) if aligned else None
+    tiles = _tma_tiles("backward", W, left, Dh, T, BH, dtype) if _tma_runs("backward", aligned, device) else None
     config = _chosen_config("backward", config, W, dtype, _tma_by_default(tiles, Dh, dtype, BH * T))
     if config == BAND_TMA and tiles is not None:
         N, K, lead, lead_right = tiles
@@ -830,7 +863,7 @@ def _backward_launch(
         arguments = ((0, rows, (block_w, N)), (0, rows, (block_w, K)), (1, values, (Dh, K)), (2, values, (Dh, K)),
                      (2, values, (Dh, N)), (4, values, (Dh, N)), 3)  # fmt: skip
         return _Launch(_ldsa_backward_tma_kernel, programs, (T, W, left, lead, lead_right, *ints), meta, num_warps,
-                       config, arguments)  # fmt: skip
+                       config, arguments, f"{BAND_TMA} backward")  # fmt: skip
     config = BAND
     n_ttiles, leads, meta, num_warps = _band_plan(W, left, Dh, T, BH, dtype.itemsize)
     return _Launch(_ldsa_backward_kernel, BH * n_ttiles, (T, Dh, W, left, *leads, n_ttiles), meta, num_warps, config)
@@ -857,7 +890,7 @@ def ldsa_forward(a_logits: torch.Tensor, v: torch.Tensor, left: int, right: int,
     """Fused forward on contiguous a_logits [B,H,W,T] and v [B,H,Dh,T] (validated by the caller).
 
     `config` names one of FORWARD_CONFIGS; None takes the default table's choice."""
-    return _run_forward(forward_launch(a_logits, v, left, right, config), a_logits, v)
+    return _run_forward(lambda: forward_launch(a_logits, v, left, right, config), a_logits, v)
 
 
 # The default forward launches of the public op's direct calls, by (call signature, inputs on 16 bytes): see
@@ -872,18 +905,22 @@ def ldsa_forward_of_signature(signature: tuple, a_logits: torch.Tensor, v: torch
     op has built the signature for its argument checks; one lookup by it and the alignment replaces
     `forward_launch`'s derivation of its cache key (1.1 us of host time on a 2-core CPU host, against 0.5)."""
     key = (signature, a_logits.data_ptr() % 16 == 0 and v.data_ptr() % 16 == 0)
-    launch = _signature_launches.get(key)
-    if launch is None:
-        if len(_signature_launches) >= MAX_SIGNATURE_LAUNCHES:
-            _signature_launches.clear()
-        launch = _signature_launches[key] = forward_launch(a_logits, v, left, right)
-    return _run_forward(launch, a_logits, v)
+
+    def plan() -> _Launch:
+        launch = _signature_launches.get(key)
+        if launch is None:
+            if len(_signature_launches) >= MAX_SIGNATURE_LAUNCHES:
+                _signature_launches.clear()
+            launch = _signature_launches[key] = forward_launch(a_logits, v, left, right)
+        return launch
+
+    return _run_forward(plan, a_logits, v)
 
 
-def _run_forward(launch: _Launch, a_logits: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+def _run_forward(plan, a_logits: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     out = torch.empty_like(v)
     with _device_of(v):
-        _launch(launch, (a_logits, v, out))
+        _run(plan, (a_logits, v, out))
     return out
 
 
@@ -898,9 +935,9 @@ def ldsa_backward(
     vals = v
     if grad_out.dtype != v.dtype:
         vals, grad_out = v.float(), grad_out.float()
-    launch = backward_launch(a_logits, vals, grad_out, left, right, config)
     dlogits = torch.empty_like(a_logits)
     dv = torch.empty_like(v)
     with _device_of(v):
-        _launch(launch, (a_logits, vals, grad_out, dlogits, dv))
+        _run(lambda: backward_launch(a_logits, vals, grad_out, left, right, config),
+             (a_logits, vals, grad_out, dlogits, dv))
     return dlogits, dv
