@@ -656,12 +656,13 @@ def _run(plan, tensors: tuple) -> None:
 
 class _HostDescriptor(NamedTuple):
     """What a compiled kernel's launcher reads of a TMA descriptor argument, Triton's or Gluon's (the box and
-    the layout are compiled in)."""
+    the layout are compiled in): from Triton 3.7 on it reads `round_f32_to_tf32` too."""
 
     base: torch.Tensor
     shape: tuple
     strides: tuple
     padding: str = "zero"
+    round_f32_to_tf32: bool = False
 
 
 @functools.cache
