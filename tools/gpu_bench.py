@@ -215,6 +215,7 @@ def main(argv: list[str] | None = None) -> int:
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "triton": triton.__version__,
+        "test_kernels": names,
     }
 
     def save():
