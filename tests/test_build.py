@@ -173,3 +173,24 @@ def test_every_benchmark_has_cases_to_compile(name):
     cases = list(module.compile_cases(package, testkit.spec))
     assert cases and all(isinstance(label, str) and callable(call) for label, call in cases)
     assert len({label for label, _ in cases}) == len(cases)
+
+
+def test_shipped_code_carries_no_run_history(tmp_path):
+    """The build refuses torch-ext files that name a results file, a probe, a sha, a timing or a branch, and the
+    packages carry none."""
+    from tools.build import history_violations
+
+    sample = tmp_path / "kernel.py"
+    sample.write_text("\n".join([
+        "# 0.25 ms against 0.31 (bench/results/2026-11-30-abc1234-ldsa.md)",
+        "# see the probe log",
+        "# measured at 3.4 TB/s",
+        "# branch tried/comba-transform",
+        "# one warpgroup a CTA, 115 KB of shared memory, 2^18 frames",  # a budget, not a run figure
+        "x = 0x7f",
+        "y = torch.log(x)",
+    ]))
+    assert [v.split(": ")[1].removesuffix(" in shipped code") for v in history_violations(sample)] == [
+        "a results file or probe", "a results file or probe", "a timing or throughput", "a branch"]
+    for kernel in all_kernels():
+        assert [v for f in sorted(kernel.source.rglob("*.py")) for v in history_violations(f)] == [], kernel.name

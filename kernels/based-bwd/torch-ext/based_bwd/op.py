@@ -1,7 +1,7 @@
 """The registered ops (backward, forward with its autograd link) and the public functions.
 
 `based_backward` runs the fused Triton kernel on CUDA tensors and the eager analytic backward on CPU
-tensors; `based_forward` runs the eager reference on both for now, and its registered autograd calls the
+tensors; `based_forward` runs the eager reference on both devices, and its registered autograd calls the
 registered `based_backward` op, so training goes through the same backward as a direct call. Every op name
 goes through `add_op_namespace_prefix`, so two versions of this kernel can be loaded side by side.
 """
@@ -20,8 +20,8 @@ def kernel_path(x: torch.Tensor) -> str:
 
 
 def _cuda_backward(q, k, v, do, scale):
-    # The kernel's fp32 mode (IEEE fp32 matmuls) failed its float64 check at K=8 on the H200
-    # (bench/results/2026-11-29-86c310e), so fp32 inputs take the eager backward on CUDA too.
+    # The kernel's fp32 mode (IEEE fp32 matmuls) fails its float64 check at K=8 on the H200, so fp32 inputs
+    # take the eager backward on CUDA too.
     if kernel_path(q) == "reference":
         return based_backward_reference(q, k, v, do, scale)
     from .triton_backward import MAX_V, based_backward_triton  # triton is imported only on the CUDA path

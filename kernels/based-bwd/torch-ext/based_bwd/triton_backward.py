@@ -133,8 +133,8 @@ def _quad_grad(x, t0, T, row_stride, G, S, Z, w, V, K: tl.constexpr, BK: tl.cons
     at S and of the normaliser at Z (symmetric in a, b), x = rows t0 .. t0 + C of a (., K) tensor.
 
     One product per b, G [C, V] times the [V, K] slice S2[. b]^T, scaled by x_b afterwards: no K^2-wide
-    tile and no K x K reshape of one (a reshape-and-sum of such a product gave wrong gradients on the H200
-    and faulted)."""
+    tile and no K x K reshape of one (a reshape-and-sum of such a product gives wrong gradients on the H200
+    and faults)."""
     G = G.to(DOT)
     y = tl.zeros([C, BK], dtype=tl.float32)
     S2n, Z2n, xn = _pair_block(x, t0, T, row_stride, S, Z, 0, V, K, BK, BV, C)
@@ -343,15 +343,12 @@ class Config(NamedTuple):
     scan_warps: int = 8
 
 
-# The launch the public op uses, per feature size K, and the alternatives the benchmark times beside it. Per
-# launch at the five measure shapes, the chunk kernels on 4 warps took 0.82-1.42 ms where 8 warps took
-# 1.50-2.42 (bench/results/2026-11-29-d877b8c-based-launches.log). Capped at 168 registers (three CTAs an SM
-# instead of two) dk/dv took 0.59-0.91 ms against 0.70-1.12, forward_dq 0.76-1.12 against 0.82-1.14 (a
-# fifth faster at V = 64, where the cap costs it no spill; 2% slower at (4, 8192, 24, 16, 128)); the four
-# launches 2.14-3.78 ms against 2.35-4.00 (-8643e8f-based-launches.log). 128 V columns a scan program instead
-# of 64 lost at four of five shapes (-395651c-based-launches.log); loading the next chunk ahead in the scans
-# (-06be92d-based-launches.log) and Triton's software pipelining of the chunk kernels (num_stages=2,
-# -395651c-based-launches.log) lost or tied at every shape.
+# The launch the public op uses, per feature size K, and the alternatives the benchmark times beside it. At the
+# measure shapes on the H200 the chunk kernels are faster on 4 warps than on 8, and faster capped at 168
+# registers (three CTAs an SM instead of two) than uncapped, most at V = 64, where the cap costs no spill; only
+# at (4, 8192, 24, 16, 128) is the cap slightly slower. The scans are faster with 64 V columns a program than
+# with 128 at most shapes; loading the next chunk ahead in the scans and software pipelining of the chunk
+# kernels (num_stages=2) are no faster at any shape, so every launch runs num_stages=1.
 DEFAULT_CONFIG = {8: Config(), 16: Config()}
 CONFIG_CHOICES = [Config(chunk_registers=None), Config(warps=8, chunk_registers=None)]
 # V is held whole by a chunk program (delta_i = do_i . o_i needs all of it); wider V takes the reference.
@@ -384,8 +381,8 @@ def based_backward_triton(q, k, v, do, scale: float, config: Config | None = Non
     """(dq, dk, dv) for contiguous (B, T, H, K) q, k and (B, T, H, V) v, do with K in {8, 16}, any T >= 1,
     1 <= V <= MAX_V. Outputs in the inputs' dtype. `config` overrides DEFAULT_CONFIG[K]."""
     if q.dtype == torch.float16:
-        # Run as bf16, which the matmul operands are in either way: launched on fp16 tensors the kernels gave
-        # a wrong dq on the H200 (bench/results/2026-11-29-29be16b-based-pytest.log) where bf16 passed.
+        # Run as bf16, which the matmul operands are in either way: launched on fp16 tensors the kernels give
+        # a wrong dq on the H200, where bf16 is right.
         grads = based_backward_triton(*(x.to(torch.bfloat16) for x in (q, k, v, do)), scale, config)
         return tuple(g.to(torch.float16) for g in grads)
     B, T, H, K = q.shape

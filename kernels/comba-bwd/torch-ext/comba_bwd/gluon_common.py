@@ -50,7 +50,7 @@ def gate_loads(g, beta, scal_base, t0, H):
     """The gates of the chunk from t0 as loaded (g at least FLOOR): g [BT] in the column slice and beta [BT] in the
     row slice of a [BT, BT] blocked layout over the kernel's warps. The forward scan and the K = 128 gradient kernel
     load them a chunk ahead (`chunk_gates` turns them into the chunk's gates), so that their latency is not on the
-    chunk's path; the reverse scan and the K = 64 gradient kernel, which lost by that, load them with the chunk
+    chunk's path; the reverse scan and the K = 64 gradient kernel, which are slower so, load them with the chunk
     (`gates`)."""
     sq: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
     gj = gl.maximum(gl.load(g + scal_base + (t0 + gl.arange(0, BT, layout=gl.SliceLayout(0, sq))) * H), FLOOR)
@@ -77,8 +77,8 @@ def gates(g, beta, scal_base, t0, H):
 
 @functools.cache
 def shared_layout(block: tuple, dtype: torch.dtype) -> gl.NVMMASharedLayout:
-    """The default shared-memory layout of `block` tiles, made once (making it took 6 of a descriptor's 9 us on this
-    project's CPU machine)."""
+    """The default shared-memory layout of `block` tiles, made once: making it is most of a descriptor's host
+    cost."""
     return gl.NVMMASharedLayout.get_default_for(list(block), GL_DTYPES[dtype])
 
 
@@ -95,10 +95,8 @@ def chunk_rows(x: torch.Tensor) -> TensorDescriptor:
 
 class Tiles(NamedTuple):
     """The descriptors of the tensors that more than one stage reads: the inputs' chunk rows, A's [64, 64] tiles, the
-    states' [K, V] tiles and Vn's and X's [64, V] ones. Made once for a backward's kernels, where each kernel made
-    its own: 14 descriptors a call at K = 128 where 25 were made. The scratch and descriptors take 0.11 ms of host time
-    a call at (8, 2048, 32, 128, 128); the backward's time was the same either way (bench/results/
-    2026-11-30-104769c-comba-host-probe.log, -104769c-comba-graph-probe.log)."""
+    states' [K, V] tiles and Vn's and X's [64, V] ones. Made once a call and shared by the backward's kernels, so
+    that no descriptor is made twice: the host's time a call counts where the GPU's is short."""
 
     q: TensorDescriptor
     k: TensorDescriptor

@@ -10,29 +10,21 @@ A's columns are scaled in fp32 before its rounding to bf16 (the Triton scan scal
 products' B operands come from shared memory as the TMA copies left them. S_n goes out in bf16 from shared memory
 (the B operand of -W S_b) by a TMA store, and the next chunk's k, p, v and A tiles are copied by TMA while one is
 computed (two stages, 172 KB of shared memory: one CTA an SM). U and -W are issued asynchronously before S_n's store,
-which they do not wait on. At (8, 2048, 32, 128, 128): 0.277 ms against 0.316 for the Triton scan
-(bench/results/2026-11-30-8352871-comba-gluon-forward-probe.log). In a backward of two batch pieces, each with its
-two scans on two streams, it lost where a piece's scans fit in one wave (one CTA an SM each, the two scans could not
-share an SM); in the one-piece backward that runs it, the backward gained at every K = 128 measure shape
-(bench/results/2026-11-30-f3bf90e-comba-gluon-forward-probe.log).
+which they do not wait on. The scan is faster than the Triton one at both K. At K = 128 a CTA takes a whole SM, so
+the two scans of a batch piece, on two streams, cannot share an SM: the scan pays in the one-piece backward that runs
+there (`triton_bwd._batch_pieces`), not in a backward of two pieces.
 
-At K = 64 one warpgroup (245 registers, no spill) holds the state, and A has one buffer of its own, copied once the
-previous chunk's A is in registers, so that the tiles take 112 KB and two CTAs share an SM (with two buffers, 120 KB:
-one CTA an SM). At (16, 2048, 32, 64, 128): 0.331 ms against 0.362 for the Triton scan (with S_n and Vn within their
-bf16 rounding of its; bench/results/2026-11-30-f83d5d4-comba-slices-probe.log).
+At K = 64 one warpgroup holds the state without spilling, and A has one buffer of its own, copied once the previous
+chunk's A is in registers, so that the tiles take 112 KB and two CTAs share an SM (two A buffers would leave one).
 
-The next chunk's gates are loaded a chunk ahead: loaded with the chunk, after the next tiles' copies were started,
-they were needed at once, and their latency sat on the serial path (Nsight Compute: 39% of the scan's stall cycles on
-global loads, -ad11608-comba-ncu.txt). 0.278 -> 0.240 ms at (8, 2048, 32, 128, 128), 0.333 -> 0.328 at K = 64
-(-8d3e6d2-comba-gates-probe.log).
+The next chunk's gates are loaded a chunk ahead: loaded with the chunk, they are needed as soon as they are issued,
+and their latency sits on the serial chunk path.
 
 A TMA store is issued by one thread, so a wait on the stores holds that thread alone: a barrier after it keeps the
-other warps from writing a buffer that a store issued in the previous chunk may not have read yet (no change in time
-or outputs: bench/results/2026-11-30-824780b-comba-store-wait-probe.log).
+other warps from writing a buffer that a store issued in the previous chunk may not have read yet.
 
-N is not specialized (one compile serves every T): compiled with N = 1 (T one chunk), as Triton specializes an integer
-argument equal to 1, the scan at K = 64 gave a wrong Vn (rel. 0.28; right with N not specialized,
-bench/results/2026-11-30-5404c07-comba-forward64-probe.log).
+N is not specialized (one compile serves every T), and must not be: Triton specializes an integer argument equal to
+1, and compiled with N = 1 (T one chunk) the scan at K = 64 gives a wrong Vn.
 """
 
 from triton.experimental import gluon

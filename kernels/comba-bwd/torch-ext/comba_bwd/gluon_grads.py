@@ -2,8 +2,7 @@
 of `triton_bwd._grads_kernel` (q, k and pb) and `_dg_kernel` fused, one chunk at a time, in persistent CTAs of 8 warps.
 
 The Triton gradient kernel runs the three parts as three programs a chunk; each reads its own inputs, so a chunk's
-S_n, dS'_n, Vn, X and dO pass through L2 twice or three times (352 KB a chunk at K = 128, against 160 KB read once),
-and the kernel keeps L2 about 80% busy (bench/results/2026-11-30-385c28d-comba-ncu-grads.txt). Here each tile is
+S_n, dS'_n, Vn, X and dO pass through L2 two or three times, and L2 bounds that kernel. Here each tile is
 copied once by TMA into shared memory, and both warpgroups compute every product from it (each takes half of the
 product's columns). The tiles come in two groups with a barrier each, so that their copies overlap the products:
 the state group (S_n, dS'_n, Vn, X, dO), used by the products over V, and the key group (q, k, p), used by the
@@ -12,15 +11,10 @@ key group is copied as the chunk starts, once the previous chunk's dk and dp, st
 buffers (shared memory holds no more at K = 128: 206 KB, one CTA an SM), have left. The [64, 64] A operands of the
 products over the chunk go through shared memory too: in registers each warpgroup would hold each whole.
 
-The gates and dbeta's v parts, plain loads, come a chunk ahead: with the chunk, their latency was on its path (likely
-because one CTA an SM has nothing else to run meanwhile; at K = 64, two CTAs an SM, the same change lost). 0.672 ->
-0.632 ms at (8, 2048, 32, 128, 128), and the backward 1.550 -> 1.496 there, all outputs bitwise equal
-(bench/results/2026-11-30-8451943-comba-gates-ahead-probe.log). Storing dq, dk and dp from registers instead, which
-frees the key group's buffers for the next chunk's copy a chunk ahead, took 0.810 ms
-(-01f2d5c-comba-keys-ahead-probe.log): register stores from the accumulator layout write 4 bytes a thread where a TMA
-store writes whole lines, as the reverse scan found for X and dv. The key group a chunk ahead with dk and dp leaving by
-TMA through the [64, 64] operand buffers' bytes took 0.661 against 0.634 ms (20 B of spill;
--421d589-comba-keys-ahead-tma-probe.log).
+The gates and dbeta's v parts, plain loads, come a chunk ahead: with one CTA an SM nothing else runs to hide their
+latency, which would sit on the chunk's path (at K = 64, two CTAs an SM, loading them with the chunk is faster).
+dq, dk and dp leave by TMA stores, which write whole lines where register stores from the accumulator layout write 4
+bytes a thread; so the key group cannot be copied a chunk ahead, as its buffers hold dk and dp until they have left.
 
 Per chunk, with E the decay (lower, with the diagonal), E^T its transpose, r < c strictly upper:
   over V:  dO S^T, dO Vn^T, Vn dS'^T, X S^T, X Vn^T, and <S_n, dS'_n>
@@ -32,23 +26,17 @@ Per chunk, with E the decay (lower, with the diagonal), E^T its transpose, r < c
   dg = the reverse cumsum in the chunk of the three parts' terms of d gc (as `_dg_kernel`).
 The arithmetic and the roundings to bf16 are the Triton kernel's, but beta scales dR^T's columns here rather than
 P's rows (P's tile is used as the TMA copy left it), and k . dk's read part is k . (read Q), from dk's tile, where the
-Triton kernel sums read_ij (k_i . q_j) from K Q^T. Checked in torch on the CPU against the Triton kernels'
-outputs: dq, dk, dp and dbeta agree to their bf16 rounding, dg to 3e-5.
+Triton kernel sums read_ij (k_i . q_j) from K Q^T. dq, dk, dp and dbeta agree with the Triton kernels' to their bf16
+rounding, dg to 3e-5.
 
 dk's two operands over the chunk are transposes of [64, 64] tiles made for dq and dp, taken transposed from shared
 memory by the warpgroup MMA: Vn dO^T and Vn X^T are the transposes of dO Vn^T and X Vn^T (the same sums in the same
-order), so the kernel does not form them. This dropped two of the seven products over V and E^T's exponentials, with
-every output bitwise equal: 0.634 -> 0.580 ms at (8, 2048, 32, 128, 128), the backward 1.493 -> 1.437
-(bench/results/2026-11-30-3807016-dirty-comba-grads-transposes-probe.log).
+order), so the kernel forms neither them nor E^T, every output bitwise what forming them gives.
 
-The products over V are issued asynchronously, the [64, 64] ones together and then the three [64, K] ones: with
-four [64, 64] ones then, 0.680 -> 0.668 ms at (8, 2048, 32, 128, 128) and 1.680 -> 1.644 at (10, 4096, 32, 128, 128).
-All seven at once spilled 48 B and took 0.713 and 1.798; the products over the chunk issued asynchronously as well
-gained nothing more (0.671 and 1.647; bench/results/2026-11-30-d9737f1-comba-grads-async-probe.log).
+The products over V are issued asynchronously, the two [64, 64] ones together and then the three [64, K] ones: issued
+all at once, they spill. The products over the chunk are issued synchronously: asynchronously, they gain nothing.
 
-At K = 64 this kernel (208 registers, no spill, 148 KB: one CTA an SM) took 1.030 ms against the Triton kernels'
-1.033 at (16, 2048, 32, 64, 128) (bench/results/2026-11-30-f4ff440-comba-gluon-grads-probe.log), and 1.007 to 1.027
-with its products over V asynchronous (-d9737f1-comba-grads-async-probe.log): K = 64 runs `gluon_grads64`, one
+At K = 64 this kernel (one CTA an SM) is no faster than the Triton kernels: K = 64 runs `gluon_grads64`, one
 warpgroup a CTA and two CTAs an SM.
 """
 
@@ -156,7 +144,7 @@ def views(zero, s_b, ds_b, vn_b, x_b, do_b, q_b, k_b, p_b):
     """The tile buffers as views at `zero`, a zero the compiler cannot prove (c // C in the chunk loop: it folds
     c >= C from the loop's guard, not this division), so that the views, and the masks made with it, are formed in
     each iteration where they are used. Hoisted out of the loop, the products' shared-memory descriptors and the
-    masks took some 150 registers, and the K = 128 kernel spilled 736 B (none with this)."""
+    masks would hold registers across it, and the K = 128 kernel would spill."""
     return (s_b.index(zero), ds_b.index(zero), vn_b.index(zero), x_b.index(zero), do_b.index(zero), q_b.index(zero),
             k_b.index(zero), p_b.index(zero))
 
@@ -220,7 +208,7 @@ def _grads_gluon_kernel(q_desc, k_desc, p_desc, do_desc, s_desc, ds_desc, vn_des
         rj = gl.arange(0, BT, layout=gl.SliceLayout(0, sq))
         last_t = gl.arange(0, BT, layout=row_t) + zero == BT - 1
         last_k = gl.arange(0, BT, layout=row_k) + zero == BT - 1
-        # The gates and dbeta's v parts (from the reverse scan) were loaded a chunk ahead; this chunk's key group is
+        # The gates and dbeta's v parts (from the reverse scan) come loaded a chunk ahead; this chunk's key group is
         # copied once the previous chunk's gradients have left q_s, p_s and dq_s.
         gc, glast, bk = chunk_gates(gj, beta_rows)
         db = db_next

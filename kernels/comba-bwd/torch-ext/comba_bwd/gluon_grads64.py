@@ -1,85 +1,17 @@
 """Every gradient in one Gluon kernel on Hopper at K = 64 (V = 128, bf16 inputs): `gluon_grads`' work for a chunk, and
-dv and dbeta's v part, which the reverse scan leaves out here, in persistent CTAs of one warpgroup, two an SM.
-
-At K = 64 the two-warpgroup `gluon_grads` (148 KB of shared memory, one CTA an SM) took as long as the Triton
-gradient kernels; its chunk's products run one after another, and while a CTA waits on a product or a copy its SM has
-nothing else to run. Here a CTA is one warpgroup of at most 255 registers a thread, and its tiles take 104 KB (105.6
-with the compiler's scratch, barriers and two [64] vectors), so that two CTAs share an SM and each runs while the other
-waits. To fit:
-- the [64, 64] A operands of dq's and dp's products over the chunk stay in registers (one warpgroup holds each whole
-  anyway); dk's two, taken transposed by the warpgroup MMA, go to dS'_n's buffer once dk's state part has read it;
-- a chunk's products go in three groups, dq's (with dk's state part), dk's and dp's, each with the products over V it
-  needs, so that few accumulators are live at once; dk leaves (by TMA, from q's buffer) before dp's group starts;
-- buffers are lent while their tiles are not needed: dq leaves by TMA from dLE's half of dS'_n's buffer, before dLE is
-  made there, and v comes into dS'_n's buffer once dk's products are done, for v . X (dbeta's v part).
-The gates, the key group and its copy are `gluon_grads`'. The products, their roundings to
-bf16 and the terms of d gc are that kernel's, but each chunk total of d gc (sum_i k_i . dk_i over the state part, and
-Gam <S_n, dS'_n>) is added to every row of dg in the final masked row sum, where that kernel adds it to the chunk's last
-row before the reverse cumsum: the same sums, and here the form that was right (added to the last row through a mask
-on the accumulator's row slice, the totals came out wrong in this one-warpgroup layout; dq, dk, dp and dbeta did not;
-bench/results/2026-11-30-104769c-comba-k64-probe.log).
-
-dk's operands over the chunk are transposes of tiles made for dq and dp: read = bf16(Vn dO^T * E^T * scale) is bf16(dO
-Vn^T * E * scale)^T, the same sums rounded the same way, and dR^T diag(beta) = -(Vn X^T * E^T) diag(beta) on r < c is
-(diag(beta) dLE)^T, dLE = -(X Vn^T * E) strictly lower. So the kernel forms neither Vn dO^T nor Vn X^T (two of its
-seven [64, 64, V] products) nor E^T: at (16, 2048, 32, 64, 128) 0.848 -> 0.753 ms, the backward 1.949 -> 1.851, with
-dq, dv, dp, dbeta and dg bitwise equal and dk within 1e-5 (rel.; diag(beta) dLE is rounded once where the kernel
-before scaled by beta/scale a product that held scale), and 136 -> 36 B of spill
-(bench/results/2026-11-30-3807016-dirty-comba-grads-transposes-probe.log).
-
-At (16, 2048, 32, 64, 128), in the benchmark's stage sweep before that: 0.850 ms
-(bench/results/2026-11-30-be323b0-comba.md; 0.867 at c5b1718, -c5b1718-comba.md), where the Triton gradient kernels
-took 1.031 + 0.020 (-cbae741-comba.md); side by side in one probe, an earlier form of it (its accumulators in two
-layouts) 0.935 against their 1.054, and 1.246 with one CTA an SM (-104769c-comba-k64-probe.log).
-
-The kernel's time follows the bytes it moves more than its products (Nsight Compute had its DRAM 56% busy and no pipe
-near its limit, -e5117ea-comba-ncu-k64.txt), and how early a tile's copy starts counts: each of the state group's
-tiles is copied for the next chunk as soon as this chunk is done with it, on a barrier of its own, dO after the first
-products, Vn after X Vn^T, S_n after X S^T, dS'_n after v . X (its buffer lent to v) and X at the chunk's end, after
-dv; the wait at the chunk's start is on S_n, dS'_n, dO and Vn, and X's before X Vn^T. In side-by-side probes at
-(16, 2048, 32, 64, 128) (bench/results/2026-12-01-1dbcb26-dirty-comba-grads64-*-probe.log), against the kernel before
-(all five tiles on one barrier, copied after X S^T; 0.750-0.785 ms, backward 1.846-1.914 across the probes):
-- dO and Vn copied early: 0.706-0.786 ms in three probes, backward 1.797-1.890 against 1.846-1.914
-  (-early-copies-probe.log, -early-copies2-probe.log, -dv-dq-probe.log); dS'_n as well, once dk's products are
-  done: 0.720-0.723 against 0.706-0.712 (-early-copies2);
-- dv = beta X stored here (the reverse scan then stores none: 0.567 -> 0.484 ms), from X's tile at the chunk's end with
-  X then copied on a barrier of its own: 0.668-0.716, backward 1.714-1.781 (-dv-dq-probe.log, -dv-dq-tma-probe.log);
-  dv stored while X S^T runs, X still with S_n and dS'_n: 0.859-0.864 (-early-copies2);
-- dq by TMA from dLE's buffer (its register stores cost about 0.07 ms: 0.661-0.667 without them, -dv-dq): 0.640-0.658,
-  backward 1.697-1.710 against 1.714-1.718 and head's 1.860-1.864 (-dv-dq-tma-probe.log); dq converted to 16-byte
-  stores through the compiler's scratch instead, 0.691-0.697 (-dv-dq); dv too by TMA, from X's buffer (X then copied at
-  the next chunk's start), 0.641-0.649 but backward 1.716-1.731 (-dv-dq-tma);
-- dbeta's v part here too (the reverse scan then loads no v: 0.484 -> 0.399 ms): 0.697-0.703, backward 1.679-1.698
-  against 1.700-1.717 and head's 1.851-1.856 (-v-part-probe.log). With v copied into dO's buffer after the first
-  products instead (dO then copied after X S^T), 0.857-0.944 and a backward within 0.05 ms of head's either way
-  (bench/results/2026-11-30-1dbcb26-dirty-comba-v-adjoint-in-grads-probe.log, -early-copies-probe.log,
-  -early-copies2-probe.log).
-dv and dbeta's v part are made from X in bf16, where the reverse scan made them from X in fp32: dv moved from the
-Triton path's by 2.8e-3 and dbeta by 2.5e-3 (rel.), one more bf16 rounding; their errors against the spec are in
-the benchmark. dO Vn^T issued before the wait on S_n and dS'_n read dO and Vn before they had landed in a CTA's
-first chunk (they come with its state group there) and gave NaN (-dq-tma-probe.log, A0); it was no faster.
-ptxas: 255 registers, no spill, 105.6 KB of shared memory.
-
-Its gates are loaded with the chunk. A chunk ahead, as `gluon_grads` loads them (with dbeta's v parts, which came
-from the reverse scan then), they held
-registers across the chunk (192 B of spill) and the kernel took 0.877-0.893 against 0.863-0.900 ms, the backward
-2.056 against 2.036-2.049 (bench/results/2026-11-30-8451943-comba-gates-ahead-probe.log); two CTAs an SM hide most of
-their latency. dk and dp stored from registers, so that the next chunk's key group could be copied a chunk ahead, took
-0.987 against 0.862 ms (-01f2d5c-comba-keys-ahead-probe.log). Kept as TMA stores, with the next chunk's q and k
-copied once dk had left q_s (after dp's group of products, p's copy at the chunk's start behind a barrier of its own),
-it took 1.005 against 0.862 ms, all outputs bitwise equal (-a1c9155-dirty-comba-grads64-keys-exp2-probe.log).
-With the transposed operands (36 B of spill then), each try to hide more latency spilled more and lost: the gates and
-dbeta's v parts a chunk ahead again 0.762-0.764 against 0.754-0.757 ms (60 B); each chunk's dg stored while the next
-chunk's first products run 0.761-0.763 (68 B); both 0.816-0.821 (140 B)
-(bench/results/2026-11-30-99980e5-comba-grads64-overlap-probe.log); X Vn^T's product and dLE before the wait for the
-key group, 0.745-0.785 against 0.752-0.767 in two probes, not kept, and with <S_n, dS'_n> then taken as the trace of
-S_n dS'_n^T (a product issued with dq's) 0.767-0.787 (52 B; -824780b-comba-store-wait-probe.log,
--824780b-dirty-comba-grads64-order-probe.log).
-
-The decays are powers of 2 of exponents scaled by log2(e) once a row, with log2(scale) in the rows of the scaled one
-(E in dq's operand), so that no element takes the multiplications by log2(e) and scale; dLE's strict mask is on its
-exponent. 0.862 -> 0.848 ms, the backward 2.019 -> 2.010 (-a1c9155-dirty-comba-grads64-keys-exp2-probe.log); the
-outputs moved by 2e-5 to 8e-5 (rel.) from the kernel's before, within their bf16 rounding.
+dv = beta X and dbeta's v part v . X, which the reverse scan leaves out here, in persistent CTAs of one warpgroup,
+two an SM, so that each runs while the other waits on a copy or a product. The kernel is bound by the bytes it moves
+more than by its products, so each state-group tile is copied for the next chunk, on a barrier of its own, as soon as
+this chunk is done with it. The kernel fits in 106 KB of shared memory: dq's and dp's [64, 64] A operands stay in
+registers; dk's two, dq's operand and diag(beta) dLE taken transposed (so that neither Vn dO^T, Vn X^T nor E^T is
+formed), go to dS'_n's buffer once dk's state part has read it; dq leaves by TMA from dLE's half of that buffer before
+dLE is made there, dk and dp from q's and p's buffers, and v comes into dS'_n's buffer for v . X. A chunk's products
+go in three groups, dq's, dk's and dp's, so that few accumulators are live at once. The gates are loaded with the
+chunk: the other CTA hides their latency, and held a chunk ahead they spill. The decays are powers of 2, exponents
+scaled by log2(e) once a row with log2(scale) in the scaled E's rows. Each chunk total of d gc (the state part's
+k . dk and Gam <S_n, dS'_n>) goes to every row of dg in the final masked row sum: added to the last row through a
+mask on the accumulator's row slice, it comes out wrong in this layout. dv and dbeta's v part are made from X in
+bf16, one rounding more than the Triton path's.
 """
 
 from triton.experimental import gluon

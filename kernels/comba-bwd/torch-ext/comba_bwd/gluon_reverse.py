@@ -11,23 +11,16 @@ Per chunk n (reversed), dS' (fp32 [K, V]) in registers:
   X = A^T dVn                                               [64, V]   -> X and dv by TMA stores, sum_v(v X)
 The next chunk's q, k, p, dO and A tiles are copied by TMA while one is computed (two stages, 221 KB of shared
 memory: one CTA an SM). The gates and v are plain loads, issued before the wait for the tiles so that their latency
-overlaps it. Loaded a chunk ahead, as the forward scan loads them, the gates made this scan slower: 0.463 -> 0.469 ms
-(bench/results/2026-11-30-8d3e6d2-comba-gates-probe.log), and 0.462-0.463 against 0.468-0.470 in the next probe, all
-outputs bitwise equal (-8451943-comba-gates-ahead-probe.log). At (8, 2048, 32, 128, 128): 0.464 ms against 0.526 for
-the Triton scan; 0.550 with X and dv stored from registers, 0.693 with the gates loaded where each layout needed them;
-products issued earlier and asynchronously spilled 96-212 B and were slower
-(bench/results/2026-11-30-d51ce6b-dirty-comba-gluon-reverse-probe.log).
+overlaps it; loaded a chunk ahead, as the forward scan loads them, the gates make this scan slower. The gates are
+loaded once and converted to each layout that needs them, X and dv leave by TMA stores (register stores from the
+accumulator layout are slower), and the products are issued no earlier than here: issued earlier and asynchronously,
+they spill. The scan is faster than the Triton one at K = 128.
 
 A TMA store is issued by one thread, so a wait on the stores holds that thread alone: a barrier after it keeps the
-other warps from writing a buffer that a store issued in the previous chunk may not have read yet (no change in time
-or outputs: bench/results/2026-11-30-824780b-comba-store-wait-probe.log).
+other warps from writing a buffer that a store issued in the previous chunk may not have read yet.
 
-At K = 64 the same scan with its two warpgroups along V (156 KB, one CTA an SM) took 0.783 ms at
-(16, 2048, 32, 64, 128) against 0.568 for the Triton scan, which fits two CTAs an SM: K = 64 keeps the Triton scan
-(bench/results/2026-11-30-c9d1677-comba-gluon-reverse-probe.log). One warpgroup over all of V at K = 64, two CTAs an
-SM (p loaded into registers, A in one buffer, dv stored from dS'_n's buffer: 112 KB), took 0.643-0.667 ms against
-0.567 (-3807016-dirty-comba-gluon-reverse64-probe.log, branch tried/comba-gluon-reverse64), and 0.672 with the gates
-a chunk ahead and dv's store waited on apart from X's (-824780b-comba-store-wait-probe.log).
+K = 64 keeps the Triton scan, which fits two CTAs an SM and is faster there than this scan with its two warpgroups
+along V (one CTA an SM), and than a one-warpgroup form of it at two CTAs an SM.
 """
 
 from triton.experimental import gluon

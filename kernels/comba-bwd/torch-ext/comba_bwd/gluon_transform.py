@@ -3,30 +3,19 @@ a chunk, 16 x 16 blocks, the diagonal blocks' inverses as (I - L)(I + L^2)(I + L
 blocks from them, every product fp32-accurate by three TF32 products), with no data moved between threads.
 
 The Triton kernel converts each product's result from the MMA accumulator layout to an operand layout before the next
-product: SHFL, SEL and FSEL are 43-45% of its instructions (bench/results/2026-11-30-e5117ea-comba-ncu-k64.txt). Here
-no operand is converted; it is relabelled. A thread holds columns 2b and 2b + 1 of each 8 of an accumulator, where the
-TF32 A operand wants columns b and b + 4 of each 8: so an accumulator X is taken, as it lies in registers, for the A
-operand X P^T, with P the permutation that takes each 8 columns 2b + c to 4c + b, and an accumulator Z for the B
-operand P Z^T, whence (X P^T)(P Z^T) = X Z^T. Every product is thus `mm(x, z, acc) = acc + x z^T` of two accumulators,
-and the kernel keeps each block in the orientation its products take it in: a block needed both ways is computed both
-ways (X Z^T and Z X^T are products of the same two accumulators). Fifty products where the Triton kernel makes forty,
-and 4.9 K instructions a chunk where it executes 6.0 K (offline SASS at K = 64).
+product, and those shuffles and selects are nearly half of its instructions. Here no operand is converted; it is
+relabelled. A thread holds columns 2b and 2b + 1 of each 8 of an accumulator, where the TF32 A operand wants columns b
+and b + 4 of each 8: so an accumulator X is taken, as it lies in registers, for the A operand X P^T, with P the
+permutation that takes each 8 columns 2b + c to 4c + b, and an accumulator Z for the B operand P Z^T, whence
+(X P^T)(P Z^T) = X Z^T. Every product is thus `mm(x, z, acc) = acc + x z^T` of two accumulators, and the kernel keeps
+each block in the orientation its products take it in: a block needed both ways is computed both ways (X Z^T and Z X^T
+are products of the same two accumulators). Fifty products where the Triton kernel makes forty, but fewer instructions
+a chunk.
 
-At (16, 2048, 32, 64, 128): 0.244 ms against 0.273 for the Triton kernel, A within 3.4e-6 (rel., bf16) of its, and
-the fp32 A 4.0e-8 from a float64 inverse as the Triton one's (bench/results/2026-11-30-a1c9155-dirty-comba-gluon-
-transform-probe.log). At (8, 2048, 32, 128, 128), with L's products over K in slices of 64, it took 0.187 against
-0.177 (68 B of spill): K = 128 keeps the Triton kernel, and this one is written for K = 64. Tried at K = 64
-(-gluon-transform-variants-probe.log): the two small products chained apart from the large one and added after,
-0.275 ms (255 registers, 20 B of spill, where this kernel took 231 and none); capped at 200 registers for 10 CTAs an
-SM, 0.292 (168 B of spill); L's blocks made where they are used, 0.241 (255 registers, 8 B of spill), kept out for
-the registers' margin; that and the blocks made in an order that keeps few live (each block of A stored once made,
-each D_i, A10 and -M dropped after its last product: 188 registers, no spill, 10 CTAs an SM), 0.294 ms against 0.245
-(-2867bf0-comba-transform-registers-probe.log, branch tried/comba-transform-registers): the occupancy gained less
-than the order lost (likely the four diagonal chains, which no longer overlap).
-
-ptxas: 236 registers, no spill, 8 CTAs an SM (231 before its (b, 0, h) offset came from `gluon_common.scal_base`, which
-put the first instructions in another order: A bitwise equal, 0.244-0.246 ms either way,
-bench/results/2026-12-01-f3148af-dirty-comba-scal-base-probe.log).
+The kernel is written for K = 64, where it is faster than the Triton kernel (A within its bf16 rounding of the Triton
+one's); at K = 128 it spills and is slower, and K = 128 keeps the Triton kernel. L's blocks are made up front, not
+where they are used, to keep a margin of registers; the blocks are made in the order that lets the four diagonal
+chains overlap, which costs occupancy (no spill, 8 CTAs an SM) but is faster than an order that keeps fewer live.
 """
 
 from triton.experimental import gluon

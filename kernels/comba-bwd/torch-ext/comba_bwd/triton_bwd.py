@@ -132,9 +132,8 @@ def _l_block(pk, bk, gc_i, kt, gc_j, DIAGONAL: tl.constexpr):
 @triton.jit
 def _inv_unit_lower(Lb):
     """(I + Lb)^-1 of a strictly lower [SUB, SUB] block in fp32: Lb is nilpotent (Lb^16 = 0), so the inverse
-    is sum_k (-Lb)^k = (I - Lb)(I + Lb^2)(I + Lb^4)(I + Lb^8), six products of depth four. A row-by-row
-    substitution is 15 dependent steps of two cross-thread reductions each, which made the transform the
-    second slowest stage (0.72 ms at (8, 2048, 32, 128, 128) in bench/results/2026-11-29-f6e6021)."""
+    is sum_k (-Lb)^k = (I - Lb)(I + Lb^2)(I + Lb^4)(I + Lb^8), six products of depth four, where a row-by-row
+    substitution is 15 dependent steps of two cross-thread reductions each."""
     r = tl.arange(0, SUB)
     eye = tl.where(r[:, None] == r[None, :], 1.0, 0.0)
     L2 = _mm(Lb, Lb)
@@ -147,17 +146,10 @@ def _inv_unit_lower(Lb):
 @triton.jit
 def _mm(a, b):
     """fp32 product of two 16 x 16 blocks by 3xTF32: each operand split into a TF32 high part and the residual,
-    three tensor-core products summed in fp32, which keeps fp32's accuracy (the issue asks for the solve in fp32;
-    one TF32 product is not). Against a float64 inverse, A's error was 3.9e-8 with Triton's tf32x3 products and
-    3.7e-8 with fp32 FMAs, and the 1-warp tf32x3 transform took 0.212 against 0.249 ms at (8, 2048, 32, 128, 128)
-    and 0.320 against 0.441 at (16, 2048, 32, 64, 128): the FMA products' operands went through shared memory in
-    replicated layouts, which bound the transform (bench/results/2026-11-30-e13af20-dirty-comba-tf32x3-probe.log).
-    At 2 warps the 3xTF32 transform was the slower one (0.340 against 0.299 ms, in an earlier design).
-
-    The split is `tf32_high`'s rather than tf32x3's: 0.177 against 0.213 ms at K = 128, A's errors the same as
-    tf32x3's (3.9e-8 and 2.9e-8 at K = 64 and 128; 2026-11-30-1d744dd-dirty-tf32-round-probe.log). Truncated high
-    parts (one instruction) took 0.175 against 0.212 and 0.254 against 0.325 at K = 64, with errors 5.2e-8 and
-    3.9e-8 (-1d744dd-comba-tf32-split-probe.log)."""
+    three tensor-core products summed in fp32, which keeps fp32's accuracy (the solve is fp32; one TF32 product is
+    not). At one warp a chunk it is faster than fp32 FMA products, whose operands go through shared memory in
+    replicated layouts. The split is `tf32_high`'s: faster than Triton's tf32x3 at the same accuracy, and as fast as
+    truncated high parts while more accurate."""
     a_hi, b_hi = tf32_high(a), tf32_high(b)
     product = tl.dot(a - a_hi, b_hi, input_precision="tf32")
     product = tl.dot(a_hi, b - b_hi, product, input_precision="tf32")
@@ -207,7 +199,7 @@ def _transform_kernel(k, p, beta, g, A, N, H, K: tl.constexpr):
     D2 = _inv_unit_lower(L22)
     D3 = _inv_unit_lower(L33)
     # The two 32 x 32 diagonal halves, then the lower-left half -Bot (Lbl Top) by 16 x 16 blocks, M = Lbl Top:
-    # eight dependent products deep where block row i's substitution from the rows above was ten.
+    # eight dependent products deep where block row i's substitution from the rows above would be ten.
     A10 = -_mm(D1, _mm(L10, D0))
     A32 = -_mm(D3, _mm(L32, D2))
     M00 = _mm(L20, D0) + _mm(L21, A10)
@@ -261,9 +253,8 @@ def _forward_step(k, v, p, beta, g, A, S_out, Vn_out, S, n, bh, scal_base, N, H,
     a = tl.load(A + chunk * BT * BT + r[:, None] * BT + r[None, :])
     vk = tl.load(v + scal_base * V + (t0 + r)[:, None] * (H * V) + cv[None, :])
     pk = tl.load(_rows(p, scal_base * K, t0, H * K, K))
-    # Both products accumulate into the other term in place, so that no second [BT | K, BV] fp32 tile is live: at
-    # (16, 2048, 32, 64, 128) the forward scan took 0.361 against 0.381 ms (offline: 250 registers, no spill,
-    # against 255 and 32 B; bench/results/2026-11-30-6a33a99-dirty-comba-dq-in-scan-probe.log, cb_acc).
+    # Both products accumulate into the other term in place, so that no second [BT | K, BV] fp32 tile is live (the
+    # scan does not spill at K = 64).
     U = tl.dot(a, (vk * bk[:, None]).to(tl.bfloat16))                      # A (beta V)
     W_neg = tl.dot(a, (pk * -(bk * gam)[:, None]).to(tl.bfloat16))         # -A (beta gam P)
     Vn = tl.dot(W_neg.to(tl.bfloat16), S.to(tl.bfloat16), acc=U).to(tl.bfloat16)
@@ -274,11 +265,9 @@ def _forward_step(k, v, p, beta, g, A, S_out, Vn_out, S, n, bh, scal_base, N, H,
 
 
 # The scans' loops are pipelined STAGES deep (`_scan_stages`): the next chunk's tiles are copied into shared
-# memory while one is computed. At (8, 2048, 32, 128, 128) the forward scan went 0.424 -> 0.319 ms and the
-# reverse 0.840 -> 0.523 (bench/results/2026-11-30-f671932-dirty-comba-scan-pipeline.log); 2 CTAs an SM still
-# fit (90 and 115 KB of shared memory at K = V = 128). N is not specialized: one compile for every T. The gates are
-# loaded with the chunk: loaded a chunk ahead by hand, as the Gluon forward scan loads them, they made the reverse scan
-# slower at (16, 2048, 32, 64, 128), 0.567 -> 0.585 ms (bench/results/2026-11-30-01f2d5c-comba-keys-ahead-probe.log).
+# memory while one is computed, and 2 CTAs an SM still fit (at most 115 KB of shared memory each). N is not
+# specialized: one compile for every T. The gates are loaded with the chunk: loaded a chunk ahead by hand, as the
+# Gluon forward scan loads them, they make the reverse scan slower.
 @triton.jit(do_not_specialize=["N"])
 def _forward_scan_kernel(k, v, p, beta, g, A, S_out, Vn_out, N, H, K: tl.constexpr, V: tl.constexpr,
                          BV: tl.constexpr, STAGES: tl.constexpr):
@@ -310,14 +299,12 @@ def _reverse_step(q, k, v, p, beta, g, do, A, dS_out, X_out, dv, dbeta_v, dS, n,
     # dS = Gam dS' + scale (gam Q)^T dO - W^T dVn, with W = A (beta gam P). Where this program holds all of V
     # (W_FIRST), -W^T is formed apart from dS' as -(beta gam P)^T A^T, and dS waits on one product after dVn;
     # else W^T dVn = (beta gam P)^T X, which spares the V blocks' programs a product each of them would repeat.
-    # At (16, 2048, 32, 64, 128) the reverse scan took 0.568 against 0.589 ms, and at (8, 2048, 32, 128, 128),
-    # forming -W^T in both V blocks, 0.578 against 0.525
-    # (bench/results/2026-11-30-2543ea0-dirty-comba-reverse-wt-probe.log).
+    # Each form is the faster one where it is taken.
     a_t = tl.load(A + chunk * BT * BT + r[None, :] * BT + r[:, None])              # A^T
     if W_FIRST:
         pt = tl.load(_rows_t(p, scal_base * K, t0, H * K, K))
         w_t = tl.dot((pt * -(bk * gam)[None, :]).to(tl.bfloat16), a_t).to(tl.bfloat16)   # -W^T
-        dVn = dVn.to(tl.bfloat16)  # after -W^T: converted before it, the compiled kernel is not the one measured
+        dVn = dVn.to(tl.bfloat16)  # after -W^T: this order compiles to the faster schedule
         dS = tl.dot(w_t, dVn, acc=dS)
     else:
         dVn = dVn.to(tl.bfloat16)
@@ -354,9 +341,7 @@ def _state_t(state, chunk, cv, K: tl.constexpr, V: tl.constexpr):
 
 
 # The V loops of the gradient parts are pipelined GRADS_V_STAGES deep (the next V block's tiles copied while
-# one is multiplied). Measured when each part was a kernel of its own: at (8, 2048, 32, 128, 128) the q part
-# 0.295 -> 0.275 ms, the k part 0.545 -> 0.479, the pb part 0.538 -> 0.458, and at K = 64 the q part 0.398 -> 0.334
-# (bench/results/2026-11-30-f671932-dirty-comba-probe2.log).
+# one is multiplied).
 GRADS_V_STAGES = tl.constexpr(2)
 
 
@@ -397,11 +382,9 @@ def _k_part(q, k, p, do, dS_in, Vn_in, X_in, dk, gc, glast, bk, scal_base, t0, c
     # The [BT, BT] products weighted by the decay and rounded to bf16 first, so that the fp32 ones die before
     # the [BT, K] work. The read part's is scaled before the rounding, as in _q_part: then (dO Vn^T * E * scale)
     # is rounded to the same bf16 values on both sides, and their terms of d gc (q . dq against k . dk, which
-    # nearly cancel) keep cancelling; scaled on one side only, dg's error grew from 3.0e-3 to 8.7e-3
-    # (interpreter, (1, 192, 2, 128, 128)). Scaled before the rounding, the read part accumulates into dk in place:
-    # with _pb_part's dL * L from dLE the gradient kernel spills 68 B instead of 164 at K = 128 and 108 instead
-    # of 168 at K = 64, and the backward ran 1.975 -> 1.950 and 2.648 -> 2.599 ms at (8, 2048, 32, 128, 128) and
-    # (16, 2048, 32, 64, 128) (bench/results/2026-11-30-22d09fb-comba-register-probe.log).
+    # nearly cancel) keep cancelling; scaled on one side only, dg's error is about three times larger. Scaled
+    # before the rounding, the read part accumulates into dk in place, which with _pb_part's dL * L from dLE keeps
+    # the gradient kernel's spill small.
     r = tl.arange(0, BT)
     E_t = _decay(gc, True, False)
     read = (vn_do * E_t * scale).to(tl.bfloat16)
@@ -479,15 +462,10 @@ def _grads_kernel(q, k, p, beta, g, do, S_in, dS_in, Vn_in, X_in, dbeta_v, dq, d
     """Every gradient of the chunk but dv: the three parts (_q_part, _k_part, _pb_part) as three programs of one
     launch, next to each other in the grid. They run at the same time, so what two of them read (S, dS', Vn, X,
     dO and the chunk's q, k, p) comes from HBM once and from L2 after, while each program holds the registers of
-    one part only. At (8, 2048, 32, 128, 128): 0.868 ms against 1.116 for three kernels one after the other,
-    whose inputs came from HBM each time, and at (16, 2048, 32, 64, 128) 1.237 against 1.346 for the three parts
-    in turn in one program (which spilled 964 B at K = 128;
-    bench/results/2026-11-30-c99f7ff-dirty-comba-interleaved-probe.log, -interleaved2-probe.log). Their terms
-    of d gc go to dgc_parts, one row of it a part, summed by _dg_kernel.
-    Each branch loads the gates and stores its terms itself: loaded once before the branches, the gates stayed
-    live across all three, and the kernel spilled 68 B instead of 44 at K = 128 (offline); the backward ran 1.892
-    -> 1.877 ms at (8, 2048, 32, 128, 128) and 2.307 -> 2.280 at (16, 2048, 32, 64, 128)
-    (bench/results/2026-11-30-4dcba49-dirty-comba-gates-probe.log)."""
+    one part only: faster than three kernels one after the other, whose inputs come from HBM each time, and than
+    the three parts in turn in one program, which spills. Their terms of d gc go to dgc_parts, one row of it a
+    part, summed by _dg_kernel. Each part loads the gates and stores its terms itself: loaded once before the
+    branches, the gates would stay live across all three and the kernel would spill more."""
     part = tl.program_id(0) % 3
     scal_base, t0, chunk, rows = _chunk_offsets(N, H, 3)
     n_pos = _n_pos(N * BT, H)
@@ -510,18 +488,15 @@ def _grads_kernel(q, k, p, beta, g, do, S_in, dS_in, Vn_in, X_in, dbeta_v, dq, d
 @triton.jit
 def _dg_kernel(dgc_parts, dg, N, H):
     """dg of one chunk from the three parts' terms of d gc. dgc_parts is (3, B * H, T), so that a chunk's rows
-    are contiguous (in a (B, T, H) tensor they lie H apart): 0.022 -> 0.013 ms at (8, 2048, 32, 128, 128)."""
+    are contiguous for the loads (in a (B, T, H) tensor they lie H apart)."""
     scal_base, t0, _, rows = _chunk_offsets(N, H)
     n_pos = _n_pos(N * BT, H)
     dgc = tl.load(dgc_parts + rows) + tl.load(dgc_parts + n_pos + rows) + tl.load(dgc_parts + 2 * n_pos + rows)
     tl.store(dg + scal_base + (t0 + tl.arange(0, BT)) * H, _reverse_cumsum(dgc))
 
 
-# The scans run 4 warps a program; the gradient parts loop over V in blocks of V_BLOCK. The transform runs
-# 1 warp a chunk: 0.251 against 0.294 ms for 2 warps at (8, 2048, 32, 128, 128), 0.442 against 0.515 at
-# (16, 2048, 32, 64, 128) (4 warps took 0.418 at the first); the gradient parts 4 warps: 8 warps capped at 128
-# registers, for 2 CTAs an SM, made the k part (a kernel of its own then) 0.590 against 0.408 ms
-# (bench/results/2026-11-30-959902d-dirty-comba-warps-probe.log, -e84d217-dirty-comba-plan-probe.log).
+# The scans run 4 warps a program; the gradient parts loop over V in blocks of V_BLOCK. The transform runs 1 warp a
+# chunk, faster than 2 or 4; the gradient parts 4 warps, faster than 8 capped at 128 registers for 2 CTAs an SM.
 SCAN_WARPS = 4
 TRANSFORM_WARPS = 1
 GRADS_WARPS = 4
@@ -529,15 +504,13 @@ V_BLOCK = 64
 
 # The scans cut V across their programs in blocks of SCAN_STATE // K columns (at most V), so that a program's
 # (K, block) state has 128 x 64 entries at either K. At K = 64 one program then takes all of V = 128 and loads
-# the chunk's q, k, p and A once instead of twice: at (16, 2048, 32, 64, 128) the forward scan took 0.381 against
-# 0.425 ms and the reverse 0.585 against 0.662. Blocks of 32 at K = 128 (twice the programs) took 0.468 and 0.670
-# against 0.320 and 0.518 (bench/results/2026-11-30-e13af20-dirty-comba-streams-probe.log, -scanbv-probe.log).
+# the chunk's q, k, p and A once instead of twice, which is faster; blocks of 32 at K = 128 (twice the programs)
+# are slower than 64.
 SCAN_STATE = 128 * 64
 
 # The gradient kernel's register cap by K. At K = 64 its shared memory (64 KB) lets 3 CTAs share an SM if each
-# takes at most 168 registers: 1.248 -> 1.101 ms at (16, 2048, 32, 64, 128), though it spilled 168 B where it
-# spilled 44 (a cap of 200, still 2 CTAs an SM, took 1.340). At K = 128 its 80 KB allow 2 CTAs whatever the cap,
-# and 168 registers spilled 2 KB: 1.440 against 0.872 ms (bench/results/2026-11-30-f3cc1fd-comba-maxnreg-probe.log).
+# takes at most 168 registers, which is faster though it spills more (a cap of 200, still 2 CTAs an SM, is
+# slower than none). At K = 128 its 80 KB allow 2 CTAs whatever the cap, and a cap of 168 spills heavily.
 GRADS_MAXNREG = {64: 168, 128: None}
 
 
@@ -619,11 +592,8 @@ def _gradients_like(q, k, v, p, beta, g):
 # The batch is cut in BATCH_PIECES pieces. On CUDA each piece is launched on a stream of its own, and its reverse
 # scan on one more stream beside its forward scan (the scans depend only on the transform). The stages are
 # bound by different things (the transform by its chain of small products, the scans by their serial chunk loop and
-# HBM, the gradient kernel by L2), and a scan's last wave is partial (2.4 waves at (10, 4096, 32, 128, 128)), so
-# stages of the two pieces fill each other's idle SMs: the backward took 1.878 against 1.912 ms at
-# (8, 2048, 32, 128, 128), 2.305 against 2.340 at (16, 2048, 32, 64, 128) and 4.670 against 4.816 at
-# (10, 4096, 32, 128, 128) with two pieces, and three were no better (-tf32x3-probe.log); the side stream alone,
-# one piece, took 4.906 against 5.093 at the last (-streams-probe.log).
+# HBM, the gradient kernel by L2), and a scan's last wave is partial, so stages of the two pieces fill each other's
+# idle SMs; three pieces are no faster than two. The reverse scan's side stream pays in one piece as well.
 BATCH_PIECES = 2
 
 
@@ -633,18 +603,9 @@ def _gluon_stages(q, V: int) -> tuple:
 
 
 def _batch_pieces(q, V: int) -> int:
-    """How many pieces the batch is cut in: BATCH_PIECES, but one where Gluon kernels run at K = 128. In two pieces the
-    backward's time varied from run to run there: at (8, 2048, 32, 128, 128) 2.213 and 1.593 ms in two probes and 3.123
-    in a benchmark, one piece 1.633 and 1.615 (-f4ff440-comba-gluon-grads-probe.log,
-    -35b0702-comba-gluon-grads-schedules-probe.log, -2cea20a-comba.md; the Triton forward scan then), most likely
-    as the host took about as long to launch two pieces as the GPU to run them. In one piece the host takes 0.54 ms
-    a call in comba_backward_triton there, and the backward replayed from a CUDA graph takes as long as the eager
-    call (1.574 against 1.579 ms, -104769c-comba-graph-probe.log); with the kernels of a1c9155, two pieces took 3.649,
-    3.855 and 3.641 ms at (10, 4096, 32, 128, 128) against 3.772, 3.715 and 3.770 for one.
-    At K = 64 the backward takes about 2.5 times the host's 0.8 ms for two pieces, and two pieces were faster in every
-    run: 1.992, 1.987, 1.984 ms against 2.021, 2.023, 2.026 at (16, 2048, 32, 64, 128)
-    (bench/results/2026-11-30-a1c9155-comba-schedule-probe.log), and 2.048 against 2.096 with the kernels of the next
-    probe's variant C (-a1c9155-dirty-comba-grads64-keys-exp2-probe.log)."""
+    """How many pieces the batch is cut in: BATCH_PIECES, but one where Gluon kernels run at K = 128. There the host
+    takes about as long to launch two pieces as the GPU takes to run them, so a second piece gains nothing and makes
+    the time vary from run to run; at K = 64 the GPU's time is well above the host's, and two pieces are faster."""
     return 1 if _gluon_stages(q, V) and q.shape[-1] == 128 else BATCH_PIECES
 
 

@@ -1,6 +1,6 @@
 """Where ldsa's fast paths run. The portable path (`band`, `band-prefetch`: pointer-fed Triton band kernels) runs on
 every CUDA GPU the metadata accepts under every supported Triton; the paths below run only where their row says they
-were verified, and the launchers (`ldsa_triton`) take the portable path everywhere else."""
+are verified, and the launchers (`ldsa_triton`) take the portable path everywhere else."""
 
 from .fast_paths import FastPath, FastPaths
 

@@ -1,40 +1,26 @@
 """The LDSA forward for windows of up to 15 taps on Hopper, written in Gluon (Triton's explicit-layout dialect),
 so that the band never passes through shared memory. 16-bit and float32 values.
 
-The Triton forward (`ldsa_triton._ldsa_forward_tma_kernel`) multiplies the value span by the band on the tensor
-cores with the band as an operand in shared memory: the gathered band is stored there and read back each chunk,
-and Nsight Compute found that kernel bound by shared memory (L1/shared 85% at 32 x 3000). Here the band is the B
-operand of `mma.sync` held in registers, built where the MMA wants it:
+The Triton TMA forward (`ldsa_triton._ldsa_forward_tma_kernel`) stores its gathered band in shared memory as an
+MMA operand and reads it back each chunk, which leaves it bound by shared memory. Here the band is the B operand
+of `mma.sync`, held in registers and built where the MMA wants it:
 
 - A chunk is 64 frames of one (b, h). TMA copies its logits [16, 64] and its value span [Dh, 80] (64 + 16
   positions from t0 - lead; zero fill outside the tensor) into shared memory, STAGES chunks deep, on a persistent
   grid; the output tile goes back by TMA. The boxes are 128 bytes a row (`box_frames`): one box a chunk for
   16-bit values, two for float32, and the 16-position halo box.
-- The chunk is two blocks of 32 frames. Each of the four warps owns 8 frames of a block and all of Dh. A block
-  reads 48 span positions, three k-steps of 16: frame f's window (tap k at span position f + k + lead - left)
-  lies in them for windows with 32 + W - 1 + lead - left <= 48.
+- The chunk is two blocks of 32 frames. Each of the four warps owns 8 frames of a block and all of Dh, so no
+  band is built by two warps. A block reads 48 span positions, three k-steps of 16: frame f's window (tap k at
+  span position f + k + lead - left) lies in them for windows with 32 + W - 1 + lead - left <= 48.
 - A warp loads its frames' logits from shared memory straight into the B-operand layout, in which a frame's 16
   taps lie on the four lanes of a quad, four taps a lane (`_split_slots`), and takes the window softmax there
-  (float32, `window_weights._window_softmax`). For 16-bit values the weights are split into hi + lo halves in
-  the values' dtype, packed in one 32-bit word (`window_weights._hi_lo_pairs`); float32 weights stay whole.
+  (`window_weights._window_softmax`). For 16-bit values the weights are split into hi + lo halves in the
+  values' dtype, packed in one 32-bit word (`window_weights._hi_lo_pairs`); float32 weights stay whole.
 - Band element (row r, frame f) is the weight of tap r - f - (lead - left): a register of another lane of the
   same quad. One shuffle moves it, the sending lane choosing which of its four words the receiving lane needs
-  (`_band_slot`). Triton's gather of the same band shuffled all four and selected (four shuffles an element).
+  (`_band_slot`), where a gather would shuffle all four and select.
 - The products keep float32's accuracy (`_band_product`): two MMAs (hi, lo) for 16-bit values, three TF32 MMAs
   of split operands for float32.
-
-At [64, 3000], W = 15, bf16, CUDA-graph timing: 0.133-0.134 ms (78.3-78.7% of the run's copy bandwidth) against
-0.160 ms for the Triton forward timed the same way, and 0.068 against 0.079 at [32, 3000]
-(bench/results/2026-11-30-7418d00-dirty-ldsa-gluon4-probe.log, rows "4{'programs_per_sm': 4, 'stages': 2,
-'o_bufs': 1}"). The steps there: Triton's gather and four warps along Dh 0.246 ms; two warps along Dh and two
-along frames 0.163-0.168 (each band built by two warps; -gluon-probe.log); one shuffle an element 0.153-0.155
-(-gluon2-probe.log); then blocks of 32 frames with the four warps along frames (no band built twice) 0.134.
-Float32 at [32, 3000], W = 15, causal, as the benchmark times: 0.136 ms (77.4% of copy) against 0.141 for the
-Triton forward with the same TF32 splits (2026-11-30-1d744dd-dirty-tf32-round-probe.log). A prototype with
-truncated TF32 high parts took 0.132 against 0.149 for the Triton forward with Triton's tf32x3
-(-1d744dd-ldsa-gluon-f32-probe.log), but its errors against float64 were 3.5e-7 to 4.6e-7 where the Triton
-forward's were 1.4e-7 to 1.7e-7. In the committed run's sweep at [64, 3000] the two float32 forwards are level
-(0.280 against 0.273 ms, 2026-11-30-60debcd-ldsa.md).
 """
 
 import functools
@@ -55,13 +41,8 @@ BLOCK = gl.constexpr(32)  # frames a block: a band product
 HALO = gl.constexpr(16)  # span positions past the chunk, the last value box
 TAPS = gl.constexpr(16)  # logits rows a chunk: windows of up to TAPS - 1 taps; the padded taps weigh 0
 WARPS = gl.constexpr(4)  # along the frames of a block
-# Programs an SM by the values' bytes an element, and pipeline stages (one output tile). Measured at [64, 3000],
-# W = 15, bf16 (-gluon4-probe.log): 4 programs and 2 stages 0.133 ms; 5 and 2, 0.159; 6 and 2, 0.164; and with two
-# output tiles 3 and 4, 0.142; 4 and 3, 0.162; 5 and 2, 0.159. As the benchmark times (cold L2), at [32, 3000] and
-# [64, 3000]: 4 and 2, 0.068 and 0.141 ms; 3 and 2, 0.071 and 0.134; 3 and 3, 0.070 and 0.137; 2 and 3, 0.078 and
-# 0.149; 5 and 2, 0.083 and 0.177 (bench/results/2026-11-30-b5983a3-ldsa-tune-probe.log). Float32 (64 KB of shared
-# memory a program at Dh = 64, so at most 3): 3 and 2, 0.132 and 0.260 ms; 2 and 3, 0.142 and 0.281; 2 and 2, 0.158
-# and 0.308 (2026-11-30-1d744dd-ldsa-gluon-f32-probe.log, the truncated-split prototype).
+# Programs an SM by the values' bytes an element, and pipeline stages (one output tile): the best measured on the
+# H200. A float32 program takes 64 KB of shared memory at Dh = 64, so at most 3 fit an SM.
 PROGRAMS_PER_SM = {2: 4, 4: 3}
 STAGES = 2
 # The value dtypes it takes, in Gluon's terms.
@@ -263,9 +244,8 @@ def _ldsa_forward_gluon_kernel(a_desc, v_desc, halo_desc, out_desc, W, left, lea
 def takes(W: int, shift: int, Dh: int, T: int, BH: int, dtype: torch.dtype) -> bool:
     """Whether this kernel takes a call whose value spans start `shift` = lead - left positions before the window:
     16-bit or float32 values, windows of 2 to TAPS - 1 taps whose reach W - 1 + shift fits a block's three
-    k-steps (16 past the block), T a multiple of 8 (TMA row strides), Dh 16 to 64 (a power of two; 64 is the
-    measured one, and 128 would leave shared memory for fewer programs than PROGRAMS_PER_SM) and int32 row
-    coordinates."""
+    k-steps (16 past the block), T a multiple of 8 (TMA row strides), Dh 16 to 64 (a power of two; 128 would
+    leave shared memory for fewer programs than PROGRAMS_PER_SM) and int32 row coordinates."""
     return (2 <= W < TAPS.value and W - 1 + shift <= 16 and dtype in GL_DTYPES and T % 8 == 0
             and Dh in (16, 32, 64) and BH * max(Dh, TAPS.value) < 2**31)
 

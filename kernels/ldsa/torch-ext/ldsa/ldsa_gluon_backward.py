@@ -1,33 +1,27 @@
 """The LDSA backward for windows of up to 15 taps on Hopper, 16-bit and float32 values, written in Gluon like the
 forward (`ldsa_gluon`): no band is gathered through shared memory; skewed shared-memory views do the band work.
 
-A chunk is 64 frames of one (b, h), on a persistent grid, in two parts. Each part's boxes (TMA, zero fill outside
-the tensors; 128 bytes of frames a row as in the forward, so one box a chunk in 16-bit and two in float32, and a
-16-frame halo) have their own barrier, so the next chunk's boxes for one part load while the other part runs:
+A chunk is 64 frames of one (b, h), on a persistent grid, in two parts. Each part has its own TMA boxes (zero fill
+outside the tensors; 128-byte rows as in the forward, one box a chunk in 16-bit and two in float32, and a 16-frame
+halo) and its own barrier, so the next chunk's boxes for one part load while the other part runs:
 - dlogits of the chunk's frames. P = G^T V ([32 frames t, 48 span positions s] a 32-frame block, `mma.sync` over
   Dh; the span starts at t0 - lead) is stored to shared memory at row stride 72 and read back at row stride 73
   from cell sh = lead - left: element (t, k) of that view is P[t, t + k + sh] = da[k, t], with no gather.
   dlogits = a (da - sum a da), stored through pointers (a 16-row TMA store would write the next head's taps).
-- dv of the chunk's positions p: G Y^T, the forward's product with grad_out in place of v and the transposed
-  band Y^T[u, p] = a[p - u + c2, u] (u: frames from p0 - lead_r, c2 = left + lead_r). The weights of a block's
-  48 frames are stored, frame u at row 16 + u and tap k at column 16 - W + k, at row stride 69 (73 in float32)
-  from cell e_s, and read back one stride lower from cell e_r (e_r - e_s = c2 - W): rows 16 + u and columns
-  [32, 64) of that view are the band (the buffer's other cells stay zero), loaded straight into the MMA's
-  B-operand layout. The weights go as in the forward (`ldsa_gluon._band_product`): hi|lo words and two MMAs for
-  16-bit values.
-Float32 operands go through three TF32 MMAs of split operands in both products (`ldsa_gluon._precise_product`).
-In float32 two layout choices keep the products' operand reads cheap: the P product reads grad_out and values with
-Dh in `K_ORDER` (one shared-memory wavefront a load, where the boxes' swizzle gave two), and the dv product's warps
-split Dh rather than the positions, so that no two warps split the same grad_out operand into TF32 parts. At
-64 x 3000, W = 15: 0.687-0.693 -> 0.631-0.635 ms, 0.672 with the K order alone, 0.661 with the warps alone
-(bench/results/2026-11-30-2a5b7ac-ldsa-f32-bwd-probe.log).
-The box offsets lead and lead_r are left and right rounded up to 8 frames: box offsets that were not multiples
-of 16 bytes were an illegal instruction on the H200. The cell offsets sh, e_s and e_r put every tap in the 16
-rows of a logits box whatever the window. The row strides keep the shared-memory accesses free of bank
-conflicts, or two-way at most: at strides 64/65 they were the kernel's bound (0.487 against 0.417 ms at
-64 x 3000 in `bench/results/2026-11-30-ab2a1ac-ldsa-gluon-bwd-probe.log`).
-Windows: right + lead <= 16 (the dlogits part reads 48 span positions a block) and left + lead_r <= 16 (the dv
-part reads 48 frames a block).
+- dv of the chunk's positions p: G Y^T with the transposed band Y^T[u, p] = a[p - u + c2, u] (u: frames from
+  p0 - lead_r, c2 = left + lead_r). The weights of a block's 48 frames are stored, frame u at row 16 + u and tap
+  k at column 16 - W + k, at row stride 69 (73 in float32) from cell e_s, and read back one stride lower from
+  cell e_r (e_r - e_s = c2 - W): rows 16 + u and columns [32, 64) of that view are the band (the buffer's other
+  cells stay zero), loaded straight into the MMA's B-operand layout; hi|lo words and two MMAs for 16-bit values,
+  as in the forward (`ldsa_gluon._band_product`).
+Float32 operands take three TF32 MMAs of split operands in both products (`ldsa_gluon._precise_product`); the P
+product reads their Dh rows in `K_ORDER` and the dv product's warps split Dh, which keeps the operand reads cheap.
+
+lead and lead_r are left and right rounded up to 8 frames: a TMA box offset that is not a multiple of 16 bytes is
+an illegal instruction on the H200. The cell offsets sh, e_s and e_r put every tap in the 16 rows of a logits box
+whatever the window. The padded row strides keep the shared-memory accesses free of bank conflicts, or two-way at
+most; at the plain strides 64 and 65 the conflicts bound the kernel. Windows: right + lead <= 16 (the dlogits part
+reads 48 span positions a block) and left + lead_r <= 16 (the dv part reads 48 frames a block).
 """
 
 import functools
@@ -42,9 +36,8 @@ from .ldsa_gluon import BLOCK, CHUNK, GL_DTYPES, HALO, WARPS, _band_product, _pr
 from .window_weights import _window_softmax
 
 ROWS = gl.constexpr(16)  # logits rows a box: the taps
-# Programs an SM by the values' bytes an element: three fit in 16-bit (69 KB of shared memory each at Dh = 64;
-# with two, a version with 32 logits rows ran 0.428 against 0.333 ms, the probe log above), two in float32
-# (112.7 KB at Dh = 64).
+# Programs an SM by the values' bytes an element: three in 16-bit (69 KB of shared memory each at Dh = 64), two
+# in float32 (112.7 KB at Dh = 64).
 PROGRAMS_PER_SM = {2: 3, 4: 2}
 
 
@@ -285,7 +278,7 @@ def layouts(dtype: torch.dtype, Dh: int) -> tuple:
 # operand lanes q = 0..3 read k rows q and q + 4, which sit at Dh rows 0, 3, 5, 6 and 1, 2, 4, 7 of each eight
 # (a linear map over the row index's bits, as a shared layout needs). In the boxes' 128-byte swizzle (64-byte for
 # the float32 halo) rows 0..3 fall on the same banks as pairs of frames do; rows 0, 3, 5, 6 fall on distinct ones,
-# so each operand load is one wavefront where it was two. The P product sums over k, so its order is free.
+# so each operand load is one wavefront rather than two. The P product sums over k, so its order is free.
 K_ORDER = (0, 3, 5, 6, 1, 2, 4, 7)
 
 

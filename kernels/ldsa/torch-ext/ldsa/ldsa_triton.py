@@ -2,38 +2,24 @@
 
 The op is a banded matrix product per (b, h): out[:, t] = sum_s v[:, s] * Y[s, t], where the band Y holds
 the window softmax, Y[t - left + k, t] = a[k, t]. A program owns one (b, h) and a run of frames, walked in
-chunks of N frames. For a chunk it
+chunks of N frames. For a chunk it loads the logits [W, N] and takes the window softmax in float32 registers,
+skews the weights into the band tile [K, N] (K >= N + W - 1 span positions) with `tl.gather`, and multiplies
+the value span [Dh, K] by it on the tensor cores. The halo K - N comes from L1/L2, so each v element comes
+from HBM about once; a tap-by-tap loop would read it W times through L1 and stay far below the copy bandwidth.
+Weights stay float32-accurate: 16-bit values take them as a high and a low part in the values' dtype
+(`_dot_hi_lo`), float32 values three TF32 products of split operands (`_dot_3xtf32`), except in the backward's
+V^T G product (IEEE, `_dot_values`).
 
-  1. loads the chunk's logits [W, N] (coalesced rows of a_logits) and takes the softmax over the window
-     in float32 registers, once per frame;
-  2. skews those weights into the band tile [K, N] (K >= N + W - 1 span positions) with `tl.gather`,
-     so that span position j feeds frame i through tap j - i;
-  3. loads the span of v [Dh, K] once (the halo K - N overlaps the neighbouring chunk and comes from
-     L1/L2, so each v element comes from HBM about once) and multiplies on the tensor cores.
+The backward is one kernel on the same grid. For the chunk's frames it forms V^T G on the span, gathers
+da[k, t] from its band and applies the softmax Jacobian; for the chunk's value positions it recomputes the
+weights of the frames whose windows reach them and forms dv = G Y^T like the forward. Each input is read
+from HBM about once and each gradient written once: the minimal bytes.
 
-A tap-by-tap loop would read every v element W times through L1 (15x the output for W = 15), which caps
-it well below the copy bandwidth (such a design ran 4x slower in bf16 and was removed); the band product
-reads it K / N = 2 times and does the W-fold reuse in the MMA. Weights stay float32-accurate: for bf16/fp16
-values they are split into a high and a low part in the values' dtype (about 16 mantissa bits; both parts
-in one MMA in the forward, see `_dot_hi_lo`); float32 values use three TF32 products of split operands
-(`_dot_3xtf32`), except the backward's V^T G product (IEEE, `_dot_values`).
-
-Large calls take the same band products fed by the tensor memory accelerator (`_ldsa_forward_tma_kernel`
-for every dtype, `_ldsa_backward_tma_kernel` for 16-bit values): a persistent grid whose programs walk
-chunks in a pipelined loop, the copy engine bringing the next chunks' tiles into shared memory while the
-current one is computed, and storing the output tiles. On Hopper, large calls with windows of up to 15 taps
-take Gluon kernels instead (band-gluon): `ldsa_gluon`'s forward, whose band is built in the MMA's registers, and
-`ldsa_gluon_backward`'s backward, whose bands are read from skewed shared-memory views.
-
-The backward is one kernel on the same grid. For the chunk's frames it forms V^T G on the span (the
-windowed reduction over Dh), gathers da[k, t] from its band and applies the softmax Jacobian; for the
-chunk's value positions it recomputes the weights of the frames whose windows reach them (the
-transposed window) and forms dv = G Y^T the same way as the forward. Each of a_logits, v and grad_out is
-read from HBM about once and dlogits, dv are written once: the minimal bytes.
-
-This module also holds the launchers: the candidate configurations, the default table that picks one per
-call, and a launch path that skips Triton's per-call argument binding. No autotuning: the first call of a
-shape costs one compile and later calls only the launch.
+Large calls take the same band products fed by the tensor memory accelerator on a persistent, pipelined grid
+(band-tma: `_ldsa_forward_tma_kernel`, and `_ldsa_backward_tma_kernel` for 16-bit values); on Hopper, windows
+of up to 15 taps take the Gluon kernels instead (band-gluon: `ldsa_gluon`, `ldsa_gluon_backward`). The
+launchers pick a configuration per call from a fixed table (no autotuning: a shape's first call costs one
+compile) and skip Triton's per-call argument binding.
 """
 
 import contextlib
@@ -56,7 +42,8 @@ try:  # Gluon, Triton's explicit-layout dialect (its Hopper TMA and mma.sync): b
 except ImportError:  # a Triton without it: the other configurations
     ldsa_gluon = ldsa_gluon_backward = None
 
-# Frames per program: at most this many, to amortize the per-program setup over several chunks ...
+# Frames per program: at most this many (faster than 256 or 512 in both dtypes), to amortize the per-program
+# setup over several chunks ...
 FRAMES_PER_PROGRAM = 128
 # ... but fewer when the grid would drop below this many programs (about 8 per SM on an H200's 132), so
 # that small, launch-bound shapes run their chunks side by side rather than one after another.
@@ -73,13 +60,12 @@ def _aligned(T, T_ALIGN: tl.constexpr):
 @triton.jit
 def _dot_float32_weights(x, w, FORWARD: tl.constexpr):
     """x @ w for values x (input dtype) and float32 weights w, products as accurate as in float32, in the
-    forward's way or the backward's (FORWARD), each measured on the H200.
+    forward's way or the backward's (FORWARD).
 
-    Tensor-core operands share one dtype, so bf16/fp16 values take w as hi + lo in that dtype
-    (`_split_hi_lo`); the forward multiplies them in one MMA (`_dot_hi_lo`). The backward keeps two
-    MMAs: with one, its gradients came out wrong at 21 and 113 taps (2026-11-30-f43d67b-ldsa-pytest.log).
-    Float32 values take three TF32 products (`_dot_3xtf32`), in the backward too: its dv product ran 1.282 ->
-    1.046 ms at [64, 3000], W = 15 (2026-11-30-d4026ef-ldsa-bwd3-probe.log, rows m and b)."""
+    Tensor-core operands share one dtype, so 16-bit values take w as hi + lo in that dtype (`_split_hi_lo`);
+    the forward multiplies both in one MMA (`_dot_hi_lo`), the backward in two: one MMA gives wrong gradients
+    at 21 and 113 taps on Triton 3.6's Hopper backend. Float32 values take three TF32 products (`_dot_3xtf32`),
+    which are faster than IEEE products in the backward too."""
     if x.dtype == tl.float32:
         product = _dot_3xtf32(x, w)
     else:
@@ -95,13 +81,8 @@ def _dot_float32_weights(x, w, FORWARD: tl.constexpr):
 def _dot_3xtf32(x, y):
     """x @ y for float32 x and y, about 1e-7 relative, by three TF32 tensor-core products: each operand split in
     a TF32 high part (`_tf32_high`) and a residual, the residuals' product left out (one TF32 product would lose
-    13 bits).
-
-    Against IEEE products on the CUDA cores: 1.79 against 0.42 ms in the TMA forward and 1.21 against 0.33 in
-    the band forward at [64, 3000], W = 15 (2026-11-30-0ab2d9c-dirty-ldsa-tma.log, -dddaffc-ldsa and -5fbbf92-ldsa
-    sweep rows). `_tf32_high`'s split instead of Triton's tf32x3: the TMA forward took 0.141 ms at [32, 3000]
-    (2026-11-30-1d744dd-dirty-tf32-round-probe.log), where with tf32x3 it took 0.148-0.149 in the run before
-    (-1d744dd-ldsa-f32trunc-probe.log)."""
+    13 bits). Several times faster than IEEE products on the CUDA cores, and `_tf32_high`'s split is cheaper
+    than Triton's tf32x3."""
     x_hi, y_hi = _tf32_high(x), _tf32_high(y)
     product = tl.dot(x - x_hi, y_hi, input_precision="tf32")
     product = tl.dot(x_hi, y - y_hi, product, input_precision="tf32")
@@ -120,8 +101,8 @@ def _dot_hi_lo(x, hi, lo):
     """x @ (hi + lo) for 16-bit x and [K, N] halves hi, lo in x's dtype, float32 result [M, N].
 
     hi and lo are interleaved as the columns of one [K, 2N] operand, so that one MMA reads x once for both
-    and the two products of a column are neighbours in the result (a thread's pair in the accumulator):
-    0.273 -> 0.250 ms at [64, 3000] bf16 against two MMAs (bench/results/2026-11-30-e3649dd-dirty-ldsa-one-mma.log)."""
+    and the two products of a column are neighbours in the result (a thread's pair in the accumulator);
+    faster than two MMAs."""
     K: tl.constexpr = hi.shape[0]
     N: tl.constexpr = hi.shape[1]
     both = tl.dot(x, tl.reshape(tl.join(hi, lo), [K, 2 * N]))
@@ -132,8 +113,8 @@ def _dot_hi_lo(x, hi, lo):
 @triton.jit
 def _dot_values(x, y):
     """x @ y of two value-dtype tiles with a float32 result, for the backward: exact products for bf16/fp16, IEEE
-    for float32. With three TF32 products (`_dot_3xtf32`) the float32 backward at 113 taps came out wrong and
-    raised an illegal memory access on the H200 (2026-11-30-d4026ef-ldsa-bwd3-probe.log, -d4026ef-ldsa-pytest.log)."""
+    for float32. Three TF32 products (`_dot_3xtf32`) here give a wrong float32 backward at 113 taps and an illegal
+    memory access on the H200."""
     if x.dtype == tl.float32:
         return tl.dot(x, y, input_precision="ieee")
     else:
@@ -255,14 +236,12 @@ def _ldsa_forward_tma_kernel(
     chunks' logits and values are in flight (copied to shared memory by TMA, no registers held) while it
     computes one; the copy engine zero-fills what lies outside the tensor (values before 0 or past T, the
     last head's padded taps), which is what the band needs. A value span starts `lead` >= left positions
-    before its chunk, a multiple of 8 (16 bytes or more): TMA faulted on the H200 with a column offset that
-    was not a multiple of 16 bytes.
+    before its chunk, a multiple of 8: TMA faults on the H200 at column offsets that are not multiples of
+    16 bytes.
 
     A chunk is PARTS parts of N frames, each with its own value span and band product, that share the
-    logits load, the softmax and the gather: two parts of 32 frames ran 0.154 ms at [64, 3000], W = 15,
-    bf16, against 0.164 for one (the per-chunk pipeline and loop work is spread over twice the frames;
-    bench/results/2026-11-30-1eb73c1-dirty-ldsa-fwd-variants.log, v4:3:3 against v3). The band's
-    out-of-band positions read tap row BLOCK_W - 1 >= W, whose weight is 0."""
+    logits load, the softmax and the gather, which spreads the per-chunk pipeline and loop work over more
+    frames. The band's out-of-band positions read tap row BLOCK_W - 1 >= W, whose weight is 0."""
     taps = tl.arange(0, BLOCK_W)
     frames = tl.arange(0, PARTS * N) % N  # a frame's place in its part
     span = tl.arange(0, K)
@@ -282,8 +261,7 @@ def _ldsa_forward_tma_kernel(
             vals_second = v_desc.load([bh * BLOCK_D, t0 + N - lead])
             band = _band_operand(weights, gather_tap, vals.dtype)  # [K, 2N]: both parts' bands
             band_first, band_second = tl.split(tl.permute(tl.reshape(band, [K, 2, N]), (0, 2, 1)))
-            # One [BLOCK_D, 2N] store for both parts: 0.149 against 0.154 ms for a store each
-            # (bench/results/2026-11-30-4788e31-dirty-ldsa-fwd-joined-store.log, v7 against v8).
+            # One [BLOCK_D, 2N] store for both parts, faster than a store each.
             out = tl.join(_band_product(vals, band_first), _band_product(vals_second, band_second))
             out = tl.reshape(tl.permute(out, (0, 2, 1)), [BLOCK_D, 2 * N])
             out_desc.store([bh * BLOCK_D, t0], out.to(out_desc.dtype))
@@ -400,7 +378,7 @@ def _pow2(n: int) -> int:
 
 
 # The backward gathers from a [K, BLOCK_W] float32 tile through shared memory; 128 x 128 (64 KiB) is the
-# largest kept. That admits every window up to W = 113 taps; wider windows run the eager reference.
+# largest it takes. That admits every window up to W = 113 taps; wider windows run the eager reference.
 MAX_GATHER_TILE = 128 * 128
 
 
@@ -411,8 +389,7 @@ def _band(W: int) -> tuple[int, int, int]:
     N is the smallest power of two >= W - 1 in [16, 64], so the band K >= N + W - 1 wastes at most about
     half of the MMA; N shrinks while the [K, N] band tile would pass 8192 elements or the backward's
     [K, BLOCK_W] gather tile would pass MAX_GATHER_TILE. BLOCK_W is at least 8: logits tiles of 2 or 4 rows
-    (W = 2 to 4) failed Triton 3.6's thread-locality pass for sm_90 in the band kernels and the TMA forward
-    (the offline sm_90a compile, and the H200 at 5fbbf92 and 0c21e60), which no GPU test had met before."""
+    (W = 2 to 4) fail Triton 3.6's thread-locality pass for sm_90 in the band kernels and the TMA forward."""
     block_w = max(8, _pow2(W))
     N = min(max(16, _pow2(W - 1)), 64)
     K = _pow2(N + W - 1)
@@ -424,9 +401,8 @@ def _band(W: int) -> tuple[int, int, int]:
 
 @functools.cache
 def supports_window(W: int) -> bool:
-    """Windows of 2 to 113 taps. A one-tap window (its softmax is 1, the op a copy) failed its float64 check
-    on the H200 forward and backward (bench/results/2026-11-29-86c310e) while passing in the interpreter,
-    so it runs the reference."""
+    """Windows of 2 to 113 taps. A one-tap window (its softmax is 1, the op a copy) fails its float64 check
+    on the H200, forward and backward, while passing in the interpreter, so it runs the reference."""
     _, K, block_w = _band(W)
     return W >= 2 and K * block_w <= MAX_GATHER_TILE
 
@@ -440,11 +416,9 @@ def _span_leads(W: int, left: int, T: int, itemsize: int) -> tuple[int, int, int
     """(SPAN_ALIGN, lead, lead_right): a chunk's value span starts `lead` >= left positions before its first
     frame (the backward's second span, of the frames reading the chunk's values, `lead_right` >= right),
     rounded up to SPAN_ALIGN so that every row of a span is whole aligned vectors. Triton vectorizes only
-    what it can prove aligned: spans starting at t0 - left compiled to a 2-byte load per bf16 value and a
-    2-byte store per output, and aligned they load through 16-byte cp.async, pipelined (forward 0.303 to
-    0.270 ms, backward 0.937 to 0.62 ms at [64, 3000], W = 15 bf16:
-    bench/results/2026-11-29-3b58449-dirty-ldsa-align.log). SPAN_ALIGN is the largest power of two up to 16
-    bytes that divides T and keeps the shifted band within the window's K rows."""
+    what it can prove aligned: spans starting at t0 - left compile to a 2-byte load per bf16 value and a
+    2-byte store per output, aligned ones to pipelined 16-byte cp.async loads. SPAN_ALIGN is the largest power
+    of two up to 16 bytes that divides T and keeps the shifted band within the window's K rows."""
     N, K, _ = _band(W)
     right = W - 1 - left
     align = min(_t_align(T), 16 // itemsize)
@@ -461,18 +435,16 @@ def _tma_tiles(
     `dtype`, or None where it cannot take the call.
 
     TMA reads rows whose byte stride is a multiple of 16 (T a multiple of 8, for every dtype) at int32
-    coordinates, and a column offset must be a multiple of 16 bytes: spans start at multiples of 8 frames,
-    `lead` (left rounded up to 8) before the chunk for the values its frames read, `lead_right` (right
-    rounded up) before it for the frames that read its values, so K >= N + W - 1 plus the larger rounding.
-    Chunks of 32 frames with K = 64 ran 0.18 ms at [64, 3000], W = 15, bf16, against 0.24 for 16 and 0.30 for
-    64 (bench/results/2026-11-30-0ab2d9c-dirty-ldsa-tma.log); windows too wide for K = 64 take 64 and
-    K = 128, wider ones none. One channel tile: Dh a power of two from 16 (the MMA's least rows) to 128.
+    coordinates, from column offsets that are multiples of 16 bytes: spans start at multiples of 8 frames,
+    `lead` (left rounded up to 8) before the chunk for the values its frames read, `lead_right` (right rounded
+    up) before it for the frames that read its values, so K >= N + W - 1 plus the larger rounding. Chunks are
+    32 frames with K = 64, the fastest on the H200; windows too wide for that take 64 and 128, wider ones none.
+    One channel tile: Dh a power of two from 16 (the MMA's least rows) to 128.
 
-    Shared memory bounds each direction further. The forward's three stages of float32 values at
-    Dh = K = 128 (64 KB each) pass the 227 KB a program. The backward holds five tiles a stage: with K = 128
-    or Dh = 128 they passed it (2026-11-30-f232f4a-ldsa-pytest.log), so it takes K = 64 and Dh <= 64, and
-    only 16-bit values: with float32 ones it ran 1.518 against 1.402 ms for band (tf32x3 products, 0ee460a
-    sweep), and with the backward's IEEE products it spills 740 bytes (offline sm_90a compile)."""
+    Shared memory (227 KB a program) bounds each direction further. The forward's value tiles stay within
+    32 KB (three stages of float32 values at Dh = K = 128 would not fit). The backward holds five tiles a stage,
+    so it takes K = 64, Dh <= 64 and only 16-bit values: float32 ones run slower than band with TF32 products
+    and spill registers with IEEE ones."""
     right = W - 1 - left
     lead, lead_right = _round_up(left, 8), _round_up(right, 8)
     if T % 8 or Dh not in (16, 32, 64, 128) or BH * max(Dh, _pow2(W)) >= 2**31:
@@ -510,7 +482,7 @@ def _band_plan(W: int, left: int, Dh: int, T: int, BH: int, itemsize: int) -> tu
 
 BAND = "band"  # the banded tensor-core product above; its tiles follow from the window (`_band_plan`)
 # The same forward with the next chunk's loads issued before the current chunk's compute (one channel tile
-# only; with several it runs as "band"): ncu found the band forward waiting on L1 loads.
+# only; with several it runs as "band"): the band forward waits on L1 loads.
 BAND_PREFETCH = "band-prefetch"
 # The band kernels with their tiles copied by the tensor memory accelerator (`_ldsa_forward_tma_kernel`,
 # `_ldsa_backward_tma_kernel`) on a persistent grid. They take calls whose rows TMA can address
@@ -523,15 +495,10 @@ BAND_GLUON = "band-gluon"
 FORWARD_CONFIGS = (BAND, BAND_PREFETCH, BAND_TMA, BAND_GLUON)
 BACKWARD_CONFIGS = (BAND, BAND_TMA, BAND_GLUON)
 
-# The configuration a call takes, below band-tma's reach (`default_config`): (pass, window of at most 32
-# taps, float32 values) -> config name. Wider windows keep the band design, whose tiles were sized for
-# them. 16-bit forward windows up to 32 taps prefetch the next chunk: 0.252 ms at [64, 3000], W = 15, causal
-# and centered, against 0.264 for `band` (bench/results/2026-11-30-5fbbf92-ldsa, sweep rows; at [32, 1024]
-# causal it loses to `band`, 0.050 against 0.041 ms). Float32 takes `band`: with tf32x3 products 0.329 ms
-# at [64, 3000], W = 15, against 0.429 for `band-prefetch` and 1.109 for a band built in registers tap by
-# tap (removed: it was the float32 default, 0.633 ms, while float32 products were IEEE; the same sweep).
-# 128 frames a program beat 256 and 512 in both dtypes
-# (2026-11-30-b476e55-ldsa-forward-fpp.log).
+# The configuration a call takes below band-tma's reach (`default_config`): (pass, window of at most 32 taps,
+# float32 values) -> config name. Wider windows keep the band design, whose tiles are sized for them.
+# Prefetching the next chunk is faster for 16-bit forward windows up to 32 taps, measured on the H200 (though
+# not for small causal calls). Float32 takes `band`: with TF32 products it beats band-prefetch.
 DEFAULT_CONFIG = {
     ("forward", True, False): BAND_PREFETCH,
     ("forward", True, True): BAND,
@@ -545,17 +512,12 @@ DEFAULT_CONFIG = {
 
 
 # Calls that `_tma_tiles` takes run band-tma from this many frames (B * H * T) up (`_tma_by_default`).
-# Below, calls are launch-bound, and band-tma's host time is longer: the forward's three tensor descriptors,
-# encoded every call, took the public op from 14 to 25-41 us a call at [16, 256] to [16, 1024] (H = 8),
-# while at [32, 1024] it ran 40 us against 46 for band-prefetch
-# (bench/results/2026-11-30-5fbbf92-ldsa-probe.log).
+# Below, calls are launch-bound, and band-tma's host time is longer: its tensor descriptors are encoded every
+# call.
 TMA_MIN_FRAMES = 1 << 18
-# Persistent programs an SM, and pipeline depth (chunks in flight a program, the one computed included).
-# Forward, with two-part chunks: 3 and 3 (0.154 ms at [64, 3000], W = 15, bf16) against 4 and 2 (0.157),
-# 5 and 2 (0.209) and 4 and 3 (0.222: the shared memory of only 3 fits an SM;
-# bench/results/2026-11-30-1eb73c1-dirty-ldsa-fwd-variants.log). Backward, whose stages hold
-# five tiles: 3 and 2 (0.567 ms) against 2 and 2 or 3 (0.739, 0.754), 3 and 3 (0.995: the shared memory of
-# only 2 fits an SM) and 4 and 2 (0.773; bench/results/2026-11-30-f232f4a-ldsa-probe.log).
+# Persistent programs an SM, and pipeline depth (chunks in flight a program, the one computed included): the
+# best measured on the H200. Deeper pipelines leave shared memory for fewer programs: 4 forward programs of
+# 3 stages, or 3 backward programs (five tiles a stage) of 3 stages, do not fit an SM.
 TMA_PROGRAMS_PER_SM = {"forward": 3, "backward": 3}
 TMA_STAGES = {"forward": 3, "backward": 2}
 
@@ -570,9 +532,8 @@ def default_config(direction: str, W: int, dtype: torch.dtype, tma: bool = False
 def _tma_by_default(tiles, Dh: int, dtype: torch.dtype, frames: int) -> bool:
     """Whether the default runs band-tma for a call of `frames` frames (B * H * T) whose TMA tiles are `tiles`
     (None where TMA cannot take it): from TMA_MIN_FRAMES frames up, and for float32 values only with value
-    tiles of at most 16 KB, the ones measured: 0.288 against 0.332 ms for `band` at [64, 3000], W = 15, and
-    0.056 against 0.068 at [32, 1024] (bench/results/2026-11-30-4589c14-ldsa, sweep rows). Larger float32
-    tiles leave shared memory for one program an SM."""
+    tiles of at most 16 KB, where it beats `band`. Larger float32 tiles leave shared memory for one program
+    an SM."""
     if tiles is None or frames < TMA_MIN_FRAMES:
         return False
     return dtype != torch.float32 or Dh * tiles[1] * 4 <= 16384
@@ -608,18 +569,15 @@ _compiled: dict = {}
 
 def _launch(launch: _Launch, tensors: tuple) -> bool:
     """launch.kernel[(launch.programs,)](*tensors, *launch.ints, **launch.meta, num_warps=launch.num_warps),
-    minus Triton's per-call binding (host time that launch-bound calls cannot spare). False where the launch is a
-    fast path's first of its specialization and it fails to compile: the path is then switched off
-    (`FAST_PATHS.failed`) and the plans forgotten, so that planning the call again gives the portable launch
-    (`_run`).
+    minus Triton's per-call binding (host time that launch-bound calls cannot spare). False where a fast path's
+    first launch of a specialization fails to compile: the path is then switched off (`FAST_PATHS.failed`) and
+    the plans forgotten, so that `_run` plans the portable launch.
 
-    Triton specializes a launch on its tensors' dtypes and 16-byte alignment and on its integers (fixed by
-    the _Launch). The first launch of a specialization goes through the JIT (compiling, or loading its cache)
-    and keeps the CompiledKernel it returns; later ones call its launcher directly, with the arguments in the
-    kernel's parameter order (constexprs included; the launcher skips them). While a launch hook is
-    registered (Triton's profiler) every launch takes the JIT path, which feeds it; under the interpreter
-    nothing is compiled, so nothing is kept. A TMA kernel's descriptors are built here each call (they hold
-    the data pointers): checked ones for the JIT, `_HostDescriptor`s for the launcher."""
+    The first launch of a specialization (the tensors' dtypes and 16-byte alignment; the _Launch fixes the
+    integers) goes through the JIT and keeps its CompiledKernel; later ones call its launcher directly, the
+    arguments in the kernel's parameter order. While a launch hook is registered (Triton's profiler) every
+    launch takes the JIT path; under the interpreter nothing is kept. TMA descriptors hold the data pointers,
+    so they are built each call: checked ones for the JIT, `_HostDescriptor`s for the launcher."""
     device = tensors[0].device.index
     key = (launch, device, *[(t.dtype, t.data_ptr() % 16 == 0) for t in tensors])
     hit = _compiled.get(key)
@@ -673,10 +631,9 @@ def _row_major_strides(shape: tuple) -> tuple:
 
 def _descriptor(x: torch.Tensor, shape: tuple, block: tuple, layout=None, checked: bool = True):
     """A TMA descriptor of the contiguous x viewed as the row-major `shape`, copied in `block` boxes: Triton's, or
-    with a shared-memory `layout` Gluon's; not `checked`, a `_HostDescriptor` for a launch whose specialization
-    (shape, dtypes, alignment) the JIT has already taken: building a checked one took 1.5 us (Gluon's) or 1.2 us
-    (Triton's) against 0.24 for the tuple on a 2-core CI host, and band-gluon builds four a call forward, seven
-    backward."""
+    with a shared-memory `layout` Gluon's. Not `checked`: a `_HostDescriptor`, several times cheaper to build, for
+    a launch whose specialization the JIT has already taken (band-gluon builds four a call forward, seven
+    backward)."""
     strides = _row_major_strides(shape)
     if not checked:
         return _HostDescriptor(x, shape, strides)
@@ -698,7 +655,7 @@ def _device_of(x: torch.Tensor):
 def _clear_plans() -> None:
     """Forget the cached plans and launches that depend on the tunables (DEFAULT_CONFIG, FRAMES_PER_PROGRAM,
     MIN_PROGRAMS, the TMA_ constants, ldsa_gluon's PROGRAMS_PER_SM and STAGES, ldsa_gluon_backward's
-    PROGRAMS_PER_SM): for tests, benchmarks and probes that change those."""
+    PROGRAMS_PER_SM): for tests and benchmarks that change those."""
     for plan in (_band_plan, _forward_launch, _backward_launch):
         plan.cache_clear()
     _signature_launches.clear()
@@ -904,7 +861,7 @@ def ldsa_forward_of_signature(signature: tuple, a_logits: torch.Tensor, v: torch
     """`ldsa_forward` with the default launch, found by the public op's call signature (the shapes, dtypes and
     devices of both tensors and the window: everything `forward_launch` reads of a call but the alignment). The
     op has built the signature for its argument checks; one lookup by it and the alignment replaces
-    `forward_launch`'s derivation of its cache key (1.1 us of host time on a 2-core CPU host, against 0.5)."""
+    `forward_launch`'s derivation of its cache key at about half the host time."""
     key = (signature, a_logits.data_ptr() % 16 == 0 and v.data_ptr() % 16 == 0)
 
     def plan() -> _Launch:

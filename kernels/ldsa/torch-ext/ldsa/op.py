@@ -122,9 +122,8 @@ def ldsa_local_attention(a_logits: torch.Tensor, v: torch.Tensor, left: int, rig
 
 
 # Call signatures (shapes, dtypes and devices of two plain tensors, the window sides and their types) that
-# passed check_ldsa_args. The checks take 1.7 us of host time a call (on a CPU host, where the lookup below
-# takes 0.7), a part of a small call's 15 us budget worth saving; a signature seen before passed them, since
-# they read nothing else.
+# passed check_ldsa_args. The checks cost more host time than the lookup, a share of a small call's launch-bound
+# budget worth saving; a signature seen before passed them, since they read nothing else.
 _checked_signatures: set = set()
 MAX_CHECKED_SIGNATURES = 4096  # a bound for callers with ever-new shapes; past it the set starts over
 

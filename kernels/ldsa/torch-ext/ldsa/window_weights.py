@@ -10,13 +10,9 @@ import triton.language as tl
 def _window_softmax(logits, tap_ok, axis: tl.constexpr):
     """Softmax over the window axis in float32; padded taps (tap_ok false) get weight 0.
 
-    exp2, and the normalization as a product with 1 / sum taken as rsqrt(sum^2): one hardware
-    approximation (about 2e-7 relative; the sum lies in [1, W], its largest term being 1) where the IEEE
-    division and even a 2-ulp one (div.full) cost about ten instructions a weight in range handling. The
-    TMA backward ran 0.607 -> 0.476 ms at [64, 3000], W = 15, bf16 against div.full, the TMA forward
-    0.149 -> 0.148 (bench/results/2026-11-30-77e9b46-dirty-ldsa-rsqrt.log, b0 against b3_0, v13 against
-    v12); div.full in turn took the forward from 0.166 to 0.164 ms against tl.exp and the IEEE division
-    (2026-11-30-1eb73c1-dirty-ldsa-fwd-variants.log, v1 against v3)."""
+    exp2, and the normalization as a product with 1 / sum taken as rsqrt(sum^2): one hardware approximation
+    (about 2e-7 relative; the sum lies in [1, W], its largest term being 1), where the IEEE division and even
+    the 2-ulp div.full cost about ten instructions a weight in range handling."""
     x = tl.where(tap_ok, logits.to(tl.float32), float("-inf"))
     e = tl.exp2((x - tl.expand_dims(tl.max(x, axis), axis)) * 1.4426950408889634)
     total = tl.sum(e, axis)
@@ -34,9 +30,8 @@ def _split_hi_lo(w, dtype: tl.constexpr):
 @triton.jit
 def _hi_lo_pairs(w, dtype: tl.constexpr):
     """`_split_hi_lo` of w packed into one int32 word an element (hi in the low half), so that the TMA
-    forward skews both halves into the band with one gather, after splitting only the [BLOCK_W, N] weights
-    rather than the [K, N] band (0.182 -> 0.166 ms at [64, 3000], W = 15, bf16:
-    bench/results/2026-11-30-1eb73c1-dirty-ldsa-fwd-variants.log, v0 against v1)."""
+    forward skews both halves into the band with one gather and splits only the [BLOCK_W, N] weights rather
+    than the larger [K, N] band."""
     hi, lo = _split_hi_lo(w, dtype)
     return (hi.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF) | (lo.to(tl.int16, bitcast=True).to(tl.int32) << 16)
 
@@ -47,6 +42,6 @@ def _tf32_high(x):
     its bits, for three-TF32-product float32 accuracy: an add and a mask, where cvt.rna.tf32.f32 (what Triton's
     tf32x3 splits with) is four instructions on sm_90. x - _tf32_high(x) is exact; the MMA truncates that residual
     to TF32, 2^-21 of x. A NaN's high part may come out as -0, but its residual is NaN, so NaN still reaches the
-    product. Truncated high parts (one instruction) were cheaper still but left the residual twice as large: the
-    float32 forward's error against float64 went from 1.3e-7 to 4.1e-7 (2026-11-30-1d744dd-ldsa-f32trunc-probe.log)."""
+    product. Rounding rather than truncating the high part keeps the residual half as large, and the float32
+    forward's error against float64 about 1e-7."""
     return ((x.to(tl.int32, bitcast=True) + 0x1000) & -8192).to(tl.float32, bitcast=True)

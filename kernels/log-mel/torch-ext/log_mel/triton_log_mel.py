@@ -40,9 +40,8 @@ LOG10_CLAMP = tl.constexpr(-10.0)
 SUPPORT_CHUNK = 128  # filterbank bins per step of the band-support scan
 FLOOR_CHUNK = 1024  # output elements per step of the floor pass
 STATS_CHUNK = 256  # tile statistics per step of the clip-maximum reduction
-# Frame tiles a floor-pass program checks: one a program made 9,776 programs of a few loads each at
-# (208, 3000) and took 8.5 us (bench/results/2026-11-29-ed74914-ncu-log-mel.txt), 8 a program 6.7 us
-# (-b520346-dirty-ncu-log-mel.txt).
+# Frame tiles a floor-pass program checks: at one a program the pass is thousands of programs of a few loads
+# each, and 8 a program is faster on the H200.
 FLOOR_TILES = 8
 # A chunk entry of the flat loop: first bin, the block's hi and the block in 21-bit fields of an int64, the
 # sign bit set at a block's last chunk. One 8-byte load per chunk, no load that depends on another.
@@ -72,35 +71,26 @@ class Config:
                 + (" flat" if self.flat else ""))
 
 
-# One loop over the tile's chunk list, the next chunk's loads in flight: the fastest at both swept shapes
-# (bench/results/2026-11-29-f6e6021: 3,083 against 2,599 GB/s for the nested loop at (208, 3000, 201, 128),
-# 2,857 against 2,690 GB/s for the nested loop pipelined two deep at (104, 3000, 401, 80)). Its epilogue only
-# at a block's last chunk, packed chunk entries and unmasked loads (72 registers, was 96: 7 CTAs an SM)
-# took it from 0.443 / 0.392 / 0.485 ms to 0.425 / 0.379 / 0.403 ms at (208, 3000, 201, 128), (104, 3000,
-# 401, 80) and (208, 3000, 201, 80) (bench/results/2026-11-29-3b58449-dirty-log-mel-lean.md, sweep rows).
-# The hardware log2 on top of it measured the same there (0.426 / 0.378 / 0.402), at 7 CTAs an SM; at
-# 64x16x32 (4 CTAs an SM, its issue slots 60% busy) it is a clear gain and is in (`_log10_clamped`).
-# Then, with that loop, 16-band blocks and 32-bin chunks: fewer, wider steps (128 registers, 4 CTAs an SM)
-# and 384-393 against 411 us at NM 128, 311 against 364 us at (104, 3000, 401, 80); 8-band blocks of 32
-# bins where the bands are narrower, 358 against 389 us at (208, 3000, 201, 80), where 16-band blocks are
-# level with the 16-bin default (bench/results/2026-11-29-ed74914-log-mel-configs.log, run 2).
+# Both picks run the flat loop (one loop over the tile's chunk list, the next chunk's loads in flight), which is
+# faster on the H200 than the nested loop, pipelined or not, at every swept shape. Its epilogue runs only at a
+# block's last chunk and its chunk entries are packed and its loads unmasked, which holds 64x8x16 tiles to 72
+# registers (7 CTAs an SM). The hardware log2 (`_log10_clamped`) is level with libdevice's there and a clear
+# gain at 64x16x32 (4 CTAs an SM, where issue slots are busier). 16-band blocks of 32-bin chunks take fewer,
+# wider steps (128 registers, 4 CTAs an SM) and are the fastest at NM 128 and at (104, 3000, 401, 80); where the
+# bands are narrower, at (208, 3000, 201, 80), 8-band blocks of 32 bins are faster, and 16-band blocks only
+# level with 8 x 16 ones.
 DEFAULT_CONFIG = Config(block_m=16, block_k=32, flat=True)
 NARROW_BANDS_CONFIG = Config(block_k=32, flat=True)
 # Every config the package may pick, plus the runners-up kept for the benchmark's sweep; the GPU tests run
-# each of them. Dropped after runs where they lost everywhere: an L2 bulk prefetch of the tile, 32-band
-# blocks, 128-frame tiles on 8 warps, 32-frame tiles on 2 or 4 warps, 32-bin chunks and 16-band blocks, in
-# the nested loop and (f6e6021, 6b36bb1) in the flat one before its epilogue moved to a block's last chunk.
-# Also lost on the flat loop (d877b8c-log-mel-maxnreg): 8 warps on 64- or 128-frame tiles (slower or level
-# at every measure shape), and register caps for more resident CTAs (they spill): 64 registers slower
-# everywhere, 80 slower at four shapes, 3% faster at (416, 1500, 201, 128). And (ed74914-log-mel-configs):
-# 32-band blocks, 64-bin chunks, 128-frame tiles, 32-frame tiles, 8 warps; the nested loop pipelined two
-# deep (2,415 / 2,690 GB/s at f6e6021).
+# each of them. Not shipped, being slower or level at the measure shapes on the H200: an L2 bulk prefetch of
+# the tile, 32-band blocks, 64-bin chunks, 128- and 32-frame tiles, 8 warps, the nested loop pipelined two
+# deep, and register caps for more resident CTAs on the flat loop (they spill).
 SHIPPED_CONFIGS = (
     DEFAULT_CONFIG,
     NARROW_BANDS_CONFIG,
-    Config(flat=True),  # the flat loop's earlier 8 x 16 blocks: 411 / 364 / 389 us (ed74914-log-mel-configs)
-    Config(),  # the nested loop (band block, then its chunks): 2,599 / 2,481 GB/s at f6e6021
-    Config(precision="ieee"),  # the CUDA-core fp32 projection (nested loop): 1,950 / 1,833 GB/s
+    Config(flat=True),  # the flat loop on 8 x 16 blocks
+    Config(),  # the nested loop (band block, then its chunks)
+    Config(precision="ieee"),  # the CUDA-core fp32 projection (nested loop), slower than tf32x3
 )
 
 
@@ -165,11 +155,9 @@ def _project(mel, xy, w, BLOCK_F: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION
 @triton.jit
 def _log10_clamped(mel, HW_LOG2: tl.constexpr):
     """log10(max(mel, 1e-10)); with HW_LOG2 through the hardware log2 (`lg2.approx.f32`, absolute error about
-    2^-22), else through libdevice's log2, which takes about 30 instructions a value: the main pass issues
-    a fifth fewer instructions with the hardware one (sm_90 SASS at 64x16x32: 752 against 936) and ran
-    80-84% of copy against 74-80% at the NM 128 measure shapes, errors 6.6e-8 against 6.8e-8
-    (bench/results/2026-11-30-0e039f1-dirty-log-mel-fastlog.log). The clamp discards its value at or below
-    1e-10, subnormals included."""
+    2^-22), else through libdevice's log2, which takes about 30 instructions a value: with the hardware one
+    the main pass issues fewer instructions and runs closer to copy bandwidth on sm_90, at the same output
+    error. The clamp discards its value at or below 1e-10, subnormals included."""
     if HW_LOG2:
         log2 = tl.inline_asm_elementwise("lg2.approx.f32 $0, $1;", "=f,f", [mel], dtype=tl.float32, is_pure=True,
                                          pack=1)
@@ -208,7 +196,7 @@ def _log_mel_tile(x_ptr, w_ptr, lo_ptr, hi_ptr, chunks_ptr, out_ptr, clip, tile,
         # a tile reads frame F - 1 for the frames it lacks, and bands past NM (below) the weights of band
         # NM - 1. One pointer to the tile's first frame plus affine int32 offsets: with NF a compile-time
         # constant the rows are immediate offsets of that pointer, not one 64-bit pointer per row (two-pass
-        # at 64x8x16: 72 registers, not 96, so 7 CTAs per SM, not 5).
+        # at 64x8x16: 72 registers, so 7 CTAs per SM; 64-bit row pointers would cost 96 and allow 5).
         NF = STATIC_NF
         frames = tl.arange(0, BLOCK_F)
         if SHORT_CLIP:  # F < BLOCK_F
@@ -247,7 +235,7 @@ def _log_mel_tile(x_ptr, w_ptr, lo_ptr, hi_ptr, chunks_ptr, out_ptr, clip, tile,
             xy_next, w_next = _load_chunk(x_rows, w_ptr, everything, tl.minimum(block * BLOCK_M + lanes, NM - 1),
                                           all_bands, k0, k_hi, NF, BLOCK_K)
             mel = _project(mel, xy, w, BLOCK_F, BLOCK_K, PRECISION)
-            # A uniform branch: the chunks before a block's last one only load and project.
+            # A uniform condition: the chunks before a block's last one only load and project.
             if entry < 0:
                 _, _, block = _unpack_chunk(entry)
                 bands = block * BLOCK_M + lanes
@@ -362,9 +350,9 @@ class PickRule:
     config: Config
 
 
-# First matching row wins; the last row catches every shape. Set from the H200 runs (benchmark.py's
-# "config sweep" rows, ed74914-log-mel-configs): 80 bands over 201 bins are about 2.5 bins apart, so 8 of
-# them span about one 32-bin chunk. Every config named here must be in SHIPPED_CONFIGS.
+# First matching row wins; the last row catches every shape. The rows follow benchmark.py's config sweep on
+# the H200: 80 bands over 201 bins are about 2.5 bins apart, so 8 of them span about one 32-bin chunk. Every
+# config named here must be in SHIPPED_CONFIGS.
 PICK_TABLE = (
     PickRule(max_nf=201, max_nm=80, min_f=1, design="two_pass", config=NARROW_BANDS_CONFIG),
     PickRule(max_nf=float("inf"), max_nm=float("inf"), min_f=1, design="two_pass", config=DEFAULT_CONFIG),
@@ -383,8 +371,7 @@ def band_plan(mel_filters: torch.Tensor, block_m: int, block_k: int,
     used bin of each band block (`_band_support_kernel`); chunks int64 [1 + L], the flat loop's work list
     (`_chunk_list_kernel`; L bounds every block's chunk count by NF's), or None unless `flat` (the nested
     loop reads only the support). Built on every call, so no cache can go stale. Two launches for the flat
-    loop: one program doing both took 19 us at (208, 3000, 201, 128), against 6.5 us for the support and a
-    scalar-loop list (bench/results/2026-11-29-b520346-dirty-ncu-log-mel.txt, -ed74914-ncu-log-mel.txt)."""
+    loop, because one program doing both is slower than the support kernel and the list kernel together."""
     NM, NF = mel_filters.shape
     n_blocks = triton.cdiv(NM, block_m)
     if flat and max(NF, n_blocks) > FIELD_MASK.value:
