@@ -88,7 +88,7 @@ def patch_interpreter() -> None:
     - fp32 -> bf16 casts: the interpreter truncates (a -0.3% bias per cast) where the GPU rounds to nearest
       even; round like the GPU, so that interpreter errors mean what GPU errors mean.
     - TMA stores at a negative coordinate: the interpreter clips them like any out-of-bounds part, the H200
-      stops with an illegal instruction (bench/results/2026-11-30-d2763c8-dirty-ldsa-tma-store.log); raise.
+      stops with an illegal instruction; raise.
     """
     import numpy as np
     import triton.language as tl

@@ -155,7 +155,7 @@ def check_sources(kernel: Kernel) -> None:
         raise BuildError("\n".join(found))
 
 
-# What shipped code must not carry (it reaches the Hub, where bench/results/ does not exist): run history belongs in
+# What shipped code must not carry (it reaches the Hub, where the results table does not): run history belongs in
 # commit bodies and the results table. Each pattern's name says what it catches.
 HISTORY_PATTERNS = {
     "a results file or probe": re.compile(r"bench/results|\.log\b(?!\()|\bprobes?\b"),

@@ -8,11 +8,9 @@ yields (label, call) pairs: each call makes the CUDA path's launches for one sha
 on meta tensors (shapes and dtypes, no memory). While they run, this tool stands in for `JITFunction.run`:
 instead of launching, it specializes the arguments with Triton's own binder for an sm_90a target (so
 pointers, integers divisible by 16 and integers equal to 1 are specialized as a launch on the H200 would
-specialize them), compiles, and runs the bundled ptxas with -v. With that specialization the register
-counts match Nsight Compute's on the H200: 96 for log-mel's main kernel here and in
-bench/results/2026-11-29-d877b8c-ncu-log-mel.txt (based-bwd's kernels at that commit: 106, 241, 125 and 226
-in -d877b8c-ncu-based-bwd.txt, which an offline compile without the integer specialization put near twice
-as high).
+specialize them), compiles, and runs the ptxas the installed Triton uses with -v. With that specialization
+the register counts match Nsight Compute's on the H200 (without it an offline compile puts some near twice as
+high).
 
     .venv/bin/python -m tools.compile_sm90                    # every kernel
     .venv/bin/python -m tools.compile_sm90 based-bwd --match "16, 128"

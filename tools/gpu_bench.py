@@ -1,6 +1,7 @@
 """The GPU run: every kernel's correctness tests on the device, then each kernel's side-by-side benchmark
 against the anchors of ANCHORS.md, all in one process so the ratios hold; results go to
-`bench/results/<date>-<sha>.{json,md}` (and to `$OUT` when set, for the device tool to bring back).
+`bench/runs/<date>-<sha>.{json,md}` (to `$OUT` when set, for the device tool to bring back); `python -m tools.results
+add RUN <report>.json` appends its rows to the one results table, bench/results.jsonl, which the cards render.
 
 Each kernel's `benchmarks/benchmark.py` provides `side_by_side(kernel, bench) -> list[dict]`; `Bench` below
 is what it gets: a timer, the copy bandwidth measured in this run, the specs, and optional packages.
@@ -20,7 +21,7 @@ from pathlib import Path
 
 from .common import HUB_CACHE, HUB_ORG, REPO_ROOT, git, resolve
 
-RESULTS = REPO_ROOT / "bench" / "results"
+RUNS = REPO_ROOT / "bench" / "runs"
 sys.path.insert(0, str(REPO_ROOT))  # testkit: the specs loader and the error metric the tests use
 
 
@@ -120,11 +121,11 @@ def build_into_hub(names: list[str]) -> None:
 
 def prepare_run(names: list[str]) -> tuple[str, Path]:
     """`build_into_hub`, then the sha the run measures and the results path stem `<out>/<date>-<sha>` (out:
-    $OUT when set, for the device tool to bring back, else bench/results)."""
+    $OUT when set, for the device tool to bring back, else bench/runs, which is not committed)."""
     build_into_hub(names)
     sha = os.environ.get("TESSERA_GIT_SHA") or git("rev-parse", "HEAD") or "unknown"
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
-    out_dir = Path(os.environ.get("OUT", RESULTS))
+    out_dir = Path(os.environ.get("OUT", RUNS))
     out_dir.mkdir(parents=True, exist_ok=True)
     return sha, out_dir / f"{stamp}-{sha[:12]}"
 

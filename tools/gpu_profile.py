@@ -4,8 +4,8 @@ our kernels goes (throughput against the DRAM and SM ceilings, occupancy and wha
 For each named kernel this runs, under `ncu --profile-from-start off`, the `Benchmark` subclass of
 `kernels/<name>/benchmarks/benchmark.py`: `setup()`, every `benchmark_*` method once to compile and warm
 up, then every method once more between cudaProfilerStart and cudaProfilerStop, so that ncu sees exactly
-the launches of one call. The report goes to `bench/results/<date>-<sha>-ncu-<name>.txt` (under `$OUT`
-when set). Clocks are left as they are (`--clock-control none`, as the machine's notes ask).
+the launches of one call. The report goes to `bench/runs/<date>-<sha>-ncu-<name>.txt` (under `$OUT`
+when set; bench/runs/ is not committed). Clocks are left as they are (`--clock-control none`, as the machine's notes ask).
 """
 
 import argparse

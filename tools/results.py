@@ -3,8 +3,9 @@
     .venv/bin/python -m tools.results add RUN REPORT.json ...   # append a gpu_bench report's rows under run RUN
     .venv/bin/python -m tools.results show [--run RUN]           # print the rows as a table
 
-A gpu_bench report (`bench/results/<date>-<sha>.json`, or the copy the device tool brings back) gives a row per
-benchmark row and metric (`ms`, and the row's own metric such as GB/s or TFLOP/s) and one per test count. `run`
+A gpu_bench report (`bench/runs/<date>-<sha>.json`, or the copy the device tool brings back) gives a row per
+benchmark row and metric (`ms`, the row's own metric such as GB/s or TFLOP/s, `err` and `pct_copy` where it has them)
+and one per test count. `run`
 names the set of rows that belong together (one GPU session's comparison, say), which the cards select by.
 """
 
@@ -53,6 +54,10 @@ def from_report(run: str, report: dict) -> list[dict]:
             if "metric" in bench_row and "value" in bench_row:
                 rows.append(row(run, report, kernel, bench_row["case"], bench_row["impl"], bench_row["metric"],
                                 bench_row["value"]))
+            for metric in ("err", "pct_copy"):  # the max relative error against the spec; % of the copy rate
+                if isinstance(bench_row.get(metric), (int, float)):
+                    rows.append(row(run, report, kernel, bench_row["case"], bench_row["impl"], metric,
+                                    bench_row[metric]))
     return rows
 
 

@@ -19,10 +19,8 @@ CARD_SHAPES = [(16, 256), (16, 512), (32, 1024), (16, 2048), (32, 3000), (64, 30
 BACKWARD_SHAPES = [(64, 3000)]
 COMPILE_SHAPES = [(64, 3000)]  # torch.compile(reference) anchor: compiled once per window, bf16 only
 LATENCY_SHAPE, LATENCY_CALLS, LATENCY_PASSES = (16, 256), 2000, 5
-# Seconds of back-to-back calls before a latency row's timed passes. On the shared GPU host the first few tenths
-# of a second of launches after the heavy rows ran slow for every call, torch's own included (torch.add 11.4
-# against 7.7 us, the ldsa public op 21.5-23.1 against 13.6-14.6; bench/results/2026-11-30-985f387-ldsa-latency-ab.log,
-# round 0), and the first latency row of 985f387's run took 19.2 us where the same call, timed later, took 13.7.
+# Seconds of back-to-back calls before a latency row's timed passes: on the shared GPU host the first few tenths
+# of a second of launches after the heavy rows run slow for every call, torch's own included.
 LATENCY_WARMUP_S = 0.5
 # The candidate sweep (every forward and backward configuration of both designs, side by side): each
 # (shape, window, dtype) here costs one compile per configuration, so the cases are few.
@@ -148,9 +146,8 @@ def _latency_rows(kernel, bench, B, T, device):
 
 def _host_latency_us(fn, device) -> float:
     """Microseconds per call of `fn` from Python: LATENCY_WARMUP_S of calls, then LATENCY_CALLS back to back
-    between syncs, the best of LATENCY_PASSES such passes (as timeit reports): on the shared GPU host one pass of
-    the same launches ranged from 11.3 to 17.6 us a call while the kernel took 10.7 on the GPU
-    (bench/results/2026-11-30-8b8ca0f-dirty-ldsa-small-calls.log); the best pass is the call's own cost."""
+    between syncs, the best of LATENCY_PASSES such passes (as timeit reports): on the shared GPU host passes of the
+    same launches vary widely, and the best pass is the call's own cost."""
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     warm_until = time.perf_counter() + LATENCY_WARMUP_S
     while time.perf_counter() < warm_until:
