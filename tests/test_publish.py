@@ -23,9 +23,12 @@ def no_hub(monkeypatch):
 @pytest.mark.parametrize("kernel", KERNELS, ids=lambda k: k.name)
 def test_plan(kernel):
     steps = publish.plan(kernel)
-    assert [s.method for s in steps] == ["create_repo", "create_branch", "upload_folder", "upload_file"]
+    assert [s.method for s in steps] == ["create_repo", "create_branch", "upload_folder", "upload_folder",
+                                         "upload_file"]
     assert all(s.kwargs["repo_id"] == f"tessera/{kernel.name}" and s.kwargs["repo_type"] == "kernel" for s in steps)
-    upload, card = steps[2], steps[3]
+    upload, benchmarks, card = steps[2], steps[3], steps[4]
+    assert benchmarks.kwargs["revision"] == f"v{kernel.version}" and benchmarks.kwargs["path_in_repo"] == "benchmarks"
+    assert ("benchmarks/benchmark.py", (kernel.path / "benchmarks" / "benchmark.py").stat().st_size) in benchmarks.files
     assert steps[1].kwargs["branch"] == upload.kwargs["revision"] == f"v{kernel.version}"
     assert upload.kwargs["path_in_repo"] == "build" and upload.kwargs["delete_patterns"] == ["*"]
     sent = {path for path, _ in upload.files}
@@ -40,4 +43,4 @@ def test_dry_run_prints_everything(capsys):
     for kernel in KERNELS:
         assert f"# tessera/{kernel.name}: build -> branch v1, card -> main" in out
         assert "build/torch-cuda/metadata.json" in out
-    assert out.count("HfApi.upload_folder(") == len(KERNELS)
+    assert out.count("HfApi.upload_folder(") == 2 * len(KERNELS)

@@ -1,4 +1,5 @@
-"""Publish built kernels to their kernel-type Hub repos: the build on branch `v<version>`, the card on `main`.
+"""Publish built kernels to their kernel-type Hub repos: the build and `benchmarks/` on branch `v<version>` (where
+`kernels benchmark` reads them), the card on `main`.
 
 This is what `kernel-builder upload` does: stale files under `build/` on the branch are deleted, so the
 branch holds exactly this build. `--dry-run` prints every call and file instead of making it (these
@@ -45,6 +46,9 @@ def plan(kernel: Kernel) -> list[Step]:
         for f in v.rglob("*")
         if f.is_file() and "__pycache__" not in f.parts
     )
+    benchmarks = kernel.path / "benchmarks"
+    bench_files = sorted((f"benchmarks/{f.relative_to(benchmarks).as_posix()}", f.stat().st_size)
+                         for f in benchmarks.rglob("*.py") if "__pycache__" not in f.parts)
     return [
         Step("create_repo", {**repo, "exist_ok": True}),
         Step("create_branch", {**repo, "branch": branch, "exist_ok": True}),
@@ -60,6 +64,19 @@ def plan(kernel: Kernel) -> list[Step]:
                 "commit_message": f"Build {kernel.name} v{kernel.version}",
             },
             build_files,
+        ),
+        Step(
+            "upload_folder",
+            {
+                **repo,
+                "folder_path": str(benchmarks),
+                "path_in_repo": "benchmarks",
+                "revision": branch,
+                "ignore_patterns": ["**/__pycache__/**", "*.pyc"],
+                "delete_patterns": ["*"],
+                "commit_message": f"Benchmarks of {kernel.name} v{kernel.version}",
+            },
+            bench_files,
         ),
         Step(
             "upload_file",

@@ -19,6 +19,8 @@ COMMON_DIR = REPO_ROOT / "common"
 VENDORED = {
     "gluon_compat.py": ("ldsa", "comba-bwd"),
     "fast_paths.py": ("ldsa", "comba-bwd"),
+    "tf32.py": ("ldsa", "comba-bwd"),
+    "checks.py": ("ldsa", "log-mel", "based-bwd", "comba-bwd"),
 }
 HEADER = "# Generated from common/{name} by `python -m tools.vendor`: edit that file, not this copy.\n"
 

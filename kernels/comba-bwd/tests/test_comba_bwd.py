@@ -254,7 +254,7 @@ def _replace(i, fn):
 
 BAD = [
     (_replace(0, lambda q: q.numpy()), TypeError, "q must be a torch.Tensor"),
-    (_replace(1, lambda k: k.double()), TypeError, "k must be bfloat16 or float16 or float32"),
+    (_replace(1, lambda k: k.double()), TypeError, "k must be bfloat16, float16 or float32"),
     (_replace(2, lambda v: v.bfloat16()), TypeError, "v must have q's dtype"),
     (_replace(5, lambda g: g.bfloat16()), TypeError, "g must be float32"),
     (_replace(6, lambda do: do.int()), TypeError, "do must be"),

@@ -183,10 +183,10 @@ def test_noncontiguous_inputs_are_copied(lm):
 
 
 BAD = [
-    (lambda s, w: (s.to(torch.complex128), w), TypeError, "stft must be torch.complex64"),
-    (lambda s, w: (torch.view_as_real(s), w), TypeError, "stft must be torch.complex64"),
-    (lambda s, w: (s, w.double()), TypeError, "mel_filters must be torch.float32"),
-    (lambda s, w: (s, w.bfloat16()), TypeError, "mel_filters must be torch.float32"),
+    (lambda s, w: (s.to(torch.complex128), w), TypeError, "stft must be complex64"),
+    (lambda s, w: (torch.view_as_real(s), w), TypeError, "stft must be complex64"),
+    (lambda s, w: (s, w.double()), TypeError, "mel_filters must be float32"),
+    (lambda s, w: (s, w.bfloat16()), TypeError, "mel_filters must be float32"),
     (lambda s, w: (s[0], w), ValueError, "stft must have rank 3"),
     (lambda s, w: (s, w[None]), ValueError, "mel_filters must have rank 2"),
     (lambda s, w: (s, w[:, :-1]), ValueError, "NF = 65"),

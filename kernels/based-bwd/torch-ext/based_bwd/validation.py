@@ -4,25 +4,18 @@ import math
 
 import torch
 
+from .checks import check_tensor
+
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # The fused CUDA kernel is written for these Taylor feature sizes (the CPU reference takes any K >= 1).
 FUSED_FEATURE_SIZES = (8, 16)
-
-
-def _check_tensor(name: str, x) -> None:
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-    if x.dtype not in SUPPORTED_DTYPES:
-        raise TypeError(f"{name} must be float32, bfloat16 or float16, got {x.dtype}")
-    if x.dim() != 4:
-        raise ValueError(f"{name} must have rank 4, got shape {tuple(x.shape)}")
 
 
 def check_based_args(q, k, v, scale, do=None) -> None:
     """Validate q, k (B, T, H, K), v (and do, when given) (B, T, H, V) and scale (float or None)."""
     named = [("q", q), ("k", k), ("v", v)] + ([("do", do)] if do is not None else [])
     for name, x in named:
-        _check_tensor(name, x)
+        check_tensor(name, x, 4, SUPPORTED_DTYPES)
     for name, x in named[1:]:
         if x.dtype != q.dtype:
             raise TypeError(f"{name} must have the dtype of q ({q.dtype}), got {x.dtype}")

@@ -9,30 +9,22 @@ import math
 
 import torch
 
+from .checks import check_tensor
+
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # Head sizes the fused CUDA backward is compiled for; the eager (CPU) reference takes any size >= 1.
 FUSED_SIZES = (64, 128)
 
 
-def _check_tensor(name: str, x, rank: int, dtypes=SUPPORTED_DTYPES) -> None:
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-    if x.dtype not in dtypes:
-        expected = " or ".join(str(d).removeprefix("torch.") for d in dtypes)
-        raise TypeError(f"{name} must be {expected}, got {x.dtype}")
-    if x.dim() != rank:
-        raise ValueError(f"{name} must have rank {rank}, got shape {tuple(x.shape)}")
-
-
 def check_comba_args(q, k, v, p, beta, g, scale, do=None) -> None:
     """Validate comba_attention / comba_backward arguments (do=None for the forward)."""
     for name, x in (("q", q), ("k", k), ("p", p), ("v", v)):
-        _check_tensor(name, x, 4)
-    _check_tensor("beta", beta, 3)
-    _check_tensor("g", g, 3, dtypes=(torch.float32,))
+        check_tensor(name, x, 4, SUPPORTED_DTYPES)
+    check_tensor("beta", beta, 3, SUPPORTED_DTYPES)
+    check_tensor("g", g, 3, (torch.float32,))
     named = [("q", q), ("k", k), ("v", v), ("p", p), ("beta", beta), ("g", g)]
     if do is not None:
-        _check_tensor("do", do, 4)
+        check_tensor("do", do, 4, SUPPORTED_DTYPES)
         named.append(("do", do))
     for name, x in named[1:]:
         if x.device != q.device:

@@ -33,7 +33,8 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from . import gluon_compat as compat
-from .window_weights import _hi_lo_pairs, _tf32_high, _window_softmax
+from .tf32 import tf32_high
+from .window_weights import _hi_lo_pairs, _window_softmax
 
 # Tile sizes, constexprs for the kernel (the host reads their .value).
 CHUNK = gl.constexpr(64)  # frames a chunk (the logits, value and output tiles)
@@ -137,10 +138,10 @@ def _weight_words(w, dtype: gl.constexpr):
 @gluon.jit
 def _precise_product(x, y, acc):
     """acc + x @ y as accurate as float32 products: one MMA for 16-bit operands (their products are exact);
-    for float32 ones three TF32 MMAs of operands split into a TF32 high part and the residual (`_tf32_high`;
+    for float32 ones three TF32 MMAs of operands split into a TF32 high part and the residual (`tf32_high`;
     the residual's low bits fall to the MMA's truncation, 2^-21 relative)."""
     if x.dtype == gl.float32:
-        x_hi, y_hi = _tf32_high(x), _tf32_high(y)
+        x_hi, y_hi = tf32_high(x), tf32_high(y)
         acc = mma_v2(x - x_hi, y_hi, acc, input_precision="tf32")
         acc = mma_v2(x_hi, y - y_hi, acc, input_precision="tf32")
         acc = mma_v2(x_hi, y_hi, acc, input_precision="tf32")

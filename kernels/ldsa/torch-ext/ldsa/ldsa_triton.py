@@ -35,7 +35,8 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .dispatch import FAST_PATHS
 from .fast_paths import falls_back
-from .window_weights import _hi_lo_pairs, _split_hi_lo, _tf32_high, _window_softmax
+from .tf32 import tf32_high
+from .window_weights import _hi_lo_pairs, _split_hi_lo, _window_softmax
 
 try:  # Gluon, Triton's explicit-layout dialect (its Hopper TMA and mma.sync): band-gluon
     from . import ldsa_gluon, ldsa_gluon_backward
@@ -80,10 +81,10 @@ def _dot_float32_weights(x, w, FORWARD: tl.constexpr):
 @triton.jit
 def _dot_3xtf32(x, y):
     """x @ y for float32 x and y, about 1e-7 relative, by three TF32 tensor-core products: each operand split in
-    a TF32 high part (`_tf32_high`) and a residual, the residuals' product left out (one TF32 product would lose
-    13 bits). Several times faster than IEEE products on the CUDA cores, and `_tf32_high`'s split is cheaper
+    a TF32 high part (`tf32_high`) and a residual, the residuals' product left out (one TF32 product would lose
+    13 bits). Several times faster than IEEE products on the CUDA cores, and `tf32_high`'s split is cheaper
     than Triton's tf32x3."""
-    x_hi, y_hi = _tf32_high(x), _tf32_high(y)
+    x_hi, y_hi = tf32_high(x), tf32_high(y)
     product = tl.dot(x - x_hi, y_hi, input_precision="tf32")
     product = tl.dot(x_hi, y - y_hi, product, input_precision="tf32")
     return tl.dot(x_hi, y_hi, product, input_precision="tf32")

@@ -2,16 +2,9 @@
 
 import torch
 
+from .checks import check_tensor
+
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-def _check_tensor(name: str, x, rank: int) -> None:
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-    if x.dtype not in SUPPORTED_DTYPES:
-        raise TypeError(f"{name} must be float32, bfloat16 or float16, got {x.dtype}")
-    if x.dim() != rank:
-        raise ValueError(f"{name} must have rank {rank}, got shape {tuple(x.shape)}")
 
 
 def _check_side(name: str, n) -> None:
@@ -23,8 +16,8 @@ def _check_side(name: str, n) -> None:
 
 def check_ldsa_args(a_logits, v, left, right) -> None:
     """Validate `ldsa_local_attention(a_logits [B,H,W,T], v [B,H,Dh,T], left, right)`."""
-    _check_tensor("a_logits", a_logits, 4)
-    _check_tensor("v", v, 4)
+    check_tensor("a_logits", a_logits, 4, SUPPORTED_DTYPES)
+    check_tensor("v", v, 4, SUPPORTED_DTYPES)
     _check_side("left", left)
     _check_side("right", right)
     if a_logits.device != v.device:
@@ -42,7 +35,7 @@ def check_ldsa_args(a_logits, v, left, right) -> None:
 
 
 def check_grad_out(grad_out, v) -> None:
-    _check_tensor("grad_out", grad_out, 4)
+    check_tensor("grad_out", grad_out, 4, SUPPORTED_DTYPES)
     if grad_out.shape != v.shape:
         raise ValueError(f"grad_out must have the shape of v {tuple(v.shape)}, got {tuple(grad_out.shape)}")
     if grad_out.device != v.device:

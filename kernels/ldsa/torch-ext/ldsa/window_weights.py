@@ -1,6 +1,7 @@
 """The window weights of a frame and the operand splits of the tensor-core products, shared by the Triton kernels
 (`ldsa_triton`) and the Gluon forward (`ldsa_gluon`), whose Gluon code calls these Triton functions: the softmax
-over the window, its split into high and low halves in a 16-bit dtype, and the TF32 split of float32 operands."""
+over the window and its split into high and low halves in a 16-bit dtype (the TF32 split of float32 operands is
+`tf32.tf32_high`)."""
 
 import triton
 import triton.language as tl
@@ -34,14 +35,3 @@ def _hi_lo_pairs(w, dtype: tl.constexpr):
     than the larger [K, N] band."""
     hi, lo = _split_hi_lo(w, dtype)
     return (hi.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF) | (lo.to(tl.int16, bitcast=True).to(tl.int32) << 16)
-
-
-@triton.jit
-def _tf32_high(x):
-    """float32 x rounded to TF32 (10 mantissa bits, ties away from zero, as cvt.rna.tf32) by integer arithmetic on
-    its bits, for three-TF32-product float32 accuracy: an add and a mask, where cvt.rna.tf32.f32 (what Triton's
-    tf32x3 splits with) is four instructions on sm_90. x - _tf32_high(x) is exact; the MMA truncates that residual
-    to TF32, 2^-21 of x. A NaN's high part may come out as -0, but its residual is NaN, so NaN still reaches the
-    product. Rounding rather than truncating the high part keeps the residual half as large, and the float32
-    forward's error against float64 about 1e-7."""
-    return ((x.to(tl.int32, bitcast=True) + 0x1000) & -8192).to(tl.float32, bitcast=True)

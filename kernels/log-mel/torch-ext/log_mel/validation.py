@@ -2,14 +2,7 @@
 
 import torch
 
-
-def _check_tensor(name: str, x, dtype: torch.dtype, rank: int, layout: str) -> None:
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-    if x.dtype != dtype:
-        raise TypeError(f"{name} must be {dtype}, got {x.dtype}")
-    if x.dim() != rank:
-        raise ValueError(f"{name} must have rank {rank} {layout}, got shape {tuple(x.shape)}")
+from .checks import check_tensor
 
 
 def _check_no_grad(name: str, x: torch.Tensor) -> None:
@@ -22,8 +15,8 @@ def _check_no_grad(name: str, x: torch.Tensor) -> None:
 
 def check_log_mel_args(stft, mel_filters) -> None:
     """Validate `log_mel_spectrogram(stft (B, F, NF) complex64, mel_filters (NM, NF) float32)`."""
-    _check_tensor("stft", stft, torch.complex64, 3, "(B, F, NF)")
-    _check_tensor("mel_filters", mel_filters, torch.float32, 2, "(NM, NF)")
+    check_tensor("stft", stft, 3, (torch.complex64,), "(B, F, NF)")
+    check_tensor("mel_filters", mel_filters, 2, (torch.float32,), "(NM, NF)")
     if stft.device != mel_filters.device:
         raise ValueError(
             f"stft and mel_filters must be on one device, got {stft.device} and {mel_filters.device}"
@@ -43,7 +36,7 @@ def check_log_mel_args(stft, mel_filters) -> None:
 
 def check_whisper_args(audio, n_mels, n_fft: int) -> None:
     """Validate `whisper_log_mel(audio (B, N) float32, n_mels)`."""
-    _check_tensor("audio", audio, torch.float32, 2, "(B, N)")
+    check_tensor("audio", audio, 2, (torch.float32,), "(B, N)")
     _check_int("n_mels", n_mels)
     if audio.shape[0] < 1 or audio.shape[1] <= n_fft // 2:
         raise ValueError(
