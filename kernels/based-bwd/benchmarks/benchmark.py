@@ -23,20 +23,27 @@ def _make(B, T, H, K, V, device, seed=0):
 
 class BasedBackward(Benchmark):
     """bf16 (B, T, H, K, V) = (2, 2048, 8, 16, 128): the spec's calibration shape. The output is dq, dk, dv
-    flattened into one fp32 vector; the reference is the eager analytic backward in fp32."""
+    flattened into one fp32 vector in units of the reference's largest gradient, so that the runner's check
+    (absolute 1e-2) asks for 1% of it: the gradients reach magnitudes where bf16's rounding alone is above 1e-2.
+    The reference is the eager analytic backward in fp32."""
 
     seed = 0
 
     def setup(self):
         self.q, self.k, self.v, self.do = _make(*CALIBRATION_SHAPE, self.device)
+        self.unit = 1 / self._reference().abs().max()
         self.out = None
 
-    def benchmark_backward(self):
-        self.out = torch.cat([g.float().flatten() for g in self.kernel.based_backward(self.q, self.k, self.v, self.do)])
-
-    def verify_backward(self) -> torch.Tensor:
+    def _reference(self) -> torch.Tensor:
         ref = self.kernel.based_backward_reference(self.q.float(), self.k.float(), self.v.float(), self.do.float())
         return torch.cat([g.flatten() for g in ref])
+
+    def benchmark_backward(self):
+        grads = self.kernel.based_backward(self.q, self.k, self.v, self.do)
+        self.out = torch.cat([g.float().flatten() for g in grads]) * self.unit
+
+    def verify_backward(self) -> torch.Tensor:
+        return self._reference() * self.unit
 
 
 def _fla_fwd_bwd(fn):

@@ -451,7 +451,6 @@ def test_gluon_path_that_fails_to_compile_falls_back_once(comba, triton_bwd, mon
     later ones) run the Triton kernels: the Gluon stages stood in for by a backward that fails while they run."""
     fast_paths = submodule(comba, "fast_paths")
     monkeypatch.setattr(triton_bwd.FAST_PATHS, "switched_off", {})
-    monkeypatch.setattr(triton_bwd, "_gluon_launched", set())
     gluon_on = lambda: "gluon" not in triton_bwd.FAST_PATHS.switched_off  # noqa: E731
     monkeypatch.setattr(triton_bwd, "_gluon_stages", lambda q, V: ("grads",) if gluon_on() else ())
     triton_backward = triton_bwd._backward

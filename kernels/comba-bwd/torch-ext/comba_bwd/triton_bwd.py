@@ -637,22 +637,16 @@ def _launch_on_streams(pieces, device: torch.device):
         main.wait_stream(own)
 
 
-# The (dtype, K, V) of the calls whose Gluon kernels have launched in this process: a Gluon kernel compiles at its
-# first launch, which `comba_backward_triton` guards.
-_gluon_launched: set = set()
-
-
 def comba_backward_triton(q, k, v, p, beta, g, do, scale: float):
     """(dq, dk, dv, dp, dbeta, dg) in their inputs' dtypes (dg float32); inputs contiguous, K, V in {64, 128}.
 
-    The first call of a (dtype, K, V) that takes Gluon kernels compiles them; if that raises, the Gluon path is
-    switched off for the process (`dispatch.FAST_PATHS.failed`, one warning) and the call runs on the Triton
-    kernels, after the device has finished what the failed attempt launched (its scratch is freed)."""
-    key = (q.dtype, q.shape[-1], v.shape[-1])
-    if key in _gluon_launched or not _gluon_stages(q, v.shape[-1]):
+    A Gluon kernel compiles at its first launch of a specialization; if a call that takes Gluon kernels raises, the
+    Gluon path is switched off for the process (`dispatch.FAST_PATHS.failed`, one warning) and the call runs on the
+    Triton kernels, after the device has finished what the failed attempt launched (its scratch is freed)."""
+    if not _gluon_stages(q, v.shape[-1]):
         return _backward(q, k, v, p, beta, g, do, scale)
     try:
-        grads = _backward(q, k, v, p, beta, g, do, scale)
+        return _backward(q, k, v, p, beta, g, do, scale)
     except Exception as error:
         if not falls_back(error):
             raise
@@ -660,8 +654,6 @@ def comba_backward_triton(q, k, v, p, beta, g, do, scale: float):
         if q.is_cuda and not torch.cuda.is_current_stream_capturing():
             torch.cuda.synchronize(q.device)
         return _backward(q, k, v, p, beta, g, do, scale)
-    _gluon_launched.add(key)
-    return grads
 
 
 def _backward(q, k, v, p, beta, g, do, scale: float):
