@@ -30,8 +30,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from .common import HUB_CACHE, resolve
-from .gpu_bench import build_into_hub, load_benchmark
+from .common import resolve
+from .gpu_bench import build_into_hub, load_benchmark, use_hub_cache
 
 TARGET_ARCH = 90
 # An H100/H200 SM: 64K 32-bit registers (allocated per warp in units of 256), 228 KiB of shared memory of
@@ -139,8 +139,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     names = [k.name for k in resolve(args.kernels)]
     if args.no_build:
-        os.environ.setdefault("HF_HUB_CACHE", str(HUB_CACHE))
-        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        use_hub_cache()
     else:
         build_into_hub(names)
     import testkit  # the specs loader (gpu_bench put the repo on sys.path)

@@ -110,11 +110,16 @@ def run_tests(out_dir: Path, names: list[str], all_tests: bool, timeout: float, 
     return {**summary, "failed": failed, "seconds": round(time.time() - start, 1), "exit_code": proc.returncode}
 
 
+def use_hub_cache() -> None:
+    """Make this process (and its children) load kernels from the offline Hub cache `make hub` lays."""
+    os.environ.setdefault("HF_HUB_CACHE", str(HUB_CACHE))
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
 def build_into_hub(names: list[str]) -> None:
     """Build the named kernels and lay them into the offline Hub cache this process (and its children) load
     from."""
-    os.environ.setdefault("HF_HUB_CACHE", str(HUB_CACHE))
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    use_hub_cache()
     for step in ("build", "hub"):
         subprocess.run([sys.executable, "-m", f"tools.{step}", *names], cwd=REPO_ROOT, check=True)
 
@@ -158,7 +163,8 @@ def run_benchmarks(names: list[str], bench: Bench, results: dict, save) -> None:
         save()
 
 
-def _fmt(value) -> str:
+def fmt(value) -> str:
+    """A table cell: floats to three or four significant digits, anything else as it is."""
     if isinstance(value, float):
         return f"{value:.3g}" if abs(value) < 1e-2 or abs(value) >= 1e4 else f"{value:.3f}".rstrip("0").rstrip(".")
     return str(value)
@@ -182,7 +188,7 @@ def markdown(report: dict) -> str:
             continue
         keys = list(dict.fromkeys(k for row in rows for k in row))
         lines += ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
-        lines += ["| " + " | ".join(_fmt(row.get(k, "")) for k in keys) + " |" for row in rows]
+        lines += ["| " + " | ".join(fmt(row.get(k, "")) for k in keys) + " |" for row in rows]
     return "\n".join(lines) + "\n"
 
 
