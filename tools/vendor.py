@@ -1,4 +1,4 @@
-"""Copy the helpers written once in `common/` into the kernel packages that use them.
+"""Copy the helpers written once in `common/` into the kernel packages that use them, as `<pkg>/common/`.
 
 kernel-builder uploads `torch-ext/<pkg>/` alone, so a helper shared by packages lives in each package as a
 committed copy, generated from its one source here and marked so at its top; `tests/test_vendor.py` fails when a
@@ -23,6 +23,9 @@ VENDORED = {
     "checks.py": ("ldsa", "log-mel", "based-bwd", "comba-bwd"),
 }
 HEADER = "# Generated from common/{name} by `python -m tools.vendor`: edit that file, not this copy.\n"
+INIT = ("# Generated from common/ by `python -m tools.vendor`.\n"
+        '"""Helpers shared by the tessera kernel packages, written once in the '
+        'repository\'s common/ and copied here."""\n')
 
 
 def copies() -> dict[Path, str]:
@@ -31,7 +34,9 @@ def copies() -> dict[Path, str]:
     for name, kernels in VENDORED.items():
         text = HEADER.format(name=name) + (COMMON_DIR / name).read_text()
         for kernel in kernels:
-            out[read_kernel(REPO_ROOT / "kernels" / kernel).source / name] = text
+            package_common = read_kernel(REPO_ROOT / "kernels" / kernel).source / "common"
+            out[package_common / name] = text
+            out[package_common / "__init__.py"] = INIT
     return out
 
 
@@ -44,6 +49,7 @@ def write() -> list[Path]:
     changed = stale()
     texts = copies()
     for path in changed:
+        path.parent.mkdir(exist_ok=True)
         path.write_text(texts[path])
     return changed
 

@@ -449,7 +449,7 @@ def test_stages_rerun_alone_give_the_same_gradients(triton_bwd):
 def test_gluon_path_that_fails_to_compile_falls_back_once(comba, triton_bwd, monkeypatch):
     """Where the Gluon kernels' first launch raises, the Gluon path is switched off with one warning and the call (and
     later ones) run the Triton kernels: the Gluon stages stood in for by a backward that fails while they run."""
-    fast_paths = submodule(comba, "fast_paths")
+    fast_paths = submodule(comba, "common.fast_paths")
     monkeypatch.setattr(triton_bwd.FAST_PATHS, "switched_off", {})
     gluon_on = lambda: "gluon" not in triton_bwd.FAST_PATHS.switched_off  # noqa: E731
     monkeypatch.setattr(triton_bwd, "_gluon_stages", lambda q, V: ("grads",) if gluon_on() else ())

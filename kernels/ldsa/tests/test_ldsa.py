@@ -342,7 +342,7 @@ def test_a_fast_path_that_fails_to_compile_falls_back_once(ldsa, monkeypatch):
     """A fast path whose first launch raises is switched off with one warning, and the call (and later ones) run the
     portable kernels: band-tma's forward kernel replaced by one that fails, under the interpreter."""
     kernels = submodule(ldsa, "ldsa_triton")
-    fast_paths = submodule(ldsa, "fast_paths")
+    fast_paths = submodule(ldsa, "common.fast_paths")
 
     class Failing:
         def __getitem__(self, grid):
@@ -706,7 +706,7 @@ def test_cuda_tma_kernels_match_float64(ldsa, left, right, dtype, Dh, T, B):
     a, v = make(B, 8, Dh, T, left, right, dtype, "cuda")
     go = grad_like(v)
     if not kernels.FAST_PATHS.runs("band-tma forward", a.device):
-        pytest.skip(f"band-tma is not verified under Triton {submodule(ldsa, 'fast_paths').TRITON_RELEASE} here")
+        pytest.skip(f"band-tma is not verified under Triton {submodule(ldsa, 'common.fast_paths').TRITON_RELEASE} here")
     assert kernels.forward_launch(a, v, left, right, kernels.BAND_TMA).config == kernels.BAND_TMA
     takes = backward_takes_tma(kernels, left, right, Dh, T, B * 8, dtype)
     assert kernels.backward_launch(a, v, go, left, right, kernels.BAND_TMA).config == (

@@ -4,7 +4,7 @@ import math
 
 import torch
 
-from .checks import check_tensor
+from .common.checks import check_tensor
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # The fused CUDA kernel is written for these Taylor feature sizes (the CPU reference takes any K >= 1).

@@ -3,7 +3,7 @@ the gradient parts and dg) runs on every CUDA GPU the metadata accepts under eve
 kernels run only where their row says they were verified, and the backward takes the Triton kernels everywhere
 else."""
 
-from .fast_paths import FastPath, FastPaths
+from .common.fast_paths import FastPath, FastPaths
 
 FAST_PATHS = FastPaths("comba-bwd", (
     FastPath("gluon", "Gluon warpgroup-MMA kernels for bf16 inputs with V = 128: both scans and the gradients at "

@@ -37,7 +37,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from . import gluon_compat as compat
+from .common import gluon_compat as compat
 from .gluon_common import BT, chunk_gates, gate_loads, scal_base
 from .reference import CHUNK
 

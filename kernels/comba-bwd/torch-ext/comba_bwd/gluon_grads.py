@@ -50,7 +50,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from . import gluon_compat as compat
+from .common import gluon_compat as compat
 from .gluon_common import BT, WARPS, chunk_gates, chunk_rows, gate_loads, scal_base, shared_layout, sms
 from .reference import CHUNK
 

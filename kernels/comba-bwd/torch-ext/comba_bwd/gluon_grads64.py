@@ -24,7 +24,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from . import gluon_compat as compat
+from .common import gluon_compat as compat
 from .gluon_common import BT, chunk_rows, gates, sms
 from .gluon_grads import (
     chunk_coords,

@@ -33,7 +33,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from . import gluon_compat as compat
+from .common import gluon_compat as compat
 from .gluon_common import BT, WARPS, chunk_rows, gates, scal_base
 from .reference import CHUNK
 

@@ -24,7 +24,7 @@ from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 from .gluon_common import BT, FLOOR, scal_base
 from .reference import CHUNK
-from .tf32 import tf32_high
+from .common.tf32 import tf32_high
 
 SUB = gl.constexpr(16)  # the blocks: 4 x 4 of them a chunk
 MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8]))

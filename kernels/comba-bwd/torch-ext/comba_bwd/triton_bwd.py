@@ -39,9 +39,9 @@ import triton
 import triton.language as tl
 
 from .dispatch import FAST_PATHS
-from .fast_paths import falls_back
+from .common.fast_paths import falls_back
 from .reference import CHUNK, G_FLOOR, pad_time
-from .tf32 import tf32_high
+from .common.tf32 import tf32_high
 
 try:  # Gluon, Triton's explicit-layout dialect: the scans and the gradients on Hopper (gluon_common.takes)
     from . import gluon_common, gluon_forward, gluon_grads, gluon_grads64, gluon_reverse, gluon_transform

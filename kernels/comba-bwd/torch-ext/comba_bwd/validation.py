@@ -9,7 +9,7 @@ import math
 
 import torch
 
-from .checks import check_tensor
+from .common.checks import check_tensor
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # Head sizes the fused CUDA backward is compiled for; the eager (CPU) reference takes any size >= 1.

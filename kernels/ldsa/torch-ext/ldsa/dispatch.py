@@ -2,7 +2,7 @@
 every CUDA GPU the metadata accepts under every supported Triton; the paths below run only where their row says they
 are verified, and the launchers (`ldsa_triton`) take the portable path everywhere else."""
 
-from .fast_paths import FastPath, FastPaths
+from .common.fast_paths import FastPath, FastPaths
 
 HOPPER = ((9, 0),)
 ALL_TRITONS = ("3.6", "3.7", "3.8", "3.9")

@@ -32,8 +32,8 @@ from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from . import gluon_compat as compat
-from .tf32 import tf32_high
+from .common import gluon_compat as compat
+from .common.tf32 import tf32_high
 from .window_weights import _hi_lo_pairs, _window_softmax
 
 # Tile sizes, constexprs for the kernel (the host reads their .value).

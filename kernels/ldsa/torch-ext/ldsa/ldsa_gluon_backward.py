@@ -31,7 +31,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 
-from . import gluon_compat as compat
+from .common import gluon_compat as compat
 from .ldsa_gluon import BLOCK, CHUNK, GL_DTYPES, HALO, WARPS, _band_product, _precise_product, _weight_words, box_frames
 from .window_weights import _window_softmax
 

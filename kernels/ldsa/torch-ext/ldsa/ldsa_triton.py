@@ -34,8 +34,8 @@ from triton.compiler.compiler import CompiledKernel
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .dispatch import FAST_PATHS
-from .fast_paths import falls_back
-from .tf32 import tf32_high
+from .common.fast_paths import falls_back
+from .common.tf32 import tf32_high
 from .window_weights import _hi_lo_pairs, _split_hi_lo, _window_softmax
 
 try:  # Gluon, Triton's explicit-layout dialect (its Hopper TMA and mma.sync): band-gluon

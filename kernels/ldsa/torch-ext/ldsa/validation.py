@@ -2,7 +2,7 @@
 
 import torch
 
-from .checks import check_tensor
+from .common.checks import check_tensor
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 

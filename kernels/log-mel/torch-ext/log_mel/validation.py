@@ -2,7 +2,7 @@
 
 import torch
 
-from .checks import check_tensor
+from .common.checks import check_tensor
 
 
 def _check_no_grad(name: str, x: torch.Tensor) -> None:
