@@ -1,4 +1,5 @@
-"""based-bwd benchmarks: the `kernels benchmark` class for one shape, and the side-by-side table for the GPU run.
+"""based-bwd benchmarks: the `kernels benchmark` class (small, medium and large workloads) and the side-by-side
+table for the GPU run.
 
 Every row of the side-by-side table times the whole contract of the spec, `(q, k, v, do) -> (dq, dk, dv)`:
 ours recomputes what it needs, so fla is timed forward + backward (its backward alone is given for
@@ -11,7 +12,12 @@ import importlib
 import torch
 from kernels.benchmark import Benchmark
 
-CALIBRATION_SHAPE = (2, 2048, 8, 16, 128)  # (B, T, H, K, V) of the spec's calibration errors
+# (B, T, H, K, V) of the `kernels benchmark` workloads by device: on CUDA the spec's calibration shape is the
+# medium one and a measure shape the large one; on the CPU (the eager reference) sizes that take seconds.
+WORKLOADS = {
+    "cuda": {"small": (1, 2048, 8, 16, 128), "medium": (2, 2048, 8, 16, 128), "large": (8, 4096, 16, 16, 128)},
+    "cpu": {"small": (1, 128, 2, 8, 32), "medium": (1, 256, 2, 16, 64), "large": (2, 512, 4, 16, 64)},
+}
 
 
 def _make(B, T, H, K, V, device, seed=0):
@@ -22,15 +28,16 @@ def _make(B, T, H, K, V, device, seed=0):
 
 
 class BasedBackward(Benchmark):
-    """bf16 (B, T, H, K, V) = (2, 2048, 8, 16, 128): the spec's calibration shape. The output is dq, dk, dv
-    flattened into one fp32 vector in units of the reference's largest gradient, so that the runner's check
-    (absolute 1e-2) asks for 1% of it: the gradients reach magnitudes where bf16's rounding alone is above 1e-2.
-    The reference is the eager analytic backward in fp32."""
+    """bf16 `based_backward` at a small, a medium and a large (B, T, H, K, V) (`WORKLOADS`). The output is dq,
+    dk, dv flattened into one fp32 vector in units of the reference's largest gradient, so that the runner's
+    check (absolute 1e-2) asks for 1% of it: the gradients reach magnitudes where bf16's rounding alone is above
+    1e-2. The reference is the eager analytic backward in fp32."""
 
     seed = 0
 
-    def setup(self):
-        self.q, self.k, self.v, self.do = _make(*CALIBRATION_SHAPE, self.device)
+    def _setup(self, workload: str):
+        shape = WORKLOADS["cuda" if str(self.device).startswith("cuda") else "cpu"][workload]
+        self.q, self.k, self.v, self.do = _make(*shape, self.device)
         self.unit = 1 / self._reference().abs().max()
         self.out = None
 
@@ -38,12 +45,39 @@ class BasedBackward(Benchmark):
         ref = self.kernel.based_backward_reference(self.q.float(), self.k.float(), self.v.float(), self.do.float())
         return torch.cat([g.flatten() for g in ref])
 
-    def benchmark_backward(self):
+    def _run(self):
         grads = self.kernel.based_backward(self.q, self.k, self.v, self.do)
         self.out = torch.cat([g.float().flatten() for g in grads]) * self.unit
 
-    def verify_backward(self) -> torch.Tensor:
+    def _verify(self) -> torch.Tensor:
         return self._reference() * self.unit
+
+    def setup_small(self):
+        self._setup("small")
+
+    def benchmark_small(self):
+        self._run()
+
+    def verify_small(self) -> torch.Tensor:
+        return self._verify()
+
+    def setup_medium(self):
+        self._setup("medium")
+
+    def benchmark_medium(self):
+        self._run()
+
+    def verify_medium(self) -> torch.Tensor:
+        return self._verify()
+
+    def setup_large(self):
+        self._setup("large")
+
+    def benchmark_large(self):
+        self._run()
+
+    def verify_large(self) -> torch.Tensor:
+        return self._verify()
 
 
 def _fla_fwd_bwd(fn):
@@ -96,7 +130,7 @@ def side_by_side(kernel, bench) -> list[dict]:
     if spec is None:
         return []
     fla_based = importlib.import_module("fla.ops.based") if bench.optional("fla") is not None else None
-    fused = importlib.import_module(f"{kernel.__name__}.triton_backward")
+    fused = importlib.import_module(f"{kernel.__name__}.triton.backward")
     rows = []
     for shape in spec.measure_shapes:
         B, T, H, K, V = shape
@@ -140,7 +174,7 @@ def compile_cases(kernel, spec):
     """(label, call) pairs for `python -m tools.compile_sm90`: each launch plan the package uses or the
     benchmark times, at every measure shape, on meta tensors; and the fp32 path (IEEE matmuls, the
     interpreter tests' exact mode) with each K's default plan."""
-    fused = importlib.import_module(f"{kernel.__name__}.triton_backward")
+    fused = importlib.import_module(f"{kernel.__name__}.triton.backward")
     shapes = spec("based_backward").measure_shapes
 
     def case(shape, dtype, config):

@@ -249,7 +249,7 @@ TRITON_CASES = [
 
 @pytest.fixture(scope="module")
 def fused(based):
-    return submodule(based, "triton_backward")
+    return submodule(based, "triton.backward")
 
 
 @pytest.mark.skipif(not INTERPRETED, reason="the fp32 mode checks the kernel's algebra in the interpreter; on CUDA "

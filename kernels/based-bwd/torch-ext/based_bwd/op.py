@@ -8,34 +8,18 @@ goes through `add_op_namespace_prefix`, so two versions of this kernel can be lo
 
 import torch
 
+from . import dispatch
 from ._ops import add_op_namespace_prefix
+from .dispatch import kernel_path
 from .reference import based_backward_reference, based_forward_reference, default_scale
 from .validation import check_based_args
-
-
-def kernel_path(x: torch.Tensor) -> str:
-    """Which implementation a `based_backward` call on `x` takes: "triton" for bf16/fp16 CUDA tensors,
-    "reference" otherwise (and for a value size V above triton_backward.MAX_V)."""
-    return "triton" if x.is_cuda and x.dtype != torch.float32 else "reference"
-
-
-def _cuda_backward(q, k, v, do, scale):
-    # The kernel's fp32 mode (IEEE fp32 matmuls) fails its float64 check at K=8 on the H200, so fp32 inputs
-    # take the eager backward on CUDA too.
-    if kernel_path(q) == "reference":
-        return based_backward_reference(q, k, v, do, scale)
-    from .triton_backward import MAX_V, based_backward_triton  # triton is imported only on the CUDA path
-
-    if v.shape[-1] > MAX_V:
-        return based_backward_reference(q, k, v, do, scale)
-    return based_backward_triton(q, k, v, do, scale)
 
 
 @torch.library.custom_op(add_op_namespace_prefix("based_backward"), mutates_args=(), device_types="cuda")
 def based_backward_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _cuda_backward(q, k, v, do, scale)
+    return dispatch.backward(q, k, v, do, scale)
 
 
 @torch.library.register_kernel(add_op_namespace_prefix("based_backward"), "cpu")

@@ -38,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .reference import EPS
+from ..reference import EPS
 
 # A jit function may read a module global only when it is a constexpr (the interpreter does not check this,
 # the compiler does).

@@ -1,0 +1,26 @@
+"""Which implementation a based-bwd call takes, in one place. The package has no fast paths: bf16 and fp16 CUDA
+tensors take the portable Triton kernels (`triton/`), fp32 tensors and the CPU the eager reference, and a value
+size V above the kernels' bound (a chunk program holds V whole) the reference as well."""
+
+import torch
+
+from .reference import based_backward_reference
+
+
+def kernel_path(x: torch.Tensor) -> str:
+    """Which implementation a call on `x` takes: "triton" for bf16/fp16 CUDA tensors, "reference" otherwise
+    (and for a value size V above triton.backward.MAX_V)."""
+    # The backward's fp32 mode (IEEE fp32 matmuls) fails its float64 check at K=8 on the H200, so fp32 inputs
+    # take the eager reference on CUDA too.
+    return "triton" if x.is_cuda and x.dtype != torch.float32 else "reference"
+
+
+def backward(q, k, v, do, scale: float):
+    """(dq, dk, dv) on the path `kernel_path` names for CUDA tensors."""
+    if kernel_path(q) == "reference":
+        return based_backward_reference(q, k, v, do, scale)
+    from .triton.backward import MAX_V, based_backward_triton  # triton is imported only on the CUDA path
+
+    if v.shape[-1] > MAX_V:
+        return based_backward_reference(q, k, v, do, scale)
+    return based_backward_triton(q, k, v, do, scale)
