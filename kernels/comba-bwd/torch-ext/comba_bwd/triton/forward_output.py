@@ -1,0 +1,42 @@
+"""The forward's output in Triton, chunk-parallel: per (b, h, chunk),
+O = scale [(gam Q) S_n + (lower(Q K^T) * E) Vn], from the chunk-start states S_n and the corrected values Vn that the
+forward scan (`states`) leaves in HBM. Both products accumulate into one fp32 [64, V] tile; Q K^T is formed once a
+chunk, its scale and decay applied in fp32 ahead of its rounding to bf16."""
+
+import triton
+import triton.language as tl
+
+from ..reference import CHUNK
+from .chunk import BT, chunk_offsets, decay, gates, row_ptrs, row_ptrs_t
+
+# Four warps a chunk: the [64, V] fp32 accumulator takes 64 registers a thread at V = 128.
+OUTPUT_WARPS = 4
+
+
+@triton.jit
+def _output_kernel(q, k, beta, g, S_in, Vn_in, o, scale, N, H, K: tl.constexpr, V: tl.constexpr,
+                   BV: tl.constexpr):
+    scal_base, t0, chunk, rows = chunk_offsets(N, H, V // BV)
+    gc, _, _ = gates(g, beta, scal_base, t0, H)
+    r = tl.arange(0, BT)
+    cv = tl.program_id(0) % (V // BV) * BV + tl.arange(0, BV)
+    qk = tl.load(row_ptrs(q, scal_base * K, t0, H * K, K))
+    kt = tl.load(row_ptrs_t(k, scal_base * K, t0, H * K, K)).to(tl.bfloat16)
+    scores = tl.dot(qk.to(tl.bfloat16), kt) * (scale * decay(gc, False, False))      # scale lower(Q K^T) * E
+    q_gam = (qk * (scale * tl.exp(gc))[:, None]).to(tl.bfloat16)                       # scale gam Q
+    s = tl.load(S_in + (chunk * K + tl.arange(0, K)[:, None]) * V + cv[None, :]).to(tl.bfloat16)
+    vn = tl.load(Vn_in + rows[:, None] * V + cv[None, :]).to(tl.bfloat16)
+    out = tl.dot(q_gam, s)
+    out = tl.dot(scores.to(tl.bfloat16), vn, acc=out)
+    tl.store(o + scal_base * V + (t0 + r)[:, None] * (H * V) + cv[None, :], out.to(o.dtype.element_ty))
+
+
+def launch(q, k, beta, g, S, Vn, o, scale: float, BV=None, warps=OUTPUT_WARPS):
+    """o (B, T, H, V) of inputs (B, T, H, *) with T a multiple of the chunk, from the forward scan's S (BH, N, K, V)
+    and Vn (BH, T, V)."""
+    B, T, H, K = q.shape
+    V = o.shape[-1]
+    N = T // CHUNK
+    BV = BV or V
+    _output_kernel[(N * (V // BV), B * H)](q, k, beta, g, S, Vn, o, scale, N, H, K=K, V=V, BV=BV, num_warps=warps,
+                                           num_stages=1)
