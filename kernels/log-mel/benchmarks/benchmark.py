@@ -1,4 +1,5 @@
-"""log-mel benchmarks: a `kernels benchmark` workload and the side-by-side table for tools/gpu_bench.py.
+"""log-mel benchmarks: the `kernels benchmark` class (small, medium and large workloads) and the side-by-side table
+for tools/gpu_bench.py.
 
 `side_by_side` times, at every measure shape of the spec and in one run: the public op (the design and
 config `pick` chooses), the same config clip-resident, the eager reference and torch.compile(reference);
@@ -33,20 +34,57 @@ def speech_batch(B, F, NF, NM, device, seed=0):
     return stft, w.clamp(min=0.0).contiguous()
 
 
-class LogMelBenchmark(Benchmark):
-    """One representative shape: 208 clips of 30 s, 201 bins, 128 mel bands (1.3 GB per call)."""
+# (B, F, NF, NM) of the `kernels benchmark` workloads by device: on CUDA 30-s clips at Whisper's sizes, the large one
+# a measure shape of the spec (1.3 GB a call); on the CPU (the eager reference) sizes that take milliseconds.
+WORKLOADS = {
+    "cuda": {"small": (16, 3000, 201, 80), "medium": (64, 3000, 201, 80), "large": (208, 3000, 201, 128)},
+    "cpu": {"small": (1, 100, 201, 80), "medium": (2, 300, 201, 80), "large": (4, 500, 201, 128)},
+}
+
+
+class LogMelSpectrogram(Benchmark):
+    """`log_mel_spectrogram` on a speech-like STFT and the spec's triangular filterbank at a small, a medium and a
+    large (B, F, NF, NM) (`WORKLOADS`), against the eager reference."""
 
     seed = 0
 
-    def setup(self):
-        self.stft, self.mel_filters = speech_batch(208, 3000, 201, 128, self.device)
-        self.out = torch.empty(208, 3000, 128, device=self.device)
+    def _setup(self, workload: str):
+        B, F, NF, NM = WORKLOADS["cuda" if str(self.device).startswith("cuda") else "cpu"][workload]
+        self.stft, self.mel_filters = speech_batch(B, F, NF, NM, self.device)
+        self.out = None
 
-    def benchmark_log_mel(self):
+    def _run(self):
         self.out = self.kernel.log_mel_spectrogram(self.stft, self.mel_filters)
 
-    def verify_log_mel(self) -> torch.Tensor:
+    def _verify(self) -> torch.Tensor:
         return self.kernel.log_mel_spectrogram_reference(self.stft, self.mel_filters)
+
+    def setup_small(self):
+        self._setup("small")
+
+    def benchmark_small(self):
+        self._run()
+
+    def verify_small(self) -> torch.Tensor:
+        return self._verify()
+
+    def setup_medium(self):
+        self._setup("medium")
+
+    def benchmark_medium(self):
+        self._run()
+
+    def verify_medium(self) -> torch.Tensor:
+        return self._verify()
+
+    def setup_large(self):
+        self._setup("large")
+
+    def benchmark_large(self):
+        self._run()
+
+    def verify_large(self) -> torch.Tensor:
+        return self._verify()
 
 
 def _fused_variants(kernel, fused, stft, w):
@@ -94,7 +132,7 @@ def side_by_side(kernel, bench, shapes=None, whisper_shape=WHISPER_SHAPE, sweep_
     s = bench.spec(SPEC)
     if s is None:
         return []
-    fused = importlib.import_module(f"{kernel.__name__}.triton_log_mel")
+    fused = importlib.import_module(f"{kernel.__name__}.triton.stft")
     shapes = shapes or s.measure_shapes
     # The first measure shape of each (NF, NM): the band layouts the chunk loop sees differ only in those.
     sweep_shapes = sweep_shapes or [x for i, x in enumerate(shapes) if x[2:] not in [y[2:] for y in shapes[:i]]]
@@ -180,7 +218,7 @@ if __name__ == "__main__":
 def compile_cases(kernel, spec):
     """(label, call) pairs for `python -m tools.compile_sm90`: both designs with every shipped config at every
     measure shape, on meta tensors."""
-    fused = importlib.import_module(f"{kernel.__name__}.triton_log_mel")
+    fused = importlib.import_module(f"{kernel.__name__}.triton.stft")
 
     def case(shape, design, config):
         B, F, NF, NM = shape

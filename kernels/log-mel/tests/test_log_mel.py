@@ -337,7 +337,7 @@ def test_whisper_bad_input_raises(lm, call, exc, match):
 @pytest.fixture(scope="module")
 def fused(lm):
     pytest.importorskip("triton")
-    return submodule(lm, "triton_log_mel")
+    return submodule(lm, "triton.stft")
 
 
 def filterbank(kind, NM, NF, device):

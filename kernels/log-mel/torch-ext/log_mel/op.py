@@ -1,6 +1,6 @@
 """The registered op and the public function.
 
-CUDA tensors run the fused Triton kernels (`triton_log_mel`, imported on first use so that the package
+CUDA tensors run the fused Triton kernels (`triton.stft`, imported on first use so that the package
 imports without triton); CPU tensors run the eager reference. The op name goes through
 `add_op_namespace_prefix`, so two versions of this kernel can be loaded side by side. The op has no
 autograd formula: the public function refuses inputs that require grad (see `validation`).
@@ -20,7 +20,7 @@ def kernel_path(x: torch.Tensor) -> str:
 
 @torch.library.custom_op(add_op_namespace_prefix("log_mel_spectrogram"), mutates_args=(), device_types="cuda")
 def log_mel_op(stft: torch.Tensor, mel_filters: torch.Tensor) -> torch.Tensor:
-    from .triton_log_mel import log_mel_triton
+    from .triton.stft import log_mel_triton
 
     return log_mel_triton(stft, mel_filters)
 
