@@ -10,7 +10,7 @@ the state before the decay, the spec after), with fla's Hopper/Triton guard (fla
 its errors are reported beside it. fla's kernels take p' in the inputs' dtype (bf16): an fp32 p' (exp(g) is
 fp32) does not compile in its recompute_w_u kernel.
 
-At one measure shape per K (SWEEP_SHAPES) the sweep times every stage (kernel) of triton_bwd alone, in `ms_<stage>`
+At one measure shape per K (SWEEP_SHAPES) the sweep times every stage (kernel) of the backward alone, in `ms_<stage>`
 columns beside the whole, so the run shows where the time goes.
 """
 
@@ -96,9 +96,9 @@ def _error_row(case, impl, e):
     return {"case": case, "impl": impl, "error": text[-600:], "where": traceback.format_exc()[-400:]}
 
 
-def _stage_sweep(bench, tb, case, tflop, inputs, ref, scale):
+def _stage_sweep(bench, pipeline, case, tflop, inputs, ref, scale):
     """The whole backward and each of its stages alone (`ms_<stage>`), at one shape."""
-    stages, grads = tb.comba_backward_stages(*inputs, scale)
+    stages, grads = pipeline.backward_stages(*inputs, scale)
     run = lambda: [launch() for launch in stages.values()]  # noqa: E731
     run()
     errs = _errors(bench, [x[:, : inputs[0].shape[1]] for x in grads], ref)   # grads are padded in time
@@ -112,7 +112,7 @@ def side_by_side(kernel, bench, shapes=None, sweep_shapes=None, time_seed_refere
     s = bench.spec(SPEC)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     fla = _fla_fwd_bwd(bench)
-    tb = importlib.import_module(f"{kernel.__name__}.triton_bwd")
+    pipeline = importlib.import_module(f"{kernel.__name__}.backward")
     shapes = [tuple(x) for x in (shapes or s.measure_shapes)]
     sweep_shapes = [tuple(x) for x in (sweep_shapes or SWEEP_SHAPES)] if bench.sweep else []
     rows = []
@@ -140,7 +140,7 @@ def side_by_side(kernel, bench, shapes=None, sweep_shapes=None, time_seed_refere
                 rows.append(_row(case, "spec seed reference (autograd, fp32)", t_seed, tflop))
                 ours["x_vs_seed_reference"] = t_seed / t_ours
         if shape in sweep_shapes:
-            rows.append(_stage_sweep(bench, tb, case, tflop, inputs, ref, shape[3] ** -0.5))
+            rows.append(_stage_sweep(bench, pipeline, case, tflop, inputs, ref, shape[3] ** -0.5))
         del inputs, ref
         if device == "cuda":
             torch.cuda.empty_cache()
@@ -150,7 +150,7 @@ def side_by_side(kernel, bench, shapes=None, sweep_shapes=None, time_seed_refere
 def compile_cases(kernel, spec):
     """(label, call) pairs for `python -m tools.compile_sm90`: the backward at every measure shape, on meta
     tensors (bf16, g in float32)."""
-    tb = importlib.import_module(f"{kernel.__name__}.triton_bwd")
+    pipeline = importlib.import_module(f"{kernel.__name__}.backward")
 
     def case(shape):
         B, T, H, K, V = shape
@@ -158,7 +158,7 @@ def compile_cases(kernel, spec):
         v, do = (torch.empty(B, T, H, V, dtype=torch.bfloat16, device="meta") for _ in range(2))
         beta = torch.empty(B, T, H, dtype=torch.bfloat16, device="meta")
         g = torch.empty(B, T, H, dtype=torch.float32, device="meta")
-        return f"(B,T,H,K,V)={shape}", lambda: tb.comba_backward_triton(q, k, v, p, beta, g, do, K**-0.5)
+        return f"(B,T,H,K,V)={shape}", lambda: pipeline.fused_backward(q, k, v, p, beta, g, do, K**-0.5)
 
     for shape in spec("comba_backward").measure_shapes:
         yield case(shape)

@@ -351,9 +351,14 @@ def test_layer_kernelize_training(comba, device):
 
 
 @pytest.fixture(scope="module")
-def triton_bwd(comba):
+def backward(comba):
     pytest.importorskip("triton")
-    return submodule(comba, "triton_bwd")
+    return submodule(comba, "backward")
+
+
+@pytest.fixture(scope="module")
+def dispatch(comba):
+    return submodule(comba, "dispatch")
 
 
 TRITON_DEVICE = "cuda" if HAS_CUDA else "cpu"
@@ -363,13 +368,13 @@ TRITON_DEVICE = "cuda" if HAS_CUDA else "cpu"
 @pytest.mark.kernels_ci
 @pytest.mark.parametrize("shape", [(1, 128, 1, 64, 64), (1, 100, 2, 64, 128), (1, 64, 1, 128, 64), (3, 128, 3, 64, 64),
                                    (1, 128, 1, 128, 128)])
-def test_triton_backward_matches_float64(triton_bwd, shape):
+def test_triton_backward_matches_float64(backward, shape):
     """Tiny shapes (the interpreter runs them on the CPU); T=100 exercises the time padding, and with K = 64,
     V = 128 one scan program taking all of V and two V steps in each gradient part a (b, h); B = 3 is cut into
     batch pieces of 1 and 2, so with H = 3 the second piece checks the (b, t, h) offsets of every kernel;
     K = V = 128 cuts V in two scan blocks (the reverse scan then updates dS from X, and dbeta has two v parts)."""
     inputs = make_inputs(*shape, torch.bfloat16, TRITON_DEVICE, seed=9)
-    grads = triton_bwd.comba_backward_triton(*inputs, 0.9 * shape[3] ** -0.5)
+    grads = backward.fused_backward(*inputs, 0.9 * shape[3] ** -0.5)
     assert [gr.dtype for gr in grads] == [torch.bfloat16] * 5 + [torch.float32]
     assert all(gr.is_contiguous() and gr.shape == x.shape for gr, x in zip(grads, inputs))
     assert_grads_close(grads, float64_grads(inputs, 0.9 * shape[3] ** -0.5), 1e-2)
@@ -388,54 +393,55 @@ def chunk_inverse_float64(k, p, beta, g, chunk=64):
 
 
 @needs_triton
-def test_transform_kernel_inverts_the_chunk_system(triton_bwd):
+def test_transform_kernel_inverts_the_chunk_system(backward):
     """The chunk transform (fp32 A) against a float64 inverse of the same (bf16) inputs, every entry of A: it
     assembles its off-diagonal 16 x 16 blocks from products, so a wrong block shows here."""
     B, T, H, K = 1, 128, 2, 64
     q, k, v, p, beta, g, do = make_inputs(B, T, H, K, 64, torch.bfloat16, TRITON_DEVICE, seed=3)
     A = torch.full((B * H, T // 64, 64, 64), float("nan"), device=TRITON_DEVICE)
-    triton_bwd._transform_kernel[(T // 64, B * H)](k, p, beta, g, A, T // 64, H, K,
-                                                   num_warps=triton_bwd.TRANSFORM_WARPS)
+    backward.triton_kernels.transform.launch(k, p, beta, g, A)
     expected = chunk_inverse_float64(k.cpu(), p.cpu(), beta.cpu(), g.cpu())
     assert rel_err(A, expected) < 1e-5
 
 
 @needs_cuda
-def test_cuda_gluon_transform_inverts_the_chunk_system(triton_bwd):
+def test_cuda_gluon_transform_inverts_the_chunk_system(backward, dispatch):
     """The Gluon transform (fp32 A), which takes its products' operands from accumulators by relabelling them, against a
     float64 inverse, every entry of A: a wrong relabelling or orientation of a block shows here. B * H = 6 chunks of
     T = 128 a (b, h), so that the (b, t, h) offsets are checked too."""
-    if "transform" not in triton_bwd._gluon_stages(torch.empty(1, 1, 1, 64, device="cuda", dtype=torch.bfloat16), 128):
+    if "transform" not in dispatch.gluon_stages(torch.device("cuda", 0), torch.bfloat16, 64, 128):
         pytest.skip("the Gluon transform runs on Hopper only")
     B, T, H, K = 2, 128, 3, 64
     q, k, v, p, beta, g, do = make_inputs(B, T, H, K, 128, torch.bfloat16, "cuda", seed=3)
     A = torch.full((B * H, T // 64, 64, 64), float("nan"), device="cuda")
-    triton_bwd.gluon_transform.launch(k, p, beta, g, A)
+    backward.gluon_kernels.transform.launch(k, p, beta, g, A)
     assert rel_err(A.cpu(), chunk_inverse_float64(k.cpu(), p.cpu(), beta.cpu(), g.cpu())) < 1e-5
 
 
 @needs_triton
 @pytest.mark.kernels_ci
-def test_scans_pipeline_only_where_shared_memory_allows(triton_bwd, monkeypatch):
+def test_scans_pipeline_only_where_shared_memory_allows(backward, monkeypatch):
     """The pipelined reverse scan takes 115 KB of shared memory a block at K = 128: GPUs with 99 KB (sm_86,
     sm_89) run the scans unpipelined; the A100's 163 KB and the H200's 227 KB pipeline them."""
+    scan_stages = backward.triton_kernels.chunk.scan_stages
+
     def with_shared_memory(optin):
         monkeypatch.setattr(torch.cuda, "get_device_properties",
                             lambda device: SimpleNamespace(shared_memory_per_block_optin=optin))
-        triton_bwd._scan_stages.cache_clear()
-        return triton_bwd._scan_stages(torch.device("cuda", 0))
+        scan_stages.cache_clear()
+        return scan_stages(torch.device("cuda", 0))
 
     try:
         assert [with_shared_memory(kb * 1024) for kb in (99, 163, 227)] == [1, 2, 2]
     finally:
-        triton_bwd._scan_stages.cache_clear()
+        scan_stages.cache_clear()
 
 
 @needs_triton
-def test_stages_rerun_alone_give_the_same_gradients(triton_bwd):
+def test_stages_rerun_alone_give_the_same_gradients(backward):
     """The benchmark times each stage alone after one full pass: re-running a stage must not change anything."""
     inputs = make_inputs(1, 128, 1, 64, 64, torch.bfloat16, TRITON_DEVICE, seed=11)
-    stages, grads = triton_bwd.comba_backward_stages(*inputs, 0.125)
+    stages, grads = backward.backward_stages(*inputs, 0.125)
     assert tuple(stages) == ("transform", "forward_scan", "reverse_scan", "grads", "dg")
     for launch in stages.values():
         launch()
@@ -446,41 +452,41 @@ def test_stages_rerun_alone_give_the_same_gradients(triton_bwd):
 
 
 @needs_triton
-def test_gluon_path_that_fails_to_compile_falls_back_once(comba, triton_bwd, monkeypatch):
+def test_gluon_path_that_fails_to_compile_falls_back_once(comba, backward, dispatch, monkeypatch):
     """Where the Gluon kernels' first launch raises, the Gluon path is switched off with one warning and the call (and
     later ones) run the Triton kernels: the Gluon stages stood in for by a backward that fails while they run."""
     fast_paths = submodule(comba, "common.fast_paths")
-    monkeypatch.setattr(triton_bwd.FAST_PATHS, "switched_off", {})
-    gluon_on = lambda: "gluon" not in triton_bwd.FAST_PATHS.switched_off  # noqa: E731
-    monkeypatch.setattr(triton_bwd, "_gluon_stages", lambda q, V: ("grads",) if gluon_on() else ())
-    triton_backward = triton_bwd._backward
+    monkeypatch.setattr(dispatch.FAST_PATHS, "switched_off", {})
+    gluon_on = lambda: "gluon" not in dispatch.FAST_PATHS.switched_off  # noqa: E731
+    triton_plan = dispatch.plan
+    monkeypatch.setattr(dispatch, "plan",
+                        lambda q, V: triton_plan(q, V)._replace(gluon=("grads",) if gluon_on() else ()))
+    triton_backward = backward._backward
 
-    def backward(*args):
+    def failing_backward(*args):
         if gluon_on():
             raise RuntimeError("error encountered during parsing")
         return triton_backward(*args)
 
-    monkeypatch.setattr(triton_bwd, "_backward", backward)
+    monkeypatch.setattr(backward, "_backward", failing_backward)
     inputs = make_inputs(1, 64, 1, 64, 64, device=TRITON_DEVICE)
     with pytest.warns(fast_paths.FastPathFallback, match="comba-bwd: the gluon path failed to compile"):
-        grads = triton_bwd.comba_backward_triton(*inputs, 0.125)
+        grads = backward.fused_backward(*inputs, 0.125)
     assert_grads_close(grads, float64_grads(inputs, 0.125), 1e-2)  # bf16 scratch (A, S_n, Vn, X)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        again = triton_bwd.comba_backward_triton(*inputs, 0.125)
+        again = backward.fused_backward(*inputs, 0.125)
     assert all(torch.equal(a, b) for a, b in zip(grads, again))
 
 
 @needs_triton
 @pytest.mark.kernels_ci
-def test_gluon_rule(triton_bwd):
+def test_gluon_rule(dispatch):
     """Gluon kernels take bf16 inputs with V = 128 on Hopper (and meta tensors, for the offline compile): the scans and
     the gradients at K = 128, the transform, the forward scan and the gradients at K = 64; never float16 (they would
     read the bf16 scratch as float16) or float32, V = 64, nor CPU tensors (the interpreter runs the Triton kernels).
-    Where they take a call at K = 128 the batch is not cut in pieces."""
-    if triton_bwd.gluon_common is None:
-        pytest.skip("this Triton has no Gluon")
-    takes = triton_bwd.gluon_common.takes
+    Where they take a call at K = 128 the batch is not cut in pieces; at K = 64 the gradient kernel makes dv."""
+    takes = dispatch.gluon_stages
     meta, cpu = torch.device("meta"), torch.device("cpu")
     assert takes(meta, torch.bfloat16, 128, 128) == ("forward_scan", "reverse_scan", "grads")
     assert takes(meta, torch.bfloat16, 64, 128) == ("transform", "forward_scan", "grads")
@@ -488,10 +494,12 @@ def test_gluon_rule(triton_bwd):
                    [(torch.float16, 128, 128), (torch.float32, 128, 128), (torch.float16, 64, 128),
                     (torch.bfloat16, 128, 64), (torch.bfloat16, 64, 64), (torch.bfloat16, 32, 128)])
     assert not takes(cpu, torch.bfloat16, 128, 128) and not takes(cpu, torch.bfloat16, 64, 128)
-    q = lambda device, K: torch.empty(4, 64, 2, K, device=device, dtype=torch.bfloat16)  # noqa: E731
-    assert triton_bwd._batch_pieces(q(meta, 128), 128) == 1
-    assert triton_bwd._batch_pieces(q(meta, 64), 128) == triton_bwd._batch_pieces(q(meta, 64), 64) == 2
-    assert triton_bwd._batch_pieces(q(cpu, 128), 128) == 2
+    q = lambda device, K, B=4: torch.empty(B, 64, 2, K, device=device, dtype=torch.bfloat16)  # noqa: E731
+    assert dispatch.plan(q(meta, 128), 128) == (takes(meta, torch.bfloat16, 128, 128), False, 1)
+    assert dispatch.plan(q(meta, 64), 128) == (takes(meta, torch.bfloat16, 64, 128), True, 2)
+    assert dispatch.plan(q(meta, 64), 64) == ((), False, 2)
+    assert dispatch.plan(q(cpu, 128), 128) == ((), False, 2)
+    assert dispatch.plan(q(cpu, 128, B=1), 128).pieces == 1
 
 
 def _check_against_spec(backward, shape, tol=2e-2):
@@ -527,18 +535,19 @@ def test_cuda_backward_matches_spec_measure_shapes(comba, shape):
 @needs_cuda
 @pytest.mark.parametrize("shape", [(3, 100, 3, 128, 128), (1, 768, 12, 128, 128), (1, 64, 1, 128, 128),
                                    (3, 100, 3, 64, 128), (1, 1536, 12, 64, 128), (1, 64, 1, 64, 128)])
-def test_cuda_gluon_kernels_match_the_triton_kernels(triton_bwd, shape, monkeypatch):
+def test_cuda_gluon_kernels_match_the_triton_kernels(backward, dispatch, shape, monkeypatch):
     """Where Gluon kernels run (bf16, V = 128, Hopper), the backward with them against the backward with the Triton
     kernels, all six gradients, and both against float64. T = 100 is padded; (1, 768, 12) at K = 128 has 144 chunks,
     more than an H200's 132 persistent CTAs of the gradient kernel, and (1, 1536, 12) at K = 64 has 288, more than
     its 264, so some CTAs take two and copy the next one's tiles while they compute; T = 64 is one chunk (no next tiles
     for any kernel to copy)."""
-    if not triton_bwd._gluon_stages(torch.empty(1, 1, 1, shape[3], device="cuda", dtype=torch.bfloat16), shape[4]):
+    if not dispatch.gluon_stages(torch.device("cuda", 0), torch.bfloat16, shape[3], shape[4]):
         pytest.skip("the Gluon kernels run on Hopper only")
     inputs = make_inputs(*shape, torch.bfloat16, "cuda", seed=13)
-    with_gluon = triton_bwd.comba_backward_triton(*inputs, 0.1)
-    monkeypatch.setattr(triton_bwd, "_gluon_stages", lambda q, V: ())
-    with_triton = triton_bwd.comba_backward_triton(*inputs, 0.1)
+    with_gluon = backward.fused_backward(*inputs, 0.1)
+    triton_plan = dispatch.plan
+    monkeypatch.setattr(dispatch, "plan", lambda q, V: triton_plan(q, V)._replace(gluon=(), v_adjoint_in_grads=False))
+    with_triton = backward.fused_backward(*inputs, 0.1)
     ref = float64_grads(inputs, 0.1)
     assert_grads_close(with_gluon, ref, 1e-2)
     assert_grads_close(with_triton, ref, 1e-2)

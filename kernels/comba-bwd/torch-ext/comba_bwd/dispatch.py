@@ -1,7 +1,14 @@
-"""Where comba's fast path runs. The portable path (five Triton kernels: the chunk transform, the two state scans,
-the gradient parts and dg) runs on every CUDA GPU the metadata accepts under every supported Triton; the Gluon
-kernels run only where their row says they were verified, and the backward takes the Triton kernels everywhere
-else."""
+"""Where comba's backward runs, planned in one place: the fast-path table, which stages Gluon kernels take, and how
+the batch is cut.
+
+The portable path (five Triton kernels, `triton/`: the chunk transform, the two state scans, the gradient parts and
+dg) runs on every CUDA GPU the metadata accepts under every supported Triton; the Gluon kernels (`gluon/`) run only
+where their row of FAST_PATHS says they were verified, and the backward takes the Triton kernels everywhere else.
+"""
+
+from typing import NamedTuple
+
+import torch
 
 from .common.fast_paths import FastPath, FastPaths
 
@@ -10,3 +17,48 @@ FAST_PATHS = FastPaths("comba-bwd", (
              "K = 128; the chunk transform, the forward scan and the gradients (with dv) at K = 64", ((9, 0),),
              verified=("3.6", "3.7", "3.8"), compiles=("3.6", "3.7", "3.8", "3.9")),
 ))
+
+# bf16 inputs only: the Gluon kernels take their operand type from k, and A, S_n, Vn, dS'_n and X are bf16 whatever
+# the inputs, so float16 inputs would have those bits read as float16 (the Triton kernels convert them instead).
+GLUON_DTYPES = (torch.bfloat16,)
+GLUON_V = 128
+# The stages Gluon kernels take by K (the others run the Triton kernels). At K = 64 the Gluon reverse scan is slower
+# than the Triton one; at K = 128 the Gluon transform is slower than the Triton one.
+GLUON_STAGES = {128: ("forward_scan", "reverse_scan", "grads"), 64: ("transform", "forward_scan", "grads")}
+
+# The batch is cut in BATCH_PIECES pieces. On CUDA each piece is launched on a stream of its own, and its reverse
+# scan on one more stream beside its forward scan (the scans depend only on the transform). The stages are
+# bound by different things (the transform by its chain of small products, the scans by their serial chunk loop and
+# HBM, the gradient kernel by L2), and a scan's last wave is partial, so stages of the two pieces fill each other's
+# idle SMs; three pieces are no faster than two. The reverse scan's side stream pays in one piece as well.
+BATCH_PIECES = 2
+
+
+class Plan(NamedTuple):
+    """How one call runs: the stages Gluon kernels take, whether the gradient kernel (not the reverse scan) makes dv and
+    dbeta's v part, and the pieces the batch is cut in."""
+
+    gluon: tuple[str, ...]
+    v_adjoint_in_grads: bool
+    pieces: int
+
+
+def gluon_stages(device: torch.device, dtype: torch.dtype, K: int, V: int) -> tuple[str, ...]:
+    """The stages Gluon kernels run for inputs of `dtype` on `device` with these K and V: where FAST_PATHS runs the
+    Gluon path (their warpgroup MMA is Hopper's alone; meta tensors, an offline compile for sm_90, under the releases
+    it compiles under), with bf16 inputs and V = 128, GLUON_STAGES[K]."""
+    if V != GLUON_V or dtype not in GLUON_DTYPES or K not in GLUON_STAGES or not FAST_PATHS.runs("gluon", device):
+        return ()
+    return GLUON_STAGES[K]
+
+
+def plan(q: torch.Tensor, V: int) -> Plan:
+    """The plan of a call with q (B, T, H, K) and V. dv and dbeta's v part come from the K = 64 Gluon gradient kernel,
+    which reads X anyway, where it runs, else from the reverse scan. The batch is cut in BATCH_PIECES (at most B), but
+    stays whole where Gluon kernels run at K = 128: there the host takes about as long to launch two pieces as the GPU
+    takes to run them, so a second piece gains nothing and makes the time vary from run to run; at K = 64 the GPU's
+    time is well above the host's, and two pieces are faster."""
+    B, K = q.shape[0], q.shape[-1]
+    gluon = gluon_stages(q.device, q.dtype, K, V)
+    pieces = 1 if gluon and K == 128 else BATCH_PIECES
+    return Plan(gluon, "grads" in gluon and K == 64, min(pieces, B))

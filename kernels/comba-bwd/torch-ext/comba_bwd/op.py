@@ -27,9 +27,9 @@ def _as_input_dtypes(grads, q, beta):
 
 
 def _cuda_backward(q, k, v, p, beta, g, do, scale):
-    from .triton_bwd import comba_backward_triton  # imported here: the package must import without triton
+    from .backward import fused_backward  # imported here: the package must import without triton
 
-    return comba_backward_triton(q, k, v, p, beta, g, do, scale)
+    return fused_backward(q, k, v, p, beta, g, do, scale)
 
 
 @torch.library.custom_op(add_op_namespace_prefix("comba_backward"), mutates_args=(), device_types="cuda")

@@ -1,5 +1,5 @@
 """The forward scan in Gluon on Hopper, V = 128 and K = 128 or 64: one CTA a (b, h) over all of V, of one warpgroup
-for each 64 of K, where the Triton scan (`triton_bwd._forward_scan_kernel`) runs V blocks of 4 warps. Same outputs
+for each 64 of K, where the Triton scan (`triton.states._forward_scan_kernel`) runs V blocks of 4 warps. Same outputs
 as that scan with one V block: S_n (bf16, the state before chunk n) and Vn.
 
 Per chunk n, S (fp32 [K, V]) in registers:
@@ -12,7 +12,7 @@ products' B operands come from shared memory as the TMA copies left them. S_n go
 computed (two stages, 172 KB of shared memory: one CTA an SM). U and -W are issued asynchronously before S_n's store,
 which they do not wait on. The scan is faster than the Triton one at both K. At K = 128 a CTA takes a whole SM, so
 the two scans of a batch piece, on two streams, cannot share an SM: the scan pays in the one-piece backward that runs
-there (`triton_bwd._batch_pieces`), not in a backward of two pieces.
+there (`dispatch.plan`), not in a backward of two pieces.
 
 At K = 64 one warpgroup holds the state without spilling, and A has one buffer of its own, copied once the previous
 chunk's A is in registers, so that the tiles take 112 KB and two CTAs share an SM (two A buffers would leave one).
@@ -37,9 +37,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from .common import gluon_compat as compat
-from .gluon_common import BT, chunk_gates, gate_loads, scal_base
-from .reference import CHUNK
+from ..common import gluon_compat as compat
+from .chunk import BT, chunk_gates, gate_loads, scal_base
+from ..reference import CHUNK
 
 
 @gluon.jit

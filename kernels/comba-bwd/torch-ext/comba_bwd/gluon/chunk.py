@@ -1,6 +1,5 @@
-"""What the Gluon kernels (`gluon_transform`, `gluon_forward`, `gluon_reverse`, `gluon_grads`, `gluon_grads64`)
-share: the rule for which stages they run, the chunk, their warps at K = 128, the gates of a chunk and the TMA
-descriptors of their tensors."""
+"""What the Gluon kernels (`transform`, `states`, `reverse`, `grads`, `grads64`) share: the chunk, their operand type,
+their warps at K = 128, the SMs of a persistent grid, the gates of a chunk and the TMA descriptors of their tensors."""
 
 import functools
 from typing import NamedTuple
@@ -10,27 +9,13 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from .dispatch import FAST_PATHS
-from .reference import CHUNK, G_FLOOR
+from ..reference import CHUNK, G_FLOOR
 
 BT = gl.constexpr(CHUNK)
 FLOOR = gl.constexpr(G_FLOOR)  # the log-decay floor of reference.G_FLOOR: -inf is a hard reset
-# bf16 inputs only: the kernels take their operand type from k, and A, S_n, Vn, dS'_n and X are bf16 whatever the
-# inputs, so float16 inputs would have those bits read as float16 (the Triton kernels convert them instead).
+# bf16 inputs only (`dispatch.GLUON_DTYPES`): the kernels take their operand type from k.
 GL_DTYPES = {torch.bfloat16: gl.bfloat16}
 WARPS = 8  # two warpgroups: the layouts of the kernels at K = 128 are written for them
-ALL = ("forward_scan", "reverse_scan", "grads")
-
-
-def takes(device: torch.device, dtype: torch.dtype, K: int, V: int) -> tuple:
-    """The stages a Gluon kernel runs (the others run the Triton kernels): where `dispatch.FAST_PATHS` runs the
-    Gluon path (their warpgroup MMA is Hopper's alone; meta tensors, an offline compile for sm_90, under the releases
-    it compiles under), with bf16 inputs and V = 128: the scans and the gradients at K = 128, the transform, the
-    forward scan and the gradients at K = 64 (the Gluon reverse scan is slower than the Triton one there, and the
-    Gluon transform than the Triton one at K = 128)."""
-    if V != 128 or dtype not in GL_DTYPES or K not in (64, 128) or not FAST_PATHS.runs("gluon", device):
-        return ()
-    return ALL if K == 128 else ("transform", "forward_scan", "grads")
 
 
 @functools.cache

@@ -1,4 +1,4 @@
-"""Every gradient in one Gluon kernel on Hopper at K = 64 (V = 128, bf16 inputs): `gluon_grads`' work for a chunk, and
+"""Every gradient in one Gluon kernel on Hopper at K = 64 (V = 128, bf16 inputs): `gluon.grads`' work for a chunk, and
 dv = beta X and dbeta's v part v . X, which the reverse scan leaves out here, in persistent CTAs of one warpgroup,
 two an SM, so that each runs while the other waits on a copy or a product. The kernel is bound by the bytes it moves
 more than by its products, so each state-group tile is copied for the next chunk, on a barrier of its own, as soon as
@@ -24,9 +24,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from .common import gluon_compat as compat
-from .gluon_common import BT, chunk_rows, gates, sms
-from .gluon_grads import (
+from ..common import gluon_compat as compat
+from .chunk import BT, chunk_rows, gates, sms
+from .grads import (
     chunk_coords,
     issue_first_state,
     issue_keys,
@@ -34,7 +34,7 @@ from .gluon_grads import (
     tile_buffers,
     views,
 )
-from .reference import CHUNK
+from ..reference import CHUNK
 
 WARPS = 4
 CTAS_PER_SM = 2
@@ -239,7 +239,7 @@ def _grads64_gluon_kernel(q_desc, k_desc, p_desc, do_desc, v_desc, s_desc, ds_de
 
 
 def launch(t, q, beta, g, dq, dk, dv, dp, dbeta, dg, scale: float):
-    """As `gluon_grads.launch`, at K = 64, with dv (= beta X) and dbeta's v part (v . X) made here, where the reverse
+    """As `grads.launch`, at K = 64, with dv (= beta X) and dbeta's v part (v . X) made here, where the reverse
     scan leaves them out: dq, dk, dv, dp, dbeta and dg written in place."""
     B, T, H, K = q.shape
     V = dv.shape[-1]

@@ -1,5 +1,6 @@
-"""Every gradient but dv in one Gluon kernel on Hopper, for K = V = 128 and bf16 inputs: the three parts
-of `triton_bwd._grads_kernel` (q, k and pb) and `_dg_kernel` fused, one chunk at a time, in persistent CTAs of 8 warps.
+"""Every gradient but dv in one Gluon kernel on Hopper, for K = V = 128 and bf16 inputs: the three parts of
+`triton.grads._grads_kernel` (q, k and pb) and `_dg_kernel` fused, one chunk at a time, in persistent CTAs of 8
+warps.
 
 The Triton gradient kernel runs the three parts as three programs a chunk; each reads its own inputs, so a chunk's
 S_n, dS'_n, Vn, X and dO pass through L2 two or three times, and L2 bounds that kernel. Here each tile is
@@ -36,7 +37,7 @@ order), so the kernel forms neither them nor E^T, every output bitwise what form
 The products over V are issued asynchronously, the two [64, 64] ones together and then the three [64, K] ones: issued
 all at once, they spill. The products over the chunk are issued synchronously: asynchronously, they gain nothing.
 
-At K = 64 this kernel (one CTA an SM) is no faster than the Triton kernels: K = 64 runs `gluon_grads64`, one
+At K = 64 this kernel (one CTA an SM) is no faster than the Triton kernels: K = 64 runs `gluon.grads64`, one
 warpgroup a CTA and two CTAs an SM.
 """
 
@@ -50,9 +51,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from .common import gluon_compat as compat
-from .gluon_common import BT, WARPS, chunk_gates, chunk_rows, gate_loads, scal_base, shared_layout, sms
-from .reference import CHUNK
+from ..common import gluon_compat as compat
+from .chunk import BT, WARPS, chunk_gates, chunk_rows, gate_loads, scal_base, shared_layout, sms
+from ..reference import CHUNK
 
 
 @gluon.jit
@@ -98,7 +99,7 @@ def chunk_coords(c, step, N, H, K: gl.constexpr, V: gl.constexpr):
 
 @gluon.jit
 def chunk_loads(g, beta, dbeta_v, c, N, H, n_pos, NV: gl.constexpr, row: gl.constexpr):
-    """Chunk c's gates as loaded (`gluon_common.gate_loads`) and dbeta's v parts (`v_parts`, in the `row` layout),
+    """Chunk c's gates as loaded (`chunk.gate_loads`) and dbeta's v parts (`v_parts`, in the `row` layout),
     which the kernel loads a chunk ahead, so that their latency is not on the chunk's path."""
     b, h, t0, _, _, _, _, _ = _chunk_rows(c, N, H, BT, BT)  # K and V shape only the rows not taken here
     base = scal_base(b, h, N, H)

@@ -1,5 +1,5 @@
 """The reverse scan in Gluon for K = V = 128 on Hopper: one CTA of 8 warps a (b, h) over all of V, where the Triton
-scan (`triton_bwd._reverse_scan_kernel`) runs two V blocks of 4 warps. Same outputs as that scan with one V block:
+scan (`triton.reverse._reverse_scan_kernel`) runs two V blocks of 4 warps. Same outputs as that scan with one V block:
 dS'_n (bf16), X = A^T dVn, dv = beta X and sum_v(v X) (dbeta's v part).
 
 Per chunk n (reversed), dS' (fp32 [K, V]) in registers:
@@ -33,9 +33,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from .common import gluon_compat as compat
-from .gluon_common import BT, WARPS, chunk_rows, gates, scal_base
-from .reference import CHUNK
+from ..common import gluon_compat as compat
+from .chunk import BT, WARPS, chunk_rows, gates, scal_base
+from ..reference import CHUNK
 
 
 @gluon.jit

@@ -1,0 +1,120 @@
+"""What the Triton kernels of the backward share: the chunk, the gates of a chunk, its decay, the pointers to its rows,
+the offsets of a chunk-parallel program, and the scans' V blocks and pipeline depth.
+
+Notation as in reference.py: per (b, h) and chunk n, gc the inclusive cumsum of g inside the chunk, gam = exp(gc),
+Gam = exp(gc[-1]), E_ij = exp(gc_i - gc_j) (j <= i).
+
+No tl.trans of a dot result (Triton 3.6 Hopper miscompile, fla #640): every transposed operand of these kernels is
+either loaded transposed from memory or is an elementwise product of loaded data.
+"""
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from ..reference import CHUNK, G_FLOOR
+
+BT = tl.constexpr(CHUNK)
+FLOOR = tl.constexpr(G_FLOOR)  # the log-decay floor of reference.G_FLOOR: -inf is a hard reset
+
+# The scans cut V across their programs in blocks of SCAN_STATE // K columns (at most V), so that a program's
+# (K, block) state has 128 x 64 entries at either K. At K = 64 one program then takes all of V = 128 and loads
+# the chunk's q, k, p and A once instead of twice, which is faster; blocks of 32 at K = 128 (twice the programs)
+# are slower than 64.
+SCAN_STATE = 128 * 64
+SCAN_WARPS = 4
+
+# The pipelined reverse scan takes 115 KB of shared memory (either K, its state block being the same size):
+# more than a block may have on sm_86 / sm_89 (99 KB), where the scans run unpipelined (64 KB at most).
+PIPELINED_SCAN_SHARED = 116 * 1024
+
+
+def scan_block(K: int, V: int) -> int:
+    """The V columns of one scan program (`SCAN_STATE`)."""
+    return min(V, SCAN_STATE // K)
+
+
+@functools.cache
+def scan_stages(device: torch.device) -> int:
+    """How deep the scans pipeline their chunk loop on `device` (2; 1 where shared memory is too small)."""
+    if device.type != "cuda":
+        return 2  # the interpreter, or an offline compile for sm_90
+    return 2 if torch.cuda.get_device_properties(device).shared_memory_per_block_optin >= PIPELINED_SCAN_SHARED else 1
+
+
+@triton.jit
+def gates(g, beta, scal_base, t0, H, R: tl.constexpr = BT, offset=None):
+    """On the R rows from t0 (a chunk, or a block of one), all fp32 [R]: gc (inclusive cumsum of g), the
+    log-decay to the last row, and beta; `offset` is the log-decay before t0 inside the chunk (for a block)."""
+    r = tl.arange(0, R)
+    gk = tl.maximum(tl.load(g + scal_base + (t0 + r) * H).to(tl.float32), FLOOR)
+    bk = tl.load(beta + scal_base + (t0 + r) * H).to(tl.float32)
+    gc, total = tl.cumsum(gk, 0), tl.sum(gk, 0)
+    if offset is not None:
+        gc, total = offset + gc, offset + total
+    return gc, total, bk
+
+
+@triton.jit
+def decay(gc, upper: tl.constexpr, strict: tl.constexpr):
+    """E (lower) or E^T (upper), with the diagonal unless strict; the exponent is masked before exp."""
+    i = tl.arange(0, BT)[:, None]
+    j = tl.arange(0, BT)[None, :]
+    if upper:  # E^T[a, b] = exp(gc_b - gc_a) for b >= a
+        diff = gc[None, :] - gc[:, None]
+        keep = j >= i
+        if strict:
+            keep = j > i
+    else:
+        diff = gc[:, None] - gc[None, :]
+        keep = i >= j
+        if strict:
+            keep = i > j
+    return tl.exp(tl.where(keep, diff, float("-inf")))
+
+
+@triton.jit
+def row_ptrs(x, base, t0, HD, D: tl.constexpr, R: tl.constexpr = BT):
+    """Pointers to the [R, D] rows t0.. of a (B, T, H, D) tensor (base = (b*T*H + h)*D)."""
+    r = tl.arange(0, R)
+    return x + base + (t0 + r)[:, None] * HD + tl.arange(0, D)[None, :]
+
+
+@triton.jit
+def row_ptrs_t(x, base, t0, HD, D: tl.constexpr, R: tl.constexpr = BT):
+    """Pointers to the same rows as `row_ptrs`, transposed: [D, R]."""
+    r = tl.arange(0, R)
+    return x + base + (t0 + r)[None, :] * HD + tl.arange(0, D)[:, None]
+
+
+@triton.jit
+def chunk_offsets(N, H, PER_CHUNK: tl.constexpr = 1):
+    """This program's chunk (grid: chunk times PER_CHUNK programs, b * H + h): the (B, T, H) offset of its (b, h),
+    its first row, its index among all chunks, and the rows of its positions in a (B * H, T, ...) tensor."""
+    n, bh = tl.program_id(0) // PER_CHUNK, tl.program_id(1)
+    T = N * BT
+    scal_base = (bh // H).to(tl.int64) * T * H + bh % H
+    return scal_base, n * BT, bh.to(tl.int64) * N + n, bh.to(tl.int64) * T + n * BT + tl.arange(0, BT)
+
+
+@triton.jit
+def part_stride(T, H):
+    """B * T * H (T padded to whole chunks), the stride between dbeta_v's parts, one per scan V block: B taken
+    from the grid, whose axis 1 is b * H + h in the scans and the chunk kernels alike, rather than passed as one
+    more launch argument."""
+    return tl.num_programs(1) // H * T * H
+
+
+@triton.jit
+def scan_chunk(g, beta, state_out, state, n, bh, scal_base, N, H, cv, K: tl.constexpr, V: tl.constexpr):
+    """Chunk n of either scan: store the carried state (S_n, or dS'_n in the reverse scan), return the chunk's
+    first position, its gates and its index: (t0, gc, glast, bk, gam, chunk)."""
+    t0 = n * BT
+    gc, glast, bk = gates(g, beta, scal_base, t0, H)
+    chunk = bh.to(tl.int64) * N + n
+    ck = tl.arange(0, K)
+    tl.store(state_out + (chunk * K + ck[:, None]) * V + cv[None, :], state.to(state_out.dtype.element_ty))
+    return t0, gc, glast, bk, tl.exp(gc), chunk
+

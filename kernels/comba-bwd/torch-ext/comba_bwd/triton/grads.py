@@ -1,0 +1,199 @@
+"""The gradients in Triton, chunk-parallel: dq, dk, dp and dbeta by three parts (`_q_part`, `_k_part`, `_pb_part`)
+that run side by side as three programs a chunk, each with its terms of d gc (fp32 scratch), then dg from those terms
+(`_dg_kernel`). The parts loop over V in blocks, accumulating their products over V in fp32, so that no whole (K, V)
+state or [64, V] tile is live at once."""
+
+import triton
+import triton.language as tl
+
+from ..reference import CHUNK
+from .chunk import BT, chunk_offsets, decay, gates, part_stride, row_ptrs
+
+# The gradient parts run 4 warps a program, faster than 8 capped at 128 registers for 2 CTAs an SM, and loop over V
+# in blocks of V_BLOCK.
+GRADS_WARPS = 4
+V_BLOCK = 64
+
+# The gradient kernel's register cap by K. At K = 64 its shared memory (64 KB) lets 3 CTAs share an SM if each
+# takes at most 168 registers, which is faster though it spills more (a cap of 200, still 2 CTAs an SM, is
+# slower than none). At K = 128 its 80 KB allow 2 CTAs whatever the cap, and a cap of 168 spills heavily.
+GRADS_MAXNREG = {64: 168, 128: None}
+
+@triton.jit
+def _state_t(state, chunk, cv, K: tl.constexpr, V: tl.constexpr):
+    """The [BV, K] block (columns cv of the chunk's (K, V) state, transposed) of S_n or dS'_n."""
+    return tl.load(state + (chunk * K + tl.arange(0, K)[None, :]) * V + cv[:, None])
+
+
+# The V loops of the gradient parts are pipelined GRADS_V_STAGES deep (the next V block's tiles copied while
+# one is multiplied).
+GRADS_V_STAGES = tl.constexpr(2)
+
+
+@triton.jit
+def _q_part(q, k, do, S_in, Vn_in, dq, gc, scal_base, t0, chunk, rows, scale, H, K: tl.constexpr, V: tl.constexpr,
+            BV: tl.constexpr):
+    """dq = scale [gam (dO S^T) + (lower(dO Vn^T) * E) K] (stored) and its term of d gc, q . dq."""
+    do_s = tl.zeros([BT, K], dtype=tl.float32)
+    do_vn = tl.zeros([BT, BT], dtype=tl.float32)
+    for v0 in tl.range(0, V, BV, num_stages=GRADS_V_STAGES):
+        cv = v0 + tl.arange(0, BV)
+        dok = tl.load(do + scal_base * V + (t0 + tl.arange(0, BT))[:, None] * (H * V) + cv[None, :]).to(tl.bfloat16)
+        do_s += tl.dot(dok, _state_t(S_in, chunk, cv, K, V))
+        do_vn += tl.dot(dok, tl.load(Vn_in + rows[None, :] * V + cv[:, None]))
+    qk = tl.load(row_ptrs(q, scal_base * K, t0, H * K, K))
+    kk = tl.load(row_ptrs(k, scal_base * K, t0, H * K, K)).to(tl.bfloat16)
+    dq_c = tl.dot((do_vn * decay(gc, False, False) * scale).to(tl.bfloat16), kk,
+                  acc=(scale * tl.exp(gc))[:, None] * do_s)
+    tl.store(row_ptrs(dq, scal_base * K, t0, H * K, K), dq_c.to(dq.dtype.element_ty))
+    return tl.sum(qk.to(tl.float32) * dq_c, 1)
+
+
+@triton.jit
+def _k_part(q, k, p, do, dS_in, Vn_in, X_in, dk, gc, glast, bk, scal_base, t0, chunk, rows, scale, H,
+            K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr):
+    """dk = scale (lower(dO Vn^T) * E)^T Q + (Gam / gam) Vn dS'^T + dR^T (beta P), with dR = dL * E and
+    dL = -strict_lower(X Vn^T) (the chunk transform's K side), stored; returns its terms of d gc."""
+    vn_do = tl.zeros([BT, BT], dtype=tl.float32)                                # (dO Vn^T)^T
+    vn_x = tl.zeros([BT, BT], dtype=tl.float32)                                 # (X Vn^T)^T
+    vn_ds = tl.zeros([BT, K], dtype=tl.float32)
+    for v0 in tl.range(0, V, BV, num_stages=GRADS_V_STAGES):
+        cv = v0 + tl.arange(0, BV)
+        vn = tl.load(Vn_in + rows[:, None] * V + cv[None, :])
+        do_t = tl.load(do + scal_base * V + (t0 + tl.arange(0, BT))[None, :] * (H * V) + cv[:, None])
+        vn_do += tl.dot(vn, do_t.to(tl.bfloat16))
+        vn_x += tl.dot(vn, tl.load(X_in + rows[None, :] * V + cv[:, None]))
+        vn_ds += tl.dot(vn, _state_t(dS_in, chunk, cv, K, V))
+    # The [BT, BT] products weighted by the decay and rounded to bf16 first, so that the fp32 ones die before
+    # the [BT, K] work. The read part's is scaled before the rounding, as in _q_part: then (dO Vn^T * E * scale)
+    # is rounded to the same bf16 values on both sides, and their terms of d gc (q . dq against k . dk, which
+    # nearly cancel) keep cancelling; scaled on one side only, dg's error is about three times larger. Scaled
+    # before the rounding, the read part accumulates into dk in place, which with _pb_part's dL * L from dLE keeps
+    # the gradient kernel's spill small.
+    r = tl.arange(0, BT)
+    E_t = decay(gc, True, False)
+    read = (vn_do * E_t * scale).to(tl.bfloat16)
+    dR_t = tl.where(r[:, None] < r[None, :], -vn_x * E_t, 0.0).to(tl.bfloat16)
+    qk = tl.load(row_ptrs(q, scal_base * K, t0, H * K, K)).to(tl.bfloat16)
+    kk = tl.load(row_ptrs(k, scal_base * K, t0, H * K, K)).to(tl.bfloat16)
+    # The gate terms of d gc take k . dk of the state part and of the read part; the read part's as
+    # sum_i read_ji (k_j . q_i), from a [BT, BT] product, so that no fp32 copy of k stays live.
+    k_read = tl.sum(read.to(tl.float32) * tl.dot(kk, tl.trans(qk)), 1)
+    # One [BT, K] tile, accumulated in place: the state part, the read part, the transform's K side.
+    dk_c = tl.exp(glast - gc)[:, None] * vn_ds
+    k_state = tl.sum(kk.to(tl.float32) * dk_c, 1)
+    dk_c = tl.dot(read, qk, acc=dk_c)
+    pk = tl.load(row_ptrs(p, scal_base * K, t0, H * K, K))
+    dk_c = tl.dot(dR_t, (pk * bk[:, None]).to(tl.bfloat16), acc=dk_c)
+    tl.store(row_ptrs(dk, scal_base * K, t0, H * K, K), dk_c.to(dk.dtype.element_ty))
+    return tl.where(r == BT - 1, tl.sum(k_state, 0), 0.0) - k_read - k_state
+
+
+@triton.jit
+def _reverse_cumsum(x):
+    """dg from d gc: the sum over the chunk's later rows, each row included (gc is an inclusive cumsum)."""
+    return tl.sum(x, 0) - tl.cumsum(x, 0) + x
+
+
+@triton.jit
+def _store_dp_dbeta(x_s, dLE, kk, pk, pk_kt, gc, bk, dbeta_v, dp_rows, dbeta, rows_h, n_pos, NV: tl.constexpr):
+    """The transform's P side: dp = beta (gam Y + dLE K) with Y = A^T dW = -X S^T (x_s = X S^T, fp32) and
+    dLE = dL * E (bf16), and dbeta = p . (gam Y + dLE K) plus the scans' V-block parts (dbeta_v, NV of them,
+    n_pos apart); stores both and returns dbeta's gate term of d gc, beta gam (p . Y). p . (dLE K) is taken as
+    sum_j dLE_ij (p_i . k_j) from pk_kt = P K^T (fp32), so that no fp32 copy of P stays live."""
+    z = -tl.exp(gc)[:, None] * x_s
+    p_y = tl.sum(pk.to(tl.float32) * z, 1)
+    db = p_y + tl.sum(dLE.to(tl.float32) * pk_kt, 1)
+    for iv in range(NV):
+        db += tl.load(dbeta_v + iv * n_pos + rows_h)
+    tl.store(dbeta + rows_h, db.to(dbeta.dtype.element_ty))
+    z = tl.dot(dLE, kk, acc=z)
+    tl.store(dp_rows, (bk[:, None] * z).to(dp_rows.dtype.element_ty))
+    return bk * p_y
+
+
+@triton.jit
+def _pb_part(k, p, S_in, dS_in, Vn_in, X_in, dbeta_v, dp, dbeta, gc, glast, bk, scal_base, t0, chunk, rows, N, H,
+             K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr):
+    """dp and dbeta (A^T dW = -X S^T; the chunk transform's P side), stored; returns their terms of d gc and the
+    decay of the carried state's, Gam <S_n, dS'_n>, on the chunk's last row."""
+    x_s = tl.zeros([BT, K], dtype=tl.float32)
+    x_vn = tl.zeros([BT, BT], dtype=tl.float32)
+    s_ds = tl.zeros([K], dtype=tl.float32)                                       # <S_n, dS'_n> by column
+    for v0 in tl.range(0, V, BV, num_stages=GRADS_V_STAGES):
+        cv = v0 + tl.arange(0, BV)
+        xk = tl.load(X_in + rows[:, None] * V + cv[None, :])
+        s_t = _state_t(S_in, chunk, cv, K, V)
+        x_s += tl.dot(xk, s_t)
+        x_vn += tl.dot(xk, tl.load(Vn_in + rows[None, :] * V + cv[:, None]))
+        s_ds += tl.sum(s_t.to(tl.float32) * _state_t(dS_in, chunk, cv, K, V).to(tl.float32), 0)
+    r = tl.arange(0, BT)
+    E = decay(gc, False, False)
+    pk = tl.load(row_ptrs(p, scal_base * K, t0, H * K, K)).to(tl.bfloat16)
+    kk = tl.load(row_ptrs(k, scal_base * K, t0, H * K, K)).to(tl.bfloat16)
+    dLE = tl.where(r[:, None] > r[None, :], -x_vn * E, 0.0)                      # dL * E
+    pk_kt = tl.dot(pk, tl.trans(kk))
+    dL_L = dLE * pk_kt * bk[:, None]                                             # dL * L
+    rows_h = scal_base + (t0 + r) * H
+    dgc = tl.sum(dL_L, 1) - tl.sum(dL_L, 0) + _store_dp_dbeta(
+        x_s, dLE.to(tl.bfloat16), kk, pk, pk_kt, gc, bk, dbeta_v, row_ptrs(dp, scal_base * K, t0, H * K, K), dbeta,
+        rows_h, part_stride(N * BT, H), NV)
+    return dgc + tl.where(r == BT - 1, tl.exp(glast) * tl.sum(s_ds, 0), 0.0)
+
+
+@triton.jit
+def _grads_kernel(q, k, p, beta, g, do, S_in, dS_in, Vn_in, X_in, dbeta_v, dq, dk, dp, dbeta, dgc_parts,
+                 scale, N, H, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr):
+    """Every gradient of the chunk but dv: the three parts (_q_part, _k_part, _pb_part) as three programs of one
+    launch, next to each other in the grid. They run at the same time, so what two of them read (S, dS', Vn, X,
+    dO and the chunk's q, k, p) comes from HBM once and from L2 after, while each program holds the registers of
+    one part only: faster than three kernels one after the other, whose inputs come from HBM each time, and than
+    the three parts in turn in one program, which spills. Their terms of d gc go to dgc_parts, one row of it a
+    part, summed by _dg_kernel. Each part loads the gates and stores its terms itself: loaded once before the
+    branches, the gates would stay live across all three and the kernel would spill more."""
+    part = tl.program_id(0) % 3
+    scal_base, t0, chunk, rows = chunk_offsets(N, H, 3)
+    n_pos = part_stride(N * BT, H)
+    if part == 0:
+        gc, _, _ = gates(g, beta, scal_base, t0, H)
+        dgc = _q_part(q, k, do, S_in, Vn_in, dq, gc, scal_base, t0, chunk, rows, scale, H, K, V, BV)
+        tl.store(dgc_parts + rows, dgc)
+    elif part == 1:
+        gc, glast, bk = gates(g, beta, scal_base, t0, H)
+        dgc = _k_part(q, k, p, do, dS_in, Vn_in, X_in, dk, gc, glast, bk, scal_base, t0, chunk, rows, scale, H, K, V,
+                      BV)
+        tl.store(dgc_parts + n_pos + rows, dgc)
+    else:
+        gc, glast, bk = gates(g, beta, scal_base, t0, H)
+        dgc = _pb_part(k, p, S_in, dS_in, Vn_in, X_in, dbeta_v, dp, dbeta, gc, glast, bk, scal_base, t0, chunk, rows,
+                       N, H, K, V, BV, NV)
+        tl.store(dgc_parts + 2 * n_pos + rows, dgc)
+
+
+@triton.jit
+def _dg_kernel(dgc_parts, dg, N, H):
+    """dg of one chunk from the three parts' terms of d gc. dgc_parts is (3, B * H, T), so that a chunk's rows
+    are contiguous for the loads (in a (B, T, H) tensor they lie H apart)."""
+    scal_base, t0, _, rows = chunk_offsets(N, H)
+    n_pos = part_stride(N * BT, H)
+    dgc = tl.load(dgc_parts + rows) + tl.load(dgc_parts + n_pos + rows) + tl.load(dgc_parts + 2 * n_pos + rows)
+    tl.store(dg + scal_base + (t0 + tl.arange(0, BT)) * H, _reverse_cumsum(dgc))
+
+
+def launch(q, k, p, beta, g, do, S, dS, Vn, X, dbeta_v, dq, dk, dp, dbeta, dgc_parts, scale: float):
+    """dq, dk, dp and dbeta (written in place), and the three parts' terms of d gc in dgc_parts (3, BH, T), from the
+    inputs (B, T, H, *) with T a multiple of the chunk, the scans' S, dS' (BH, N, K, V), Vn and X (BH, T, V), and
+    dbeta's v parts dbeta_v (NV, B, T, H)."""
+    B, T, H, K = q.shape
+    V = do.shape[-1]
+    N = T // CHUNK
+    _grads_kernel[(3 * N, B * H)](q, k, p, beta, g, do, S, dS, Vn, X, dbeta_v, dq, dk, dp, dbeta, dgc_parts, scale,
+                                  N, H, K=K, V=V, BV=min(V_BLOCK, V), NV=dbeta_v.shape[0], num_warps=GRADS_WARPS,
+                                  num_stages=1, maxnreg=GRADS_MAXNREG[K])
+
+
+def launch_dg(dgc_parts, dg):
+    """dg (B, T, H), T a multiple of the chunk, from the gradient parts' terms of d gc (3, BH, T)."""
+    B, T, H = dg.shape
+    N = T // CHUNK
+    _dg_kernel[(N, B * H)](dgc_parts, dg, N, H, num_warps=1, num_stages=1)

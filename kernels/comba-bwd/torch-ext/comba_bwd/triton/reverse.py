@@ -1,0 +1,76 @@
+"""The reverse scan in Triton: per (b, h, V block), chunks reversed, dS in fp32 registers, dS'_n (bf16) -> HBM and
+the chunk transform's adjoint X = A^T dVn of its V block (bf16), with dv = beta X and the block's part of sum_v(v X)
+(fp32) where the gradient kernel does not make them; dVn never leaves registers. The one solve of the adjoint is this
+transposed one: A^T dW = -X S^T, dL = -strict_lower(X Vn^T) and W^T dVn = (beta gam P)^T X follow from X, so no
+second solve and no A^T dA A^T product."""
+
+import triton
+import triton.language as tl
+
+from ..reference import CHUNK
+from .chunk import BT, SCAN_WARPS, decay, part_stride, row_ptrs, row_ptrs_t, scan_block, scan_chunk, scan_stages
+
+@triton.jit
+def _reverse_step(q, k, v, p, beta, g, do, A, dS_out, X_out, dv, dbeta_v, dS, n, bh, iv, scal_base, scale, N,
+                  H, cv, K: tl.constexpr, V: tl.constexpr, W_FIRST: tl.constexpr, V_ADJOINT: tl.constexpr):
+    """Chunk n of the reverse scan: store dS'_n, X = A^T dVn and, where V_ADJOINT, dv and this V block's part of
+    sum_v(v X) (else the gradient kernel makes them from X); return the gradient of the state before the chunk."""
+    T = N * BT
+    r = tl.arange(0, BT)
+    t0, gc, glast, bk, gam, chunk = scan_chunk(g, beta, dS_out, dS, n, bh, scal_base, N, H, cv, K, V)
+    kk = tl.load(row_ptrs(k, scal_base * K, t0, H * K, K))
+    qt = tl.load(row_ptrs_t(q, scal_base * K, t0, H * K, K))
+    dok = tl.load(do + scal_base * V + (t0 + r)[:, None] * (H * V) + cv[None, :]).to(tl.bfloat16)
+    # dVn = (scale lower(Q K^T) * E)^T dO + (K * Gam / gam) dS'
+    # Ordered so that few tiles are live at once: dS' in bf16 for dVn, then dS updated in place (fp32).
+    dS_b = dS.to(tl.bfloat16)
+    scores_t = (tl.dot(kk.to(tl.bfloat16), qt.to(tl.bfloat16)) * scale * decay(gc, True, False)).to(tl.bfloat16)
+    dS = tl.dot((qt * (gam * scale)[None, :]).to(tl.bfloat16), dok, acc=tl.exp(glast) * dS)
+    dVn = tl.dot(scores_t, dok, acc=tl.dot((kk * tl.exp(glast - gc)[:, None]).to(tl.bfloat16), dS_b))
+    # dS = Gam dS' + scale (gam Q)^T dO - W^T dVn, with W = A (beta gam P). Where this program holds all of V
+    # (W_FIRST), -W^T is formed apart from dS' as -(beta gam P)^T A^T, and dS waits on one product after dVn;
+    # else W^T dVn = (beta gam P)^T X, which spares the V blocks' programs a product each of them would repeat.
+    # Each form is the faster one where it is taken.
+    a_t = tl.load(A + chunk * BT * BT + r[None, :] * BT + r[:, None])              # A^T
+    if W_FIRST:
+        pt = tl.load(row_ptrs_t(p, scal_base * K, t0, H * K, K))
+        w_t = tl.dot((pt * -(bk * gam)[None, :]).to(tl.bfloat16), a_t).to(tl.bfloat16)   # -W^T
+        dVn = dVn.to(tl.bfloat16)  # after -W^T: this order compiles to the faster schedule
+        dS = tl.dot(w_t, dVn, acc=dS)
+    else:
+        dVn = dVn.to(tl.bfloat16)
+    # The chunk transform's adjoint on this V block: X = A^T dVn, dv = beta X, dbeta's v part.
+    X = tl.dot(a_t, dVn)
+    tl.store(X_out + (bh.to(tl.int64) * T + t0 + r)[:, None] * V + cv[None, :], X.to(X_out.dtype.element_ty))
+    if V_ADJOINT:
+        vk = tl.load(v + scal_base * V + (t0 + r)[:, None] * (H * V) + cv[None, :]).to(tl.float32)
+        tl.store(dv + scal_base * V + (t0 + r)[:, None] * (H * V) + cv[None, :],
+                 (bk[:, None] * X).to(dv.dtype.element_ty))
+        tl.store(dbeta_v + iv * part_stride(T, H) + scal_base + (t0 + r) * H, tl.sum(vk * X, 1))
+    if not W_FIRST:
+        pt = tl.load(row_ptrs_t(p, scal_base * K, t0, H * K, K))
+        dS = tl.dot((pt * -(bk * gam)[None, :]).to(tl.bfloat16), X.to(tl.bfloat16), acc=dS)
+    return dS
+
+
+@triton.jit(do_not_specialize=["N"])
+def _reverse_scan_kernel(q, k, v, p, beta, g, do, A, dS_out, X_out, dv, dbeta_v, scale, N, H, K: tl.constexpr,
+                         V: tl.constexpr, BV: tl.constexpr, STAGES: tl.constexpr, V_ADJOINT: tl.constexpr):
+    iv, bh = tl.program_id(0), tl.program_id(1)
+    scal_base = (bh // H).to(tl.int64) * N * BT * H + bh % H
+    cv = iv * BV + tl.arange(0, BV)
+    dS = tl.zeros([K, BV], dtype=tl.float32)
+    for i in tl.range(0, N, num_stages=STAGES):  # chunks N - 1 down to 0
+        dS = _reverse_step(q, k, v, p, beta, g, do, A, dS_out, X_out, dv, dbeta_v, dS, N - 1 - i, bh, iv, scal_base,
+                           scale, N, H, cv, K, V, BV == V, V_ADJOINT)
+
+
+def launch(q, k, v, p, beta, g, do, A, dS, X, dv, dbeta_v, scale: float, v_adjoint: bool):
+    """dS (BH, N, K, V) and X (BH, T, V) of inputs (B, T, H, *) with T a multiple of the chunk, their transform A; and,
+    where v_adjoint, dv like v and dbeta's v parts dbeta_v (V // scan_block(K, V), B, T, H)."""
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    BV = scan_block(K, V)
+    _reverse_scan_kernel[(V // BV, B * H)](q, k, v, p, beta, g, do, A, dS, X, dv, dbeta_v, scale, T // CHUNK, H, K=K,
+                                           V=V, BV=BV, STAGES=scan_stages(q.device), V_ADJOINT=v_adjoint,
+                                           num_warps=SCAN_WARPS, num_stages=1)
