@@ -4,6 +4,7 @@ through `comba_attention`, strong decay and hard resets (g = -inf), the register
 bad input, the layer through `kernelize`, and the fused Triton backward (interpreter on CPU, the spec's shapes on
 CUDA)."""
 
+import threading
 import warnings
 from types import SimpleNamespace
 
@@ -577,3 +578,41 @@ def test_cuda_backward_replays_in_a_cuda_graph(comba):
     graph.replay()
     expected = comba.comba_backward(*fresh)
     assert all(torch.equal(a, b) for a, b in zip(captured, expected))
+
+
+@needs_cuda
+@pytest.mark.parametrize("K", [64, 128])
+def test_cuda_backward_runs_on_its_inputs_device(comba, K):
+    """The backward launches on its inputs' GPU whatever device is current (V = 128: the Gluon kernels on Hopper, and
+    B = 3 in two batch pieces on side streams). With two GPUs, inputs on cuda:1 while cuda:0 is current and the other
+    way round, then both GPUs at once from two threads; with one, inputs on cuda:0 inside torch.cuda.device(0)."""
+    shape = (3, 100, 2, K, 128)
+    cpu_inputs = make_inputs(*shape, torch.bfloat16, "cpu", seed=17)
+    ref = float64_grads(cpu_inputs, 0.1)
+    count = torch.cuda.device_count()
+
+    def check(index: int, current: int):
+        inputs = [x.to(f"cuda:{index}") for x in cpu_inputs]
+        with torch.cuda.device(current):
+            grads = comba.comba_backward(*inputs, 0.1)
+        assert all(gr.device == inputs[0].device for gr in grads)
+        assert_grads_close([gr.cpu() for gr in grads], ref, 1e-2)
+
+    for index in range(min(count, 2)):
+        check(index, (index + 1) % min(count, 2))
+    if count >= 2:
+        errors = []
+
+        def work(index):
+            try:
+                for _ in range(3):
+                    check(index, index)
+            except Exception as error:  # noqa: BLE001 - reported in the main thread
+                errors.append((index, error))
+
+        threads = [threading.Thread(target=work, args=(i,)) for i in (0, 1)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors, errors

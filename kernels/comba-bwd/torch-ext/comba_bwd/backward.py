@@ -22,7 +22,7 @@ import functools
 
 import torch
 
-from . import dispatch
+from . import dispatch, forward
 from . import triton as triton_kernels
 from .common.fast_paths import falls_back
 from .reference import CHUNK, pad_time
@@ -33,13 +33,15 @@ except ImportError:
     gluon_kernels = None
 
 
-def backward_stages(q, k, v, p, beta, g, do, scale: float, grads=None, plan=None):
+def backward_stages(q, k, v, p, beta, g, do, scale: float, grads=None, plan=None, saved=None):
     """The backward as ordered launches: ({stage name: fn() launching it}, the six gradients once all ran).
 
     Each stage reads only what earlier stages wrote, so after one full pass any stage can be re-run (timed)
     alone. Inputs contiguous, K and V in {64, 128}; the gradients are (dq, dk, dv, dp, dbeta, dg) with dg in
     float32, padded in time to a multiple of the chunk (fused_backward trims them); `grads`, when given, are
     contiguous tensors of those shapes and dtypes to write them into; `plan` is `dispatch.plan`'s for the call.
+    `saved`, when given, is the fused forward's (A, S, Vn) for these inputs (`forward.saved_like`): the backward then
+    starts at its reverse scan, without the transform and the forward scan.
     """
     B, T, H, K = q.shape
     V = v.shape[-1]
@@ -52,23 +54,13 @@ def backward_stages(q, k, v, p, beta, g, do, scale: float, grads=None, plan=None
     # dbeta's v parts: none where the gradient kernel makes it, one from a Gluon reverse scan, else one per V block of
     # the Triton reverse scan.
     NV = 0 if plan.v_adjoint_in_grads else 1 if "reverse_scan" in gluon else V // triton_kernels.chunk.scan_block(K, V)
-    A = torch.empty(BH, N, CHUNK, CHUNK, device=dev, dtype=torch.bfloat16)
-    S = torch.empty(BH, N, K, V, device=dev, dtype=torch.bfloat16)
+    A, S, Vn = forward.saved_like(q, V) if saved is None else saved
     dS = torch.empty_like(S)
-    Vn = torch.empty(BH, Tp, V, device=dev, dtype=torch.bfloat16)
     X = torch.empty_like(Vn)
     dbeta_v = torch.empty(NV, *beta.shape, device=dev, dtype=torch.float32)
     dq, dk, dv, dp, dbeta, dg = _gradients_like(q, k, v, p, beta, g) if grads is None else grads
     t = gluon_kernels.chunk.tiles(q, k, p, v, do, A, S, dS, Vn, X) if gluon else None
-    stages = {}
-    if "transform" in gluon:
-        stages["transform"] = lambda: gluon_kernels.transform.launch(k, p, beta, g, A)
-    else:
-        stages["transform"] = lambda: triton_kernels.transform.launch(k, p, beta, g, A)
-    if "forward_scan" in gluon:
-        stages["forward_scan"] = lambda: gluon_kernels.states.launch(t, k, v, beta, g)
-    else:
-        stages["forward_scan"] = lambda: triton_kernels.states.launch(k, v, p, beta, g, A, S, Vn)
+    stages = forward.state_stages(k, v, p, beta, g, (A, S, Vn), plan, t) if saved is None else {}
     if "reverse_scan" in gluon:
         stages["reverse_scan"] = lambda: gluon_kernels.reverse.launch(t, q, v, beta, g, dv, dbeta_v, scale)
     else:
@@ -98,25 +90,27 @@ def _side_streams(device: torch.device, n: int) -> tuple:
 
 
 def _launch_on_streams(pieces, device: torch.device):
-    """Launch each piece's stages ({name: launch}) on a pair of streams, the first piece's pair starting with the
-    current stream, the others forked from it, and join them back into it."""
+    """Launch each piece's stages ({name: launch}) on a pair of streams of `device`, the first piece's pair starting
+    with its current stream, the others forked from it, and join them back into it. `device` is made the current
+    device meanwhile: a Triton or Gluon kernel launches on the current device, whatever its tensors' device."""
     main = torch.cuda.current_stream(device)
     streams = (main, *_side_streams(device, 2 * len(pieces) - 1))
-    for own in streams[2::2]:
-        own.wait_stream(main)
-    for stages, own, side in zip(pieces, streams[0::2], streams[1::2]):
-        with torch.cuda.stream(own):
-            stages["transform"]()
-            side.wait_stream(own)
-            with torch.cuda.stream(side):
-                stages["reverse_scan"]()
-            stages["forward_scan"]()
-            own.wait_stream(side)
-            for name, launch in stages.items():
-                if name not in ("transform", "forward_scan", "reverse_scan"):  # the gradient stages
-                    launch()
-    for own in streams[2::2]:
-        main.wait_stream(own)
+    with torch.cuda.device(device):
+        for own in streams[2::2]:
+            own.wait_stream(main)
+        for stages, own, side in zip(pieces, streams[0::2], streams[1::2]):
+            with torch.cuda.stream(own):
+                stages["transform"]()
+                side.wait_stream(own)
+                with torch.cuda.stream(side):
+                    stages["reverse_scan"]()
+                stages["forward_scan"]()
+                own.wait_stream(side)
+                for name, launch in stages.items():
+                    if name not in ("transform", "forward_scan", "reverse_scan"):  # the gradient stages
+                        launch()
+        for own in streams[2::2]:
+            main.wait_stream(own)
 
 
 def fused_backward(q, k, v, p, beta, g, do, scale: float):
