@@ -1,6 +1,6 @@
 """The registered ops (forward, backward, autograd link) and the public function.
 
-CUDA tensors run the fused Triton kernels of `ldsa_triton` (imported on first use, so the package imports
+CUDA tensors run the fused kernels that `dispatch` plans and picks (imported on first use, so the package imports
 without triton); CPU tensors, CUDA machines without triton, one-tap windows and windows wider than 113 taps
 run the eager reference. Every op name goes through `add_op_namespace_prefix`, so two versions of this kernel can be
 loaded side by side.
@@ -17,24 +17,24 @@ from .validation import check_ldsa_args
 
 
 @functools.cache
-def _triton():
-    """The Triton launchers, or None where triton is not installed."""
+def _dispatch():
+    """The dispatcher of the fused kernels, or None where triton is not installed."""
     if importlib.util.find_spec("triton") is None:
         return None
-    from . import ldsa_triton
+    from . import dispatch
 
-    return ldsa_triton
+    return dispatch
 
 
 def kernel_path(x: torch.Tensor) -> str:
     """Which implementation a call on `x`'s device takes: "triton" or "reference" (windows of 2 to 113
     taps; other windows run the reference on every device)."""
-    return "triton" if x.is_cuda and _triton() is not None else "reference"
+    return "triton" if x.is_cuda and _dispatch() is not None else "reference"
 
 
 def _fused(left: int, right: int):
-    """The Triton launchers when they take this window (2 to 113 taps), else None."""
-    kernels = _triton()
+    """The dispatcher when the fused kernels take this window (2 to 113 taps), else None."""
+    kernels = _dispatch()
     return kernels if kernels is not None and kernels.supports_window(left + right + 1) else None
 
 
@@ -130,7 +130,7 @@ MAX_CHECKED_SIGNATURES = 4096  # a bound for callers with ever-new shapes; past 
 
 def _check_args_once(a_logits, v, left, right) -> tuple | None:
     """check_ldsa_args, skipped for a call signature that passed it before; the signature (None for tensor
-    subclasses), by which the direct launch looks up its plan too (`ldsa_triton.ldsa_forward_of_signature`)."""
+    subclasses), by which the direct launch looks up its plan too (`dispatch.ldsa_forward_of_signature`)."""
     if type(a_logits) is not torch.Tensor or type(v) is not torch.Tensor:
         check_ldsa_args(a_logits, v, left, right)  # raises for a non-tensor; subclasses are checked every call
         return None

@@ -1,5 +1,5 @@
 """The LDSA backward for windows of up to 15 taps on Hopper, 16-bit and float32 values, written in Gluon like the
-forward (`ldsa_gluon`): no band is gathered through shared memory; skewed shared-memory views do the band work.
+forward (`forward`): no band is gathered through shared memory; skewed shared-memory views do the band work.
 
 A chunk is 64 frames of one (b, h), on a persistent grid, in two parts. Each part has its own TMA boxes (zero fill
 outside the tensors; 128-byte rows as in the forward, one box a chunk in 16-bit and two in float32, and a 16-frame
@@ -13,8 +13,8 @@ halo) and its own barrier, so the next chunk's boxes for one part load while the
   k at column 16 - W + k, at row stride 69 (73 in float32) from cell e_s, and read back one stride lower from
   cell e_r (e_r - e_s = c2 - W): rows 16 + u and columns [32, 64) of that view are the band (the buffer's other
   cells stay zero), loaded straight into the MMA's B-operand layout; hi|lo words and two MMAs for 16-bit values,
-  as in the forward (`ldsa_gluon._band_product`).
-Float32 operands take three TF32 MMAs of split operands in both products (`ldsa_gluon._precise_product`); the P
+  as in the forward (`band.band_product`).
+Float32 operands take three TF32 MMAs of split operands in both products (`band.precise_product`); the P
 product reads their Dh rows in `K_ORDER` and the dv product's warps split Dh, which keeps the operand reads cheap.
 
 lead and lead_r are left and right rounded up to 8 frames: a TMA box offset that is not a multiple of 16 bytes is
@@ -24,16 +24,19 @@ most; at the plain strides 64 and 65 the conflicts bound the kernel. Windows: ri
 reads 48 span positions a block) and left + lead_r <= 16 (the dv part reads 48 frames a block).
 """
 
+
 import functools
 
 import torch
+import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 
-from .common import gluon_compat as compat
-from .ldsa_gluon import BLOCK, CHUNK, GL_DTYPES, HALO, WARPS, _band_product, _precise_product, _weight_words, box_frames
-from .window_weights import _window_softmax
+from ..common import gluon_compat as compat
+from ..triton.launch import Launch, sm_count
+from ..triton.window_weights import window_softmax
+from .band import BLOCK, CHUNK, GL_DTYPES, HALO, WARPS, band_product, box_frames, precise_product, weight_words
 
 ROWS = gl.constexpr(16)  # logits rows a box: the taps
 # Programs an SM by the values' bytes an element: three in 16-bit (69 KB of shared memory each at Dh = 64), two
@@ -111,7 +114,7 @@ def _ldsa_backward_gluon_kernel(lg_desc, lgh_desc, v_desc, vh_desc, g_desc, gh_d
                                 HALO_VIEW: gl.constexpr):
     """The backward on a persistent grid: chunks i = pid, pid + programs, ... of all (b, h, chunk). The logits
     descriptors view a_logits as [B*H, W, T]; the others view v, grad_out and dv as [B*H*DH, T]. Boxes are
-    BOX = 128 bytes of frames wide (`ldsa_gluon.box_frames`), CHUNK // BOX of them a chunk. BOX_VIEW and HALO_VIEW
+    BOX = 128 bytes of frames wide (`band.box_frames`), CHUNK // BOX of them a chunk. BOX_VIEW and HALO_VIEW
     (`p_operand_views`) are the layouts through which the P product reads the grad_out and value boxes."""
     dtype: gl.constexpr = v_desc.dtype
     KW: gl.constexpr = 32 // dtype.primitive_bitwidth  # the MMA operands' k_width: elements in 32 bits
@@ -212,12 +215,12 @@ def _ldsa_backward_gluon_kernel(lg_desc, lgh_desc, v_desc, vh_desc, g_desc, gh_d
             gt = _frames(gc_p, gc_p, BLOCK * b, BLOCK).permute((1, 0)).load(a_p)  # [32 t, DH]
             for j in gl.static_range(3):
                 vals = _frames(v_p, vh_p, BLOCK * b + 16 * j, 16).load(b_p)
-                pj = _precise_product(gt, vals, gl.zeros([BLOCK, 16], gl.float32, mma_p))
+                pj = precise_product(gt, vals, gl.zeros([BLOCK, 16], gl.float32, mma_p))
                 p_s.slice(16 * j, 16, dim=1).store(pj)
             compat.barrier()
             da = gl.where(ok1, da_view.slice(0, ROWS, dim=1).load(l_da), 0.0)
             logits = _frames(lg1_s, lg1_s, BLOCK * b, BLOCK).permute((1, 0)).load(l_da)
-            a1 = _window_softmax(logits, ok1, 1)
+            a1 = window_softmax(logits, ok1, 1)
             dl = a1 * (da - gl.expand_dims(gl.sum(a1 * da, 1), 1))
             t = t0 + BLOCK * b + t_i
             rows = (bh * W + tap1).to(gl.int64) * T
@@ -233,14 +236,14 @@ def _ldsa_backward_gluon_kernel(lg_desc, lgh_desc, v_desc, vh_desc, g_desc, gh_d
         for b in gl.static_range(CHUNK // BLOCK):
             for kk in gl.static_range(3):
                 lg = _frames(lg2_s, lg2h_s, BLOCK * b + 16 * kk, 16)
-                w2 = _window_softmax(lg.permute((1, 0)).load(l_w), ok2, 1)  # [16 frames, 16 tap columns]
-                w_view.slice(16 + 16 * kk, 16, dim=0).slice(0, ROWS, dim=1).store(_weight_words(w2, dtype))
+                w2 = window_softmax(lg.permute((1, 0)).load(l_w), ok2, 1)  # [16 frames, 16 tap columns]
+                w_view.slice(16 + 16 * kk, 16, dim=0).slice(0, ROWS, dim=1).store(weight_words(w2, dtype))
             compat.barrier()
             acc = gl.zeros([DH, BLOCK], gl.float32, mma_dv)
             for kk in gl.static_range(3):
                 gu = _frames(ga_s, gh_s, BLOCK * b + 16 * kk, 16).load(a_dv)
                 band = band_view.slice(16 + 16 * kk, 16, dim=0).slice(32, BLOCK, dim=1).load(b_dv)
-                acc = _band_product(gu, band, acc)
+                acc = band_product(gu, band, acc)
             _frames(dv_s, dv_s, BLOCK * b, BLOCK).store(acc.to(dtype))
             compat.barrier()  # w_s is read before the next block overwrites it
         fence_async_shared()
@@ -315,3 +318,23 @@ def p_operand_views(dtype: torch.dtype, Dh: int) -> tuple:
         return box_layout, halo_layout
     return (_k_ordered_view([Dh, box], box_layout, dtype.itemsize),
             _k_ordered_view([Dh, HALO.value], halo_layout, dtype.itemsize))
+
+
+def launch(W: int, left: int, Dh: int, T: int, BH: int, dtype: torch.dtype, device: int, config: str,
+           fast_path: str) -> Launch:  # fmt: skip
+    """The backward's launch for a call `takes` takes: a persistent grid of PROGRAMS_PER_SM programs an SM for the
+    dtype's size (one a chunk when there are fewer chunks). Its logits descriptors view a_logits as [B*H, W, T], the
+    others v, grad_out and dv as [B*H*Dh, T]."""
+    frames = box_frames(dtype)
+    n_chunks = triton.cdiv(T, CHUNK.value)
+    programs = min(BH * n_chunks, sm_count(device) * PROGRAMS_PER_SM[dtype.itemsize])
+    logits, values, rows, halo = (BH, W, T), (BH * Dh, T), ROWS.value, HALO.value
+    tile, tile_halo, box, box_halo = layouts(dtype, Dh)
+    # a_logits 0, values 1, grad_out 2, dlogits 3, dv 4
+    arguments = ((0, logits, (1, rows, frames), tile), (0, logits, (1, rows, halo), tile_halo),
+                 (1, values, (Dh, frames), box), (1, values, (Dh, halo), box_halo), (2, values, (Dh, frames), box),
+                 (2, values, (Dh, halo), box_halo), (4, values, (Dh, frames), box), 3)
+    lead, lead_r = -(-left // 8) * 8, -(-(W - 1 - left) // 8) * 8
+    box_view, halo_view = p_operand_views(dtype, Dh)
+    return Launch(_ldsa_backward_gluon_kernel, programs, (T, W, left, lead, lead_r, n_chunks, BH * n_chunks),
+                  dict(DH=Dh, BOX_VIEW=box_view, HALO_VIEW=halo_view), WARPS.value, config, arguments, fast_path)

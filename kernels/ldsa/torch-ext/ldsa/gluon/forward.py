@@ -1,7 +1,7 @@
 """The LDSA forward for windows of up to 15 taps on Hopper, written in Gluon (Triton's explicit-layout dialect),
 so that the band never passes through shared memory. 16-bit and float32 values.
 
-The Triton TMA forward (`ldsa_triton._ldsa_forward_tma_kernel`) stores its gathered band in shared memory as an
+The Triton TMA forward (`triton.band_tma`) stores its gathered band in shared memory as an
 MMA operand and reads it back each chunk, which leaves it bound by shared memory. Here the band is the B operand
 of `mma.sync`, held in registers and built where the MMA wants it:
 
@@ -14,41 +14,34 @@ of `mma.sync`, held in registers and built where the MMA wants it:
   span position f + k + lead - left) lies in them for windows with 32 + W - 1 + lead - left <= 48.
 - A warp loads its frames' logits from shared memory straight into the B-operand layout, in which a frame's 16
   taps lie on the four lanes of a quad, four taps a lane (`_split_slots`), and takes the window softmax there
-  (`window_weights._window_softmax`). For 16-bit values the weights are split into hi + lo halves in the
-  values' dtype, packed in one 32-bit word (`window_weights._hi_lo_pairs`); float32 weights stay whole.
+  (`triton.window_weights.window_softmax`). For 16-bit values the weights are split into hi + lo halves in the
+  values' dtype, packed in one 32-bit word (`band.weight_words`); float32 weights stay whole.
 - Band element (row r, frame f) is the weight of tap r - f - (lead - left): a register of another lane of the
   same quad. One shuffle moves it, the sending lane choosing which of its four words the receiving lane needs
   (`_band_slot`), where a gather would shuffle all four and select.
-- The products keep float32's accuracy (`_band_product`): two MMAs (hi, lo) for 16-bit values, three TF32 MMAs
+- The products keep float32's accuracy (`band.band_product`): two MMAs (hi, lo) for 16-bit values, three TF32 MMAs
   of split operands for float32.
 """
+
 
 import functools
 
 import torch
+import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from .common import gluon_compat as compat
-from .common.tf32 import tf32_high
-from .window_weights import _hi_lo_pairs, _window_softmax
+from ..common import gluon_compat as compat
+from ..triton.launch import Launch, sm_count
+from ..triton.window_weights import window_softmax
+from .band import BLOCK, CHUNK, GL_DTYPES, HALO, WARPS, band_product, box_frames, weight_words
 
-# Tile sizes, constexprs for the kernel (the host reads their .value).
-CHUNK = gl.constexpr(64)  # frames a chunk (the logits, value and output tiles)
-BLOCK = gl.constexpr(32)  # frames a block: a band product
-HALO = gl.constexpr(16)  # span positions past the chunk, the last value box
 TAPS = gl.constexpr(16)  # logits rows a chunk: windows of up to TAPS - 1 taps; the padded taps weigh 0
-WARPS = gl.constexpr(4)  # along the frames of a block
 # Programs an SM by the values' bytes an element, and pipeline stages (one output tile): the best measured on the
 # H200. A float32 program takes 64 KB of shared memory at Dh = 64, so at most 3 fit an SM.
 PROGRAMS_PER_SM = {2: 4, 4: 3}
 STAGES = 2
-# The value dtypes it takes, in Gluon's terms.
-GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}
-
 
 @gluon.jit
 def _issue(a_desc, v_desc, halo_desc, a_s, v_s, halo_s, st, bar, i, n_chunks, W, lead, DH: gl.constexpr, pred):
@@ -125,45 +118,6 @@ def _band_slot(w0, w1, w2, w3, q, f, d, K: gl.constexpr, S: gl.constexpr, KW: gl
 
 
 @gluon.jit
-def _weight_words(w, dtype: gl.constexpr):
-    """The float32 window weights w as the 32-bit words the band is built of: hi|lo pairs in a 16-bit `dtype`,
-    float32's own bits."""
-    if dtype == gl.float32:
-        words = w.to(gl.int32, bitcast=True)
-    else:
-        words = _hi_lo_pairs(w, dtype)
-    return words
-
-
-@gluon.jit
-def _precise_product(x, y, acc):
-    """acc + x @ y as accurate as float32 products: one MMA for 16-bit operands (their products are exact);
-    for float32 ones three TF32 MMAs of operands split into a TF32 high part and the residual (`tf32_high`;
-    the residual's low bits fall to the MMA's truncation, 2^-21 relative)."""
-    if x.dtype == gl.float32:
-        x_hi, y_hi = tf32_high(x), tf32_high(y)
-        acc = mma_v2(x - x_hi, y_hi, acc, input_precision="tf32")
-        acc = mma_v2(x_hi, y - y_hi, acc, input_precision="tf32")
-        acc = mma_v2(x_hi, y_hi, acc, input_precision="tf32")
-    else:
-        acc = mma_v2(x, y, acc)
-    return acc
-
-
-@gluon.jit
-def _band_product(vals, band, acc):
-    """acc + vals @ band for a band of `_weight_words`, as accurate as float32 products: 16-bit values times the
-    weights' hi and lo halves, two MMAs; float32 values by `_precise_product`."""
-    dtype: gl.constexpr = vals.dtype
-    if dtype == gl.float32:
-        acc = _precise_product(vals, band.to(gl.float32, bitcast=True), acc)
-    else:
-        acc = mma_v2(vals, band.to(gl.int16).to(dtype, bitcast=True), acc)
-        acc = mma_v2(vals, (band >> 16).to(gl.int16).to(dtype, bitcast=True), acc)
-    return acc
-
-
-@gluon.jit
 def _ldsa_forward_gluon_kernel(a_desc, v_desc, halo_desc, out_desc, W, left, lead, n_chunks, all_chunks,
                                DH: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
     """The forward on a persistent grid: chunks i = pid, pid + programs, ... of all (b, h, chunk). The descriptors
@@ -217,7 +171,7 @@ def _ldsa_forward_gluon_kernel(a_desc, v_desc, halo_desc, out_desc, W, left, lea
         compat.barrier()
         for b in gl.static_range(CHUNK // BLOCK):
             logits = a_s.index(NBOX * s + BLOCK * b // BOX).slice(BLOCK * b % BOX, BLOCK, dim=1).load(b_layout)
-            w0, w1, w2, w3 = _split_slots(_weight_words(_window_softmax(logits, tap_ok, 0), dtype), KW)
+            w0, w1, w2, w3 = _split_slots(weight_words(window_softmax(logits, tap_ok, 0), dtype), KW)
             acc = gl.zeros([DH, BLOCK], gl.float32, mma)
             for k in gl.static_range(KSTEPS):
                 if BLOCK * b + 16 * k < CHUNK:  # the k-step's span positions, in a value box or in the halo
@@ -229,7 +183,7 @@ def _ldsa_forward_gluon_kernel(a_desc, v_desc, halo_desc, out_desc, W, left, lea
                                    _band_slot(w0, w1, w2, w3, q, f, d, k, 1, KW, W),
                                    _band_slot(w0, w1, w2, w3, q, f, d, k, 2, KW, W),
                                    _band_slot(w0, w1, w2, w3, q, f, d, k, 3, KW, W), KW, b_layout)
-                acc = _band_product(vals, band, acc)
+                acc = band_product(vals, band, acc)
             out_s.index(BLOCK * b // BOX).slice(BLOCK * b % BOX, BLOCK, dim=1).store(acc.to(dtype))
         fence_async_shared()
         compat.barrier()
@@ -251,12 +205,6 @@ def takes(W: int, shift: int, Dh: int, T: int, BH: int, dtype: torch.dtype) -> b
             and Dh in (16, 32, 64) and BH * max(Dh, TAPS.value) < 2**31)
 
 
-def box_frames(dtype: torch.dtype) -> int:
-    """Frames a TMA box of logits, values or output: 128 bytes a row, the widest row of the 128-byte swizzle that
-    the default shared-memory layout of these boxes takes."""
-    return 128 // dtype.itemsize
-
-
 @functools.cache
 def layouts(dtype: torch.dtype, Dh: int) -> tuple:
     """The shared-memory layouts of the logits, value, halo and output boxes."""
@@ -265,6 +213,18 @@ def layouts(dtype: torch.dtype, Dh: int) -> tuple:
     return tuple(gl.NVMMASharedLayout.get_default_for(shape, GL_DTYPES[dtype]) for shape in boxes)
 
 
-def descriptor(x: torch.Tensor, shape: tuple, strides: tuple, block: tuple, layout) -> TensorDescriptor:
-    """A descriptor of the tensor x viewed as `shape` with `strides`, copied in `block` boxes laid out as `layout`."""
-    return TensorDescriptor(x, list(shape), list(strides), list(block), layout)
+
+def launch(W: int, left: int, lead: int, Dh: int, T: int, BH: int, dtype: torch.dtype, device: int, config: str,
+           fast_path: str) -> Launch:  # fmt: skip
+    """The forward's launch for a call `takes` takes, its value spans `lead` positions before their chunks: a
+    persistent grid of PROGRAMS_PER_SM programs an SM for the dtype's size (one a chunk when there are fewer
+    chunks), descriptors of a_logits as [B*H*W, T] (TAPS rows a box) and of v and out as [B*H*Dh, T]."""
+    box = box_frames(dtype)
+    n_chunks = triton.cdiv(T, CHUNK.value)
+    programs = min(BH * n_chunks, sm_count(device) * PROGRAMS_PER_SM[dtype.itemsize])
+    rows, values = (BH * W, T), (BH * Dh, T)
+    a_layout, v_layout, halo_layout, out_layout = layouts(dtype, Dh)
+    arguments = ((0, rows, (TAPS.value, box), a_layout), (1, values, (Dh, box), v_layout),
+                 (1, values, (Dh, HALO.value), halo_layout), (2, values, (Dh, box), out_layout))
+    return Launch(_ldsa_forward_gluon_kernel, programs, (W, left, lead, n_chunks, BH * n_chunks),
+                  dict(DH=Dh, STAGES=STAGES), WARPS.value, config, arguments, fast_path)

@@ -1,14 +1,14 @@
 """The window weights of a frame and the operand splits of the tensor-core products, shared by the Triton kernels
-(`ldsa_triton`) and the Gluon forward (`ldsa_gluon`), whose Gluon code calls these Triton functions: the softmax
-over the window and its split into high and low halves in a 16-bit dtype (the TF32 split of float32 operands is
-`tf32.tf32_high`)."""
+(`band`, `band_tma`) and the Gluon kernels (`gluon.forward`, `gluon.backward`), whose Gluon code calls these Triton
+functions: the softmax over the window and its split into high and low halves in a 16-bit dtype (the TF32 split of
+float32 operands is `common.tf32.tf32_high`)."""
 
 import triton
 import triton.language as tl
 
 
 @triton.jit
-def _window_softmax(logits, tap_ok, axis: tl.constexpr):
+def window_softmax(logits, tap_ok, axis: tl.constexpr):
     """Softmax over the window axis in float32; padded taps (tap_ok false) get weight 0.
 
     exp2, and the normalization as a product with 1 / sum taken as rsqrt(sum^2): one hardware approximation
@@ -21,7 +21,7 @@ def _window_softmax(logits, tap_ok, axis: tl.constexpr):
 
 
 @triton.jit
-def _split_hi_lo(w, dtype: tl.constexpr):
+def split_hi_lo(w, dtype: tl.constexpr):
     """float32 w as hi + lo in the 16-bit `dtype`, lo the residual of the first rounding (about 16 bits of
     w's mantissa together)."""
     hi = w.to(dtype)
@@ -29,9 +29,9 @@ def _split_hi_lo(w, dtype: tl.constexpr):
 
 
 @triton.jit
-def _hi_lo_pairs(w, dtype: tl.constexpr):
-    """`_split_hi_lo` of w packed into one int32 word an element (hi in the low half), so that the TMA
+def hi_lo_pairs(w, dtype: tl.constexpr):
+    """`split_hi_lo` of w packed into one int32 word an element (hi in the low half), so that the TMA
     forward skews both halves into the band with one gather and splits only the [BLOCK_W, N] weights rather
     than the larger [K, N] band."""
-    hi, lo = _split_hi_lo(w, dtype)
+    hi, lo = split_hi_lo(w, dtype)
     return (hi.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF) | (lo.to(tl.int16, bitcast=True).to(tl.int32) << 16)
