@@ -25,7 +25,7 @@ import torch
 from . import dispatch, forward
 from . import triton as triton_kernels
 from .common.fast_paths import falls_back
-from .reference import CHUNK, pad_time
+from .reference import pad_time
 
 try:  # Gluon, Triton's explicit-layout dialect; dispatch plans Gluon stages only under releases that have it
     from . import gluon as gluon_kernels
@@ -40,21 +40,21 @@ def backward_stages(q, k, v, p, beta, g, do, scale: float, grads=None, plan=None
     alone. Inputs contiguous, K and V in {64, 128}; the gradients are (dq, dk, dv, dp, dbeta, dg) with dg in
     float32, padded in time to a multiple of the chunk (fused_backward trims them); `grads`, when given, are
     contiguous tensors of those shapes and dtypes to write them into; `plan` is `dispatch.plan`'s for the call.
-    `saved`, when given, is the fused forward's (A, S, Vn) for these inputs (`forward.saved_like`): the backward then
-    starts at its reverse scan, without the transform and the forward scan.
+    `saved`, when given, is the fused forward's (A, S, Vn) for these inputs (`dispatch.saved_like`): the backward
+    then starts at its reverse scan, without the transform and the forward scan.
     """
     B, T, H, K = q.shape
     V = v.shape[-1]
     plan = plan or dispatch.plan(q, V)
     q, k, v, p, beta, g, do = (pad_time(x) for x in (q, k, v, p, beta, g, do))
     Tp = q.shape[1]
-    N, BH = Tp // CHUNK, B * H
+    BH = B * H
     dev = q.device
     gluon = plan.gluon
     # dbeta's v parts: none where the gradient kernel makes it, one from a Gluon reverse scan, else one per V block of
     # the Triton reverse scan.
     NV = 0 if plan.v_adjoint_in_grads else 1 if "reverse_scan" in gluon else V // triton_kernels.chunk.scan_block(K, V)
-    A, S, Vn = forward.saved_like(q, V) if saved is None else saved
+    A, S, Vn = dispatch.saved_like(q, V) if saved is None else saved
     dS = torch.empty_like(S)
     X = torch.empty_like(Vn)
     dbeta_v = torch.empty(NV, *beta.shape, device=dev, dtype=torch.float32)
@@ -100,11 +100,13 @@ def _launch_on_streams(pieces, device: torch.device):
             own.wait_stream(main)
         for stages, own, side in zip(pieces, streams[0::2], streams[1::2]):
             with torch.cuda.stream(own):
-                stages["transform"]()
+                if "transform" in stages:  # not where the backward takes the forward's saved states
+                    stages["transform"]()
                 side.wait_stream(own)
                 with torch.cuda.stream(side):
                     stages["reverse_scan"]()
-                stages["forward_scan"]()
+                if "forward_scan" in stages:
+                    stages["forward_scan"]()
                 own.wait_stream(side)
                 for name, launch in stages.items():
                     if name not in ("transform", "forward_scan", "reverse_scan"):  # the gradient stages
@@ -113,34 +115,36 @@ def _launch_on_streams(pieces, device: torch.device):
             main.wait_stream(own)
 
 
-def fused_backward(q, k, v, p, beta, g, do, scale: float):
-    """(dq, dk, dv, dp, dbeta, dg) in their inputs' dtypes (dg float32); inputs contiguous, K, V in {64, 128}.
+def fused_backward(q, k, v, p, beta, g, do, scale: float, saved=None):
+    """(dq, dk, dv, dp, dbeta, dg) in their inputs' dtypes (dg float32); inputs contiguous, K, V in {64, 128};
+    `saved`, when given, the fused forward's (A, S, Vn) for these inputs (`forward.fused_forward`).
 
     A Gluon kernel compiles at its first launch of a specialization; if a call that takes Gluon kernels raises, the
     Gluon path is switched off for the process (`dispatch.FAST_PATHS.failed`, one warning) and the call runs on the
     Triton kernels, after the device has finished what the failed attempt launched (its scratch is freed)."""
     if not dispatch.plan(q, v.shape[-1]).gluon:
-        return _backward(q, k, v, p, beta, g, do, scale)
+        return _backward(q, k, v, p, beta, g, do, scale, saved)
     try:
-        return _backward(q, k, v, p, beta, g, do, scale)
+        return _backward(q, k, v, p, beta, g, do, scale, saved)
     except Exception as error:
         if not falls_back(error):
             raise
         dispatch.FAST_PATHS.failed("gluon", error)
         if q.is_cuda and not torch.cuda.is_current_stream_capturing():
             torch.cuda.synchronize(q.device)
-        return _backward(q, k, v, p, beta, g, do, scale)
+        return _backward(q, k, v, p, beta, g, do, scale, saved)
 
 
-def _backward(q, k, v, p, beta, g, do, scale: float):
-    B, T = q.shape[:2]
+def _backward(q, k, v, p, beta, g, do, scale: float, saved=None):
+    B, T, H = q.shape[:3]
     plan = dispatch.plan(q, v.shape[-1])
     inputs = [pad_time(x) for x in (q, k, v, p, beta, g, do)]
     grads = _gradients_like(*inputs[:6])
     cuts = [B * i // plan.pieces for i in range(plan.pieces + 1)]
     # Every piece's scratch is allocated before the launches and referenced until the streams are joined, so the
     # allocator cannot hand one piece's freed scratch to another piece's stream while it still runs.
-    pieces = [backward_stages(*(x[a:b] for x in inputs), scale, tuple(x[a:b] for x in grads), plan)[0]
+    pieces = [backward_stages(*(x[a:b] for x in inputs), scale, tuple(x[a:b] for x in grads), plan,
+                              None if saved is None else tuple(x[a * H:b * H] for x in saved))[0]
               for a, b in zip(cuts, cuts[1:])]
     if q.is_cuda:
         _launch_on_streams(pieces, q.device)

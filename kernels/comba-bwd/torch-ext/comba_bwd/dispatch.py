@@ -11,6 +11,7 @@ from typing import NamedTuple
 import torch
 
 from .common.fast_paths import FastPath, FastPaths
+from .reference import CHUNK
 
 FAST_PATHS = FastPaths("comba-bwd", (
     FastPath("gluon", "Gluon warpgroup-MMA kernels for bf16 inputs with V = 128: both scans and the gradients at "
@@ -62,3 +63,13 @@ def plan(q: torch.Tensor, V: int) -> Plan:
     gluon = gluon_stages(q.device, q.dtype, K, V)
     pieces = 1 if gluon and K == 128 else BATCH_PIECES
     return Plan(gluon, "grads" in gluon and K == 64, min(pieces, B))
+
+
+def saved_like(q: torch.Tensor, V: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Uninitialised (A, S, Vn), the fused forward's scratch that the backward takes, for inputs q (B, T, H, K) with T
+    a multiple of the chunk: A (BH, N, 64, 64), S (BH, N, K, V), Vn (BH, T, V), bf16 whatever the inputs' dtype (the
+    tensor-core operands of the scans). On the meta device too (the ops' fakes, the offline compile)."""
+    B, T, H, K = q.shape
+    N = T // CHUNK
+    empty = lambda *shape: torch.empty(*shape, device=q.device, dtype=torch.bfloat16)  # noqa: E731
+    return empty(B * H, N, CHUNK, CHUNK), empty(B * H, N, K, V), empty(B * H, T, V)

@@ -96,9 +96,13 @@ class Tiles(NamedTuple):
 
 
 def tiles(q, k, p, v, do, A, S, dS, Vn, X) -> Tiles:
-    """The Tiles of inputs (B, T, H, *), A (BH, N, 64, 64), S and dS (BH, N, K, V), Vn and X (BH, T, V)."""
+    """The Tiles of inputs (B, T, H, *), A (BH, N, 64, 64), S and dS (BH, N, K, V), Vn and X (BH, T, V); the forward,
+    which has no do, dS or X, passes None for them and gets None for their descriptors."""
     K, V = q.shape[-1], v.shape[-1]
-    states = (descriptor(x.view(-1, V), (K, V)) for x in (S, dS))
-    positions = (descriptor(x.view(-1, V), (CHUNK, V)) for x in (Vn, X))
-    return Tiles(*(chunk_rows(x) for x in (q, k, p, v, do)), descriptor(A.view(-1, CHUNK), (CHUNK, CHUNK)), *states,
-                 *positions)
+
+    def rows(x, block):
+        return None if x is None else descriptor(x.view(-1, V), block)
+
+    return Tiles(*(None if x is None else chunk_rows(x) for x in (q, k, p, v, do)),
+                 descriptor(A.view(-1, CHUNK), (CHUNK, CHUNK)), rows(S, (K, V)), rows(dS, (K, V)), rows(Vn, (CHUNK, V)),
+                 rows(X, (CHUNK, V)))

@@ -1,0 +1,90 @@
+"""The fused Comba forward as a pipeline of named stages on chunks of 64 steps, no autograd.
+
+Notation as in reference.py: per (b, h) and chunk n, gc the inclusive cumsum of g inside the chunk,
+gam = exp(gc), E_ij = exp(gc_i - gc_j) (j <= i), L = strict_lower((beta P) K^T * E), A = (I + L)^-1.
+
+  1. transform     (chunk-parallel)  A of each chunk in fp32 by 16 x 16 blocks -> HBM in bf16.
+  2. forward_scan  (serial over chunks)  S_n, the state before chunk n, and Vn = A (beta V) - A (beta gam P) S_n,
+     both bf16 -> HBM.
+  3. output        (chunk-parallel)  O = scale [(gam Q) S_n + (lower(Q K^T) * E) Vn].
+Stages 1 and 2 are the backward's own first stages (the same kernels, `dispatch.plan` choosing Triton or Gluon the
+same way), so A, S_n and Vn are what the backward would recompute: the autograd link (op.py) keeps them for it, and
+the backward starts at its reverse scan.
+"""
+
+import contextlib
+
+import torch
+
+from . import dispatch
+from . import triton as triton_kernels
+from .common.fast_paths import falls_back
+from .reference import pad_time
+
+try:  # Gluon, Triton's explicit-layout dialect; dispatch plans Gluon stages only under releases that have it
+    from . import gluon as gluon_kernels
+except ImportError:
+    gluon_kernels = None
+
+
+def state_stages(k, v, p, beta, g, saved, plan, tiles=None) -> dict:
+    """{"transform", "forward_scan"}: launches that fill `saved` = (A, S, Vn) (`dispatch.saved_like`) for inputs
+    padded to whole chunks, by the kernels `plan` (`dispatch.plan`) picks; `tiles` are the Gluon descriptors
+    (`gluon.chunk.tiles`) where the Gluon forward scan runs. The forward's first two stages, and the backward's where
+    it recomputes them."""
+    A, S, Vn = saved
+    stages = {}
+    if "transform" in plan.gluon:
+        stages["transform"] = lambda: gluon_kernels.transform.launch(k, p, beta, g, A)
+    else:
+        stages["transform"] = lambda: triton_kernels.transform.launch(k, p, beta, g, A)
+    if "forward_scan" in plan.gluon:
+        stages["forward_scan"] = lambda: gluon_kernels.states.launch(tiles, k, v, beta, g)
+    else:
+        stages["forward_scan"] = lambda: triton_kernels.states.launch(k, v, p, beta, g, A, S, Vn)
+    return stages
+
+
+def forward_stages(q, k, v, p, beta, g, scale: float, plan=None):
+    """The forward as ordered launches: ({stage name: fn() launching it}, (o, A, S, Vn) once all ran).
+
+    Inputs contiguous with T a multiple of the chunk, K and V in {64, 128}; each stage reads only what earlier
+    stages wrote, so after one full pass any stage can be re-run (timed) alone."""
+    V = v.shape[-1]
+    plan = plan or dispatch.plan(q, V)
+    A, S, Vn = saved = dispatch.saved_like(q, V)
+    o = torch.empty_like(v)
+    t = gluon_kernels.chunk.tiles(q, k, p, v, None, A, S, None, Vn, None) if "forward_scan" in plan.gluon else None
+    stages = state_stages(k, v, p, beta, g, saved, plan, t)
+    stages["output"] = lambda: triton_kernels.output.launch(q, k, beta, g, S, Vn, o, scale)
+    return stages, (o, A, S, Vn)
+
+
+def fused_forward(q, k, v, p, beta, g, scale: float):
+    """(o, A, S, Vn): o (B, T, H, V) in v's dtype and the scratch the backward takes (`dispatch.saved_like`, T padded
+    to a multiple of the chunk). Inputs contiguous, K and V in {64, 128}, any T >= 1.
+
+    If a call that takes Gluon kernels raises at their first launch, the Gluon path is switched off for the process
+    (`dispatch.FAST_PATHS.failed`, one warning) and the call runs on the Triton kernels."""
+    if not dispatch.plan(q, v.shape[-1]).gluon:
+        return _forward(q, k, v, p, beta, g, scale)
+    try:
+        return _forward(q, k, v, p, beta, g, scale)
+    except Exception as error:
+        if not falls_back(error):
+            raise
+        dispatch.FAST_PATHS.failed("gluon", error)
+        if q.is_cuda and not torch.cuda.is_current_stream_capturing():
+            torch.cuda.synchronize(q.device)
+        return _forward(q, k, v, p, beta, g, scale)
+
+
+def _forward(q, k, v, p, beta, g, scale: float):
+    T = q.shape[1]
+    inputs = [pad_time(x) for x in (q, k, v, p, beta, g)]
+    stages, (o, A, S, Vn) = forward_stages(*inputs, scale)
+    # A Triton or Gluon kernel launches on the current device, whatever its tensors' device.
+    with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
+        for launch in stages.values():
+            launch()
+    return (o if o.shape[1] == T else o[:, :T].contiguous()), A, S, Vn
