@@ -106,7 +106,7 @@ def _fla_bwd_only(fn, q, k, v, do, scale):
 
 
 def _timed_row(bench, case, impl, fn, ref, flops, **extra):
-    """A row timing fn() -> (dq, dk, dv), with its errors against ref; an implementation that cannot run
+    """A row timing fn() -> (dq, dk, dv) or (o,), with its errors against ref; an implementation that cannot run
     this shape (fla's limits, a Hopper guard) gets a row with the error instead of stopping the run."""
     row = {"case": case, "impl": impl, "ms": None, "metric": "TFLOP/s", "value": None, "err": None}
     try:
@@ -120,17 +120,65 @@ def _timed_row(bench, case, impl, fn, ref, flops, **extra):
         return row
     row.update(ms=ms, value=flops / (ms * 1e-3) / 1e12)
     if errs:
-        row.update(err=max(errs), err_dq=errs[0], err_dk=errs[1], err_dv=errs[2])
+        row["err"] = max(errs)
+        if len(errs) == 3:
+            row.update(err_dq=errs[0], err_dk=errs[1], err_dv=errs[2])
     row.update(extra)
     return row
 
 
+def _forward_rows(bench, kernel, forward, fla_based, case, q, k, v, o_ref, flops, K, scale, sweep):
+    """The forward alone (no autograd graph): ours, its other launch plans (with `sweep`), and fla's two
+    forwards; ours gets its speed-up over the faster fla forward."""
+    rows = []
+
+    def fwd(fn):
+        def run():
+            with torch.no_grad():
+                return (fn(),)
+
+        return run
+
+    ours = _timed_row(bench, case, "based-bwd triton forward", fwd(lambda: kernel.based_attention(q, k, v)),
+                      [o_ref], flops, config=str(forward.DEFAULT_CONFIG[K]))
+    rows.append(ours)
+    if sweep:
+        for config in forward.CONFIG_CHOICES:
+            run = fwd(lambda: forward.based_forward_triton(q, k, v, scale, config))  # noqa: B023
+            rows.append(_timed_row(bench, case, "based-bwd triton forward, other config", run, [o_ref], flops,
+                                   config=str(config)))
+    if fla_based is not None:
+        for name in ("parallel_based", "fused_chunk_based"):
+            fn = getattr(fla_based, name)
+            row = _timed_row(bench, case, f"fla {name} forward",
+                             fwd(lambda: fn(q, k, v, scale=scale, use_norm=True)), [o_ref], flops)  # noqa: B023
+            rows.append(row)
+            if ours["ms"] and row["ms"]:
+                ours[f"x_vs_fla_{name}"] = row["ms"] / ours["ms"]
+        rivals = [r["ms"] for r in rows if r["impl"].startswith("fla") and r["ms"]]
+        if ours["ms"] and rivals:
+            ours["x_vs_fla"] = min(rivals) / ours["ms"]
+    return rows
+
+
+def _step(kernel, q, k, v, do):
+    """Our training step: based_attention's forward and its backward through autograd."""
+    ins = [x.detach().requires_grad_(True) for x in (q, k, v)]
+    return torch.autograd.grad(kernel.based_attention(*ins), ins, do)
+
+
 def side_by_side(kernel, bench) -> list[dict]:
+    """At every measure shape: the backward contract (ours, fla forward + backward, fla's backward alone), the
+    forward alone (ours, fla's forwards) and the training step (ours, forward + backward through autograd, vs
+    fla parallel_based forward + backward), and the spec's fp32 reference. Credited FLOPs: the backward the
+    spec's canonical_work, the forward half of it, the step one and a half."""
     spec = bench.spec("based_backward")
     if spec is None:
         return []
     fla_based = importlib.import_module("fla.ops.based") if bench.optional("fla") is not None else None
     fused = importlib.import_module(f"{kernel.__name__}.triton.backward")
+    forward = importlib.import_module(f"{kernel.__name__}.triton.forward")
+    spec_forward = spec.ref.__globals__["_based_forward"]
     rows = []
     for shape in spec.measure_shapes:
         B, T, H, K, V = shape
@@ -139,54 +187,81 @@ def side_by_side(kernel, bench) -> list[dict]:
         scale = K**-0.5
         q, k, v, do = spec.make(*shape, 0)
         ref = spec.ref(q.float(), k.float(), v.float(), do.float())  # the fp32 spec, once per shape
+        o_ref = spec_forward(q.float(), k.float(), v.float())
+        first_of_k = shape == next(s for s in spec.measure_shapes if s[3] == K)
 
         ours = _timed_row(bench, case, "based-bwd triton", lambda: kernel.based_backward(q, k, v, do), ref,
                           flops, path=kernel.kernel_path(q), config=str(fused.DEFAULT_CONFIG[K]))
         rows.append(ours)
         # the launch configurations the default could take, at the first shape of each K (compile time)
-        if bench.sweep and shape == next(s for s in spec.measure_shapes if s[3] == K):
+        if bench.sweep and first_of_k:
             for config in fused.CONFIG_CHOICES:
                 run = lambda: fused.based_backward_triton(q, k, v, do, scale, config)  # noqa: E731
                 rows.append(_timed_row(bench, case, "based-bwd triton, other config", run, ref, flops,
                                        config=str(config)))
+        step = _timed_row(bench, case, "based-bwd triton step (fwd+bwd autograd)",
+                          lambda: _step(kernel, q, k, v, do), ref, 1.5 * flops)
+        rows.append(step)
 
+        fla_fwd_bwd = {}
         if fla_based is not None:
             for name in ("parallel_based", "fused_chunk_based"):
                 run = _fla_fwd_bwd(getattr(fla_based, name))
                 row = _timed_row(bench, case, f"fla {name} fwd+bwd", lambda: run(q, k, v, do, scale), ref, flops)
                 rows.append(row)
+                fla_fwd_bwd[name] = row["ms"]
                 if ours["ms"] and row["ms"]:
                     ours[f"x_vs_fla_{name}"] = row["ms"] / ours["ms"]
+                if step["ms"] and row["ms"]:
+                    step[f"x_vs_fla_{name}"] = row["ms"] / step["ms"]
             replay = _fla_bwd_only(fla_based.parallel_based, q, k, v, do, scale)
             rows.append(_timed_row(bench, case, "fla parallel_based bwd only (info)", replay, None, flops))
             del replay
-            if "x_vs_fla_parallel_based" in ours:
-                ours["x_vs_fla"] = ours["x_vs_fla_parallel_based"]
+            for row in (ours, step):
+                if "x_vs_fla_parallel_based" in row:
+                    row["x_vs_fla"] = row["x_vs_fla_parallel_based"]
 
+        rows += _forward_rows(bench, kernel, forward, fla_based, case, q, k, v, o_ref, flops / 2, K, scale,
+                              sweep=bench.sweep and first_of_k)
         rows.append(_timed_row(bench, case, "spec seed reference (fp32 autograd)",
                                lambda: spec.ref(q, k, v, do), ref, flops))
-        del q, k, v, do, ref
+        del q, k, v, do, ref, o_ref
         torch.cuda.empty_cache()
     return rows
 
 
 def compile_cases(kernel, spec):
     """(label, call) pairs for `python -m tools.compile_sm90`: each launch plan the package uses or the
-    benchmark times, at every measure shape, on meta tensors; and the fp32 path (IEEE matmuls, the
-    interpreter tests' exact mode) with each K's default plan."""
+    benchmark times, at every measure shape, on meta tensors, for the backward and the forward; and the
+    backward's fp32 path (IEEE matmuls, the interpreter tests' exact mode) with each K's default plan. The
+    forward's fp32 mode is the interpreter's alone (CUDA fp32 calls take the reference), and fp16 calls run the
+    bf16 kernels."""
     fused = importlib.import_module(f"{kernel.__name__}.triton.backward")
+    forward = importlib.import_module(f"{kernel.__name__}.triton.forward")
     shapes = spec("based_backward").measure_shapes
 
-    def case(shape, dtype, config):
+    def tensors(shape, dtype):
         B, T, H, K, V = shape
         q, k = (torch.empty(B, T, H, K, dtype=dtype, device="meta") for _ in range(2))
         v, do = (torch.empty(B, T, H, V, dtype=dtype, device="meta") for _ in range(2))
-        label = f"(B,T,H,K,V)={shape} {str(dtype)[6:]} {config}"
-        return label, lambda: fused.based_backward_triton(q, k, v, do, K**-0.5, config)
+        return q, k, v, do
+
+    def case(shape, dtype, config):
+        q, k, v, do = tensors(shape, dtype)
+        label = f"backward (B,T,H,K,V)={shape} {str(dtype)[6:]} {config}"
+        return label, lambda: fused.based_backward_triton(q, k, v, do, shape[3] ** -0.5, config)
+
+    def forward_case(shape, dtype, config):
+        q, k, v, _ = tensors(shape, dtype)
+        label = f"forward (B,T,H,K,V)={shape} {str(dtype)[6:]} {config}"
+        return label, lambda: forward.based_forward_triton(q, k, v, shape[3] ** -0.5, config)
 
     for shape in shapes:
         K = shape[3]
         for config in sorted(set(fused.CONFIG_CHOICES) | {fused.DEFAULT_CONFIG[K]}, key=str):
             yield case(shape, torch.bfloat16, config)
+        for config in sorted(set(forward.CONFIG_CHOICES) | {forward.DEFAULT_CONFIG[K]}, key=str):
+            yield forward_case(shape, torch.bfloat16, config)
     for K in sorted({shape[3] for shape in shapes}):
-        yield case(next(s for s in shapes if s[3] == K), torch.float32, fused.DEFAULT_CONFIG[K])
+        first = next(s for s in shapes if s[3] == K)
+        yield case(first, torch.float32, fused.DEFAULT_CONFIG[K])

@@ -341,3 +341,184 @@ def test_every_benchmarked_config_on_cuda(based, fused):
             got = fused.based_backward_triton(q, k, v, do, shape[3] ** -0.5, config)
             for name, g, r in zip("qkv", got, ref):
                 assert rel_err(g, r) < SPEC_TOL, f"d{name} at {shape}, config {config}"
+
+
+# ---- the fused Triton forward ----
+
+# (B, T, H, K, V, config overrides): both K over two chunks; ragged T over three chunks with several V tiles and
+# a V that is not a power of two; a single partial chunk; a chunk of 32 on 4 warps
+FORWARD_CASES = [
+    (1, 128, 1, 16, 32, {}),
+    (1, 128, 1, 8, 16, {}),
+    (2, 150, 1, 8, 48, dict(bv=16)),
+    (1, 20, 2, 16, 16, {}),
+    (1, 96, 1, 16, 24, dict(chunk=32, bv=16, warps=4)),
+]
+
+
+@pytest.fixture(scope="module")
+def fused_forward(based):
+    return submodule(based, "triton.forward")
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="IEEE fp32 matmuls check the forward's algebra in the interpreter")
+@pytest.mark.parametrize("B,T,H,K,V,config", FORWARD_CASES)
+def test_fused_forward_exact_arithmetic_matches_float64(fused_forward, B, T, H, K, V, config):
+    q, k, v, _ = make(B, T, H, K, V, device=TRITON_DEVICE)
+    o = fused_forward.based_forward_triton(q, k, v, 0.3, fused_forward.ForwardConfig(**config))
+    assert o.dtype == torch.float32 and o.shape == v.shape
+    assert rel_err(o, based_float64(q, k, v, 0.3)) < 1e-5
+
+
+@needs_triton
+@pytest.mark.parametrize("B,T,H,K,V,config", FORWARD_CASES[:3])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fused_forward_16bit_matches_float64(fused_forward, B, T, H, K, V, config, dtype):
+    q, k, v, _ = make(B, T, H, K, V, dtype, TRITON_DEVICE)
+    o = fused_forward.based_forward_triton(q, k, v, K**-0.5, fused_forward.ForwardConfig(**config))
+    assert o.dtype == dtype
+    assert rel_err(o, based_float64(q, k, v)) < BF16_TOL
+
+
+def spec_forward(s):
+    """The spec's chunked fp32 forward (`_based_forward`, the function its reference differentiates)."""
+    return s.ref.__globals__["_based_forward"]
+
+
+FORWARD_TOL = 1e-2  # bf16 operands and state: a few e-3 against the fp32 spec
+
+
+@needs_cuda
+def test_fused_forward_matches_spec_on_cuda(based):
+    """The public forward (the Triton kernels for bf16) against the spec's fp32 forward at every correct and
+    measure shape and at T = 8192 and 16384 (the ungated state sums must keep the error flat in T)."""
+    s = spec("based_backward")
+    for shape in s.correct_shapes + s.measure_shapes + [(1, 8192, 2, 16, 128), (1, 16384, 1, 8, 64)]:
+        q, k, v, _ = s.make(*shape, 0)
+        o = based.based_attention(q, k, v)
+        ref = spec_forward(s)(q.float(), k.float(), v.float())
+        assert o.dtype == torch.bfloat16 and o.shape == v.shape
+        assert rel_err(o, ref) < FORWARD_TOL, f"o at {shape}"
+        del q, k, v, o, ref
+        torch.cuda.empty_cache()
+
+
+@needs_cuda
+def test_every_benchmarked_forward_config_on_cuda(based, fused_forward):
+    s = spec("based_backward")
+    for config in sorted(set(fused_forward.CONFIG_CHOICES) | set(fused_forward.DEFAULT_CONFIG.values()), key=str):
+        for shape in [(2, 1000, 8, 8, 64), (1, 1024, 6, 16, 128), (1, 300, 2, 16, 200)]:
+            q, k, v, _ = s.make(*shape, 0)
+            o = fused_forward.based_forward_triton(q, k, v, shape[3] ** -0.5, config)
+            assert rel_err(o, based_float64(q, k, v)) < FORWARD_TOL, f"o at {shape}, config {config}"
+
+
+@needs_cuda
+def test_inference_takes_the_fused_forward(based, fused_forward):
+    """Under no_grad the public forward is the Triton forward, bit for bit (fp16 through bf16 as well)."""
+    for dtype in (torch.bfloat16, torch.float16):
+        q, k, v, _ = make(2, 200, 3, 16, 64, dtype, "cuda")
+        with torch.no_grad():
+            o = based.based_attention(q, k, v)
+        assert torch.equal(o, fused_forward.based_forward_triton(q, k, v, 0.25))
+
+
+@needs_cuda
+@pytest.mark.parametrize("shape", [(2, 1024, 8, 16, 128), (1, 777, 4, 8, 64)])
+def test_training_step_matches_spec_gradients_on_cuda(based, shape):
+    """o = based_attention(q, k, v) and o.backward(do) through autograd against the spec's fp32 gradients."""
+    s = spec("based_backward")
+    (q, k, v, do), ref = spec_fp32_grads(s, shape)
+    ins = [x.clone().requires_grad_(True) for x in (q, k, v)]
+    based.based_attention(*ins).backward(do)
+    for name, x, r in zip("qkv", ins, ref):
+        assert x.grad.dtype == torch.bfloat16
+        assert rel_err(x.grad, r) < SPEC_TOL, f"d{name} at {shape}"
+
+
+def cuda_step_inputs(B=2, T=300, H=4, K=16, V=64):
+    q, k, v, do = make(B, T, H, K, V, torch.bfloat16, "cuda")
+    w = torch.randn(V, V, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    return q, k, v, w
+
+
+def attention_step(based, q, k, v, w):
+    return (based.based_attention(q, k, v @ w).float() ** 2).mean()
+
+
+@needs_cuda
+def test_torch_compile_fullgraph_step_on_cuda(based):
+    q, k, v, w = cuda_step_inputs()
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda *a: attention_step(based, *a), fullgraph=True)
+    (gw,) = torch.autograd.grad(compiled(q, k, v, w), [w])
+    (eager_gw,) = torch.autograd.grad(attention_step(based, q, k, v, w), [w])
+    assert rel_err(gw, eager_gw) < 1e-2
+
+
+@needs_cuda
+def test_cuda_graph_replays_a_whole_step(based):
+    """Forward, backward and the parameter's gradient captured in one CUDA graph; a replay on new inputs
+    equals the eager step on them."""
+    q, k, v, w = cuda_step_inputs()
+    static = [x.clone() for x in (q, k, v)]
+
+    def step():
+        (g,) = torch.autograd.grad(attention_step(based, *static, w), [w])
+        return g
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):  # compile and warm up outside the capture
+            step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        g_static = step()
+    fresh = make(2, 300, 4, 16, 64, torch.bfloat16, "cuda", seed=1)[:3]
+    for x, y in zip(static, fresh):
+        x.copy_(y)
+    graph.replay()
+    torch.cuda.synchronize()
+    (eager,) = torch.autograd.grad(attention_step(based, *fresh, w), [w])
+    assert rel_err(g_static, eager) < 1e-3
+
+
+def check_ops_on(based, device):
+    q, k, v, do = make(1, 200, 2, 16, 32, torch.bfloat16, device)
+    o = based.based_attention(q, k, v)
+    assert o.device == q.device and rel_err(o, based_float64(q, k, v)) < BF16_TOL, f"o on {device}"
+    for name, g, ref in zip("qkv", based.based_backward(q, k, v, do), grads_float64(q, k, v, do)):
+        assert g.device == q.device and rel_err(g, ref) < BF16_TOL, f"d{name} on {device}"
+
+
+@needs_cuda
+def test_ops_run_on_the_current_device(based):
+    """The one-GPU part of the device check: inputs on cuda:0 inside torch.cuda.device(0)."""
+    with torch.cuda.device(0):
+        check_ops_on(based, "cuda:0")
+
+
+@pytest.mark.skipif(not HAS_CUDA or torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_ops_run_on_their_inputs_device(based):
+    """Every public op launches on its inputs' device whatever device is current: on cuda:1 while cuda:0 is
+    current, and on both GPUs at once from two threads."""
+    import threading
+
+    with torch.cuda.device(0):
+        check_ops_on(based, "cuda:1")
+    errors = []
+
+    def worker(device):
+        try:
+            check_ops_on(based, device)
+        except Exception as e:  # noqa: BLE001 - reported by the main thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(d,)) for d in ("cuda:0", "cuda:1")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors

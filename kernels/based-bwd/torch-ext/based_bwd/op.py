@@ -1,8 +1,8 @@
 """The registered ops (backward, forward with its autograd link) and the public functions.
 
-`based_backward` runs the fused Triton kernel on CUDA tensors and the eager analytic backward on CPU
-tensors; `based_forward` runs the eager reference on both devices, and its registered autograd calls the
-registered `based_backward` op, so training goes through the same backward as a direct call. Every op name
+On CUDA both ops take the path `dispatch` picks (the fused Triton kernels for bf16 and fp16), on the CPU the
+eager reference. `based_forward`'s registered autograd calls the registered `based_backward` op, so training
+goes through the same backward as a direct call, and inference under no_grad through the same forward. Every op name
 goes through `add_op_namespace_prefix`, so two versions of this kernel can be loaded side by side.
 """
 
@@ -34,7 +34,7 @@ def _(q, k, v, do, scale):
 
 @torch.library.custom_op(add_op_namespace_prefix("based_forward"), mutates_args=(), device_types="cuda")
 def based_forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    return based_forward_reference(q, k, v, scale)
+    return dispatch.forward(q, k, v, scale)
 
 
 @torch.library.register_kernel(add_op_namespace_prefix("based_forward"), "cpu")

@@ -39,6 +39,8 @@ import triton
 import triton.language as tl
 
 from ..reference import EPS
+from .states import _chunk_state, _pair_row, _state_scan, n_features
+from .tiles import _dot, _load_rows, _sequence_row, _store_rows, on_device
 
 # A jit function may read a module global only when it is a constexpr (the interpreter does not check this,
 # the compiler does).
@@ -46,43 +48,9 @@ _EPS = tl.constexpr(EPS)
 
 
 @triton.jit
-def _load_rows(base, t0, T, row_stride, ncols, R: tl.constexpr, W: tl.constexpr):
-    """[R, W]: positions t0 .. t0 + R down, features 0 .. W across; zero past T or past ncols."""
-    rows = t0 + tl.arange(0, R)
-    cols = tl.arange(0, W)
-    ptrs = base + rows.to(tl.int64)[:, None] * row_stride + cols[None, :]
-    return tl.load(ptrs, mask=(rows[:, None] < T) & (cols[None, :] < ncols), other=0.0)
-
-
-@triton.jit
-def _store_rows(base, x, t0, T, row_stride, ncols, R: tl.constexpr, W: tl.constexpr):
-    rows = t0 + tl.arange(0, R)
-    cols = tl.arange(0, W)
-    ptrs = base + rows.to(tl.int64)[:, None] * row_stride + cols[None, :]
-    tl.store(ptrs, x.to(base.dtype.element_ty), mask=(rows[:, None] < T) & (cols[None, :] < ncols))
-
-
-@triton.jit
 def _load_vec(base, t0, T, R: tl.constexpr):
     rows = t0 + tl.arange(0, R)
     return tl.load(base + rows, mask=rows < T, other=0.0)
-
-
-@triton.jit
-def _dot(DOT: tl.constexpr, a, b):
-    """a @ b with both operands in DOT (bf16: tensor cores; fp32: exact IEEE fp32), fp32 accumulation."""
-    if DOT == tl.float32:
-        return tl.dot(a.to(DOT), b.to(DOT), input_precision="ieee")
-    return tl.dot(a.to(DOT), b.to(DOT))
-
-
-@triton.jit
-def _pair_row(a, b, K: tl.constexpr):
-    """The state row of the quadratic feature x_a x_b (either order): after the constant and the K linear
-    rows, the pairs a' <= b' row by row (a' = 0 first, with K pairs)."""
-    lo = tl.minimum(a, b)
-    hi = tl.maximum(a, b)
-    return 1 + K + lo * K - lo * (lo - 1) // 2 + (hi - lo)
 
 
 @triton.jit
@@ -146,98 +114,12 @@ def _quad_grad(x, t0, T, row_stride, G, S, Z, w, V, K: tl.constexpr, BK: tl.cons
 
 
 @triton.jit
-def _sequence_row(pid_bh, T, H):
-    """The row of position 0 of sequence pid_bh = b H + h in a (B, T, H, .) tensor, in int64."""
-    return (pid_bh // H).to(tl.int64) * T * H + pid_bh % H
-
-
-@triton.jit
-def _chunk_state(pid_bh, n, N, P: tl.constexpr):
-    """The row of feature 0 of chunk n's state of sequence pid_bh in the (B H, N, P, .) state buffers."""
-    return (pid_bh.to(tl.int64) * N + n) * P
-
-
-@triton.jit
 def _chunk_program(T, H, N, P: tl.constexpr, C: tl.constexpr):
     """A chunk kernel's program (grid: chunk n, b H + h): b H + h, the row of its sequence's position 0
     (`_sequence_row`), the row of its chunk's state (`_chunk_state`) and its first position n C."""
     n = tl.program_id(0)
     pid_bh = tl.program_id(1)
     return pid_bh, _sequence_row(pid_bh, T, H), _chunk_state(pid_bh, n, N, P), n * C
-
-
-@triton.jit
-def _scan_loads(x, y, w_in, n, ia, ib, linear, quad, cols, T, H, V, K: tl.constexpr, C: tl.constexpr,
-                WEIGHTED: tl.constexpr):
-    """The loads of chunk n one scan step consumes: x_a and x_b [R, C], y [C, BV] and the position weights
-    [C] (w_in's, or 1); zero past T."""
-    t = n * C + tl.arange(0, C)
-    inside = t < T
-    xrow = x + t.to(tl.int64)[None, :] * (H * K)
-    xa = tl.load(xrow + ia[:, None], mask=inside[None, :] & (linear | quad)[:, None], other=0.0)
-    xb = tl.load(xrow + ib[:, None], mask=inside[None, :] & quad[:, None], other=0.0)
-    yy = tl.load(y + t.to(tl.int64)[:, None] * (H * V) + cols[None, :], mask=inside[:, None] & (cols < V)[None, :],
-                 other=0.0)
-    if WEIGHTED:
-        w = tl.load(w_in + t, mask=inside, other=0.0)
-    else:
-        w = inside.to(tl.float32)
-    return xa, xb, yy, w
-
-
-@triton.jit
-def _state_scan(
-    x, y, w_in, states, norms,
-    T, H, V, scale, N,
-    K: tl.constexpr, P: tl.constexpr, R: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, REVERSE: tl.constexpr,
-    DOT: tl.constexpr,
-):
-    """Forward (REVERSE false): x = k, y = v; stores S_n = sum_{m < n} phi_k(K_m)^T V_m and z_n (weights 1).
-    Reverse: x = q, y = g; stores dS_n = sum_{m > n} phi_q(Q~_m)^T G_m and dz_n (weights w_in = h)."""
-    pid_f = tl.program_id(0)
-    pid_v = tl.program_id(1)
-    pid_bh = tl.program_id(2)
-    row = _sequence_row(pid_bh, T, H)
-    x += row * K
-    y += row * V
-    w_in += pid_bh.to(tl.int64) * T
-    f = pid_f * R + tl.arange(0, R)
-    linear = (f >= 1) & (f <= K)
-    quad = (f > K) & (f < P)
-    # Packed pair p = f - 1 - K -> (a, b), a <= b: a counts the rows a' >= 1 whose first pair is at or before p.
-    p = f - 1 - K
-    pa = tl.zeros([R], dtype=tl.int32)
-    for a in tl.static_range(1, K):
-        pa += (p >= a * K - a * (a - 1) // 2).to(tl.int32)
-    ia = tl.where(linear, f - 1, tl.where(quad, pa, 0))
-    ib = tl.where(quad, p - (pa * K - pa * (pa - 1) // 2) + pa, 0)
-    if REVERSE:  # phi_q of q~ = scale q
-        c1 = scale
-        c2 = 0.5 * scale * scale
-    else:
-        c1 = 1.0
-        c2 = 1.0
-    cols = pid_v * BV + tl.arange(0, BV)
-    state_rows = _chunk_state(pid_bh, 0, N, P) + f
-    store_mask = (f < P)[:, None] & (cols < V)[None, :]
-    acc = tl.zeros([R, BV], dtype=tl.float32)
-    z = tl.zeros([R], dtype=tl.float32)
-    for m in range(0, N):
-        if REVERSE:
-            n = N - 1 - m
-        else:
-            n = m
-        rows = state_rows + n * P
-        tl.store(states + rows[:, None] * V + cols[None, :], acc.to(states.dtype.element_ty), mask=store_mask)
-        if pid_v == 0:
-            tl.store(norms + rows, z, mask=f < P)
-        xa, xb, yy, w = _scan_loads(x, y, w_in, n, ia, ib, linear, quad, cols, T, H, V, K, C, REVERSE)
-        inside = n * C + tl.arange(0, C) < T
-        xa32, xb32 = xa.to(tl.float32), xb.to(tl.float32)
-        phi_t = tl.where(linear[:, None], c1 * xa32, c2 * xa32 * xb32)
-        phi_t = tl.where((f == 0)[:, None] & inside[None, :], 1.0, phi_t)
-        acc += _dot(DOT, phi_t, yy)
-        z += tl.sum(phi_t * w[None, :], 1)
 
 
 @triton.jit
@@ -355,12 +237,6 @@ CONFIG_CHOICES = [Config(chunk_registers=None), Config(warps=8, chunk_registers=
 MAX_V = 256
 
 
-def n_features(K: int) -> int:
-    """P, the state rows: the constant, K linear features and the K (K + 1) / 2 distinct products x_a x_b
-    (a <= b; the state of x_b x_a is the same, so the kernels read one row for both orders)."""
-    return 1 + K + K * (K + 1) // 2
-
-
 def launch_plan(K: int, V: int, dtype: torch.dtype, config: Config | None = None) -> dict:
     """{kernel name: (jit function, constexpr arguments, num_warps, maxnreg)} for the four launches."""
     cfg = config or DEFAULT_CONFIG[K]
@@ -406,8 +282,9 @@ def based_backward_triton(q, k, v, do, scale: float, config: Config | None = Non
         fn, meta, warps, maxnreg = plan[name]
         fn[grid](*args, *common, **meta, num_warps=warps, num_stages=1, maxnreg=maxnreg)
 
-    launch("forward_scan", scan_grid, k, v, h, states, norms)  # h is not read (unweighted)
-    launch("forward_dq", (N, BH), q, k, v, do, states, norms, h, g, dq)
-    launch("reverse_scan", scan_grid, q, g, h, states, norms)  # overwrites S_n with dS_n
-    launch("dkdv", (N, BH), q, k, v, g, states, norms, h, dk, dv)
+    with on_device(q):
+        launch("forward_scan", scan_grid, k, v, h, states, norms)  # h is not read (unweighted)
+        launch("forward_dq", (N, BH), q, k, v, do, states, norms, h, g, dq)
+        launch("reverse_scan", scan_grid, q, g, h, states, norms)  # overwrites S_n with dS_n
+        launch("dkdv", (N, BH), q, k, v, g, states, norms, h, dk, dv)
     return dq, dk, dv

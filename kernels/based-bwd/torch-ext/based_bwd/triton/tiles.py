@@ -1,0 +1,46 @@
+"""Tile helpers the forward and the backward kernels share: row-tile loads and stores of (B, T, H, D) tensors,
+the sequence offset of a (b, h) program, the matmul in the kernels' operand type, and the device a launch
+runs on."""
+
+import contextlib
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _load_rows(base, t0, T, row_stride, ncols, R: tl.constexpr, W: tl.constexpr):
+    """[R, W]: positions t0 .. t0 + R down, features 0 .. W across; zero past T or past ncols."""
+    rows = t0 + tl.arange(0, R)
+    cols = tl.arange(0, W)
+    ptrs = base + rows.to(tl.int64)[:, None] * row_stride + cols[None, :]
+    return tl.load(ptrs, mask=(rows[:, None] < T) & (cols[None, :] < ncols), other=0.0)
+
+
+@triton.jit
+def _store_rows(base, x, t0, T, row_stride, ncols, R: tl.constexpr, W: tl.constexpr):
+    rows = t0 + tl.arange(0, R)
+    cols = tl.arange(0, W)
+    ptrs = base + rows.to(tl.int64)[:, None] * row_stride + cols[None, :]
+    tl.store(ptrs, x.to(base.dtype.element_ty), mask=(rows[:, None] < T) & (cols[None, :] < ncols))
+
+
+@triton.jit
+def _dot(DOT: tl.constexpr, a, b):
+    """a @ b with both operands in DOT (bf16: tensor cores; fp32: exact IEEE fp32), fp32 accumulation."""
+    if DOT == tl.float32:
+        return tl.dot(a.to(DOT), b.to(DOT), input_precision="ieee")
+    return tl.dot(a.to(DOT), b.to(DOT))
+
+
+@triton.jit
+def _sequence_row(pid_bh, T, H):
+    """The row of position 0 of sequence pid_bh = b H + h in a (B, T, H, .) tensor, in int64."""
+    return (pid_bh // H).to(tl.int64) * T * H + pid_bh % H
+
+
+def on_device(x: torch.Tensor):
+    """The context a launch on x's tensors runs in: x's CUDA device made current (Triton launches on the current
+    device), or nothing for the interpreter's CPU tensors."""
+    return torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext()
