@@ -1,8 +1,10 @@
 """comba-bwd benchmarks: the `kernels benchmark` class for one shape, and the side-by-side table for the GPU run.
 
-Credited TFLOP/s use the spec's canonical_work (2x the chunked forward's FLOPs, from the shape alone). Errors
-are the relative Frobenius error of each of the six gradients against the spec's reference run in fp32 on
-fp32 copies of the bf16 inputs (computed once per shape).
+Three cases a measure shape: the backward (`comba_backward`), the forward (`comba_attention` under no_grad, case
+label "... forward") and the training step (`comba_attention` forward and backward through autograd, "... step").
+Credited TFLOP/s use the spec's canonical_work W (2x the chunked forward's FLOPs, from the shape alone): W for the
+backward, W / 2 for the forward, 3 W / 2 for the step. Errors are the relative Frobenius error of the output or of
+each of the six gradients against the spec's reference run in fp32 on fp32 copies of the bf16 inputs.
 
 Anchors in the same run (anchors/ANCHORS.md): the spec's seed reference (autograd through the chunked fp32
 forward), and fla 0.6.0 `chunk_comba` forward + backward called with the exact adapter p' = exp(g) p (fla reads
@@ -43,7 +45,8 @@ def _make(B, T, H, K, V, device, seed=0):
 
 
 class CombaBackward(Benchmark):
-    """bf16, (B, T, H, K, V) = (8, 2048, 32, 128, 128): the first measure shape of the spec. `out` is dq."""
+    """bf16, (B, T, H, K, V) = (8, 2048, 32, 128, 128): the first measure shape of the spec. `out` is dq (the
+    backward, the step) or o (the forward)."""
 
     seed = 0
 
@@ -57,9 +60,27 @@ class CombaBackward(Benchmark):
     def verify_backward(self) -> torch.Tensor:
         return self.kernel.comba_backward_reference(*(x.float() for x in self.inputs))[0].to(self.out.dtype)
 
+    def benchmark_forward(self):
+        with torch.no_grad():
+            self.out = self.kernel.comba_attention(*self.inputs[:6])
 
-def _fla_fwd_bwd(bench):
-    """fla chunk_comba forward + backward through the exact adapter, or None when fla is not installed."""
+    def verify_forward(self) -> torch.Tensor:
+        return self.kernel.comba_forward_reference(*(x.float() for x in self.inputs[:6])).to(self.out.dtype)
+
+    def benchmark_step(self):
+        self.out = _step(self.kernel)(*self.inputs)[0]
+
+    def verify_step(self) -> torch.Tensor:
+        return self.verify_backward()
+
+
+FLA_STEP = "fla 0.6.0 chunk_comba fwd+bwd (p'=exp(g)p bf16, guard lifted)"
+FLA_FORWARD = "fla 0.6.0 chunk_comba forward (p'=exp(g)p bf16, guard lifted)"
+
+
+def _fla(bench):
+    """(forward, forward + backward) of fla chunk_comba through the exact adapter, or None when fla is not
+    installed."""
     fla = bench.optional("fla")
     if fla is None:
         return None
@@ -68,18 +89,53 @@ def _fla_fwd_bwd(bench):
 
     chunk_o.TRITON_ABOVE_3_7_1 = True  # lift the Hopper guard of fla #640: a timing anchor only
 
-    def run(q, k, v, p, beta, g, do):
-        ins = [x.detach().requires_grad_(True) for x in (q, k, v, p, beta, g)]
-        qq, kk, vv, pp, bb, gg = ins
-        p_read = (gg.exp()[..., None] * pp).to(pp.dtype)    # fla reads before the decay; the spec after
-        o, _ = chunk_comba(qq, kk, vv, p_read, gg, bb)      # fla's order: (..., p, g, beta)
-        return torch.autograd.grad(o, ins, do)
+    def forward(q, k, v, p, beta, g):
+        p_read = (g.exp()[..., None] * p).to(p.dtype)       # fla reads before the decay; the spec after
+        return chunk_comba(q, k, v, p_read, g, beta)[0]     # fla's order: (..., p, g, beta)
 
-    return run
+    def inference(q, k, v, p, beta, g):
+        with torch.no_grad():
+            return forward(q, k, v, p, beta, g)
+
+    def step(q, k, v, p, beta, g, do):
+        ins = [x.detach().requires_grad_(True) for x in (q, k, v, p, beta, g)]
+        return torch.autograd.grad(forward(*ins), ins, do)
+
+    return inference, step
+
+
+def _step(kernel):
+    """Our training step: comba_attention's forward and backward through autograd, the six gradients."""
+
+    def step(q, k, v, p, beta, g, do):
+        ins = [x.detach().requires_grad_(True) for x in (q, k, v, p, beta, g)]
+        return torch.autograd.grad(kernel.comba_attention(*ins), ins, do)
+
+    return step
+
+
+def _inference(kernel):
+    def forward(q, k, v, p, beta, g):
+        with torch.no_grad():
+            return kernel.comba_attention(q, k, v, p, beta, g)
+
+    return forward
+
+
+def _spec_forward(s):
+    """The spec's chunked fp32 forward, `_comba_forward`, as its reference code defines it."""
+    env = {}
+    exec(s.reference_imports, env)
+    exec(s.reference_src, env)
+    return env["_comba_forward"]
 
 
 def _errors(bench, got, ref):
     return {f"err_{n}": bench.rel_err(a, b) for n, a, b in zip(NAMES, got, ref)}
+
+
+def _output_error(bench, got, ref):
+    return {"err_o": bench.rel_err(got, ref)}
 
 
 def _row(case, impl, ms, tflop, errs=None, **extra):
@@ -106,13 +162,42 @@ def _stage_sweep(bench, pipeline, case, tflop, inputs, ref, scale):
     return _row(case, "sweep stages", t_all, tflop, errs, **{f"ms_{n}": bench.time(f) for n, f in stages.items()})
 
 
+def _forward_stage_sweep(bench, pipeline, case, tflop, inputs, ref_o, scale):
+    """The whole forward and each of its stages alone (`ms_<stage>`), at one shape (T a multiple of the chunk)."""
+    stages, (o, *_) = pipeline.forward_stages(*inputs, scale)
+    run = lambda: [launch() for launch in stages.values()]  # noqa: E731
+    run()
+    t_all = bench.time(run)
+    return _row(case, "sweep forward stages", t_all, tflop, _output_error(bench, o, ref_o),
+                **{f"ms_{n}": bench.time(f) for n, f in stages.items()})
+
+
+def _measured(bench, case, impl, fn, args, ref, tflop, errors, **extra):
+    """The row of `fn(*args)`: its errors against `ref` (`errors(bench, got, ref)`) and its median time."""
+    errs = errors(bench, fn(*args), ref)
+    return _row(case, impl, bench.time(lambda: fn(*args)), tflop, errs, **extra)
+
+
+def _anchor(bench, case, impl, fn, args, ref, tflop, errors, ours):
+    """An anchor's row beside `ours`, which gets its time over ours (`x_vs_fla`); its error row if it fails."""
+    try:
+        row = _measured(bench, case, impl, fn, args, ref, tflop, errors)
+    except Exception as e:  # noqa: BLE001 - an anchor failing must not hide our row
+        return _error_row(case, impl, e)
+    ours["x_vs_fla"] = row["ms"] / ours["ms"]
+    return row
+
+
 def side_by_side(kernel, bench, shapes=None, sweep_shapes=None, time_seed_reference=True) -> list[dict]:
-    """Every measure shape of the spec: ours, fla chunk_comba fwd+bwd (if installed), the spec's seed reference;
-    then the stage sweep at SWEEP_SHAPES. `shapes`/`sweep_shapes` exist for a dry run at tiny shapes on the CPU."""
+    """Every measure shape of the spec: our backward, forward and training step, fla chunk_comba's forward and
+    forward + backward beside them (if installed), the spec's seed reference; then the stage sweep at SWEEP_SHAPES.
+    `shapes`/`sweep_shapes` exist for a dry run at tiny shapes on the CPU."""
     s = bench.spec(SPEC)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    fla = _fla_fwd_bwd(bench)
+    fla = _fla(bench)
+    spec_forward = _spec_forward(s)
     pipeline = importlib.import_module(f"{kernel.__name__}.backward")
+    forward_pipeline = importlib.import_module(f"{kernel.__name__}.forward")
     shapes = [tuple(x) for x in (shapes or s.measure_shapes)]
     sweep_shapes = [tuple(x) for x in (sweep_shapes or SWEEP_SHAPES)] if bench.sweep else []
     rows = []
@@ -120,25 +205,38 @@ def side_by_side(kernel, bench, shapes=None, sweep_shapes=None, time_seed_refere
         case = "(B,T,H,K,V)=" + ",".join(map(str, shape)) + " bf16"
         tflop = s.work(*shape) / 1e12
         inputs = s.make(*shape, 0)
-        ref = s.ref(*(x.float() for x in inputs))
+        if shape in shapes or shape in sweep_shapes:
+            ref_o = spec_forward(*(x.float() for x in inputs[:6]))
+        if shape in sweep_shapes:
+            rows.append(_forward_stage_sweep(bench, forward_pipeline, case + " forward", tflop / 2, inputs[:6], ref_o,
+                                             shape[3] ** -0.5))
         if shape in shapes:
-            errs = _errors(bench, kernel.comba_backward(*inputs), ref)
-            t_ours = bench.time(lambda: kernel.comba_backward(*inputs))
-            ours = _row(case, "comba-bwd triton", t_ours, tflop, errs, path=kernel.kernel_path(inputs[0]))
+            ours = _measured(bench, case + " forward", "comba-bwd forward", _inference(kernel), inputs[:6], ref_o,
+                             tflop / 2, _output_error)
             rows.append(ours)
             if fla is not None:
-                impl = "fla 0.6.0 chunk_comba fwd+bwd (p'=exp(g)p bf16, guard lifted)"
-                try:
-                    fla_errs = _errors(bench, fla(*inputs), ref)
-                    t_fla = bench.time(lambda: fla(*inputs))
-                    rows.append(_row(case, impl, t_fla, tflop, fla_errs))
-                    ours["x_vs_fla"] = t_fla / t_ours
-                except Exception as e:  # noqa: BLE001 - an anchor failing must not hide our row
-                    rows.append(_error_row(case, impl, e))
+                rows.append(_anchor(bench, case + " forward", FLA_FORWARD, fla[0], inputs[:6], ref_o, tflop / 2,
+                                    _output_error, ours))
+        if shape in shapes or shape in sweep_shapes:
+            del ref_o
+        ref = s.ref(*(x.float() for x in inputs))
+        if shape in shapes:
+            ours = _measured(bench, case, "comba-bwd triton", kernel.comba_backward, inputs, ref, tflop, _errors,
+                             path=kernel.kernel_path(inputs[0]))
+            step = _measured(bench, case + " step", "comba-bwd step", _step(kernel), inputs, ref, 1.5 * tflop,
+                             _errors)
+            rows += [ours, step]
+            if fla is not None:
+                fla_step = _anchor(bench, case + " step", FLA_STEP, fla[1], inputs, ref, 1.5 * tflop, _errors, step)
+                rows.append(fla_step)
+                if "ms" in fla_step:  # the same run beside the backward
+                    rows.append(_row(case, FLA_STEP, fla_step["ms"], tflop, {k: v for k, v in fla_step.items()
+                                                                              if k.startswith("err_")}))
+                    ours["x_vs_fla"] = fla_step["ms"] / ours["ms"]
             if time_seed_reference:
                 t_seed = bench.time(lambda: s.ref(*inputs))
                 rows.append(_row(case, "spec seed reference (autograd, fp32)", t_seed, tflop))
-                ours["x_vs_seed_reference"] = t_seed / t_ours
+                ours["x_vs_seed_reference"] = t_seed / ours["ms"]
         if shape in sweep_shapes:
             rows.append(_stage_sweep(bench, pipeline, case, tflop, inputs, ref, shape[3] ** -0.5))
         del inputs, ref
@@ -148,9 +246,10 @@ def side_by_side(kernel, bench, shapes=None, sweep_shapes=None, time_seed_refere
 
 
 def compile_cases(kernel, spec):
-    """(label, call) pairs for `python -m tools.compile_sm90`: the backward at every measure shape, on meta
-    tensors (bf16, g in float32)."""
+    """(label, call) pairs for `python -m tools.compile_sm90`: the forward and the backward at every measure shape,
+    on meta tensors (bf16, g in float32)."""
     pipeline = importlib.import_module(f"{kernel.__name__}.backward")
+    forward_pipeline = importlib.import_module(f"{kernel.__name__}.forward")
 
     def case(shape):
         B, T, H, K, V = shape
@@ -158,7 +257,12 @@ def compile_cases(kernel, spec):
         v, do = (torch.empty(B, T, H, V, dtype=torch.bfloat16, device="meta") for _ in range(2))
         beta = torch.empty(B, T, H, dtype=torch.bfloat16, device="meta")
         g = torch.empty(B, T, H, dtype=torch.float32, device="meta")
-        return f"(B,T,H,K,V)={shape}", lambda: pipeline.fused_backward(q, k, v, p, beta, g, do, K**-0.5)
+
+        def both():
+            forward_pipeline.fused_forward(q, k, v, p, beta, g, K**-0.5)
+            pipeline.fused_backward(q, k, v, p, beta, g, do, K**-0.5)
+
+        return f"(B,T,H,K,V)={shape}", both
 
     for shape in spec("comba_backward").measure_shapes:
         yield case(shape)
