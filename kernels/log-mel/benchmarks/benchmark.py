@@ -11,6 +11,7 @@ pass has real work) and batches with Whisper's Slaney filterbank (NM 80 and 128)
 """
 
 import importlib
+import math
 
 import torch
 
@@ -18,6 +19,55 @@ from kernels.benchmark import Benchmark
 
 SPEC = "audio_mel_spectrogram_fused"
 WHISPER_SHAPE = (208, 3000, 201)  # 30 s clips, n_fft 400
+WAVEFORM_BATCHES = (16, 64, 208)  # 30-s clips a call of the waveform rows
+
+
+def speech_like(n_samples: int, seed: int) -> torch.Tensor:
+    """A float32 clip on the CPU that a speech front end sees (no recording needed): a sequence of 80-330 ms
+    segments, each voiced (a pulse train at 100-180 Hz with vibrato through three formant resonances and a
+    -6 dB/kHz tilt), fricative (noise above 3 kHz), near-silent (noise at -80 dB) or digital silence, each under
+    a smooth envelope; peak 0.5."""
+    g = torch.Generator().manual_seed(seed)
+    out = torch.zeros(n_samples, dtype=torch.float64)
+    pos = 0
+    while pos < n_samples:
+        L = int(16000 * (0.08 + 0.25 * torch.rand(1, generator=g).item()))
+        kind = torch.randint(0, 4, (1,), generator=g).item()
+        t = torch.arange(L, dtype=torch.float64) / 16000
+        f = torch.fft.rfftfreq(L, 1 / 16000).double()
+        if kind <= 1:
+            f0 = 100 + 80 * torch.rand(1, generator=g).item()
+            pulses = (torch.sin(2 * math.pi * torch.cumsum(f0 * (1 + 0.05 * torch.sin(2 * math.pi * 5 * t)), 0)
+                                / 16000) > 0.95).double()
+            envelope = sum(1 / (1 + ((f - centre) / width) ** 2) for centre, width in
+                           [(500 + 400 * torch.rand(1, generator=g).item(), 80),
+                            (1500 + 800 * torch.rand(1, generator=g).item(), 120),
+                            (2500 + 600 * torch.rand(1, generator=g).item(), 200)])
+            segment = torch.fft.irfft(torch.fft.rfft(pulses - pulses.mean()) * envelope * torch.exp(-f / 3000), n=L)
+        elif kind == 2:
+            noise = torch.randn(L, generator=g, dtype=torch.float64)
+            segment = torch.fft.irfft(torch.fft.rfft(noise) * (f > 3000) * 0.3, n=L)
+        else:
+            segment = 1e-4 * torch.randn(L, generator=g, dtype=torch.float64) * (torch.rand(1, generator=g).item() < 0.5)
+        end = min(L, n_samples - pos)
+        out[pos : pos + end] = (segment * torch.sin(math.pi * torch.arange(L) / L) ** 0.5)[:end]
+        pos += L
+    return (0.5 * out / out.abs().max().clamp_min(1e-30)).float()
+
+
+def whisper_batch(B: int, n_samples: int, device, seed: int = 0) -> torch.Tensor:
+    """(B, n_samples) float32 on `device`: speech-like clips (8 distinct ones, shifted and scaled by 0.05-1), and
+    where B >= 4 a noise clip, a silent clip and a speech clip at -80 dB among them."""
+    g = torch.Generator().manual_seed(seed)
+    distinct = torch.stack([speech_like(n_samples, seed + i) for i in range(min(B, 8))])
+    pick = torch.randint(0, len(distinct), (B,), generator=g)
+    gains = 0.05 + 0.95 * torch.rand(B, 1, generator=g)
+    audio = torch.stack([distinct[i].roll(int(torch.randint(0, n_samples, (1,), generator=g))) for i in pick]) * gains
+    if B >= 4:
+        audio[1] = 0.05 * torch.randn(n_samples, generator=g)
+        audio[2] = 0
+        audio[3] = distinct[0] * 1e-4
+    return audio.to(device)
 
 
 def speech_batch(B, F, NF, NM, device, seed=0):
@@ -128,7 +178,13 @@ def _free():
         torch.cuda.empty_cache()
 
 
-def side_by_side(kernel, bench, shapes=None, whisper_shape=WHISPER_SHAPE, sweep_shapes=None) -> list[dict]:
+def side_by_side(kernel, bench, shapes=None, whisper_shape=WHISPER_SHAPE, sweep_shapes=None,
+                 waveform_batches=WAVEFORM_BATCHES, n_samples=30 * 16000) -> list[dict]:
+    rows = _stft_rows(kernel, bench, shapes, whisper_shape, sweep_shapes)
+    return rows + waveform_rows(kernel, bench, waveform_batches, n_samples)
+
+
+def _stft_rows(kernel, bench, shapes, whisper_shape, sweep_shapes) -> list[dict]:
     s = bench.spec(SPEC)
     if s is None:
         return []
@@ -178,6 +234,150 @@ def side_by_side(kernel, bench, shapes=None, whisper_shape=WHISPER_SHAPE, sweep_
     return rows
 
 
+def compile_cases(kernel, spec):
+    """(label, call) pairs for `python -m tools.compile_sm90`, on meta tensors: the STFT op's two designs with every
+    shipped config at every measure shape of the spec, and the waveform op's shipped configs at 30-s clips for every
+    audio and output dtype, with and without lengths."""
+    fused = importlib.import_module(f"{kernel.__name__}.triton.stft")
+    waveform = importlib.import_module(f"{kernel.__name__}.triton.waveform")
+
+    def case(shape, design, config):
+        B, F, NF, NM = shape
+        stft = torch.empty(B, F, NF, dtype=torch.complex64, device="meta")
+        mel_filters = torch.empty(NM, NF, dtype=torch.float32, device="meta")
+        return f"{shape} {design} {config.name}", lambda: fused.log_mel_triton(stft, mel_filters, design, config)
+
+    for shape in spec(SPEC).measure_shapes:
+        for design in fused.DESIGNS:
+            for config in fused.SHIPPED_CONFIGS:
+                yield case(shape, design, config)
+
+    def waveform_case(n_mels, audio_dtype, out_dtype, with_lengths, config):
+        audio = torch.empty(208, 480000, dtype=audio_dtype, device="meta")
+        lengths = torch.empty(208, dtype=torch.int64, device="meta") if with_lengths else None
+        label = (f"waveform {n_mels} mels {str(audio_dtype)[6:]}->{str(out_dtype)[6:]}"
+                 f"{' lengths' if with_lengths else ''} {config.name}")
+        return label, lambda: waveform.whisper_log_mel_triton(audio, lengths, n_mels, out_dtype, config)
+
+    for config in waveform.SHIPPED_CONFIGS:
+        for n_mels in (80, 128):
+            yield waveform_case(n_mels, torch.float32, torch.float32, False, config)
+        yield waveform_case(80, torch.int16, torch.bfloat16, True, config)
+        yield waveform_case(128, torch.bfloat16, torch.float16, True, config)
+
+
+def _transformers_torch_path(mel_filters_t):
+    """transformers' WhisperFeatureExtractor._torch_extract_fbank_features on a device tensor (its ops, without the
+    numpy round trip): torch.stft, |.|^2 of all but the last frame, filters @, log10, per-clip floor."""
+
+    def run(audio):
+        window = torch.hann_window(400, device=audio.device)
+        stft = torch.stft(audio, 400, 160, window=window, return_complex=True)
+        magnitudes = (stft[..., :-1].abs() ** 2).contiguous()
+        log_spec = torch.clamp(mel_filters_t @ magnitudes, min=1e-10).log10()
+        max_val = log_spec.max(dim=2, keepdim=True)[0].max(dim=1, keepdim=True)[0]
+        return (torch.maximum(log_spec, max_val - 8.0) + 4.0) / 4.0
+
+    return run
+
+
+def _flashmel_log(flashmel, n_mels, device, out_dtype=torch.float32):
+    """flashmel's fused mel spectrogram with Whisper's filterbank, then the log, the per-clip floor and the rescale
+    in torch (flashmel's power spectrogram has one frame more than Whisper keeps)."""
+    mel = flashmel.MelSpectrogram(sample_rate=16000, n_fft=400, hop_length=160, n_mels=n_mels, norm="slaney",
+                                  mel_scale="slaney").to(device)
+
+    def mel_only(audio):
+        return mel(audio)
+
+    def with_log(audio):
+        log_spec = mel(audio)[..., :-1].clamp(min=1e-10).log10()
+        hi = log_spec.amax(dim=(1, 2), keepdim=True)
+        return ((torch.maximum(log_spec, hi - 8.0) + 4.0) / 4.0).to(out_dtype)
+
+    return mel_only, with_log
+
+
+def _float64_features(audio, n_mels, mel_filters):
+    """The front end in float64 on the audio's device, clip by clip (torch.stft in float64, the same maths)."""
+    out = []
+    window = torch.hann_window(400, dtype=torch.float64, device=audio.device)
+    w = mel_filters.double().to(audio.device)
+    for clip in audio.double():
+        stft = torch.stft(clip, 400, 160, window=window, return_complex=True)[..., :-1]
+        log_spec = (w @ stft.abs() ** 2).clamp(min=1e-10).log10()
+        out.append((torch.maximum(log_spec, log_spec.max() - 8.0) + 4.0) / 4.0)
+    return torch.stack(out)
+
+
+def waveform_rows(kernel, bench, batches=WAVEFORM_BATCHES, n_samples=30 * 16000) -> list[dict]:
+    """`whisper_log_mel` from 30-s clips at each batch size and 80 and 128 mels, in fp32 and int16-in / bf16-out,
+    beside flashmel (mel only, and with the log and floor in torch: the bar), and transformers' torch path on
+    the device. GB/s on the essential bytes (the audio read once, the features written once), % of the copy rate
+    in this run, x over flashmel + log, and the max abs error against float64 (fp32 rows) or against the float64
+    features rounded to bf16 (bf16 rows). Then every shipped tile config of the waveform kernel at the largest
+    batch."""
+    waveform = importlib.import_module(f"{kernel.__name__}.triton.waveform")
+    flashmel = bench.optional("flashmel")
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # the CPU: the dry run below
+    rows = []
+    for B in batches:
+        audio = whisper_batch(B, n_samples, device)
+        pcm = (audio * 32768).round().clamp(-32768, 32767).to(torch.int16)
+        pcm_audio = pcm.float() / 32768
+        for n_mels in (80, 128):
+            filters = kernel.mel_filters(n_mels).to(device)
+            ref64 = _float64_features(audio, n_mels, filters)
+            pcm_ref64 = _float64_features(pcm_audio, n_mels, filters)
+            F = n_samples // 160
+            fp32_bytes = B * n_samples * 4 + B * n_mels * F * 4
+            pcm_bytes = B * n_samples * 2 + B * n_mels * F * 2
+            impls = {}
+            if flashmel is not None:
+                mel_only, with_log = _flashmel_log(flashmel, n_mels, device)
+                _, with_log_bf16 = _flashmel_log(flashmel, n_mels, device, torch.bfloat16)
+                impls["flashmel 0.1.0 + torch log/floor, fp32"] = (lambda: with_log(audio), ref64, fp32_bytes)
+                impls["flashmel 0.1.0 mel only (no log), fp32"] = (lambda: mel_only(audio), None, fp32_bytes)
+                impls["flashmel 0.1.0 + torch log/floor, int16 -> bf16"] = (lambda: with_log_bf16(pcm), pcm_ref64,
+                                                                            pcm_bytes)
+            impls["transformers torch path (device), fp32"] = (
+                lambda: _transformers_torch_path(filters)(audio), ref64, fp32_bytes)
+            impls["whisper_log_mel, fp32"] = (lambda: kernel.whisper_log_mel(audio, n_mels), ref64, fp32_bytes)
+            impls["whisper_log_mel, int16 -> bf16"] = (
+                lambda: kernel.whisper_log_mel(pcm, n_mels, out_dtype=torch.bfloat16), pcm_ref64, pcm_bytes)
+            if B == batches[-1]:
+                for config in waveform.SHIPPED_CONFIGS:
+                    impls[f"waveform kernel {config.name}, fp32"] = (
+                        lambda c=config: waveform.whisper_log_mel_triton(audio, None, n_mels, torch.float32, c),
+                        ref64, fp32_bytes)
+            case = f"waveform B={B} N={n_samples} mels={n_mels}"
+            timed = {}
+            for name, (fn, ref, work) in impls.items():
+                ms = bench.time(fn)
+                timed[name] = ms
+                gbps = work / ms / 1e6
+                row = {"case": case, "impl": name, "ms": ms, "metric": "GB/s", "value": gbps,
+                       "pct_copy": 100.0 * gbps / bench.copy_gbps}
+                if ref is not None:
+                    out = fn()
+                    target = ref.to(out.dtype).double() if out.dtype != torch.float32 else ref
+                    row["err"] = (out.double() - target).abs().max().item()
+                    if name.startswith("whisper_log_mel") or name.startswith("waveform kernel"):
+                        row["silent_clip_exact"] = bool((out[2] == -1.5).all()) if B >= 4 else None
+                    del out
+                rows.append(row)
+            for row in rows[-len(impls):]:
+                anchor = ("flashmel 0.1.0 + torch log/floor, int16 -> bf16" if "int16" in row["impl"]
+                          else "flashmel 0.1.0 + torch log/floor, fp32")
+                if anchor in timed:
+                    row["x_vs_flashmel_log"] = timed[anchor] / row["ms"]
+            del ref64, pcm_ref64
+            _free()
+        del audio, pcm, pcm_audio
+        _free()
+    return rows
+
+
 if __name__ == "__main__":
     # CPU dry run of side_by_side at tiny shapes (TRITON_INTERPRET=1 runs the Triton kernels on CPU), from
     # the repo root: HF_HUB_OFFLINE=1 HF_HUB_CACHE=.hub .venv/bin/python kernels/log-mel/benchmarks/benchmark.py
@@ -211,22 +411,6 @@ if __name__ == "__main__":
             return None
 
     lm = testkit.load("log-mel")
-    for row in side_by_side(lm, FakeBench(), shapes=[(2, 37, 201, 128), (3, 20, 401, 80)], whisper_shape=(3, 25, 201)):
+    for row in side_by_side(lm, FakeBench(), shapes=[(2, 37, 201, 128), (3, 20, 401, 80)], whisper_shape=(3, 25, 201),
+                            waveform_batches=(4,), n_samples=4000):
         print(row)
-
-
-def compile_cases(kernel, spec):
-    """(label, call) pairs for `python -m tools.compile_sm90`: both designs with every shipped config at every
-    measure shape, on meta tensors."""
-    fused = importlib.import_module(f"{kernel.__name__}.triton.stft")
-
-    def case(shape, design, config):
-        B, F, NF, NM = shape
-        stft = torch.empty(B, F, NF, dtype=torch.complex64, device="meta")
-        mel_filters = torch.empty(NM, NF, dtype=torch.float32, device="meta")
-        return f"{shape} {design} {config.name}", lambda: fused.log_mel_triton(stft, mel_filters, design, config)
-
-    for shape in spec(SPEC).measure_shapes:
-        for design in fused.DESIGNS:
-            for config in fused.SHIPPED_CONFIGS:
-                yield case(shape, design, config)

@@ -1,11 +1,12 @@
-"""log_mel: Whisper's log-mel spectrogram from a complex STFT (power -> mel -> log10 -> per-clip 80 dB
-floor -> rescale) as one streaming pass, plus Whisper's Slaney filterbank and a waveform front end, for
-the Hugging Face kernels hub."""
+"""log_mel: Whisper's log-mel features (power -> Slaney mel -> log10 -> per-clip 80 dB floor -> rescale), from the
+waveform in one fused pass (`whisper_log_mel`) or from a complex STFT (`log_mel_spectrogram`), with Whisper's
+filterbank, for the Hugging Face kernels hub."""
 
 from . import layers
-from .op import kernel_path, log_mel_spectrogram
-from .reference import log_mel_spectrogram_reference
-from .whisper import mel_filters, whisper_log_mel
+from .dispatch import kernel_path
+from .op import log_mel_spectrogram, whisper_log_mel
+from .reference import log_mel_spectrogram_reference, whisper_log_mel_reference
+from .whisper import mel_filters
 
 __all__ = [
     "layers",
@@ -13,5 +14,6 @@ __all__ = [
     "log_mel_spectrogram_reference",
     "mel_filters",
     "whisper_log_mel",
+    "whisper_log_mel_reference",
     "kernel_path",
 ]

@@ -1,21 +1,19 @@
-"""The registered op and the public function.
+"""The registered ops and the public functions.
 
-CUDA tensors run the fused Triton kernels (`triton.stft`, imported on first use so that the package
-imports without triton); CPU tensors run the eager reference. The op name goes through
-`add_op_namespace_prefix`, so two versions of this kernel can be loaded side by side. The op has no
-autograd formula: the public function refuses inputs that require grad (see `validation`).
+CUDA tensors run the Triton kernels (`triton.stft` and `triton.waveform`, imported on first use so that the
+package imports without triton); CPU tensors run the eager reference (see `dispatch`). The op names go through
+`add_op_namespace_prefix`, so two versions of this kernel can be loaded side by side. The ops have no autograd
+formula: the public functions refuse inputs that require grad (see `validation`).
 """
+
+from collections.abc import Sequence
 
 import torch
 
 from ._ops import add_op_namespace_prefix
-from .reference import log_mel_spectrogram_reference
-from .validation import check_log_mel_args
-
-
-def kernel_path(x: torch.Tensor) -> str:
-    """Which implementation a call on `x`'s device takes: "triton" or "reference"."""
-    return "triton" if x.is_cuda else "reference"
+from .reference import log_mel_spectrogram_reference, whisper_log_mel_reference
+from .validation import check_log_mel_args, check_whisper_args
+from .whisper import HOP_LENGTH, N_FFT
 
 
 @torch.library.custom_op(add_op_namespace_prefix("log_mel_spectrogram"), mutates_args=(), device_types="cuda")
@@ -36,6 +34,24 @@ def _(stft, mel_filters):
     return stft.new_empty((B, F, mel_filters.shape[0]), dtype=torch.float32)
 
 
+@torch.library.custom_op(add_op_namespace_prefix("whisper_log_mel"), mutates_args=(), device_types="cuda")
+def whisper_log_mel_op(audio: torch.Tensor, lengths: torch.Tensor | None, n_mels: int,
+                       out_dtype: torch.dtype) -> torch.Tensor:
+    from .triton.waveform import whisper_log_mel_triton
+
+    return whisper_log_mel_triton(audio, lengths, n_mels, out_dtype)
+
+
+@torch.library.register_kernel(add_op_namespace_prefix("whisper_log_mel"), "cpu")
+def _(audio, lengths, n_mels, out_dtype):
+    return whisper_log_mel_reference(audio, n_mels, lengths, out_dtype)
+
+
+@torch.library.register_fake(add_op_namespace_prefix("whisper_log_mel"))
+def _(audio, lengths, n_mels, out_dtype):
+    return audio.new_empty((audio.shape[0], n_mels, audio.shape[1] // HOP_LENGTH), dtype=out_dtype)
+
+
 def log_mel_spectrogram(stft: torch.Tensor, mel_filters: torch.Tensor) -> torch.Tensor:
     """Whisper's normalised log-mel spectrogram from a complex STFT, with one 80 dB floor per clip.
 
@@ -50,3 +66,26 @@ def log_mel_spectrogram(stft: torch.Tensor, mel_filters: torch.Tensor) -> torch.
     """
     check_log_mel_args(stft, mel_filters)
     return log_mel_op(stft.contiguous(), mel_filters.contiguous())
+
+
+def whisper_log_mel(audio: torch.Tensor, n_mels: int = 80, *, lengths: torch.Tensor | Sequence[int] | None = None,
+                    out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Whisper's log-mel features of a batch of 16 kHz waveforms, one 80 dB floor per clip: what transformers'
+    WhisperFeatureExtractor returns for the batch padded with zeros to N samples (its torch path).
+
+    audio:     (B, N) float32, float16 or bfloat16 samples, or int16 PCM (scaled by 1/32768); N > 200.
+    n_mels:    mel bands of `mel_filters(n_mels)` (Whisper: 80, or 128 for large-v3).
+    lengths:   (B,) ints in [0, N], or None: samples at or past a clip's length count as zeros, so clips of
+               different lengths share one batch.
+    out_dtype: float32, bfloat16 or float16 (accumulation is float32 throughout).
+    Returns (B, n_mels, N // 160) `out_dtype`, contiguous: frames of a periodic Hann window of 400, hop 160,
+    centred with reflect padding, the last frame dropped; power, the Slaney filterbank, log10(max(mel, 1e-10)),
+    the clip's maximum - 8 as a floor, (x + 4) / 4. On CUDA one fused pass from the samples (DFT and projection
+    as 3xTF32 tensor-core products, fp32-accurate) and a pass that touches only tiles the floor reaches.
+    """
+    if isinstance(lengths, Sequence):
+        lengths = torch.tensor(lengths, dtype=torch.int64)
+    check_whisper_args(audio, n_mels, lengths, out_dtype, N_FFT)
+    if lengths is not None:
+        lengths = lengths.to(device=audio.device, dtype=torch.int64)
+    return whisper_log_mel_op(audio.contiguous(), lengths, n_mels, out_dtype)

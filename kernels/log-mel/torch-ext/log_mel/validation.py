@@ -34,16 +34,32 @@ def check_log_mel_args(stft, mel_filters) -> None:
     _check_no_grad("mel_filters", mel_filters)
 
 
-def check_whisper_args(audio, n_mels, n_fft: int) -> None:
-    """Validate `whisper_log_mel(audio (B, N) float32, n_mels)`."""
-    check_tensor("audio", audio, 2, (torch.float32,), "(B, N)")
+AUDIO_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.int16)
+OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+LENGTH_DTYPES = (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8)
+
+
+def check_whisper_args(audio, n_mels, lengths, out_dtype, n_fft: int) -> None:
+    """Validate `whisper_log_mel(audio (B, N), n_mels, lengths=(B,) or None, out_dtype)`; lengths values are
+    checked against [0, N] (a CUDA tensor's on the host: one synchronisation)."""
+    check_tensor("audio", audio, 2, AUDIO_DTYPES, "(B, N)")
     _check_int("n_mels", n_mels)
     if audio.shape[0] < 1 or audio.shape[1] <= n_fft // 2:
         raise ValueError(
             f"audio must be (B, N) with B >= 1 and N > {n_fft // 2} samples (reflect padding of half a "
             f"window), got {tuple(audio.shape)}"
         )
+    if not isinstance(out_dtype, torch.dtype) or out_dtype not in OUT_DTYPES:
+        raise TypeError(f"out_dtype must be torch.float32, torch.bfloat16 or torch.float16, got {out_dtype!r}")
     _check_no_grad("audio", audio)
+    if lengths is None:
+        return
+    check_tensor("lengths", lengths, 1, LENGTH_DTYPES, "(B,)")
+    if lengths.shape[0] != audio.shape[0]:
+        raise ValueError(f"lengths must be (B,) with B = {audio.shape[0]}, got {tuple(lengths.shape)}")
+    inside = (lengths >= 0) & (lengths <= audio.shape[1])
+    if lengths.device.type != "meta" and not bool(inside.all()):
+        raise ValueError(f"lengths must lie in [0, N] with N = {audio.shape[1]}, got {lengths.tolist()}")
 
 
 def _check_int(name: str, n) -> None:

@@ -1,13 +1,10 @@
-"""Whisper's front end around the kernel: its Slaney mel filterbank, computed here (no librosa), and
-`whisper_log_mel`, waveform -> log-mel with transformers' batched (per-clip) floor."""
+"""Whisper's front-end constants and its Slaney mel filterbank, computed here (no librosa)."""
 
-import functools
 import math
 
 import torch
 
-from .op import log_mel_spectrogram
-from .validation import check_filterbank_args, check_whisper_args
+from .validation import check_filterbank_args
 
 SAMPLE_RATE = 16000
 N_FFT = 400
@@ -47,26 +44,3 @@ def mel_filters(n_mels: int, n_fft: int = N_FFT, sample_rate: int = SAMPLE_RATE)
     falling = (right - bins_hz) / (right - centre)
     triangles = torch.minimum(rising, falling).clamp(min=0.0)
     return (triangles * (2.0 / (right - left))).to(torch.float32)
-
-
-@functools.lru_cache(maxsize=None)
-def _filterbank_on(n_mels: int, device: torch.device) -> torch.Tensor:
-    """One filterbank per (n_mels, device), like whisper's own cache; never handed to callers."""
-    return mel_filters(n_mels).to(device)
-
-
-def whisper_log_mel(audio: torch.Tensor, n_mels: int = 80) -> torch.Tensor:
-    """Whisper's log-mel of a batch of 16 kHz waveforms, one 80 dB floor per clip.
-
-    audio: (B, N) float32. Returns (B, n_mels, N // 160) float32, contiguous: torch.stft with a periodic
-    Hann window of 400, hop 160, centred with reflect padding, last frame dropped; then
-    `log_mel_spectrogram` with `mel_filters(n_mels)`. This is transformers' WhisperFeatureExtractor on a
-    batch (per-clip max); openai-whisper takes one max over whatever tensor it is given.
-    """
-    check_whisper_args(audio, n_mels, N_FFT)
-    window = torch.hann_window(N_FFT, device=audio.device)
-    stft = torch.stft(audio, N_FFT, HOP_LENGTH, window=window, center=True, pad_mode="reflect",
-                      return_complex=True)  # (B, NF, N // 160 + 1)
-    frames = stft[..., :-1].transpose(1, 2)  # (B, F, NF): the kernel's layout
-    out = log_mel_spectrogram(frames.contiguous(), _filterbank_on(n_mels, audio.device))
-    return out.transpose(1, 2).contiguous()

@@ -33,10 +33,8 @@ import torch
 import triton
 import triton.language as tl
 
-# Globals read inside @triton.jit functions must be constexpr.
-LOG10_2 = tl.constexpr(0.301029995663981195)  # log10(x) = log2(x) * log10(2)
-# torch.log10(torch.tensor(1e-10)) is exactly -10.0 in fp32: the value of every clamped (silent) bin.
-LOG10_CLAMP = tl.constexpr(-10.0)
+from .epilogue import clip_floor, log10_clamped
+
 SUPPORT_CHUNK = 128  # filterbank bins per step of the band-support scan
 FLOOR_CHUNK = 1024  # output elements per step of the floor pass
 STATS_CHUNK = 256  # tile statistics per step of the clip-maximum reduction
@@ -74,7 +72,7 @@ class Config:
 # Both picks run the flat loop (one loop over the tile's chunk list, the next chunk's loads in flight), which is
 # faster on the H200 than the nested loop, pipelined or not, at every swept shape. Its epilogue runs only at a
 # block's last chunk and its chunk entries are packed and its loads unmasked, which holds 64x8x16 tiles to 72
-# registers (7 CTAs an SM). The hardware log2 (`_log10_clamped`) is level with libdevice's there and a clear
+# registers (7 CTAs an SM). The hardware log2 (`epilogue.log10_clamped`) is level with libdevice's there and a clear
 # gain at 64x16x32 (4 CTAs an SM, where issue slots are busier). 16-band blocks of 32-bin chunks take fewer,
 # wider steps (128 registers, 4 CTAs an SM) and are the fastest at NM 128 and at (104, 3000, 401, 80); where the
 # bands are narrower, at (208, 3000, 201, 80), 8-band blocks of 32 bins are faster, and 16-band blocks only
@@ -153,21 +151,6 @@ def _project(mel, xy, w, BLOCK_F: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION
 
 
 @triton.jit
-def _log10_clamped(mel, HW_LOG2: tl.constexpr):
-    """log10(max(mel, 1e-10)); with HW_LOG2 through the hardware log2 (`lg2.approx.f32`, absolute error about
-    2^-22), else through libdevice's log2, which takes about 30 instructions a value: with the hardware one
-    the main pass issues fewer instructions and runs closer to copy bandwidth on sm_90, at the same output
-    error. The clamp discards its value at or below 1e-10, subnormals included."""
-    if HW_LOG2:
-        log2 = tl.inline_asm_elementwise("lg2.approx.f32 $0, $1;", "=f,f", [mel], dtype=tl.float32, is_pure=True,
-                                         pack=1)
-    else:
-        log2 = tl.log2(mel)
-    # `<=` keeps a NaN on the log2 side, so NaN input stays NaN instead of becoming silence.
-    return tl.where(mel <= 1e-10, LOG10_CLAMP, log2 * LOG10_2)
-
-
-@triton.jit
 def _unpack_chunk(entry):
     """(first bin, the block's hi, band block) of a packed chunk entry; `entry < 0` at a block's last chunk."""
     k0 = (entry & FIELD_MASK).to(tl.int32)
@@ -239,7 +222,7 @@ def _log_mel_tile(x_ptr, w_ptr, lo_ptr, hi_ptr, chunks_ptr, out_ptr, clip, tile,
             if entry < 0:
                 _, _, block = _unpack_chunk(entry)
                 bands = block * BLOCK_M + lanes
-                log_spec = _log10_clamped(mel, HW_LOG2)
+                log_spec = log10_clamped(mel, HW_LOG2)
                 tl.store(out_rows + bands[None, :], (log_spec + 4.0) * 0.25,
                          mask=frame_ok[:, None] & (bands < NM)[None, :])
                 run_max = tl.maximum(run_max, log_spec)
@@ -254,23 +237,12 @@ def _log_mel_tile(x_ptr, w_ptr, lo_ptr, hi_ptr, chunks_ptr, out_ptr, clip, tile,
             for k0 in range(tl.load(lo_ptr + block), k_hi, BLOCK_K):
                 xy, w = _load_chunk(x_rows, w_ptr, frame_ok, bands, band_ok, k0, k_hi, NF, BLOCK_K)
                 mel = _project(mel, xy, w, BLOCK_F, BLOCK_K, PRECISION)
-            log_spec = _log10_clamped(mel, HW_LOG2)
+            log_spec = log10_clamped(mel, HW_LOG2)
             ok = frame_ok[:, None] & band_ok[None, :]
             tl.store(out_rows + bands[None, :], (log_spec + 4.0) * 0.25, mask=ok)
             run_max = tl.maximum(run_max, tl.where(ok, log_spec, float("-inf")))
             run_min = tl.minimum(run_min, tl.where(ok, log_spec, float("inf")))
     return tl.max(run_max), tl.min(run_min)
-
-
-@triton.jit
-def _clip_floor(stats_ptr, clip, n_tiles, CHUNK: tl.constexpr):
-    """hi - 8 for `clip`, hi being the max of its tile maxima (stats hold (max, min) per tile)."""
-    base = stats_ptr + clip.to(tl.int64) * n_tiles * 2
-    hi = tl.full((), float("-inf"), tl.float32)
-    for t0 in range(0, n_tiles, CHUNK):
-        t = t0 + tl.arange(0, CHUNK)
-        hi = tl.maximum(hi, tl.max(tl.load(base + 2 * t, mask=t < n_tiles, other=float("-inf"))))
-    return hi - 8.0
 
 
 @triton.jit
@@ -309,7 +281,7 @@ def _floor_kernel(out_ptr, stats_ptr, F, NM, n_tiles, n_groups, BLOCK_F: tl.cons
     pid = tl.program_id(0)
     clip = pid // n_groups
     first = (pid % n_groups) * FLOOR_TILES
-    floor = _clip_floor(stats_ptr, clip, n_tiles, STATS_CHUNK)
+    floor = clip_floor(stats_ptr, clip, n_tiles, STATS_CHUNK)
     stats = stats_ptr + clip.to(tl.int64) * n_tiles * 2
     for tile in range(first, tl.minimum(first + FLOOR_TILES, n_tiles)):
         if tl.load(stats + 2 * tile + 1) < floor:
@@ -333,7 +305,7 @@ def _clip_resident_kernel(x_ptr, w_ptr, lo_ptr, hi_ptr, chunks_ptr, out_ptr, sta
         tl.store(stats + 2 * tile + 1, tile_min)
     # Other threads of this program wrote the statistics and the output rows read below.
     tl.debug_barrier()
-    floor = _clip_floor(stats_ptr, clip, n_tiles, STATS_CHUNK)
+    floor = clip_floor(stats_ptr, clip, n_tiles, STATS_CHUNK)
     for tile in range(0, n_tiles):
         if tl.load(stats + 2 * tile + 1) < floor:
             _floor_tile(out_ptr, clip, tile, F, NM, floor, BLOCK_F, FLOOR_CHUNK)

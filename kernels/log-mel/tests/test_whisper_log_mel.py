@@ -1,0 +1,219 @@
+"""`whisper_log_mel` from the waveform: against transformers' WhisperFeatureExtractor (its torch path, float32) and a
+float64 construction, on speech-like clips with noise, digital silence and a clip 80 dB down in one batch; every
+audio and output dtype, lengths, bad input; the Triton kernel itself (interpreted on CPU, compiled on CUDA); and a
+tiny Whisper model giving the same logits from our features as from the feature extractor's."""
+
+import importlib.util
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from testkit import HAS_CUDA, load, needs_cuda, needs_triton, submodule
+
+DEVICE = "cuda" if HAS_CUDA else "cpu"
+_BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "benchmark.py"
+_spec = importlib.util.spec_from_file_location("log_mel_benchmark", _BENCH)
+bench = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(bench)
+
+
+@pytest.fixture(scope="module")
+def lm():
+    return load("log-mel")
+
+
+@pytest.fixture(scope="module")
+def waveform(lm):
+    pytest.importorskip("triton")
+    return submodule(lm, "triton.waveform")
+
+
+def transformers_features(audio: torch.Tensor, n_mels: int) -> torch.Tensor:
+    fe = pytest.importorskip("transformers").WhisperFeatureExtractor(feature_size=n_mels)
+    return torch.from_numpy(fe._torch_extract_fbank_features(audio.float().cpu().numpy(), device="cpu"))
+
+
+def float64_features(audio: torch.Tensor, n_mels: int) -> torch.Tensor:
+    """The front end in float64 by an independent route: frames gathered by index (reflect padding), rfft,
+    transformers' filterbank, a per-clip loop."""
+    x = audio.double().cpu()
+    B, N = x.shape
+    j = torch.arange(N // 160)[:, None] * 160 - 200 + torch.arange(400)[None, :]
+    j = torch.where(j < 0, -j, j)
+    j = torch.where(j >= N, 2 * N - 2 - j, j)
+    n = torch.arange(400, dtype=torch.float64)
+    frames = x[:, j] * (0.5 - 0.5 * torch.cos(2 * math.pi * n / 400))
+    power = torch.fft.rfft(frames, dim=-1).abs() ** 2  # (B, F, 201)
+    audio_utils = pytest.importorskip("transformers.audio_utils")
+    filters = torch.from_numpy(audio_utils.mel_filter_bank(
+        num_frequency_bins=201, num_mel_filters=n_mels, min_frequency=0.0, max_frequency=8000.0,
+        sampling_rate=16000, norm="slaney", mel_scale="slaney")).double()  # (201, n_mels)
+    log_spec = (power @ filters).clamp(min=1e-10).log10().transpose(1, 2)
+    return torch.stack([(torch.maximum(c, c.max() - 8.0) + 4.0) / 4.0 for c in log_spec])
+
+
+def max_abs(x, ref) -> float:
+    return (x.double().cpu() - ref.double().cpu()).abs().max().item()
+
+
+SILENT = 2  # whisper_batch's silent clip
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The public function on the device at hand (CPU: the reference; CUDA: the fused kernel)
+
+
+@pytest.mark.kernels_ci
+@pytest.mark.parametrize("n_mels", [80, 128])
+def test_matches_transformers(lm, n_mels):
+    audio = bench.whisper_batch(6, 16000 + 77, "cpu")
+    out = lm.whisper_log_mel(audio.to(DEVICE), n_mels)
+    assert out.shape == (6, n_mels, (16000 + 77) // 160) and out.dtype == torch.float32 and out.is_contiguous()
+    assert max_abs(out, transformers_features(audio, n_mels)) <= 2e-4
+    assert max_abs(out, float64_features(audio, n_mels)) <= 1e-4
+    assert torch.equal(out[SILENT].cpu(), torch.full_like(out[SILENT].cpu(), -1.5))
+
+
+@pytest.mark.kernels_ci
+@pytest.mark.parametrize("audio_dtype", [torch.int16, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_dtypes(lm, audio_dtype, out_dtype):
+    audio = bench.whisper_batch(4, 3000 + 33, "cpu")
+    if audio_dtype == torch.int16:
+        x = (audio * 32768).round().clamp(-32768, 32767).to(torch.int16)
+        as_float = x.float() / 32768
+    else:
+        x = audio.to(audio_dtype)
+        as_float = x.float()
+    out = lm.whisper_log_mel(x.to(DEVICE), 80, out_dtype=out_dtype)
+    assert out.dtype == out_dtype
+    ref = float64_features(as_float, 80)
+    # Accumulation is fp32 throughout: one rounding to out_dtype (half an ulp of values up to 2) on top.
+    ulp = {torch.float32: 0.0, torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10}[out_dtype]
+    assert max_abs(out, ref) <= 1e-4 + ulp
+    assert torch.equal(out[SILENT].float().cpu(), torch.full((80, out.shape[2]), -1.5))
+
+
+@pytest.mark.kernels_ci
+def test_lengths_are_zero_padding(lm):
+    audio = bench.whisper_batch(5, 4000, "cpu")
+    lengths = [4000, 2500, 0, 201, 3999]
+    padded = audio * (torch.arange(4000)[None, :] < torch.tensor(lengths)[:, None])
+    out = lm.whisper_log_mel(audio.to(DEVICE), 80, lengths=lengths)
+    assert max_abs(out, float64_features(padded, 80)) <= 1e-4
+    same = lm.whisper_log_mel(audio.to(DEVICE), 80, lengths=torch.tensor(lengths, dtype=torch.int32, device=DEVICE))
+    assert torch.equal(out, same)
+    assert torch.equal(out[2].cpu(), torch.full((80, 25), -1.5))
+
+
+@pytest.mark.kernels_ci
+@pytest.mark.parametrize(
+    "call,exc,match",
+    [
+        (lambda m, a: m.whisper_log_mel(a.double()), TypeError, "audio must be float32, float16, bfloat16 or int16"),
+        (lambda m, a: m.whisper_log_mel(a.to(torch.int32)), TypeError, "audio must be"),
+        (lambda m, a: m.whisper_log_mel(a[0]), ValueError, "audio must have rank 2"),
+        (lambda m, a: m.whisper_log_mel(a[:, :200]), ValueError, "N > 200"),
+        (lambda m, a: m.whisper_log_mel(a, 80.0), TypeError, "n_mels must be an int"),
+        (lambda m, a: m.whisper_log_mel(a, 0), ValueError, "n_mels must be >= 1"),
+        (lambda m, a: m.whisper_log_mel(a, out_dtype=torch.float64), TypeError, "out_dtype must be"),
+        (lambda m, a: m.whisper_log_mel(a, out_dtype="float32"), TypeError, "out_dtype must be"),
+        (lambda m, a: m.whisper_log_mel(a, lengths=[1000]), ValueError, "lengths must be \\(B,\\) with B = 2"),
+        (lambda m, a: m.whisper_log_mel(a, lengths=[1000, 1001]), ValueError, "lengths must lie in \\[0, N\\]"),
+        (lambda m, a: m.whisper_log_mel(a, lengths=[-1, 10]), ValueError, "lengths must lie in"),
+        (lambda m, a: m.whisper_log_mel(a, lengths=torch.tensor([1.0, 2.0])), TypeError, "lengths must be int64"),
+        (lambda m, a: m.whisper_log_mel(a.requires_grad_()), ValueError, "audio requires grad"),
+    ],
+)
+def test_bad_input_raises(lm, call, exc, match):
+    audio = torch.zeros(2, 1000)
+    with pytest.raises(exc, match=match):
+        call(lm, audio)
+
+
+@pytest.mark.kernels_ci
+def test_opcheck(lm):
+    audio = bench.whisper_batch(3, 2000, "cpu")
+    torch.library.opcheck(lm.op.whisper_log_mel_op, (audio, torch.tensor([2000, 1500, 0]), 80, torch.float32))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The Triton kernel itself: interpreted on CPU, compiled on CUDA
+
+
+@needs_triton
+@pytest.mark.kernels_ci
+@pytest.mark.parametrize("n_mels", [80, 128, 20])
+def test_kernel_matches_float64(waveform, n_mels):
+    audio = bench.whisper_batch(5, 3000 + 77, "cpu")
+    lengths = torch.tensor([3077, 3077, 3077, 1200, 3077])
+    out = waveform.whisper_log_mel_triton(audio.to(DEVICE), lengths.to(DEVICE), n_mels, torch.float32)
+    padded = audio * (torch.arange(3077)[None, :] < lengths[:, None])
+    assert max_abs(out, float64_features(padded, n_mels)) <= 1e-4
+    assert torch.equal(out[SILENT].cpu(), torch.full_like(out[SILENT].cpu(), -1.5))
+
+
+@needs_triton
+def test_kernel_every_shipped_config(waveform):
+    # 1601 samples: 10 frames, a ragged last tile for every block_f.
+    audio = bench.whisper_batch(4, 1601, "cpu")
+    ref = float64_features(audio, 80)
+    for config in waveform.SHIPPED_CONFIGS:
+        out = waveform.whisper_log_mel_triton(audio.to(DEVICE), None, 80, torch.float32, config)
+        assert max_abs(out, ref) <= 1e-4, config.name
+        assert torch.equal(out[SILENT].cpu(), torch.full_like(out[SILENT].cpu(), -1.5)), config.name
+
+
+@pytest.mark.kernels_ci
+def test_stage2_bins_cover_every_bin_once(waveform):
+    bins, used = waveform.stage2_bins()
+    assert sorted(bins[used].tolist()) == list(range(201))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# CUDA at Whisper's sizes
+
+
+@needs_cuda
+@pytest.mark.parametrize("n_mels", [80, 128])
+def test_cuda_30s_batch_matches_transformers(lm, n_mels):
+    audio = bench.whisper_batch(16, 480000, "cpu")
+    out = lm.whisper_log_mel(audio.cuda(), n_mels)
+    assert max_abs(out, transformers_features(audio, n_mels)) <= 2e-4
+    assert torch.equal(out[SILENT].cpu(), torch.full_like(out[SILENT].cpu(), -1.5))
+    pcm = (audio * 32768).round().clamp(-32768, 32767).to(torch.int16)
+    out_bf16 = lm.whisper_log_mel(pcm.cuda(), n_mels, out_dtype=torch.bfloat16)
+    ref = transformers_features(pcm.float() / 32768, n_mels)
+    assert max_abs(out_bf16, ref) <= 2e-4 + 2.0**-7
+
+
+# ---------------------------------------------------------------------------------------------------------
+# A Whisper model on our features
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"] if HAS_CUDA else ["cpu"])
+def test_tiny_whisper_logits_match_feature_extractor(lm, device):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.WhisperConfig(
+        vocab_size=128, num_mel_bins=80, d_model=64, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+        decoder_attention_heads=2, encoder_ffn_dim=128, decoder_ffn_dim=128, max_source_positions=100,
+        max_target_positions=32, pad_token_id=0, bos_token_id=1, eos_token_id=2, decoder_start_token_id=1)
+    torch.manual_seed(0)
+    model = transformers.WhisperForConditionalGeneration(config).eval().to(device)
+    fe = transformers.WhisperFeatureExtractor(feature_size=80)
+    clips = [bench.speech_like(n, seed) for n, seed in [(32000, 0), (20000, 1), (9000, 2)]]
+    theirs = fe([c.numpy() for c in clips], sampling_rate=16000, return_tensors="pt", padding="max_length",
+                max_length=32000).input_features
+    audio = torch.zeros(3, 32000)
+    for i, c in enumerate(clips):
+        audio[i, : len(c)] = c
+    ours = lm.whisper_log_mel(audio.to(device), 80, lengths=[len(c) for c in clips])
+    assert max_abs(ours, theirs) <= 2e-4
+    decoder_input_ids = torch.tensor([[1, 5, 7, 9]] * 3, device=device)
+    with torch.no_grad():
+        ours_logits = model(input_features=ours, decoder_input_ids=decoder_input_ids).logits
+        their_logits = model(input_features=theirs.to(device), decoder_input_ids=decoder_input_ids).logits
+    torch.testing.assert_close(ours_logits, their_logits, rtol=1e-4, atol=1e-4)
+    assert torch.equal(ours_logits.argmax(-1), their_logits.argmax(-1))

@@ -1,0 +1,253 @@
+"""Whisper's log-mel from the waveform in one pass (Triton): the CUDA path of `whisper_log_mel`.
+
+Per tile of BLOCK_F frames of one clip, everything stays on chip from the samples to the output:
+
+1. Framing: frame f holds samples 160 f - 200 + n (n < 400), reflected at the clip's ends and zero at or past
+   its length, times the periodic Hann window, by index arithmetic in the loads.
+2. The 400-point real DFT as 25 x 16 (n = 16 n1 + n2, k = k1 + 25 k2), both stages tensor-core products:
+   - stage 1, a 25-point real DFT along n1 for each (frame, n2): the real input folds n1 <-> 25 - n1 (cosines
+     take s[n1] + s[25 - n1], sines s[n1] - s[25 - n1]), so two [16 x 16] products give Y[n2, k1] for
+     k1 = 0..12, which is all the real signal needs;
+   - the twiddles W400^(n2 k1), elementwise;
+   - stage 2, a 16-point complex DFT along n2 for each (frame, k1 <= 12): X[k1 + 25 k2] for every k2. With
+     X[400 - k] = conj(X[k]) these 13 x 16 values hold each of the bins 0..200 once (k1 = 0 holds 0, 25, ..,
+     200 twice over: the filterbank weights the second copy zero).
+   The products are 3xTF32 ("tf32x3", fp32-accurate): a mel band 80 dB below its frame's loudest bin is
+   still above the floor, and one TF32 product's rounding (2^-11 of the frame) would swamp it.
+3. Power, then the mel projection against the filterbank permuted into stage 2's (k1, k2) order, also
+   3xTF32 (the power spans ten decades; a TF32 rounding per term costs up to 1e-4 of the output).
+4. log10(max(mel, 1e-10)), (x + 4) / 4 written in the output dtype, transposed to (B, NM, F); the tile's max
+   and min of the log kept for the floor pass, which rewrites only tiles the clip's 80 dB floor reaches.
+"""
+
+import contextlib
+import functools
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from ..whisper import mel_filters
+from .epilogue import clip_floor, log10_clamped
+
+# Globals read inside @triton.jit functions must be constexpr; host code reads their `.value`.
+N_FFT = tl.constexpr(400)
+HOP = tl.constexpr(160)
+RADIX = tl.constexpr(16)  # n2, k2: the stage-2 (complex) DFT size; 400 = 25 x 16
+OUTER = tl.constexpr(25)  # n1, k1: the stage-1 (real) DFT size
+HALF = tl.constexpr(13)  # k1 = 0..12: the stage-1 outputs a real signal needs
+PCM_SCALE = tl.constexpr(1.0 / 32768.0)  # int16 PCM -> [-1, 1)
+WINDOW_PAD = 512  # the Hann window, zero past 400 (the masked lanes of the framing read there)
+FLOOR_TILES = 8  # frame tiles a floor-pass program checks
+STATS_CHUNK = 256  # tile statistics per step of the clip-maximum reduction
+
+
+@dataclass(frozen=True)
+class Config:
+    """block_f frames a tile (a power of two; the stage products have 16 block_f rows), block_m mel bands a
+    step of the projection (a power of two >= 16)."""
+
+    block_f: int = 16
+    block_m: int = 32
+    num_warps: int = 4
+    num_stages: int = 1
+    k_groups: int = 4  # the projection's K = 256 in k_groups products side by side
+
+    @property
+    def name(self) -> str:
+        return f"f{self.block_f} m{self.block_m} g{self.k_groups} w{self.num_warps} s{self.num_stages}"
+
+
+DEFAULT_CONFIG = Config()
+# The pick and the runners-up the benchmark times and the GPU tests run.
+SHIPPED_CONFIGS = (DEFAULT_CONFIG, Config(block_m=16), Config(k_groups=8), Config(k_groups=16),
+                   Config(block_f=32, num_warps=8), Config(num_stages=2), Config(num_warps=8))
+
+
+@functools.cache
+def _dft_tables(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tables (6, 16, 16) float32, window (512,) float32) on `device`, computed in float64 once per device."""
+    radix, outer, half, n_fft = RADIX.value, OUTER.value, HALF.value, N_FFT.value
+    i = torch.arange(radix, dtype=torch.float64)
+    row, col = i[:, None], i[None, :]
+    used = (row < half) & (col < half)
+    tables = torch.stack([
+        torch.where(used, torch.cos(2 * math.pi * row * col / outer), 0.0),  # [n1, k1]: n1 = 0..12
+        torch.where(used & (row >= 1), -torch.sin(2 * math.pi * row * col / outer), 0.0),  # [n1, k1]: n1 = 1..12
+        torch.cos(2 * math.pi * row * col / n_fft),  # [n2, k1]: W400^(n2 k1), real part
+        -torch.sin(2 * math.pi * row * col / n_fft),  # imaginary part
+        torch.cos(2 * math.pi * row * col / radix),  # [n2, k2]
+        torch.sin(2 * math.pi * row * col / radix),
+    ])
+    n = torch.arange(WINDOW_PAD, dtype=torch.float64)
+    window = torch.where(n < n_fft, 0.5 - 0.5 * torch.cos(2 * math.pi * n / n_fft), 0.0)
+    return tables.to(device, torch.float32), window.to(device, torch.float32)
+
+
+def stage2_bins() -> tuple[torch.Tensor, torch.Tensor]:
+    """(bin, used) of the 256 stage-2 outputs in the kernel's order (k1 * 16 + k2): the DFT bin 0..200 each
+    holds, and whether it is the one copy of that bin the projection counts."""
+    radix, outer, n_fft = RADIX.value, OUTER.value, N_FFT.value
+    k1 = torch.arange(radix)[:, None]
+    k2 = torch.arange(radix)[None, :]
+    k = k1 + outer * k2
+    bins = torch.where(k <= n_fft // 2, k, n_fft - k)
+    used = (k1 < HALF.value) & ~((k1 == 0) & (k2 > n_fft // (2 * outer)))
+    return bins.flatten(), used.flatten()
+
+
+def permuted_filterbank(mel_filters: torch.Tensor, block_m: int) -> torch.Tensor:
+    """(256, NM rounded up to block_m) float32: row k1 * 16 + k2 holds the filterbank column of the bin that
+    stage-2 output holds, zero for the unused ones and past NM."""
+    NM = mel_filters.shape[0]
+    bins, used = stage2_bins()
+    out = torch.zeros(RADIX.value ** 2, triton.cdiv(NM, block_m) * block_m, dtype=torch.float32,
+                      device=mel_filters.device)
+    index = torch.nonzero(used).flatten()
+    out[index.to(out.device), :NM] = mel_filters.t()[bins[used].to(mel_filters.device)]
+    return out
+
+
+@functools.cache
+def _projection(n_mels: int, device: torch.device, block_m: int) -> torch.Tensor:
+    """`permuted_filterbank(mel_filters(n_mels))` on `device`, once per (n_mels, device, block_m)."""
+    return permuted_filterbank(mel_filters(n_mels), block_m).to(device)
+
+
+@triton.jit
+def _frame_samples(audio_ptr, window_ptr, clip_base, length, N, frame, n, ok, IS_PCM: tl.constexpr):
+    """Sample n of `frame` times the window: centre reflect padding at the clip's ends (N > 200), zero at or
+    past `length` and where `ok` is false."""
+    j = frame * HOP - N_FFT // 2 + n
+    j = tl.where(j < 0, -j, j)
+    j = tl.where(j >= N, 2 * N - 2 - j, j)
+    x = tl.load(audio_ptr + clip_base + j, mask=ok & (j < length), other=0).to(tl.float32)
+    if IS_PCM:
+        x = x * PCM_SCALE
+    return x * tl.load(window_ptr + n)
+
+
+@triton.jit
+def _power_tile(audio_ptr, lengths_ptr, tables_ptr, window_ptr, clip, tile, N, F,
+                BLOCK_F: tl.constexpr, IS_PCM: tl.constexpr, HAS_LENGTHS: tl.constexpr):
+    """[BLOCK_F, 256] power spectra of frames tile * BLOCK_F + i (clamped to F - 1), in the order
+    k1 * 16 + k2 of `stage2_bins`."""
+    R: tl.constexpr = BLOCK_F * RADIX
+    rows = tl.arange(0, R)
+    n2 = rows % RADIX
+    frame = tl.minimum(tile * BLOCK_F + rows // RADIX, F - 1)[:, None]
+    cols = tl.arange(0, RADIX)
+    length = N
+    if HAS_LENGTHS:
+        length = tl.load(lengths_ptr + clip).to(tl.int32)
+    base = clip.to(tl.int64) * N
+    # Stage-1 inputs [R, 16]: row (frame, n2), column n1 <= 12; s[n1] at 16 n1 + n2, s[25 - n1] at 400 - 16 n1 + n2.
+    n_lo = RADIX * cols[None, :] + n2[:, None]
+    n_hi = N_FFT - RADIX * cols[None, :] + n2[:, None]
+    s_lo = _frame_samples(audio_ptr, window_ptr, base, length, N, frame, n_lo, cols[None, :] < HALF, IS_PCM)
+    s_hi = _frame_samples(audio_ptr, window_ptr, base, length, N, frame, n_hi,
+                          (cols[None, :] >= 1) & (cols[None, :] < HALF), IS_PCM)
+    square = cols[:, None] * RADIX + cols[None, :]
+    y_re = tl.dot(s_lo + s_hi, tl.load(tables_ptr + square), input_precision="tf32x3")
+    y_im = tl.dot(s_lo - s_hi, tl.load(tables_ptr + RADIX * RADIX + square), input_precision="tf32x3")
+    twiddle = tables_ptr + 2 * RADIX * RADIX + n2[:, None] * RADIX + cols[None, :]
+    t_re = tl.load(twiddle)
+    t_im = tl.load(twiddle + RADIX * RADIX)
+    g_re = y_re * t_re - y_im * t_im
+    g_im = y_re * t_im + y_im * t_re
+    # Row (frame, n2), column k1 -> row (frame, k1), column n2: stage 2 contracts over n2.
+    g_re = tl.reshape(tl.permute(tl.reshape(g_re, (BLOCK_F, RADIX, RADIX)), (0, 2, 1)), (R, RADIX))
+    g_im = tl.reshape(tl.permute(tl.reshape(g_im, (BLOCK_F, RADIX, RADIX)), (0, 2, 1)), (R, RADIX))
+    cos2 = tl.load(tables_ptr + 4 * RADIX * RADIX + square)
+    sin2 = tl.load(tables_ptr + 5 * RADIX * RADIX + square)
+    z_re = tl.dot(g_im, sin2, tl.dot(g_re, cos2, input_precision="tf32x3"), input_precision="tf32x3")
+    z_im = tl.dot(-g_re, sin2, tl.dot(g_im, cos2, input_precision="tf32x3"), input_precision="tf32x3")
+    return tl.reshape(z_re * z_re + z_im * z_im, (BLOCK_F, RADIX * RADIX))
+
+
+@triton.jit
+def _waveform_tiles_kernel(audio_ptr, lengths_ptr, tables_ptr, window_ptr, proj_ptr, out_ptr, stats_ptr,
+                           N, F, NM, n_tiles, BLOCK_F: tl.constexpr, BLOCK_M: tl.constexpr,
+                           NM_PAD: tl.constexpr, K_GROUPS: tl.constexpr, IS_PCM: tl.constexpr,
+                           HAS_LENGTHS: tl.constexpr, HW_LOG2: tl.constexpr):
+    """Pass 1, one program per (clip, frame tile), clip-major: (log10(max(mel, 1e-10)) + 4) / 4 into out
+    (B, NM, F), and the tile's (max, min) of the log into stats."""
+    pid = tl.program_id(0)
+    clip = pid // n_tiles
+    tile = pid % n_tiles
+    power = _power_tile(audio_ptr, lengths_ptr, tables_ptr, window_ptr, clip, tile, N, F, BLOCK_F, IS_PCM,
+                        HAS_LENGTHS)
+    frames = tile * BLOCK_F + tl.arange(0, BLOCK_F)
+    out_rows = out_ptr + clip.to(tl.int64) * NM * F + frames[:, None]
+    run_max = tl.full((BLOCK_F, BLOCK_M), float("-inf"), tl.float32)
+    run_min = tl.full((BLOCK_F, BLOCK_M), float("inf"), tl.float32)
+    # The projection contracts 256 values a frame; one product of K = 256 would hold its whole A operand in
+    # each thread (128 registers for each TF32 half), so it runs as K_GROUPS products of K = 256 / K_GROUPS side
+    # by side (a batched product, the groups spread over the warps), then sums the groups.
+    power = tl.permute(tl.reshape(power, (BLOCK_F, K_GROUPS, RADIX * RADIX // K_GROUPS)), (1, 0, 2))
+    group_rows = tl.arange(0, K_GROUPS)[:, None, None] * (RADIX * RADIX // K_GROUPS)
+    k_in_group = tl.arange(0, RADIX * RADIX // K_GROUPS)[None, :, None]
+    for m0 in range(0, NM_PAD, BLOCK_M):
+        bands = m0 + tl.arange(0, BLOCK_M)
+        w = tl.load(proj_ptr + (group_rows + k_in_group) * NM_PAD + bands[None, None, :])
+        mel = tl.sum(tl.dot(power, w, input_precision="tf32x3"), axis=0)
+        log_spec = log10_clamped(mel, HW_LOG2)
+        ok = (frames < F)[:, None] & (bands < NM)[None, :]
+        tl.store(out_rows + bands[None, :] * F, ((log_spec + 4.0) * 0.25).to(out_ptr.dtype.element_ty), mask=ok)
+        # Frames past F repeat frame F - 1; bands past NM (zero weights) must not lower the minimum.
+        run_max = tl.maximum(run_max, log_spec)
+        run_min = tl.minimum(run_min, tl.where((bands < NM)[None, :], log_spec, float("inf")))
+    stats = stats_ptr + pid.to(tl.int64) * 2
+    tl.store(stats, tl.max(run_max))
+    tl.store(stats + 1, tl.min(run_min))
+
+
+@triton.jit
+def _waveform_floor_kernel(out_ptr, stats_ptr, F, NM, n_tiles, n_groups, BLOCK_F: tl.constexpr,
+                           BLOCK_M: tl.constexpr, STATS_CHUNK: tl.constexpr, FLOOR_TILES: tl.constexpr):
+    """Pass 2, one program per (clip, group of FLOOR_TILES frame tiles): out = max(out, (floor + 4) / 4) on
+    the tiles whose minimum lies below the clip's floor; rounding to the output dtype is monotone, so
+    flooring the rounded value equals rounding the floored one."""
+    pid = tl.program_id(0)
+    clip = pid // n_groups
+    first = (pid % n_groups) * FLOOR_TILES
+    floor = clip_floor(stats_ptr, clip, n_tiles, STATS_CHUNK)
+    floor_out = ((floor + 4.0) * 0.25).to(out_ptr.dtype.element_ty)
+    stats = stats_ptr + clip.to(tl.int64) * n_tiles * 2
+    base = out_ptr + clip.to(tl.int64) * NM * F
+    for tile in range(first, tl.minimum(first + FLOOR_TILES, n_tiles)):
+        if tl.load(stats + 2 * tile + 1) < floor:
+            frames = tile * BLOCK_F + tl.arange(0, BLOCK_F)
+            for m0 in range(0, NM, BLOCK_M):
+                bands = m0 + tl.arange(0, BLOCK_M)
+                ptrs = base + bands[:, None] * F + frames[None, :]
+                ok = (bands < NM)[:, None] & (frames < F)[None, :]
+                tl.store(ptrs, tl.maximum(tl.load(ptrs, mask=ok), floor_out), mask=ok)
+
+
+def whisper_log_mel_triton(audio: torch.Tensor, lengths: torch.Tensor | None, n_mels: int, out_dtype: torch.dtype,
+                           config: Config | None = None) -> torch.Tensor:
+    """(B, n_mels, N // 160) in `out_dtype` from validated, contiguous audio (B, N) (float32, float16,
+    bfloat16 or int16 PCM) and lengths (B,) int64 on its device, or None."""
+    config = config or DEFAULT_CONFIG
+    B, N = audio.shape
+    F = N // HOP.value
+    tables, window = _dft_tables(audio.device)
+    proj = _projection(n_mels, audio.device, config.block_m)
+    n_tiles = triton.cdiv(F, config.block_f)
+    n_groups = triton.cdiv(n_tiles, FLOOR_TILES)
+    stats = torch.empty(B, n_tiles, 2, dtype=torch.float32, device=audio.device)
+    out = torch.empty(B, n_mels, F, dtype=out_dtype, device=audio.device)
+    with torch.cuda.device(audio.device) if audio.is_cuda else contextlib.nullcontext():
+        _waveform_tiles_kernel[(B * n_tiles,)](
+            audio, lengths, tables, window, proj, out, stats, N, F, n_mels, n_tiles,
+            BLOCK_F=config.block_f, BLOCK_M=config.block_m, NM_PAD=proj.shape[1], K_GROUPS=config.k_groups,
+            IS_PCM=audio.dtype == torch.int16, HAS_LENGTHS=lengths is not None,
+            # The interpreter (CPU) cannot run inline PTX.
+            HW_LOG2=not triton.knobs.runtime.interpret, num_warps=config.num_warps,
+            num_stages=config.num_stages)
+        _waveform_floor_kernel[(B * n_groups,)](out, stats, F, n_mels, n_tiles, n_groups, BLOCK_F=config.block_f,
+                                                BLOCK_M=32, STATS_CHUNK=STATS_CHUNK, FLOOR_TILES=FLOOR_TILES)
+    return out
