@@ -168,10 +168,10 @@ def _step(kernel, q, k, v, do):
 
 
 def side_by_side(kernel, bench) -> list[dict]:
-    """At every measure shape: the backward contract (ours, fla forward + backward, fla's backward alone), the
-    forward alone (ours, fla's forwards) and the training step (ours, forward + backward through autograd, vs
-    fla parallel_based forward + backward), and the spec's fp32 reference. Credited FLOPs: the backward the
-    spec's canonical_work, the forward half of it, the step one and a half."""
+    """At every measure shape: the backward contract (ours, fla forward + backward, fla's backward alone, the
+    spec's fp32 reference), the training step (case "... step": ours, forward + backward through autograd,
+    beside fla's forward + backward) and the forward alone (case "... forward": ours, fla's forwards). Credited
+    FLOPs: the backward the spec's canonical_work, the forward half of it, the step one and a half."""
     spec = bench.spec("based_backward")
     if spec is None:
         return []
@@ -199,30 +199,32 @@ def side_by_side(kernel, bench) -> list[dict]:
                 run = lambda: fused.based_backward_triton(q, k, v, do, scale, config)  # noqa: E731
                 rows.append(_timed_row(bench, case, "based-bwd triton, other config", run, ref, flops,
                                        config=str(config)))
-        step = _timed_row(bench, case, "based-bwd triton step (fwd+bwd autograd)",
+        # the training step, in a case of its own beside fla's forward + backward (the same contract; its rows
+        # are the backward case's measurements, shown again)
+        step_case = f"{case} step"
+        step = _timed_row(bench, step_case, "based-bwd triton step (fwd+bwd autograd)",
                           lambda: _step(kernel, q, k, v, do), ref, 1.5 * flops)
-        rows.append(step)
+        step_rows = [step]
 
-        fla_fwd_bwd = {}
         if fla_based is not None:
             for name in ("parallel_based", "fused_chunk_based"):
                 run = _fla_fwd_bwd(getattr(fla_based, name))
                 row = _timed_row(bench, case, f"fla {name} fwd+bwd", lambda: run(q, k, v, do, scale), ref, flops)
                 rows.append(row)
-                fla_fwd_bwd[name] = row["ms"]
-                if ours["ms"] and row["ms"]:
-                    ours[f"x_vs_fla_{name}"] = row["ms"] / ours["ms"]
-                if step["ms"] and row["ms"]:
-                    step[f"x_vs_fla_{name}"] = row["ms"] / step["ms"]
+                step_rows.append(dict(row, case=step_case, value=row["value"] and 1.5 * row["value"]))
+                for own in (ours, step):
+                    if own["ms"] and row["ms"]:
+                        own[f"x_vs_fla_{name}"] = row["ms"] / own["ms"]
             replay = _fla_bwd_only(fla_based.parallel_based, q, k, v, do, scale)
             rows.append(_timed_row(bench, case, "fla parallel_based bwd only (info)", replay, None, flops))
             del replay
-            for row in (ours, step):
-                if "x_vs_fla_parallel_based" in row:
-                    row["x_vs_fla"] = row["x_vs_fla_parallel_based"]
+            for own in (ours, step):
+                if "x_vs_fla_parallel_based" in own:
+                    own["x_vs_fla"] = own["x_vs_fla_parallel_based"]
+        rows += step_rows
 
-        rows += _forward_rows(bench, kernel, forward, fla_based, case, q, k, v, o_ref, flops / 2, K, scale,
-                              sweep=bench.sweep and first_of_k)
+        rows += _forward_rows(bench, kernel, forward, fla_based, f"{case} forward", q, k, v, o_ref, flops / 2, K,
+                              scale, sweep=bench.sweep and first_of_k)
         rows.append(_timed_row(bench, case, "spec seed reference (fp32 autograd)",
                                lambda: spec.ref(q, k, v, do), ref, flops))
         del q, k, v, do, ref, o_ref
