@@ -12,5 +12,5 @@ def test_cards_show_their_current_table_of_fast_paths():
 
 def test_packages_with_gluon_kernels_have_a_table():
     for kernel in all_kernels():
-        if any(kernel.source.glob("*gluon*.py")):
+        if (kernel.source / "gluon").is_dir():
             assert cards.fast_paths_table(kernel) is not None, kernel.name

@@ -37,7 +37,7 @@ whose gate is exactly 0 in fp32: a hard reset)."""
 
 
 def fast_paths_table(kernel: Kernel) -> str | None:
-    """The package's table of fast paths in markdown, or None for a package without one (dispatch.py)."""
+    """The package's table of fast paths in markdown (`dispatch.FAST_PATHS`), or None for a package without one."""
     if not (kernel.source / "dispatch.py").exists():
         return None
     # The package's __init__ needs the build's generated _ops.py: load dispatch.py inside a bare package instead.
@@ -46,7 +46,8 @@ def fast_paths_table(kernel: Kernel) -> str | None:
     package.__path__ = [str(kernel.source)]
     sys.modules[name] = package
     try:
-        return importlib.import_module(f"{name}.dispatch").FAST_PATHS.markdown()
+        table = getattr(importlib.import_module(f"{name}.dispatch"), "FAST_PATHS", None)
+        return table.markdown() if table is not None else None
     finally:
         for module in [m for m in sys.modules if m == name or m.startswith(name + ".")]:
             del sys.modules[module]
