@@ -2,7 +2,8 @@
 independent float64 recurrence, at strong decay and hard resets; what it saves for the backward against what the
 backward recomputes; on CUDA the public `comba_attention` against the spec's fp32 forward at the spec's shapes, a
 training step through autograd against the spec's gradients, `torch.compile(fullgraph=True)`, a CUDA-graph replay of
-a whole step, inputs on a GPU other than the current one, and the training example on both devices."""
+a whole step, and the training example on both devices. (tests/test_devices.py runs the step on the inputs' GPU
+whatever the current device.)"""
 
 import importlib.util
 import math
@@ -102,6 +103,25 @@ def test_backward_from_the_saved_states_equals_the_recomputing_backward(forward,
     recomputed = backward.fused_backward(*inputs, 0.125)
     assert all(torch.equal(a, b) for a, b in zip(from_saved, recomputed))
     assert_grads_close(from_saved, float64_grads(inputs, 0.125), 1e-2)
+
+
+@needs_cuda
+@pytest.mark.parametrize("shape", [(3, 100, 3, 128, 128), (1, 64, 1, 128, 128), (3, 100, 3, 64, 128),
+                                   (1, 64, 1, 64, 128)])
+def test_cuda_gluon_forward_matches_the_triton_forward(forward, dispatch, shape, monkeypatch):
+    """Where Gluon kernels run (bf16, V = 128, Hopper), the forward with them against the forward with the Triton
+    kernels, and both against float64: T = 100 is padded, T = 64 is one chunk."""
+    if not dispatch.gluon_stages(torch.device("cuda", 0), torch.bfloat16, shape[3], shape[4]):
+        pytest.skip("the Gluon kernels run on Hopper only")
+    *x, _ = make_inputs(*shape, torch.bfloat16, "cuda", seed=30)
+    with_gluon = forward.fused_forward(*x, 0.1)
+    triton_plan = dispatch.plan
+    monkeypatch.setattr(dispatch, "plan", lambda q, V: triton_plan(q, V)._replace(gluon=(), v_adjoint_in_grads=False))
+    with_triton = forward.fused_forward(*x, 0.1)
+    ref = comba_recurrence(*[t.double().cpu() for t in x], scale=0.1)
+    assert rel_err(with_gluon[0], ref) < 1e-2 and rel_err(with_triton[0], ref) < 1e-2
+    for a, b in zip(with_gluon, with_triton):  # o and the saved A, S, Vn
+        assert rel_err(a, b) < 5e-3
 
 
 # ---------------------------------------------------------------- the public op on CUDA
@@ -213,22 +233,6 @@ def test_cuda_training_step_replays_in_a_cuda_graph(comba, K):
     graph.replay()
     expected = step()
     assert all(torch.equal(a, b) for a, b in zip(captured, expected))
-
-
-@needs_cuda
-def test_cuda_forward_on_the_inputs_device(comba):
-    """The forward and the step run on the inputs' GPU whatever the current device: cuda:0 inputs inside
-    `torch.cuda.device(0)` here, and cuda:1 inputs while cuda:0 is current where there are two GPUs."""
-    devices = [0] + ([1] if torch.cuda.device_count() >= 2 else [])
-    for index in devices:
-        with torch.cuda.device(0):
-            inputs = make_inputs(1, 128, 2, 64, 128, torch.bfloat16, f"cuda:{index}", seed=29)
-            x = [t.requires_grad_() for t in inputs[:6]]
-            o = comba.comba_attention(*x)
-            got = torch.autograd.grad(o, x, inputs[6])
-        assert o.device == x[0].device and all(gr.device == x[0].device for gr in got)
-        assert_grads_close(got, float64_grads(inputs), 2e-2)
-        assert rel_err(o, comba_recurrence(*[t.detach().double().cpu() for t in x])) < 2e-2
 
 
 # ---------------------------------------------------------------- the training example

@@ -24,7 +24,6 @@ import torch
 
 from . import dispatch, forward
 from . import triton as triton_kernels
-from .common.fast_paths import falls_back
 from .reference import pad_time
 
 try:  # Gluon, Triton's explicit-layout dialect; dispatch plans Gluon stages only under releases that have it
@@ -117,22 +116,10 @@ def _launch_on_streams(pieces, device: torch.device):
 
 def fused_backward(q, k, v, p, beta, g, do, scale: float, saved=None):
     """(dq, dk, dv, dp, dbeta, dg) in their inputs' dtypes (dg float32); inputs contiguous, K, V in {64, 128};
-    `saved`, when given, the fused forward's (A, S, Vn) for these inputs (`forward.fused_forward`).
-
-    A Gluon kernel compiles at its first launch of a specialization; if a call that takes Gluon kernels raises, the
-    Gluon path is switched off for the process (`dispatch.FAST_PATHS.failed`, one warning) and the call runs on the
-    Triton kernels, after the device has finished what the failed attempt launched (its scratch is freed)."""
-    if not dispatch.plan(q, v.shape[-1]).gluon:
-        return _backward(q, k, v, p, beta, g, do, scale, saved)
-    try:
-        return _backward(q, k, v, p, beta, g, do, scale, saved)
-    except Exception as error:
-        if not falls_back(error):
-            raise
-        dispatch.FAST_PATHS.failed("gluon", error)
-        if q.is_cuda and not torch.cuda.is_current_stream_capturing():
-            torch.cuda.synchronize(q.device)
-        return _backward(q, k, v, p, beta, g, do, scale, saved)
+    `saved`, when given, the fused forward's (A, S, Vn) for these inputs (`forward.fused_forward`). A Gluon kernel
+    that fails to compile switches the Gluon path off and the call runs the Triton kernels
+    (`dispatch.with_fallback`)."""
+    return dispatch.with_fallback(lambda: _backward(q, k, v, p, beta, g, do, scale, saved), q, v.shape[-1])
 
 
 def _backward(q, k, v, p, beta, g, do, scale: float, saved=None):

@@ -10,7 +10,7 @@ from typing import NamedTuple
 
 import torch
 
-from .common.fast_paths import FastPath, FastPaths
+from .common.fast_paths import FastPath, FastPaths, falls_back
 from .reference import CHUNK
 
 FAST_PATHS = FastPaths("comba-bwd", (
@@ -63,6 +63,24 @@ def plan(q: torch.Tensor, V: int) -> Plan:
     gluon = gluon_stages(q.device, q.dtype, K, V)
     pieces = 1 if gluon and K == 128 else BATCH_PIECES
     return Plan(gluon, "grads" in gluon and K == 64, min(pieces, B))
+
+
+def with_fallback(call, q: torch.Tensor, V: int):
+    """call(), a pipeline run that takes `plan(q, V)`'s kernels. A Gluon kernel compiles at its first launch of a
+    specialization; if a call that takes Gluon kernels raises so (`falls_back`), the Gluon path is switched off for the
+    process (FAST_PATHS.failed, one warning) and call() runs again on the Triton kernels, after the device has finished
+    what the failed attempt launched (its scratch is freed)."""
+    if not plan(q, V).gluon:
+        return call()
+    try:
+        return call()
+    except Exception as error:
+        if not falls_back(error):
+            raise
+        FAST_PATHS.failed("gluon", error)
+        if q.is_cuda and not torch.cuda.is_current_stream_capturing():
+            torch.cuda.synchronize(q.device)
+        return call()
 
 
 def saved_like(q: torch.Tensor, V: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -18,7 +18,6 @@ import torch
 
 from . import dispatch
 from . import triton as triton_kernels
-from .common.fast_paths import falls_back
 from .reference import pad_time
 
 try:  # Gluon, Triton's explicit-layout dialect; dispatch plans Gluon stages only under releases that have it
@@ -62,21 +61,9 @@ def forward_stages(q, k, v, p, beta, g, scale: float, plan=None):
 
 def fused_forward(q, k, v, p, beta, g, scale: float):
     """(o, A, S, Vn): o (B, T, H, V) in v's dtype and the scratch the backward takes (`dispatch.saved_like`, T padded
-    to a multiple of the chunk). Inputs contiguous, K and V in {64, 128}, any T >= 1.
-
-    If a call that takes Gluon kernels raises at their first launch, the Gluon path is switched off for the process
-    (`dispatch.FAST_PATHS.failed`, one warning) and the call runs on the Triton kernels."""
-    if not dispatch.plan(q, v.shape[-1]).gluon:
-        return _forward(q, k, v, p, beta, g, scale)
-    try:
-        return _forward(q, k, v, p, beta, g, scale)
-    except Exception as error:
-        if not falls_back(error):
-            raise
-        dispatch.FAST_PATHS.failed("gluon", error)
-        if q.is_cuda and not torch.cuda.is_current_stream_capturing():
-            torch.cuda.synchronize(q.device)
-        return _forward(q, k, v, p, beta, g, scale)
+    to a multiple of the chunk). Inputs contiguous, K and V in {64, 128}, any T >= 1. A Gluon kernel that fails to
+    compile switches the Gluon path off and the call runs the Triton kernels (`dispatch.with_fallback`)."""
+    return dispatch.with_fallback(lambda: _forward(q, k, v, p, beta, g, scale), q, v.shape[-1])
 
 
 def _forward(q, k, v, p, beta, g, scale: float):
