@@ -25,6 +25,12 @@ def ldsa():
     return load("ldsa")
 
 
+@pytest.fixture(autouse=True)
+def seeded():
+    """Every test draws its random inputs from the same seed, whatever ran before it."""
+    torch.manual_seed(0)
+
+
 def ldsa_float64(a_logits, v, left, right):
     """out = einsum over the unfolded window: a different construction from the package's shifted sums."""
     a = torch.softmax(a_logits.double(), dim=2)
@@ -508,9 +514,9 @@ def test_gluon_backward_float32_operand_reads_are_conflict_free(ldsa, monkeypatc
     identity the views reproduce the swizzles' own conflicts, as a check that they model those layouts."""
     from triton.experimental.gluon import language as gl
 
-    kernels = submodule(ldsa, "dispatch")
-    if not kernels.FAST_PATHS.compiles("band-gluon backward"):  # it reads Triton's layout internals of 3.6 and 3.7
-        pytest.skip("the Gluon backward does not compile under this Triton")
+    release = submodule(ldsa, "common.fast_paths").TRITON_RELEASE
+    if release not in ("3.6", "3.7"):  # the count reads Triton's layout internals, which crash from 3.8 on
+        pytest.skip(f"gl.bank_conflicts outside a kernel is not usable under Triton {release}")
     g = submodule(ldsa, "gluon.backward")
     mma = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[2, 2], instr_shape=[16, 8])
     a_operand, b_operand = (gl.DotOperandLayout(operand_index=i, parent=mma, k_width=1) for i in (0, 1))

@@ -32,10 +32,9 @@ FAST_PATHS = FastPaths("ldsa", (
     FastPath("band-gluon forward", "Gluon, TMA-fed persistent kernel, the band built in mma.sync's registers; "
              "windows of 2-15 taps, calls of 2^18 frames and more", HOPPER,
              verified=("3.6", "3.7", "3.8"), compiles=ALL_TRITONS),
-    FastPath("band-gluon backward", "Gluon, TMA-fed persistent kernel, the bands read through skewed shared-memory "
-             "views (padded layouts of other row strides, which Triton 3.8 on refuses: there the backward runs as "
-             "band-tma, or band in float32); windows of 2-15 taps, calls of 2^18 frames and more", HOPPER,
-             verified=("3.6", "3.7"), compiles=("3.6", "3.7")),
+    FastPath("band-gluon backward", "Gluon, TMA-fed persistent kernel, the bands skewed by shared-memory addressing "
+             "(views of other row strides under 3.6 and 3.7, gathers and scatters from 3.8); windows of 2-15 taps, "
+             "calls of 2^18 frames and more", HOPPER, verified=("3.6", "3.7"), compiles=ALL_TRITONS),
     FastPath("band-tma forward", "Triton, tensor descriptors feeding a persistent pipelined band kernel; calls of "
              "2^18 frames and more that band-gluon does not take", HOPPER,
              verified=("3.6", "3.7", "3.8"), compiles=ALL_TRITONS),

@@ -17,6 +17,9 @@ halo) and its own barrier, so the next chunk's boxes for one part load while the
 Float32 operands take three TF32 MMAs of split operands in both products (`band.precise_product`); the P
 product reads their Dh rows in `K_ORDER` and the dv product's warps split Dh, which keeps the operand reads cheap.
 
+From Triton 3.8 a padded buffer is reinterpreted only as a layout of its own padding pattern, so there the skewed
+views are a shared-memory gather (dlogits) and a scatter (dv) at the same cells (`SKEW_BY_INDEX`).
+
 lead and lead_r are left and right rounded up to 8 frames: a TMA box offset that is not a multiple of 16 bytes is
 an illegal instruction on the H200. The cell offsets sh, e_s and e_r put every tap in the 16 rows of a logits box
 whatever the window. The padded row strides keep the shared-memory accesses free of bank conflicts, or two-way at
@@ -42,6 +45,10 @@ ROWS = gl.constexpr(16)  # logits rows a box: the taps
 # Programs an SM by the values' bytes an element: three in 16-bit (69 KB of shared memory each at Dh = 64), two
 # in float32 (112.7 KB at Dh = 64).
 PROGRAMS_PER_SM = {2: 3, 4: 2}
+# How the skews are made. Triton 3.6 and 3.7: through views of the buffers at other row strides (padded layouts of
+# other padding patterns). From 3.8 a padded buffer is not reinterpreted as another padding pattern, so the same
+# cells are addressed by shared-memory gathers (the dlogits part) and scatters (the dv part), which 3.6 lacks.
+SKEW_BY_INDEX = gl.constexpr(tuple(int(part) for part in triton.__version__.split(".")[:2]) >= (3, 8))
 
 
 @gluon.jit
@@ -167,9 +174,12 @@ def _ldsa_backward_gluon_kernel(lg_desc, lgh_desc, v_desc, vh_desc, g_desc, gh_d
     gh_s = gl.allocate_shared_memory(dtype, [DH, HALO], gh_desc.layout)
     # 32 x 72 cells; the skewed view reads up to cell 7 + 73 * 31 + 15 = 2285 of them
     p_s = gl.allocate_shared_memory(gl.float32, [32, 64], p_rows)
-    # W_CELLS cells; the weights go up to cell 1 + 69 * 63 + 15 = 4363 (1 + 73 * 63 + 15 = 4615 in float32), the
-    # band up to 6 + 68 * 63 + 63 = 4353 (4605)
-    w_s = gl.allocate_shared_memory(gl.int32, [64, 64], w_rows)
+    if SKEW_BY_INDEX:
+        w_s = gl.allocate_shared_memory(gl.int32, [64, 64], band_rows)
+    else:
+        # W_CELLS cells; the weights go up to cell 1 + 69 * 63 + 15 = 4363 (1 + 73 * 63 + 15 = 4615 in float32),
+        # the band up to 6 + 68 * 63 + 63 = 4353 (4605)
+        w_s = gl.allocate_shared_memory(gl.int32, [64, 64], w_rows)
     dv_s = gl.allocate_shared_memory(dtype, [NBOX, DH, BOX], dv_desc.layout)
     bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for part in gl.static_range(2):
@@ -178,16 +188,21 @@ def _ldsa_backward_gluon_kernel(lg_desc, lgh_desc, v_desc, vh_desc, g_desc, gh_d
     v_p = compat.reinterpret(v_s, dtype, [NBOX, DH, BOX], BOX_VIEW)
     vh_p = compat.reinterpret(vh_s, dtype, [DH, HALO], HALO_VIEW)
     # The band buffer's cells other than the stored weights stay zero, all chunks long.
-    flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
-    zl: gl.constexpr = gl.BlockedLayout([4], [32], [WARPS], [0])
-    cells = compat.reinterpret(w_s, gl.int32, [8192], flat)
-    cells.slice(0, 4096).store(gl.zeros([4096], gl.int32, zl))
-    cells.slice(4096, W_CELLS - 4096).store(gl.zeros([W_CELLS - 4096], gl.int32, zl))
-    e_r = gl.maximum(c2 - W, 0)
-    e_s = gl.maximum(W - c2, 0)
-    da_view = _at_cell(p_s, sh, gl.float32, [32, 64], p_skew)  # (t, k): P[t, t + k + sh] = da[k, t]
-    w_view = _at_cell(w_s, e_s, gl.int32, [64, 64], w_skew)
-    band_view = _at_cell(w_s, e_r, gl.int32, [64, 64], band_rows)  # rows 16 + u, columns 32 + p: Y^T[u, p]
+    if SKEW_BY_INDEX:
+        zl: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [WARPS, 1], [1, 0])
+        w_s.store(gl.zeros([64, 64], gl.int32, zl))
+        band_view = w_s  # rows 16 + u, columns 32 + p: Y^T[u, p]
+    else:
+        flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+        zl: gl.constexpr = gl.BlockedLayout([4], [32], [WARPS], [0])
+        cells = compat.reinterpret(w_s, gl.int32, [8192], flat)
+        cells.slice(0, 4096).store(gl.zeros([4096], gl.int32, zl))
+        cells.slice(4096, W_CELLS - 4096).store(gl.zeros([W_CELLS - 4096], gl.int32, zl))
+        e_r = gl.maximum(c2 - W, 0)
+        e_s = gl.maximum(W - c2, 0)
+        da_view = _at_cell(p_s, sh, gl.float32, [32, 64], p_skew)  # (t, k): P[t, t + k + sh] = da[k, t]
+        w_view = _at_cell(w_s, e_s, gl.int32, [64, 64], w_skew)
+        band_view = _at_cell(w_s, e_r, gl.int32, [64, 64], band_rows)  # rows 16 + u, columns 32 + p: Y^T[u, p]
 
     pid = gl.program_id(0)
     programs = gl.num_programs(0)
@@ -218,7 +233,10 @@ def _ldsa_backward_gluon_kernel(lg_desc, lgh_desc, v_desc, vh_desc, g_desc, gh_d
                 pj = precise_product(gt, vals, gl.zeros([BLOCK, 16], gl.float32, mma_p))
                 p_s.slice(16 * j, 16, dim=1).store(pj)
             compat.barrier()
-            da = gl.where(ok1, da_view.slice(0, ROWS, dim=1).load(l_da), 0.0)
+            if SKEW_BY_INDEX:  # the addresses of the skewed view: P[t, t + k + sh] at cell 73 t + k + sh
+                da = gl.where(ok1, p_s.gather(t_i + tap1 + sh, 1), 0.0)
+            else:
+                da = gl.where(ok1, da_view.slice(0, ROWS, dim=1).load(l_da), 0.0)
             logits = _frames(lg1_s, lg1_s, BLOCK * b, BLOCK).permute((1, 0)).load(l_da)
             a1 = window_softmax(logits, ok1, 1)
             dl = a1 * (da - gl.expand_dims(gl.sum(a1 * da, 1), 1))
@@ -237,7 +255,15 @@ def _ldsa_backward_gluon_kernel(lg_desc, lgh_desc, v_desc, vh_desc, g_desc, gh_d
             for kk in gl.static_range(3):
                 lg = _frames(lg2_s, lg2h_s, BLOCK * b + 16 * kk, 16)
                 w2 = window_softmax(lg.permute((1, 0)).load(l_w), ok2, 1)  # [16 frames, 16 tap columns]
-                w_view.slice(16 + 16 * kk, 16, dim=0).slice(0, ROWS, dim=1).store(weight_words(w2, dtype))
+                if SKEW_BY_INDEX:
+                    # Tap column c of frame u (row 16 + u) at band column 16 + u + c + W - c2, the place the skewed
+                    # view stores it; the columns outside the band's [32, 64) go to column c, which no band read
+                    # reaches.
+                    column = 16 + 16 * kk + u_i + col2 + (W - c2)
+                    column = gl.where((column >= 32) & (column < 64), column, col2 + 0 * u_i)
+                    w_s.slice(16 + 16 * kk, 16, dim=0).scatter(weight_words(w2, dtype), column, 1)
+                else:
+                    w_view.slice(16 + 16 * kk, 16, dim=0).slice(0, ROWS, dim=1).store(weight_words(w2, dtype))
             compat.barrier()
             acc = gl.zeros([DH, BLOCK], gl.float32, mma_dv)
             for kk in gl.static_range(3):
