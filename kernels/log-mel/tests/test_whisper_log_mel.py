@@ -217,3 +217,18 @@ def test_tiny_whisper_logits_match_feature_extractor(lm, device):
         their_logits = model(input_features=theirs.to(device), decoder_input_ids=decoder_input_ids).logits
     torch.testing.assert_close(ours_logits, their_logits, rtol=1e-4, atol=1e-4)
     assert torch.equal(ours_logits.argmax(-1), their_logits.argmax(-1))
+
+
+def test_feature_extractor_swap(lm):
+    """The card's two-line swap: a WhisperFeatureExtractor whose torch path is `whisper_log_mel` returns the
+    features it computed itself."""
+    transformers = pytest.importorskip("transformers")
+    fe = transformers.WhisperFeatureExtractor(feature_size=128)
+    clips = [bench.speech_like(n, seed).numpy() for n, seed in [(24000, 3), (7000, 4)]]
+    theirs = fe(clips, sampling_rate=16000, return_tensors="pt", max_length=24000).input_features
+    fe._torch_extract_fbank_features = lambda w, device="cpu": lm.whisper_log_mel(
+        torch.from_numpy(w).view(-1, w.shape[-1]).to(DEVICE), fe.feature_size).view(
+        *w.shape[:-1], fe.feature_size, -1).cpu().numpy()
+    ours = fe(clips, sampling_rate=16000, return_tensors="pt", max_length=24000).input_features
+    assert ours.shape == theirs.shape == (2, 128, 150)
+    assert max_abs(ours, theirs) <= 2e-4
