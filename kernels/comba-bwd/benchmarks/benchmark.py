@@ -26,6 +26,9 @@ SPEC = "comba_backward"
 NAMES = ("dq", "dk", "dv", "dp", "dbeta", "dg")
 BENCH_SHAPE = (8, 2048, 32, 128, 128)
 SWEEP_SHAPES = [(8, 2048, 32, 128, 128), (16, 2048, 32, 64, 128)]
+# The portable reverse scan at K = 128 holds its (128, 64) fp32 dS block, dVn and X of a V block in 255 registers of
+# 4 warps, so that two CTAs share an SM; it spills up to 148 B under the supported Tritons (tools.compile_sm90).
+SPILLS_BY_DESIGN = {"_reverse_scan_kernel": 160}
 
 
 def _make(B, T, H, K, V, device, seed=0):
@@ -247,16 +250,22 @@ def side_by_side(kernel, bench, shapes=None, sweep_shapes=None, time_seed_refere
 
 def compile_cases(kernel, spec):
     """(label, call) pairs for `python -m tools.compile_sm90`: the forward and the backward at every measure shape,
-    on meta tensors (bf16, g in float32)."""
+    on meta tensors (bf16, g in float32), and the backward's portable Triton stages at the first measure shape of each
+    K (what runs where the Gluon path does not: other GPUs, Triton releases it is not verified under)."""
     pipeline = importlib.import_module(f"{kernel.__name__}.backward")
     forward_pipeline = importlib.import_module(f"{kernel.__name__}.forward")
+    dispatch = importlib.import_module(f"{kernel.__name__}.dispatch")
 
-    def case(shape):
-        B, T, H, K, V = shape
+    def meta_inputs(B, T, H, K, V):
         q, k, p = (torch.empty(B, T, H, K, dtype=torch.bfloat16, device="meta") for _ in range(3))
         v, do = (torch.empty(B, T, H, V, dtype=torch.bfloat16, device="meta") for _ in range(2))
         beta = torch.empty(B, T, H, dtype=torch.bfloat16, device="meta")
         g = torch.empty(B, T, H, dtype=torch.float32, device="meta")
+        return q, k, v, p, beta, g, do
+
+    def case(shape):
+        q, k, v, p, beta, g, do = meta_inputs(*shape)
+        K = shape[3]
 
         def both():
             forward_pipeline.fused_forward(q, k, v, p, beta, g, K**-0.5)
@@ -264,5 +273,18 @@ def compile_cases(kernel, spec):
 
         return f"(B,T,H,K,V)={shape}", both
 
-    for shape in spec("comba_backward").measure_shapes:
+    def portable_case(shape):
+        inputs = meta_inputs(*shape)
+        portable = dispatch.Plan(gluon=(), v_adjoint_in_grads=False, pieces=1)
+
+        def stages():
+            for launch in pipeline.backward_stages(*inputs, shape[3] ** -0.5, plan=portable)[0].values():
+                launch()
+
+        return f"(B,T,H,K,V)={shape} portable backward", stages
+
+    shapes = spec("comba_backward").measure_shapes
+    for shape in shapes:
         yield case(shape)
+    for K in sorted({shape[3] for shape in shapes}):
+        yield portable_case(next(shape for shape in shapes if shape[3] == K))
