@@ -7,6 +7,7 @@ import itertools
 import os
 import subprocess
 import sys
+import threading
 import warnings
 from pathlib import Path
 
@@ -161,6 +162,65 @@ def test_inputs_on_different_devices_raise(ldsa):
     a, v = make(1, 1, 8, 16, 2, 1)
     with pytest.raises(ValueError, match="one device"):
         ldsa.ldsa_local_attention(a.cuda(), v, 2, 1)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_registered_backward_refuses_a_bad_grad_out(ldsa, device):
+    a, v = make(1, 2, 16, 64, 2, 1, device=device)
+    with pytest.raises(ValueError, match="grad_out must have the shape"):
+        ldsa.op.ldsa_backward(a, v, v[..., :-1], 2, 1)
+    with pytest.raises(TypeError, match="grad_out must be"):
+        ldsa.op.ldsa_backward(a, v, v.double(), 2, 1)
+    if device == "cuda":
+        with pytest.raises(ValueError, match="grad_out must be on"):
+            ldsa.op.ldsa_backward(a, v, v.cpu(), 2, 1)
+
+
+@needs_cuda
+@pytest.mark.parametrize("config", ["band", "band-prefetch", "band-tma", "band-gluon"])
+def test_cuda_every_path_runs_on_its_inputs_device(ldsa, config):
+    """Each path launches on its inputs' GPU whatever device is current: the device guard, and the caches keyed by
+    device (plans, compiled launches, SM counts; TMA descriptors built per call). With two GPUs the inputs are on
+    cuda:1 while cuda:0 is current; with one, on cuda:0 inside torch.cuda.device(0). A path this GPU or Triton does
+    not run runs as the one the dispatcher gives in its place."""
+    kernels = submodule(ldsa, "dispatch")
+    device = torch.device("cuda", 1 if torch.cuda.device_count() >= 2 else 0)
+    a, v = make(2, 8, 64, 1024, 14, 0, torch.bfloat16)
+    go = grad_like(v)
+    ga, gv = ldsa_float64_grads(a, v, go, 14, 0)
+    backward = config if config in kernels.BACKWARD_CONFIGS else kernels.BAND
+    with torch.cuda.device(0):
+        ad, vd, god = a.to(device), v.to(device), go.to(device)
+        out = kernels.ldsa_forward(ad, vd, 14, 0, config=config)
+        dlogits, dv = kernels.ldsa_backward(ad, vd, god, 14, 0, config=backward)
+        public = ldsa.ldsa_local_attention(ad.requires_grad_(), vd, 14, 0)
+        public.backward(god)
+    assert out.device == dlogits.device == dv.device == public.device == device
+    expected = ldsa_float64(a, v, 14, 0)
+    assert rel_err(out, expected) < FWD_TOL[torch.bfloat16]
+    assert rel_err(dlogits, ga) < TOL[torch.bfloat16] and rel_err(dv, gv) < TOL[torch.bfloat16]
+    assert rel_err(public, expected) < FWD_TOL[torch.bfloat16]
+    assert rel_err(ad.grad, ga) < TOL[torch.bfloat16]
+
+
+@pytest.mark.skipif(not HAS_CUDA or torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_cuda_two_gpus_at_once_from_two_threads(ldsa):
+    """The large-call paths (band-gluon, band-tma where those run) on cuda:0 and cuda:1 at once, one thread each."""
+    a, v = make(4, 64, 64, 1024, 14, 0, torch.bfloat16)  # 2^18 frames: the fast paths' default
+    expected = ldsa.ldsa_forward_reference(a, v, 14, 0)
+    results = {}
+
+    def run(index):
+        with torch.no_grad():
+            results[index] = ldsa.ldsa_local_attention(a.to(f"cuda:{index}"), v.to(f"cuda:{index}"), 14, 0).cpu()
+
+    threads = [threading.Thread(target=run, args=(index,)) for index in (0, 1)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for index in (0, 1):
+        assert rel_err(results[index], expected) < FWD_TOL[torch.bfloat16], index
 
 
 # ---- The Triton kernels under the interpreter (CPU tensors, launchers called directly) ----

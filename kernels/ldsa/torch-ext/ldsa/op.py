@@ -13,7 +13,7 @@ import torch
 
 from ._ops import add_op_namespace_prefix
 from .reference import ldsa_backward_reference, ldsa_forward_reference
-from .validation import check_ldsa_args
+from .validation import check_grad_out, check_ldsa_args
 
 
 @functools.cache
@@ -50,6 +50,7 @@ def _cuda_forward(a_logits, v, left, right, signature: tuple | None = None):
 
 
 def _cuda_backward(a_logits, v, grad_out, left, right):
+    check_grad_out(grad_out, v)  # the registered backward is callable directly: a bad grad_out must not launch
     kernels = _fused(left, right)
     if kernels is None:
         return ldsa_backward_reference(a_logits, v, grad_out, left, right)
@@ -80,6 +81,7 @@ def ldsa_backward(
 
 @torch.library.register_kernel(add_op_namespace_prefix("ldsa_backward"), "cpu")
 def _(a_logits, v, grad_out, left, right):
+    check_grad_out(grad_out, v)
     return ldsa_backward_reference(a_logits, v, grad_out, left, right)
 
 

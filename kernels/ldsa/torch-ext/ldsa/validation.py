@@ -35,6 +35,7 @@ def check_ldsa_args(a_logits, v, left, right) -> None:
 
 
 def check_grad_out(grad_out, v) -> None:
+    """Validate the backward's `grad_out` against the saved `v`: a supported dtype, v's shape and device."""
     check_tensor("grad_out", grad_out, 4, SUPPORTED_DTYPES)
     if grad_out.shape != v.shape:
         raise ValueError(f"grad_out must have the shape of v {tuple(v.shape)}, got {tuple(grad_out.shape)}")
