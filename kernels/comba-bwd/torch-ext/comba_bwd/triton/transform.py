@@ -71,19 +71,19 @@ def _transform_kernel(k, p, beta, g, A, N, H, K: tl.constexpr):
     gc1, off, b1 = gates(g, beta, scal_base, t0 + SUB, H, SUB, off)
     gc2, off, b2 = gates(g, beta, scal_base, t0 + 2 * SUB, H, SUB, off)
     gc3, _, b3 = gates(g, beta, scal_base, t0 + 3 * SUB, H, SUB, off)
-    # P on each block's rows, K^T on each block's columns (loaded transposed). Every block of L first, so that the P
-    # and K tiles are dead before the substitutions, by columns, each K^T tile loaded where its column starts: a
-    # tile goes to its dot operand layout through shared memory, and a compiler that moves each such read to the
-    # tile's first use (Triton 3.7 does) then holds at most the four P tiles and one K^T tile there (20 KB at
-    # K = 128, so that shared memory still lets 8 CTAs share an SM), not all eight (32 KB, 6 CTAs).
+    # Every block of L first, so that the P and K tiles are dead before the substitutions, by columns, with P on each
+    # block's rows and K^T on each block's columns (loaded transposed) each loaded at its first use. A tile goes to its
+    # dot operand layout through shared memory; loaded at its first use, it leaves shared memory at once under every
+    # supported Triton (8 KB at K = 128), where from 3.7, which moves each read of such a buffer to the tile's first
+    # use, tiles loaded up front would sit there together (32 KB: 6 CTAs an SM, not the 8 that registers allow).
     p0 = tl.load(row_ptrs(p, kbase, t0, H * K, K, SUB)).to(tl.bfloat16)
-    p1 = tl.load(row_ptrs(p, kbase, t0 + SUB, H * K, K, SUB)).to(tl.bfloat16)
-    p2 = tl.load(row_ptrs(p, kbase, t0 + 2 * SUB, H * K, K, SUB)).to(tl.bfloat16)
-    p3 = tl.load(row_ptrs(p, kbase, t0 + 3 * SUB, H * K, K, SUB)).to(tl.bfloat16)
     kt = tl.load(row_ptrs_t(k, kbase, t0, H * K, K, SUB)).to(tl.bfloat16)
     L00 = _l_block(p0, b0, gc0, kt, gc0, True)
+    p1 = tl.load(row_ptrs(p, kbase, t0 + SUB, H * K, K, SUB)).to(tl.bfloat16)
     L10 = _l_block(p1, b1, gc1, kt, gc0, False)
+    p2 = tl.load(row_ptrs(p, kbase, t0 + 2 * SUB, H * K, K, SUB)).to(tl.bfloat16)
     L20 = _l_block(p2, b2, gc2, kt, gc0, False)
+    p3 = tl.load(row_ptrs(p, kbase, t0 + 3 * SUB, H * K, K, SUB)).to(tl.bfloat16)
     L30 = _l_block(p3, b3, gc3, kt, gc0, False)
     kt = tl.load(row_ptrs_t(k, kbase, t0 + SUB, H * K, K, SUB)).to(tl.bfloat16)
     L11 = _l_block(p1, b1, gc1, kt, gc1, True)
