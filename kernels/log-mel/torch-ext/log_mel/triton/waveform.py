@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from ..whisper import mel_filters
-from .epilogue import clip_floor, log10_clamped
+from .epilogue import LOG10_2, LOG10_CLAMP, clip_floor
 
 # Globals read inside @triton.jit functions must be constexpr; host code reads their `.value`.
 N_FFT = tl.constexpr(400)
@@ -39,6 +39,8 @@ RADIX = tl.constexpr(16)  # n2, k2: the stage-2 (complex) DFT size; 400 = 25 x 1
 OUTER = tl.constexpr(25)  # n1, k1: the stage-1 (real) DFT size
 HALF = tl.constexpr(13)  # k1 = 0..12: the stage-1 outputs a real signal needs
 PCM_SCALE = tl.constexpr(1.0 / 32768.0)  # int16 PCM -> [-1, 1)
+# fp16x3 projection: the filterbank (weights below 0.05) times 2^6, closer to the top of fp16's range.
+MEL_SHIFT = tl.constexpr(6)
 WINDOW_PAD = 512  # the Hann window, zero past 400 (the masked lanes of the framing read there)
 FLOOR_TILES = 8  # frame tiles a floor-pass program checks
 STATS_CHUNK = 256  # tile statistics per step of the clip-maximum reduction
@@ -54,20 +56,22 @@ class Config:
     num_warps: int = 4
     num_stages: int = 1
     k_groups: int = 4  # the projection's K = 256 in k_groups products side by side
-    # "tf32x3" (fp32-accurate); "tf32" (one product) misses the 2e-4 bar on speech and only measures what the
-    # projection's two extra products cost
-    mel_precision: str = "tf32x3"
+    precision: str = "fp16x3"  # of the DFT's products: "fp16x3" or "tf32x3" (both fp32-accurate, see _dot3)
+    # of the projection: "fp16x3", "tf32x3", or "tf32" (one product: it misses the 2e-4 bar on speech and only
+    # measures what the projection's two extra products cost)
+    mel_precision: str = "fp16x3"
 
     @property
     def name(self) -> str:
-        return (f"f{self.block_f} m{self.block_m} g{self.k_groups} w{self.num_warps} s{self.num_stages}"
-                + ("" if self.mel_precision == "tf32x3" else f" mel {self.mel_precision}"))
+        return (f"f{self.block_f} m{self.block_m} g{self.k_groups} w{self.num_warps} s{self.num_stages} "
+                f"{self.precision}/{self.mel_precision}")
 
 
 DEFAULT_CONFIG = Config()
 # The pick and the runners-up the benchmark times and the GPU tests run.
-SHIPPED_CONFIGS = (DEFAULT_CONFIG, Config(block_m=16), Config(k_groups=8), Config(k_groups=16),
-                   Config(block_f=32, num_warps=8), Config(num_stages=2), Config(num_warps=8))
+SHIPPED_CONFIGS = (DEFAULT_CONFIG, Config(precision="tf32x3", mel_precision="tf32x3"), Config(mel_precision="tf32x3"),
+                   Config(block_m=16), Config(k_groups=8), Config(block_f=32, num_warps=8), Config(num_warps=8),
+                   Config(block_f=32))
 
 
 @functools.cache
@@ -115,9 +119,55 @@ def permuted_filterbank(mel_filters: torch.Tensor, block_m: int) -> torch.Tensor
 
 
 @functools.cache
-def _projection(n_mels: int, device: torch.device, block_m: int) -> torch.Tensor:
-    """`permuted_filterbank(mel_filters(n_mels))` on `device`, once per (n_mels, device, block_m)."""
-    return permuted_filterbank(mel_filters(n_mels), block_m).to(device)
+def _projection(n_mels: int, device: torch.device, block_m: int, shift: int) -> torch.Tensor:
+    """`permuted_filterbank(mel_filters(n_mels))` times 2^shift on `device`, once per (n_mels, device, block_m,
+    shift)."""
+    return (permuted_filterbank(mel_filters(n_mels), block_m) * 2.0**shift).to(device)
+
+
+@triton.jit
+def _dot3(a, b, acc, PRECISION: tl.constexpr):
+    """acc + a @ b to about fp32 accuracy from three tensor-core products of split operands, the product of
+    the two tails left out. "fp16x3": x = fp16(x) + fp16(x - fp16(x)), exact to 2^-22 of x while x lies in
+    fp16's normal range (the callers scale by powers of two to put their operands' maxima in [2^14, 2^15);
+    smaller values keep an absolute accuracy of 2^-25 there), at twice TF32's tensor-core rate. "tf32x3":
+    Triton's split into TF32 halves, for any fp32 range."""
+    if PRECISION == "fp16x3":
+        a_hi = a.to(tl.float16)
+        a_lo = (a - a_hi.to(tl.float32)).to(tl.float16)
+        b_hi = b.to(tl.float16)
+        b_lo = (b - b_hi.to(tl.float32)).to(tl.float16)
+        acc = tl.dot(a_hi, b_lo, acc)
+        acc = tl.dot(a_lo, b_hi, acc)
+        return tl.dot(a_hi, b_hi, acc)
+    else:
+        return tl.dot(a, b, acc, input_precision="tf32x3")
+
+
+@triton.jit
+def _pow2_scale(amax, PRECISION: tl.constexpr):
+    """(2^s, s) for the integer s that puts amax (>= 0) in [2^14, 2^15), within fp32's normal exponents (any s
+    for 0); (1, 0) unless PRECISION is "fp16x3". Multiplying by 2^s is exact."""
+    if PRECISION == "fp16x3":
+        biased = 268 - ((amax.to(tl.int32, bitcast=True) >> 23) & 255)  # 127 + 14 - (exponent of amax)
+        biased = tl.minimum(tl.maximum(biased, 1), 254)
+        return (biased << 23).to(tl.float32, bitcast=True), biased - 127
+    else:
+        return 1.0, 0
+
+
+@triton.jit
+def log10_scaled(mel, e, HW_LOG2: tl.constexpr):
+    """log10(max(mel * 2^-e, 1e-10)) for mel >= 0 times 2^e (e an integer), without forming mel * 2^-e, which
+    may leave fp32's range: log2(mel) - e, times log10(2), floored at -10; zero gives exactly -10, and NaN
+    stays NaN."""
+    if HW_LOG2:
+        log2 = tl.inline_asm_elementwise("lg2.approx.f32 $0, $1;", "=f,f", [mel], dtype=tl.float32, is_pure=True,
+                                         pack=1)
+    else:
+        log2 = tl.log2(mel)
+    log = (log2 - e) * LOG10_2
+    return tl.where(log <= LOG10_CLAMP, LOG10_CLAMP, log)
 
 
 @triton.jit
@@ -135,9 +185,11 @@ def _frame_samples(audio_ptr, window_ptr, clip_base, length, N, frame, n, ok, IS
 
 @triton.jit
 def _power_tile(audio_ptr, lengths_ptr, tables_ptr, window_ptr, clip, tile, N, F,
-                BLOCK_F: tl.constexpr, IS_PCM: tl.constexpr, HAS_LENGTHS: tl.constexpr):
-    """[BLOCK_F, 256] power spectra of frames tile * BLOCK_F + i (clamped to F - 1), in the order
-    k1 * 16 + k2 of `stage2_bins`."""
+                BLOCK_F: tl.constexpr, IS_PCM: tl.constexpr, HAS_LENGTHS: tl.constexpr, PRECISION: tl.constexpr):
+    """(power [BLOCK_F, 256], e): the power spectra of frames tile * BLOCK_F + i (clamped to F - 1) times 2^e,
+    in the order k1 * 16 + k2 of `stage2_bins`. With "fp16x3" the samples are scaled by 2^s (the tile's
+    largest stage-1 input into [2^14, 2^15)) and the stage-2 inputs by 2^-5 (their bound 26 * 2^15 * sqrt(2)
+    into fp16's range), so e = 2 s - 10; with "tf32x3" e = 0."""
     R: tl.constexpr = BLOCK_F * RADIX
     rows = tl.arange(0, R)
     n2 = rows % RADIX
@@ -153,12 +205,18 @@ def _power_tile(audio_ptr, lengths_ptr, tables_ptr, window_ptr, clip, tile, N, F
     s_lo = _frame_samples(audio_ptr, window_ptr, base, length, N, frame, n_lo, cols[None, :] < HALF, IS_PCM)
     s_hi = _frame_samples(audio_ptr, window_ptr, base, length, N, frame, n_hi,
                           (cols[None, :] >= 1) & (cols[None, :] < HALF), IS_PCM)
+    cosines = s_lo + s_hi
+    sines = s_lo - s_hi
+    scale, s = _pow2_scale(tl.maximum(tl.max(tl.abs(cosines)), tl.max(tl.abs(sines))), PRECISION)
     square = cols[:, None] * RADIX + cols[None, :]
-    y_re = tl.dot(s_lo + s_hi, tl.load(tables_ptr + square), input_precision="tf32x3")
-    y_im = tl.dot(s_lo - s_hi, tl.load(tables_ptr + RADIX * RADIX + square), input_precision="tf32x3")
+    y_re = _dot3(cosines * scale, tl.load(tables_ptr + square), None, PRECISION)
+    y_im = _dot3(sines * scale, tl.load(tables_ptr + RADIX * RADIX + square), None, PRECISION)
     twiddle = tables_ptr + 2 * RADIX * RADIX + n2[:, None] * RADIX + cols[None, :]
     t_re = tl.load(twiddle)
     t_im = tl.load(twiddle + RADIX * RADIX)
+    if PRECISION == "fp16x3":
+        t_re *= 1.0 / 32
+        t_im *= 1.0 / 32
     g_re = y_re * t_re - y_im * t_im
     g_im = y_re * t_im + y_im * t_re
     # Row (frame, n2), column k1 -> row (frame, k1), column n2: stage 2 contracts over n2.
@@ -166,39 +224,51 @@ def _power_tile(audio_ptr, lengths_ptr, tables_ptr, window_ptr, clip, tile, N, F
     g_im = tl.reshape(tl.permute(tl.reshape(g_im, (BLOCK_F, RADIX, RADIX)), (0, 2, 1)), (R, RADIX))
     cos2 = tl.load(tables_ptr + 4 * RADIX * RADIX + square)
     sin2 = tl.load(tables_ptr + 5 * RADIX * RADIX + square)
-    z_re = tl.dot(g_im, sin2, tl.dot(g_re, cos2, input_precision="tf32x3"), input_precision="tf32x3")
-    z_im = tl.dot(-g_re, sin2, tl.dot(g_im, cos2, input_precision="tf32x3"), input_precision="tf32x3")
-    return tl.reshape(z_re * z_re + z_im * z_im, (BLOCK_F, RADIX * RADIX))
+    z_re = _dot3(g_im, sin2, _dot3(g_re, cos2, None, PRECISION), PRECISION)
+    z_im = _dot3(-g_re, sin2, _dot3(g_im, cos2, None, PRECISION), PRECISION)
+    e = 2 * s
+    if PRECISION == "fp16x3":
+        e -= 10
+    return tl.reshape(z_re * z_re + z_im * z_im, (BLOCK_F, RADIX * RADIX)), e
 
 
 @triton.jit
 def _waveform_tiles_kernel(audio_ptr, lengths_ptr, tables_ptr, window_ptr, proj_ptr, out_ptr, stats_ptr,
                            N, F, NM, n_tiles, BLOCK_F: tl.constexpr, BLOCK_M: tl.constexpr,
-                           NM_PAD: tl.constexpr, K_GROUPS: tl.constexpr, MEL_PRECISION: tl.constexpr,
-                           IS_PCM: tl.constexpr,
-                           HAS_LENGTHS: tl.constexpr, HW_LOG2: tl.constexpr):
+                           NM_PAD: tl.constexpr, K_GROUPS: tl.constexpr, PRECISION: tl.constexpr,
+                           MEL_PRECISION: tl.constexpr, IS_PCM: tl.constexpr, HAS_LENGTHS: tl.constexpr,
+                           HW_LOG2: tl.constexpr):
     """Pass 1, one program per (clip, frame tile), clip-major: (log10(max(mel, 1e-10)) + 4) / 4 into out
     (B, NM, F), and the tile's (max, min) of the log into stats."""
     pid = tl.program_id(0)
     clip = pid // n_tiles
     tile = pid % n_tiles
-    power = _power_tile(audio_ptr, lengths_ptr, tables_ptr, window_ptr, clip, tile, N, F, BLOCK_F, IS_PCM,
-                        HAS_LENGTHS)
+    power, e = _power_tile(audio_ptr, lengths_ptr, tables_ptr, window_ptr, clip, tile, N, F, BLOCK_F, IS_PCM,
+                           HAS_LENGTHS, PRECISION)
+    # fp16x3: the power into [2^14, 2^15) as well (the filterbank arrives times 2^MEL_SHIFT), so that
+    # mel = product * 2^-(e + s + MEL_SHIFT).
+    scale, s = _pow2_scale(tl.max(power), MEL_PRECISION)
+    e += s
+    if MEL_PRECISION == "fp16x3":
+        e += MEL_SHIFT
     frames = tile * BLOCK_F + tl.arange(0, BLOCK_F)
     out_rows = out_ptr + clip.to(tl.int64) * NM * F + frames[:, None]
     run_max = tl.full((BLOCK_F, BLOCK_M), float("-inf"), tl.float32)
     run_min = tl.full((BLOCK_F, BLOCK_M), float("inf"), tl.float32)
     # The projection contracts 256 values a frame; one product of K = 256 would hold its whole A operand in
-    # each thread (128 registers for each TF32 half), so it runs as K_GROUPS products of K = 256 / K_GROUPS side
-    # by side (a batched product, the groups spread over the warps), then sums the groups.
-    power = tl.permute(tl.reshape(power, (BLOCK_F, K_GROUPS, RADIX * RADIX // K_GROUPS)), (1, 0, 2))
+    # each thread (128 registers for each half of the split), so it runs as K_GROUPS products of
+    # K = 256 / K_GROUPS side by side (a batched product, the groups spread over the warps), then sums them.
+    power = tl.permute(tl.reshape(power * scale, (BLOCK_F, K_GROUPS, RADIX * RADIX // K_GROUPS)), (1, 0, 2))
     group_rows = tl.arange(0, K_GROUPS)[:, None, None] * (RADIX * RADIX // K_GROUPS)
     k_in_group = tl.arange(0, RADIX * RADIX // K_GROUPS)[None, :, None]
     for m0 in range(0, NM_PAD, BLOCK_M):
         bands = m0 + tl.arange(0, BLOCK_M)
         w = tl.load(proj_ptr + (group_rows + k_in_group) * NM_PAD + bands[None, None, :])
-        mel = tl.sum(tl.dot(power, w, input_precision=MEL_PRECISION), axis=0)
-        log_spec = log10_clamped(mel, HW_LOG2)
+        if MEL_PRECISION == "tf32":
+            mel = tl.sum(tl.dot(power, w, input_precision="tf32"), axis=0)
+        else:
+            mel = tl.sum(_dot3(power, w, None, MEL_PRECISION), axis=0)
+        log_spec = log10_scaled(mel, e, HW_LOG2)
         ok = (frames < F)[:, None] & (bands < NM)[None, :]
         tl.store(out_rows + bands[None, :] * F, ((log_spec + 4.0) * 0.25).to(out_ptr.dtype.element_ty), mask=ok)
         # Frames past F repeat frame F - 1; bands past NM (zero weights) must not lower the minimum.
@@ -240,7 +310,7 @@ def whisper_log_mel_triton(audio: torch.Tensor, lengths: torch.Tensor | None, n_
     B, N = audio.shape
     F = N // HOP.value
     tables, window = _dft_tables(audio.device)
-    proj = _projection(n_mels, audio.device, config.block_m)
+    proj = _projection(n_mels, audio.device, config.block_m, MEL_SHIFT.value if config.mel_precision == "fp16x3" else 0)
     n_tiles = triton.cdiv(F, config.block_f)
     n_groups = triton.cdiv(n_tiles, FLOOR_TILES)
     stats = torch.empty(B, n_tiles, 2, dtype=torch.float32, device=audio.device)
@@ -249,7 +319,7 @@ def whisper_log_mel_triton(audio: torch.Tensor, lengths: torch.Tensor | None, n_
         _waveform_tiles_kernel[(B * n_tiles,)](
             audio, lengths, tables, window, proj, out, stats, N, F, n_mels, n_tiles,
             BLOCK_F=config.block_f, BLOCK_M=config.block_m, NM_PAD=proj.shape[1], K_GROUPS=config.k_groups,
-            MEL_PRECISION=config.mel_precision,
+            PRECISION=config.precision, MEL_PRECISION=config.mel_precision,
             IS_PCM=audio.dtype == torch.int16, HAS_LENGTHS=lengths is not None,
             # The interpreter (CPU) cannot run inline PTX.
             HW_LOG2=not triton.knobs.runtime.interpret, num_warps=config.num_warps,
