@@ -232,3 +232,25 @@ def test_feature_extractor_swap(lm):
     ours = fe(clips, sampling_rate=16000, return_tensors="pt", max_length=24000).input_features
     assert ours.shape == theirs.shape == (2, 128, 150)
     assert max_abs(ours, theirs) <= 2e-4
+
+
+@needs_cuda
+@pytest.mark.parametrize("op", ["whisper_log_mel", "log_mel_spectrogram"])
+def test_runs_on_the_inputs_device(lm, op):
+    """Each op on cuda:0 inside torch.cuda.device(0) and, with two GPUs, on cuda:1 while cuda:0 is current, gives
+    what the CPU gives (the filterbank and DFT tables are cached per device)."""
+    audio = bench.whisper_batch(3, 8000, "cpu")
+    stft = torch.stft(audio, 400, 160, window=torch.hann_window(400), return_complex=True)[..., :-1]
+    stft = stft.transpose(1, 2).contiguous()
+
+    def run(device):
+        if op == "whisper_log_mel":
+            return lm.whisper_log_mel(audio.to(device), 80, lengths=[8000, 8000, 5000])
+        return lm.log_mel_spectrogram(stft.to(device), lm.mel_filters(80).to(device))
+
+    expected = run("cpu")
+    for device in ["cuda:0"] + (["cuda:1"] if torch.cuda.device_count() >= 2 else []):
+        with torch.cuda.device(0):
+            out = run(device)
+        assert out.device == torch.device(device)
+        assert max_abs(out, expected) <= 1e-4, device

@@ -20,7 +20,8 @@ from .whisper import HOP_LENGTH, N_FFT
 def log_mel_op(stft: torch.Tensor, mel_filters: torch.Tensor) -> torch.Tensor:
     from .triton.stft import log_mel_triton
 
-    return log_mel_triton(stft, mel_filters)
+    with torch.cuda.device(stft.device):  # Triton launches on the current device
+        return log_mel_triton(stft, mel_filters)
 
 
 @torch.library.register_kernel(add_op_namespace_prefix("log_mel_spectrogram"), "cpu")
@@ -39,7 +40,8 @@ def whisper_log_mel_op(audio: torch.Tensor, lengths: torch.Tensor | None, n_mels
                        out_dtype: torch.dtype) -> torch.Tensor:
     from .triton.waveform import whisper_log_mel_triton
 
-    return whisper_log_mel_triton(audio, lengths, n_mels, out_dtype)
+    with torch.cuda.device(audio.device):  # Triton launches on the current device
+        return whisper_log_mel_triton(audio, lengths, n_mels, out_dtype)
 
 
 @torch.library.register_kernel(add_op_namespace_prefix("whisper_log_mel"), "cpu")

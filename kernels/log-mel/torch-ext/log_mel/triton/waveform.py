@@ -20,7 +20,6 @@ Per tile of BLOCK_F frames of one clip, everything stays on chip from the sample
    and min of the log kept for the floor pass, which rewrites only tiles the clip's 80 dB floor reaches.
 """
 
-import contextlib
 import functools
 import math
 from dataclasses import dataclass
@@ -56,7 +55,7 @@ class Config:
     num_warps: int = 4
     num_stages: int = 1
     k_groups: int = 4  # the projection's K = 256 in k_groups products side by side
-    precision: str = "fp16x3"  # of the DFT's products: "fp16x3" or "tf32x3" (both fp32-accurate, see _dot3)
+    precision: str = "fp16x3"  # of the DFT's products: "fp16x3" or "tf32x3" (both fp32-accurate, see _product)
     # of the projection: "fp16x3", "tf32x3", or "tf32" (one product: it misses the 2e-4 bar on speech and only
     # measures what the projection's two extra products cost)
     mel_precision: str = "fp16x3"
@@ -74,24 +73,35 @@ SHIPPED_CONFIGS = (DEFAULT_CONFIG, Config(precision="tf32x3", mel_precision="tf3
                    Config(block_f=32))
 
 
+def split_operand(t: torch.Tensor, precision: str) -> torch.Tensor:
+    """A tensor-core product's constant operand as the kernel loads it: for "fp16x3" its fp16 head and tail
+    stacked, (2, *t.shape), head + tail within 2^-22 of t; otherwise t in float32."""
+    if precision != "fp16x3":
+        return t.to(torch.float32)
+    head = t.to(torch.float16)
+    return torch.stack([head, (t - head.to(t.dtype)).to(torch.float16)])
+
+
 @functools.cache
-def _dft_tables(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(tables (6, 16, 16) float32, window (512,) float32) on `device`, computed in float64 once per device."""
+def _dft_tables(device: torch.device, precision: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(operands, twiddles, window) on `device`, from float64, once per (device, precision): the products'
+    tables (stage-1 cos, stage-1 -sin, stage-2 cos, stage-2 sin; (4, 16, 16), split by `split_operand`), the
+    twiddles W400^(n2 k1) ((2, 16, 16) float32: real, imaginary part) and the Hann window ((512,) float32)."""
     radix, outer, half, n_fft = RADIX.value, OUTER.value, HALF.value, N_FFT.value
     i = torch.arange(radix, dtype=torch.float64)
     row, col = i[:, None], i[None, :]
     used = (row < half) & (col < half)
-    tables = torch.stack([
+    operands = torch.stack([
         torch.where(used, torch.cos(2 * math.pi * row * col / outer), 0.0),  # [n1, k1]: n1 = 0..12
         torch.where(used & (row >= 1), -torch.sin(2 * math.pi * row * col / outer), 0.0),  # [n1, k1]: n1 = 1..12
-        torch.cos(2 * math.pi * row * col / n_fft),  # [n2, k1]: W400^(n2 k1), real part
-        -torch.sin(2 * math.pi * row * col / n_fft),  # imaginary part
         torch.cos(2 * math.pi * row * col / radix),  # [n2, k2]
         torch.sin(2 * math.pi * row * col / radix),
     ])
+    twiddles = torch.stack([torch.cos(2 * math.pi * row * col / n_fft), -torch.sin(2 * math.pi * row * col / n_fft)])
     n = torch.arange(WINDOW_PAD, dtype=torch.float64)
     window = torch.where(n < n_fft, 0.5 - 0.5 * torch.cos(2 * math.pi * n / n_fft), 0.0)
-    return tables.to(device, torch.float32), window.to(device, torch.float32)
+    return (split_operand(operands, precision).to(device), twiddles.to(device, torch.float32),
+            window.to(device, torch.float32))
 
 
 def stage2_bins() -> tuple[torch.Tensor, torch.Tensor]:
@@ -119,29 +129,32 @@ def permuted_filterbank(mel_filters: torch.Tensor, block_m: int) -> torch.Tensor
 
 
 @functools.cache
-def _projection(n_mels: int, device: torch.device, block_m: int, shift: int) -> torch.Tensor:
-    """`permuted_filterbank(mel_filters(n_mels))` times 2^shift on `device`, once per (n_mels, device, block_m,
-    shift)."""
-    return (permuted_filterbank(mel_filters(n_mels), block_m) * 2.0**shift).to(device)
+def _projection(n_mels: int, device: torch.device, block_m: int, precision: str) -> torch.Tensor:
+    """`permuted_filterbank(mel_filters(n_mels))` as the projection loads it (`split_operand`; for "fp16x3"
+    times 2^MEL_SHIFT) on `device`, once per (n_mels, device, block_m, precision)."""
+    weights = permuted_filterbank(mel_filters(n_mels), block_m).double()
+    if precision == "fp16x3":
+        weights *= 2.0**MEL_SHIFT.value
+    return split_operand(weights, precision).to(device)
 
 
 @triton.jit
-def _dot3(a, b, acc, PRECISION: tl.constexpr):
+def _product(a, b_ptr, offsets, acc, B_LO: tl.constexpr, PRECISION: tl.constexpr):
     """acc + a @ b to about fp32 accuracy from three tensor-core products of split operands, the product of
-    the two tails left out. "fp16x3": x = fp16(x) + fp16(x - fp16(x)), exact to 2^-22 of x while x lies in
+    the two tails left out; b is the constant operand at b_ptr + offsets as `split_operand` lays it out (its
+    tail B_LO elements on). "fp16x3": a = fp16(a) + fp16(a - fp16(a)), exact to 2^-22 of a while a lies in
     fp16's normal range (the callers scale by powers of two to put their operands' maxima in [2^14, 2^15);
     smaller values keep an absolute accuracy of 2^-25 there), at twice TF32's tensor-core rate. "tf32x3":
     Triton's split into TF32 halves, for any fp32 range."""
     if PRECISION == "fp16x3":
         a_hi = a.to(tl.float16)
         a_lo = (a - a_hi.to(tl.float32)).to(tl.float16)
-        b_hi = b.to(tl.float16)
-        b_lo = (b - b_hi.to(tl.float32)).to(tl.float16)
-        acc = tl.dot(a_hi, b_lo, acc)
+        acc = tl.dot(a_hi, tl.load(b_ptr + B_LO + offsets), acc)
+        b_hi = tl.load(b_ptr + offsets)
         acc = tl.dot(a_lo, b_hi, acc)
         return tl.dot(a_hi, b_hi, acc)
     else:
-        return tl.dot(a, b, acc, input_precision="tf32x3")
+        return tl.dot(a, tl.load(b_ptr + offsets), acc, input_precision=PRECISION)
 
 
 @triton.jit
@@ -184,7 +197,7 @@ def _frame_samples(audio_ptr, window_ptr, clip_base, length, N, frame, n, ok, IS
 
 
 @triton.jit
-def _power_tile(audio_ptr, lengths_ptr, tables_ptr, window_ptr, clip, tile, N, F,
+def _power_tile(audio_ptr, lengths_ptr, operands_ptr, twiddles_ptr, window_ptr, clip, tile, N, F,
                 BLOCK_F: tl.constexpr, IS_PCM: tl.constexpr, HAS_LENGTHS: tl.constexpr, PRECISION: tl.constexpr):
     """(power [BLOCK_F, 256], e): the power spectra of frames tile * BLOCK_F + i (clamped to F - 1) times 2^e,
     in the order k1 * 16 + k2 of `stage2_bins`. With "fp16x3" the samples are scaled by 2^s (the tile's
@@ -209,9 +222,10 @@ def _power_tile(audio_ptr, lengths_ptr, tables_ptr, window_ptr, clip, tile, N, F
     sines = s_lo - s_hi
     scale, s = _pow2_scale(tl.maximum(tl.max(tl.abs(cosines)), tl.max(tl.abs(sines))), PRECISION)
     square = cols[:, None] * RADIX + cols[None, :]
-    y_re = _dot3(cosines * scale, tl.load(tables_ptr + square), None, PRECISION)
-    y_im = _dot3(sines * scale, tl.load(tables_ptr + RADIX * RADIX + square), None, PRECISION)
-    twiddle = tables_ptr + 2 * RADIX * RADIX + n2[:, None] * RADIX + cols[None, :]
+    LO: tl.constexpr = 4 * RADIX * RADIX  # the operands' tails (fp16x3)
+    y_re = _product(cosines * scale, operands_ptr, square, None, LO, PRECISION)
+    y_im = _product(sines * scale, operands_ptr + RADIX * RADIX, square, None, LO, PRECISION)
+    twiddle = twiddles_ptr + n2[:, None] * RADIX + cols[None, :]
     t_re = tl.load(twiddle)
     t_im = tl.load(twiddle + RADIX * RADIX)
     if PRECISION == "fp16x3":
@@ -222,10 +236,10 @@ def _power_tile(audio_ptr, lengths_ptr, tables_ptr, window_ptr, clip, tile, N, F
     # Row (frame, n2), column k1 -> row (frame, k1), column n2: stage 2 contracts over n2.
     g_re = tl.reshape(tl.permute(tl.reshape(g_re, (BLOCK_F, RADIX, RADIX)), (0, 2, 1)), (R, RADIX))
     g_im = tl.reshape(tl.permute(tl.reshape(g_im, (BLOCK_F, RADIX, RADIX)), (0, 2, 1)), (R, RADIX))
-    cos2 = tl.load(tables_ptr + 4 * RADIX * RADIX + square)
-    sin2 = tl.load(tables_ptr + 5 * RADIX * RADIX + square)
-    z_re = _dot3(g_im, sin2, _dot3(g_re, cos2, None, PRECISION), PRECISION)
-    z_im = _dot3(-g_re, sin2, _dot3(g_im, cos2, None, PRECISION), PRECISION)
+    cos2 = operands_ptr + 2 * RADIX * RADIX
+    sin2 = operands_ptr + 3 * RADIX * RADIX
+    z_re = _product(g_im, sin2, square, _product(g_re, cos2, square, None, LO, PRECISION), LO, PRECISION)
+    z_im = _product(-g_re, sin2, square, _product(g_im, cos2, square, None, LO, PRECISION), LO, PRECISION)
     e = 2 * s
     if PRECISION == "fp16x3":
         e -= 10
@@ -233,7 +247,8 @@ def _power_tile(audio_ptr, lengths_ptr, tables_ptr, window_ptr, clip, tile, N, F
 
 
 @triton.jit
-def _waveform_tiles_kernel(audio_ptr, lengths_ptr, tables_ptr, window_ptr, proj_ptr, out_ptr, stats_ptr,
+def _waveform_tiles_kernel(audio_ptr, lengths_ptr, operands_ptr, twiddles_ptr, window_ptr, proj_ptr, out_ptr,
+                           stats_ptr,
                            N, F, NM, n_tiles, BLOCK_F: tl.constexpr, BLOCK_M: tl.constexpr,
                            NM_PAD: tl.constexpr, K_GROUPS: tl.constexpr, PRECISION: tl.constexpr,
                            MEL_PRECISION: tl.constexpr, IS_PCM: tl.constexpr, HAS_LENGTHS: tl.constexpr,
@@ -243,8 +258,8 @@ def _waveform_tiles_kernel(audio_ptr, lengths_ptr, tables_ptr, window_ptr, proj_
     pid = tl.program_id(0)
     clip = pid // n_tiles
     tile = pid % n_tiles
-    power, e = _power_tile(audio_ptr, lengths_ptr, tables_ptr, window_ptr, clip, tile, N, F, BLOCK_F, IS_PCM,
-                           HAS_LENGTHS, PRECISION)
+    power, e = _power_tile(audio_ptr, lengths_ptr, operands_ptr, twiddles_ptr, window_ptr, clip, tile, N, F,
+                           BLOCK_F, IS_PCM, HAS_LENGTHS, PRECISION)
     # fp16x3: the power into [2^14, 2^15) as well (the filterbank arrives times 2^MEL_SHIFT), so that
     # mel = product * 2^-(e + s + MEL_SHIFT).
     scale, s = _pow2_scale(tl.max(power), MEL_PRECISION)
@@ -263,11 +278,8 @@ def _waveform_tiles_kernel(audio_ptr, lengths_ptr, tables_ptr, window_ptr, proj_
     k_in_group = tl.arange(0, RADIX * RADIX // K_GROUPS)[None, :, None]
     for m0 in range(0, NM_PAD, BLOCK_M):
         bands = m0 + tl.arange(0, BLOCK_M)
-        w = tl.load(proj_ptr + (group_rows + k_in_group) * NM_PAD + bands[None, None, :])
-        if MEL_PRECISION == "tf32":
-            mel = tl.sum(tl.dot(power, w, input_precision="tf32"), axis=0)
-        else:
-            mel = tl.sum(_dot3(power, w, None, MEL_PRECISION), axis=0)
+        w = (group_rows + k_in_group) * NM_PAD + bands[None, None, :]
+        mel = tl.sum(_product(power, proj_ptr, w, None, RADIX * RADIX * NM_PAD, MEL_PRECISION), axis=0)
         log_spec = log10_scaled(mel, e, HW_LOG2)
         ok = (frames < F)[:, None] & (bands < NM)[None, :]
         tl.store(out_rows + bands[None, :] * F, ((log_spec + 4.0) * 0.25).to(out_ptr.dtype.element_ty), mask=ok)
@@ -309,21 +321,20 @@ def whisper_log_mel_triton(audio: torch.Tensor, lengths: torch.Tensor | None, n_
     config = config or DEFAULT_CONFIG
     B, N = audio.shape
     F = N // HOP.value
-    tables, window = _dft_tables(audio.device)
-    proj = _projection(n_mels, audio.device, config.block_m, MEL_SHIFT.value if config.mel_precision == "fp16x3" else 0)
+    operands, twiddles, window = _dft_tables(audio.device, config.precision)
+    proj = _projection(n_mels, audio.device, config.block_m, config.mel_precision)
     n_tiles = triton.cdiv(F, config.block_f)
     n_groups = triton.cdiv(n_tiles, FLOOR_TILES)
     stats = torch.empty(B, n_tiles, 2, dtype=torch.float32, device=audio.device)
     out = torch.empty(B, n_mels, F, dtype=out_dtype, device=audio.device)
-    with torch.cuda.device(audio.device) if audio.is_cuda else contextlib.nullcontext():
-        _waveform_tiles_kernel[(B * n_tiles,)](
-            audio, lengths, tables, window, proj, out, stats, N, F, n_mels, n_tiles,
-            BLOCK_F=config.block_f, BLOCK_M=config.block_m, NM_PAD=proj.shape[1], K_GROUPS=config.k_groups,
-            PRECISION=config.precision, MEL_PRECISION=config.mel_precision,
-            IS_PCM=audio.dtype == torch.int16, HAS_LENGTHS=lengths is not None,
-            # The interpreter (CPU) cannot run inline PTX.
-            HW_LOG2=not triton.knobs.runtime.interpret, num_warps=config.num_warps,
-            num_stages=config.num_stages)
-        _waveform_floor_kernel[(B * n_groups,)](out, stats, F, n_mels, n_tiles, n_groups, BLOCK_F=config.block_f,
-                                                BLOCK_M=32, STATS_CHUNK=STATS_CHUNK, FLOOR_TILES=FLOOR_TILES)
+    _waveform_tiles_kernel[(B * n_tiles,)](
+        audio, lengths, operands, twiddles, window, proj, out, stats, N, F, n_mels, n_tiles,
+        BLOCK_F=config.block_f, BLOCK_M=config.block_m, NM_PAD=proj.shape[-1], K_GROUPS=config.k_groups,
+        PRECISION=config.precision, MEL_PRECISION=config.mel_precision,
+        IS_PCM=audio.dtype == torch.int16, HAS_LENGTHS=lengths is not None,
+        # The interpreter (CPU) cannot run inline PTX.
+        HW_LOG2=not triton.knobs.runtime.interpret, num_warps=config.num_warps,
+        num_stages=config.num_stages)
+    _waveform_floor_kernel[(B * n_groups,)](out, stats, F, n_mels, n_tiles, n_groups, BLOCK_F=config.block_f,
+                                            BLOCK_M=32, STATS_CHUNK=STATS_CHUNK, FLOOR_TILES=FLOOR_TILES)
     return out
