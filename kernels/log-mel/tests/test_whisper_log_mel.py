@@ -105,6 +105,9 @@ def test_lengths_are_zero_padding(lm):
     assert max_abs(out, float64_features(padded, 80)) <= 1e-4
     same = lm.whisper_log_mel(audio.to(DEVICE), 80, lengths=torch.tensor(lengths, dtype=torch.int32, device=DEVICE))
     assert torch.equal(out, same)
+    # Values are not inspected: past N counts as N, negative as 0.
+    clamped = lm.whisper_log_mel(audio.to(DEVICE), 80, lengths=[9000, 2500, -5, 201, 3999])
+    assert torch.equal(out, clamped)
     assert torch.equal(out[2].cpu(), torch.full((80, 25), -1.5))
 
 
@@ -121,8 +124,6 @@ def test_lengths_are_zero_padding(lm):
         (lambda m, a: m.whisper_log_mel(a, out_dtype=torch.float64), TypeError, "out_dtype must be"),
         (lambda m, a: m.whisper_log_mel(a, out_dtype="float32"), TypeError, "out_dtype must be"),
         (lambda m, a: m.whisper_log_mel(a, lengths=[1000]), ValueError, "lengths must be \\(B,\\) with B = 2"),
-        (lambda m, a: m.whisper_log_mel(a, lengths=[1000, 1001]), ValueError, "lengths must lie in \\[0, N\\]"),
-        (lambda m, a: m.whisper_log_mel(a, lengths=[-1, 10]), ValueError, "lengths must lie in"),
         (lambda m, a: m.whisper_log_mel(a, lengths=torch.tensor([1.0, 2.0])), TypeError, "lengths must be int64"),
         (lambda m, a: m.whisper_log_mel(a.requires_grad_()), ValueError, "audio requires grad"),
     ],

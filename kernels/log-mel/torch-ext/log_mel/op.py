@@ -77,8 +77,8 @@ def whisper_log_mel(audio: torch.Tensor, n_mels: int = 80, *, lengths: torch.Ten
 
     audio:     (B, N) float32, float16 or bfloat16 samples, or int16 PCM (scaled by 1/32768); N > 200.
     n_mels:    mel bands of `mel_filters(n_mels)` (Whisper: 80, or 128 for large-v3).
-    lengths:   (B,) ints in [0, N], or None: samples at or past a clip's length count as zeros, so clips of
-               different lengths share one batch.
+    lengths:   (B,) ints, or None: samples at or past a clip's length count as zeros, so clips of different
+               lengths share one batch (a length past N counts as N, a negative one as 0).
     out_dtype: float32, bfloat16 or float16 (accumulation is float32 throughout).
     Returns (B, n_mels, N // 160) `out_dtype`, contiguous: frames of a periodic Hann window of 400, hop 160,
     centred with reflect padding, the last frame dropped; power, the Slaney filterbank, log10(max(mel, 1e-10)),
