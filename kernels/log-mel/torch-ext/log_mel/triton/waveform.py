@@ -54,6 +54,7 @@ class Config:
     block_m: int = 32
     num_warps: int = 4
     num_stages: int = 1
+    maxnreg: int | None = None  # a register cap a thread, for more resident CTAs
     k_groups: int = 4  # the projection's K = 256 in k_groups products side by side
     precision: str = "fp16x3"  # of the DFT's products: "fp16x3" or "tf32x3" (both fp32-accurate, see _product)
     # of the projection: "fp16x3", "tf32x3", or "tf32" (one product: it misses the 2e-4 bar on speech and only
@@ -63,13 +64,14 @@ class Config:
     @property
     def name(self) -> str:
         return (f"f{self.block_f} m{self.block_m} g{self.k_groups} w{self.num_warps} s{self.num_stages} "
-                f"{self.precision}/{self.mel_precision}")
+                f"{self.precision}/{self.mel_precision}" + (f" r{self.maxnreg}" if self.maxnreg else ""))
 
 
 DEFAULT_CONFIG = Config()
 # The pick and the runners-up the benchmark times and the GPU tests run.
 SHIPPED_CONFIGS = (DEFAULT_CONFIG, Config(precision="tf32x3", mel_precision="tf32x3"), Config(mel_precision="tf32x3"),
-                   Config(block_m=16), Config(k_groups=8), Config(block_f=32, num_warps=8), Config(num_warps=8))
+                   Config(block_m=16), Config(k_groups=8), Config(block_f=32, num_warps=8), Config(num_warps=8),
+                   Config(num_warps=8, maxnreg=128), Config(maxnreg=128))
 
 
 def split_operand(t: torch.Tensor, precision: str) -> torch.Tensor:
@@ -336,7 +338,7 @@ def whisper_log_mel_triton(audio: torch.Tensor, lengths: torch.Tensor | None, n_
         IS_PCM=audio.dtype == torch.int16, HAS_LENGTHS=lengths is not None,
         # The interpreter (CPU) cannot run inline PTX.
         HW_LOG2=not triton.knobs.runtime.interpret, num_warps=config.num_warps,
-        num_stages=config.num_stages)
+        num_stages=config.num_stages, maxnreg=config.maxnreg)
     _waveform_floor_kernel[(B * n_groups,)](out, stats, F, n_mels, n_tiles, n_groups, BLOCK_F=config.block_f,
                                             BLOCK_M=32, STATS_CHUNK=STATS_CHUNK, FLOOR_TILES=FLOOR_TILES)
     return out
