@@ -1,4 +1,5 @@
-"""ldsa benchmarks: the `kernels benchmark` class for one shape, and the side-by-side table for the GPU run.
+"""ldsa benchmarks: the `kernels benchmark` class (small, medium and large workloads), the side-by-side table for the
+GPU run, and the offline compile cases.
 
 Bytes are the minimal traffic: forward reads a_logits and v once and writes out once; backward reads
 a_logits, v and grad_out once and writes dlogits and dv once. GB/s = those bytes / time, and pct_copy
