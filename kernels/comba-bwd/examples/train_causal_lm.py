@@ -67,10 +67,11 @@ class CombaBlock(nn.Module):
         B, T, _ = x.shape
         h = self.norm1(x)
         q, k, v, p = self.qkvp(h).view(B, T, 4, self.heads, self.head_dim).unbind(2)
-        k, p = F.normalize(k, dim=-1), F.normalize(p, dim=-1)
+        # one dtype for q, k, v and p (under autocast the projections are bf16 and normalize is fp32)
+        k, p = F.normalize(k, dim=-1).to(q.dtype), F.normalize(p, dim=-1).to(q.dtype)
         beta_logit, decay_logit = self.gates(h).view(B, T, 2, self.heads).unbind(2)
         g = F.logsigmoid(decay_logit.float()) / 8
-        o = self.mixer(q.contiguous(), k, v.contiguous(), p, beta_logit.sigmoid(), g)
+        o = self.mixer(q.contiguous(), k.contiguous(), v.contiguous(), p.contiguous(), beta_logit.sigmoid(), g)
         x = x + self.out(o.reshape(B, T, -1))
         return x + self.mlp(self.norm2(x))
 

@@ -1,7 +1,7 @@
-"""The forward's output in Triton, chunk-parallel: per (b, h, chunk),
+"""The forward's output in Triton, chunk-parallel: per (b, h, chunk) and block of V,
 O = scale [(gam Q) S_n + (lower(Q K^T) * E) Vn], from the chunk-start states S_n and the corrected values Vn that the
-forward scan (`states`) leaves in HBM. Both products accumulate into one fp32 [64, V] tile; Q K^T is formed once a
-chunk, its scale and decay applied in fp32 ahead of its rounding to bf16."""
+forward scan (`states`) leaves in HBM. Both products accumulate into one fp32 [64, BV] tile; Q K^T's scale and decay
+are applied in fp32 ahead of its rounding to bf16."""
 
 import triton
 import triton.language as tl
@@ -9,8 +9,11 @@ import triton.language as tl
 from ..reference import CHUNK
 from .chunk import BT, chunk_offsets, decay, gates, row_ptrs, row_ptrs_t
 
-# Four warps a chunk: the [64, V] fp32 accumulator takes 64 registers a thread at V = 128.
+# Four warps a program, V in blocks of 64: a chunk's V blocks are neighbours in the grid, so the second reads the
+# chunk's q and k from L2, and a program takes 168 registers and 32 KB of shared memory at K = 128 (sm_90a), so that
+# three CTAs share an SM (with all of V = 128 in one program: 255 registers, two).
 OUTPUT_WARPS = 4
+OUTPUT_BV = 64
 
 
 @triton.jit
@@ -31,12 +34,12 @@ def _output_kernel(q, k, beta, g, S_in, Vn_in, o, scale, N, H, K: tl.constexpr, 
     tl.store(o + scal_base * V + (t0 + r)[:, None] * (H * V) + cv[None, :], out.to(o.dtype.element_ty))
 
 
-def launch(q, k, beta, g, S, Vn, o, scale: float, BV=None, warps=OUTPUT_WARPS):
+def launch(q, k, beta, g, S, Vn, o, scale: float):
     """o (B, T, H, V) of inputs (B, T, H, *) with T a multiple of the chunk, from the forward scan's S (BH, N, K, V)
     and Vn (BH, T, V)."""
     B, T, H, K = q.shape
     V = o.shape[-1]
     N = T // CHUNK
-    BV = BV or V
-    _output_kernel[(N * (V // BV), B * H)](q, k, beta, g, S, Vn, o, scale, N, H, K=K, V=V, BV=BV, num_warps=warps,
-                                           num_stages=1)
+    BV = min(V, OUTPUT_BV)
+    _output_kernel[(N * (V // BV), B * H)](q, k, beta, g, S, Vn, o, scale, N, H, K=K, V=V, BV=BV,
+                                           num_warps=OUTPUT_WARPS, num_stages=1)
