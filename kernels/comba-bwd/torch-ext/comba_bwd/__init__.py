@@ -1,5 +1,5 @@
-"""comba-bwd: the Comba backward (gated delta rule with a decoupled read key p and write key k, decay before
-the read) as one fused Triton op, plus a differentiable `comba_attention` that trains through it."""
+"""comba-bwd: Comba (gated delta rule with a decoupled read key p and write key k, decay before the read), forward
+and backward as fused ops: `comba_attention` (differentiable) and `comba_backward` (the six gradients)."""
 
 from . import layers
 from .op import comba_attention, comba_backward, kernel_path

@@ -1,9 +1,11 @@
-"""Where comba's backward runs, planned in one place: the fast-path table, which stages Gluon kernels take, and how
-the batch is cut.
+"""Where comba's forward and backward run, planned in one place: the fast-path table, which stages Gluon kernels
+take, how the batch is cut, the scratch the forward hands the backward, and the fall-back from Gluon to Triton.
 
-The portable path (five Triton kernels, `triton/`: the chunk transform, the two state scans, the gradient parts and
-dg) runs on every CUDA GPU the metadata accepts under every supported Triton; the Gluon kernels (`gluon/`) run only
-where their row of FAST_PATHS says they were verified, and the backward takes the Triton kernels everywhere else.
+The portable path (Triton kernels, `triton/`: the chunk transform, the two state scans, the forward's output, the
+gradient parts and dg) runs on every CUDA GPU the metadata accepts under every supported Triton; the Gluon kernels
+(`gluon/`) run only where their row of FAST_PATHS says they were verified, and the call takes the Triton kernels
+everywhere else. The forward takes the stages it shares with the backward (the transform, the forward scan) from the
+same plan.
 """
 
 from typing import NamedTuple
