@@ -96,8 +96,10 @@ CURRENT = {
              ("eager reference (shift-mul-add)", "eager analytic backward (reference.py)", "torch.compile(reference)"),
              ("[16,256] H=8 Dh=64 W=15 causal", "[32,3000] H=8 Dh=64 W=15 causal", "[64,3000] H=8 Dh=64 W=15 causal")),
     "log-mel": ("log-mel-d7ebeaa", ("public op (pick)",), ("torch.compile(reference)", "eager reference"), None),
-    "based-bwd": ("based-bwd-fc67c58", ("based-bwd triton",),
-                  ("fla parallel_based fwd+bwd", "fla fused_chunk_based fwd+bwd"), None),
+    "based-bwd": ("based-bwd-1ef6b90",
+                  ("based-bwd triton", "based-bwd triton step (fwd+bwd autograd)", "based-bwd triton forward"),
+                  ("fla parallel_based fwd+bwd", "fla fused_chunk_based fwd+bwd", "fla parallel_based forward",
+                   "fla fused_chunk_based forward"), None),
     "comba-bwd": ("comba-bwd-2d49a94", ("comba-bwd triton",),
                   ("fla 0.6.0 chunk_comba fwd+bwd (p'=exp(g)p bf16, guard lifted)",), None),
 }

@@ -2,7 +2,8 @@
 differentiable attention function and layer that train through it, for the Hugging Face kernels hub."""
 
 from . import layers
-from .op import based_attention, based_backward, kernel_path
+from .dispatch import kernel_path
+from .op import based_attention, based_backward
 from .reference import based_backward_reference, based_forward_reference
 
 __all__ = [

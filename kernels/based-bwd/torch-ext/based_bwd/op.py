@@ -1,9 +1,6 @@
-"""The registered ops (backward, forward with its autograd link), the choice of their path, and the public
-functions.
+"""The registered ops (backward, forward with its autograd link) and the public functions.
 
-The path choice is in one place, `kernel_path` with `_cuda_backward` and `_cuda_forward`: bf16 and fp16 CUDA
-tensors take the fused Triton kernels (`triton/`), fp32 tensors and the CPU the eager reference, and a backward
-with a value size V above its kernels' bound the reference as well. `based_forward`'s registered autograd calls
+The CUDA implementations come from `dispatch`, which picks each call's path. `based_forward`'s registered autograd calls
 the registered `based_backward` op, so training goes through the same backward as a direct call, and inference
 under no_grad through the same forward. Every op name goes through `add_op_namespace_prefix`, so two versions of
 this kernel can be loaded side by side.
@@ -12,43 +9,16 @@ this kernel can be loaded side by side.
 import torch
 
 from ._ops import add_op_namespace_prefix
+from .dispatch import cuda_backward, cuda_forward
 from .reference import based_backward_reference, based_forward_reference, default_scale
 from .validation import check_based_args
-
-
-def kernel_path(x: torch.Tensor) -> str:
-    """Which implementation a call on `x` takes: "triton" for bf16/fp16 CUDA tensors, "reference" otherwise
-    (and for a backward with a value size V above triton.backward.MAX_V)."""
-    # The backward's fp32 mode (IEEE fp32 matmuls) fails its float64 check at K=8 on the H200, and the
-    # forward's spills, so fp32 inputs take the eager reference on CUDA too.
-    return "triton" if x.is_cuda and x.dtype != torch.float32 else "reference"
-
-
-def _cuda_backward(q, k, v, do, scale: float):
-    """(dq, dk, dv) on the path `kernel_path` names for CUDA tensors."""
-    if kernel_path(q) == "reference":
-        return based_backward_reference(q, k, v, do, scale)
-    from .triton.backward import MAX_V, based_backward_triton  # triton is imported only on the CUDA path
-
-    if v.shape[-1] > MAX_V:
-        return based_backward_reference(q, k, v, do, scale)
-    return based_backward_triton(q, k, v, do, scale)
-
-
-def _cuda_forward(q, k, v, scale: float):
-    """o on the path `kernel_path` names for CUDA tensors (the Triton forward takes any V)."""
-    if kernel_path(q) == "reference":
-        return based_forward_reference(q, k, v, scale)
-    from .triton.forward import based_forward_triton  # triton is imported only on the CUDA path
-
-    return based_forward_triton(q, k, v, scale)
 
 
 @torch.library.custom_op(add_op_namespace_prefix("based_backward"), mutates_args=(), device_types="cuda")
 def based_backward_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _cuda_backward(q, k, v, do, scale)
+    return cuda_backward(q, k, v, do, scale)
 
 
 @torch.library.register_kernel(add_op_namespace_prefix("based_backward"), "cpu")
@@ -63,7 +33,7 @@ def _(q, k, v, do, scale):
 
 @torch.library.custom_op(add_op_namespace_prefix("based_forward"), mutates_args=(), device_types="cuda")
 def based_forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    return _cuda_forward(q, k, v, scale)
+    return cuda_forward(q, k, v, scale)
 
 
 @torch.library.register_kernel(add_op_namespace_prefix("based_forward"), "cpu")
