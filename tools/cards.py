@@ -92,7 +92,7 @@ RESULTS_END = "<!-- /results -->"
 # Per kernel: the run of bench/results.jsonl its card's results table shows, our implementations' names, the
 # implementations shown beside them, and the cases shown (substrings of the case label; None: every case).
 CURRENT = {
-    "ldsa": ("ldsa-663eabe", ("ldsa triton", "ldsa triton backward"),
+    "ldsa": ("ldsa-log-mel-1ef6b90", ("ldsa triton", "ldsa triton backward"),
              ("eager reference (shift-mul-add)", "eager analytic backward (reference.py)", "torch.compile(reference)"),
              ("[16,256] H=8 Dh=64 W=15 causal", "[32,3000] H=8 Dh=64 W=15 causal", "[64,3000] H=8 Dh=64 W=15 causal")),
     "log-mel": ("log-mel-d7ebeaa", ("public op (pick)",), ("torch.compile(reference)", "eager reference"), None),
