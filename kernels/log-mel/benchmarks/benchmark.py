@@ -316,7 +316,7 @@ def waveform_rows(kernel, bench, batches=WAVEFORM_BATCHES, n_samples=30 * 16000)
     the device. GB/s on the essential bytes (the audio read once, the features written once), % of the copy rate
     in this run, x over flashmel + log, and the max abs error against float64 (fp32 rows) or against the float64
     features rounded to bf16 (bf16 rows). Then every shipped tile config of the waveform kernel at the largest
-    batch."""
+    batch and 80 mels."""
     waveform = importlib.import_module(f"{kernel.__name__}.triton.waveform")
     flashmel = bench.optional("flashmel")
     device = "cuda" if torch.cuda.is_available() else "cpu"  # the CPU: the dry run below
@@ -345,7 +345,7 @@ def waveform_rows(kernel, bench, batches=WAVEFORM_BATCHES, n_samples=30 * 16000)
             impls["whisper_log_mel, fp32"] = (lambda: kernel.whisper_log_mel(audio, n_mels), ref64, fp32_bytes)
             impls["whisper_log_mel, int16 -> bf16"] = (
                 lambda: kernel.whisper_log_mel(pcm, n_mels, out_dtype=torch.bfloat16), pcm_ref64, pcm_bytes)
-            if B == batches[-1]:
+            if B == batches[-1] and n_mels == 80:
                 for config in waveform.SHIPPED_CONFIGS:
                     impls[f"waveform kernel {config.name}, fp32"] = (
                         lambda c=config: waveform.whisper_log_mel_triton(audio, None, n_mels, torch.float32, c),
