@@ -57,18 +57,21 @@ class Config:
     num_stages: int = 1
     maxnreg: int | None = None  # a register cap a thread, for more resident CTAs
     k_groups: int = 4  # the projection's K = 256 in k_groups products side by side
+    one_stage1: bool = False  # stage 1 as one [32 x 32] product (block-diagonal: twice the MMA work, one wait)
 
     @property
     def name(self) -> str:
         return (f"f{self.block_f} m{self.block_m} g{self.k_groups} w{self.num_warps} s{self.num_stages}"
-                + (f" r{self.maxnreg}" if self.maxnreg else ""))
+                + (f" r{self.maxnreg}" if self.maxnreg else "") + (" one-stage1" if self.one_stage1 else ""))
 
 
 # The kernel is latency-bound (a tile is a chain of small products, each behind a barrier), so resident warps
-# matter most: 8 warps capped at 128 registers (2 CTAs, 16 warps an SM, no spill), the same with the projection's
-# filterbank loads pipelined (cp.async, two stages), and 4 warps at 168 (3 CTAs, 12 warps). The first call of a
-# kind on a device times the candidates and keeps the fastest (`pick_config`).
-CANDIDATES = (Config(num_warps=8, maxnreg=128), Config(num_warps=8, maxnreg=128, num_stages=2), Config(maxnreg=168))
+# and the number of products matter most: 8 warps capped at 128 registers (2 CTAs, 16 warps an SM, no spill),
+# with stage 1 as one product or two, the former also with the projection's filterbank loads pipelined (cp.async,
+# two stages), and 4 warps at 168 (3 CTAs, 12 warps). The first call of a kind on a device times the candidates
+# and keeps the fastest (`pick_config`).
+CANDIDATES = (Config(num_warps=8, maxnreg=128), Config(num_warps=8, maxnreg=128, one_stage1=True),
+              Config(num_warps=8, maxnreg=128, num_stages=2, one_stage1=True), Config(maxnreg=168, one_stage1=True))
 # The candidates and the uncapped 4-warp config, which the benchmark times and the GPU tests run.
 SHIPPED_CONFIGS = CANDIDATES + (Config(),)
 _PICKED: dict = {}
@@ -89,8 +92,8 @@ def _hann(n: torch.Tensor) -> torch.Tensor:
 @functools.cache
 def _dft_tables(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(operands, twiddles, window) on `device`, from float64, once per device: the products'
-    tables (stage-1 cos and -sin [16, 16], stage 2's complex product as one real [32, 32]; split by
-    `split_operand`), the
+    tables (stage-1 cos and -sin [16, 16], stage 2's complex product as one real [32, 32], stage 1 as one
+    block-diagonal [32, 32]; split by `split_operand`), the
     twiddles W400^(n2 k1) ((2, 16, 16) float32: real, imaginary part) and the Hann window at the stage-1
     inputs ((2, 16, 16) float32)."""
     radix, outer, half, n_fft = RADIX.value, OUTER.value, HALF.value, N_FFT.value
@@ -100,11 +103,12 @@ def _dft_tables(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch
     cos2, sin2 = torch.cos(2 * math.pi * row * col / radix), torch.sin(2 * math.pi * row * col / radix)  # [n2, k2]
     # Stage 2 as one real product: row 2 n2 + (0: re, 1: im) of the input, column 2 k2 + (0: re, 1: im) of X.
     stage2 = torch.stack([torch.stack([cos2, -sin2], dim=-1), torch.stack([sin2, cos2], dim=-1)], dim=1)
-    operands = torch.cat([
-        torch.where(used, torch.cos(2 * math.pi * row * col / outer), 0.0).flatten(),  # [n1, k1]: n1 = 0..12
-        torch.where(used & (row >= 1), -torch.sin(2 * math.pi * row * col / outer), 0.0).flatten(),  # n1 = 1..12
-        stage2.reshape(-1),  # [32, 32]
-    ])
+    cos1 = torch.where(used, torch.cos(2 * math.pi * row * col / outer), 0.0)  # [n1, k1]: n1 = 0..12
+    sin1 = torch.where(used & (row >= 1), -torch.sin(2 * math.pi * row * col / outer), 0.0)  # n1 = 1..12
+    # Stage 1 as one real product: row 2 n1 + (0: cosine input, 1: sine input), column 2 k1 + (0: re, 1: im).
+    zero = torch.zeros_like(cos1)
+    stage1 = torch.stack([torch.stack([cos1, zero], dim=-1), torch.stack([zero, sin1], dim=-1)], dim=1)
+    operands = torch.cat([cos1.flatten(), sin1.flatten(), stage2.reshape(-1), stage1.reshape(-1)])
     twiddles = torch.stack([torch.cos(2 * math.pi * row * col / n_fft), -torch.sin(2 * math.pi * row * col / n_fft)])
     # The window at the stage-1 inputs [column n1, row n2]: at 16 n1 + n2 for n1 <= 12, at 400 - 16 n1 + n2
     # for 1 <= n1 <= 12 (the mirror), zero elsewhere.
@@ -197,7 +201,7 @@ def _frame_samples(audio_ptr, clip_base, length, N, frame, n, ok):
 
 @triton.jit
 def _power_tile(audio_ptr, lengths_ptr, operands_ptr, twiddles_ptr, window_ptr, clip, tile, N, F,
-                BLOCK_F: tl.constexpr, IS_PCM: tl.constexpr, HAS_LENGTHS: tl.constexpr):
+                BLOCK_F: tl.constexpr, IS_PCM: tl.constexpr, HAS_LENGTHS: tl.constexpr, ONE_STAGE1: tl.constexpr):
     """(power [BLOCK_F, 256], e): the power spectra of frames tile * BLOCK_F + i (clamped to F - 1) times 2^e,
     in the order k1 * 16 + k2 of `stage2_bins`. The samples are scaled by 2^s (the tile's largest stage-1 input
     into [2^14, 2^15)) and the stage-2 inputs by 2^-5 (their bound 26 * 2^15 * sqrt(2) into fp16's range), so
@@ -237,9 +241,16 @@ def _power_tile(audio_ptr, lengths_ptr, operands_ptr, twiddles_ptr, window_ptr, 
     sines = s_lo - s_hi
     scale, s = _pow2_scale(tl.maximum(tl.max(tl.abs(cosines)), tl.max(tl.abs(sines))))
     square = cols[:, None] * RADIX + cols[None, :]
-    LO: tl.constexpr = 6 * RADIX * RADIX  # the operands' tails (fp16x3)
-    y_re = _product(cosines * scale, operands_ptr, square, None, LO)
-    y_im = _product(sines * scale, operands_ptr + RADIX * RADIX, square, None, LO)
+    LO: tl.constexpr = 10 * RADIX * RADIX  # the operands' tails
+    wide = tl.arange(0, 2 * RADIX)
+    wide_square = wide[:, None] * (2 * RADIX) + wide[None, :]
+    if ONE_STAGE1:
+        inputs = tl.reshape(tl.join(cosines * scale, sines * scale), (R, 2 * RADIX))
+        y_re, y_im = tl.split(tl.reshape(_product(inputs, operands_ptr + 6 * RADIX * RADIX, wide_square, None, LO),
+                                         (R, RADIX, 2)))
+    else:
+        y_re = _product(cosines * scale, operands_ptr, square, None, LO)
+        y_im = _product(sines * scale, operands_ptr + RADIX * RADIX, square, None, LO)
     twiddle = twiddles_ptr + n2[:, None] * RADIX + cols[None, :]
     t_re = tl.load(twiddle)
     t_im = tl.load(twiddle + RADIX * RADIX)
@@ -249,8 +260,7 @@ def _power_tile(audio_ptr, lengths_ptr, operands_ptr, twiddles_ptr, window_ptr, 
     # stage 2 contracts over n2, in one product.
     g = tl.join(y_re * t_re - y_im * t_im, y_re * t_im + y_im * t_re)
     g = tl.reshape(tl.permute(tl.reshape(g, (BLOCK_F, RADIX, RADIX, 2)), (0, 2, 1, 3)), (R, 2 * RADIX))
-    wide = tl.arange(0, 2 * RADIX)
-    z = _product(g, operands_ptr + 2 * RADIX * RADIX, wide[:, None] * (2 * RADIX) + wide[None, :], None, LO)
+    z = _product(g, operands_ptr + 2 * RADIX * RADIX, wide_square, None, LO)
     z_re, z_im = tl.split(tl.reshape(z, (R, RADIX, 2)))
     e = 2 * s - 10
     return tl.reshape(z_re * z_re + z_im * z_im, (BLOCK_F, RADIX * RADIX)), e
@@ -260,15 +270,15 @@ def _power_tile(audio_ptr, lengths_ptr, operands_ptr, twiddles_ptr, window_ptr, 
 def _waveform_tiles_kernel(audio_ptr, lengths_ptr, operands_ptr, twiddles_ptr, window_ptr, proj_ptr, out_ptr,
                            stats_ptr,
                            N, F, NM, n_tiles, BLOCK_F: tl.constexpr, BLOCK_M: tl.constexpr,
-                           NM_PAD: tl.constexpr, K_GROUPS: tl.constexpr, IS_PCM: tl.constexpr, HAS_LENGTHS: tl.constexpr,
-                           HW_LOG2: tl.constexpr):
+                           NM_PAD: tl.constexpr, K_GROUPS: tl.constexpr, IS_PCM: tl.constexpr,
+                           HAS_LENGTHS: tl.constexpr, ONE_STAGE1: tl.constexpr, HW_LOG2: tl.constexpr):
     """Pass 1, one program per (clip, frame tile), clip-major: (log10(max(mel, 1e-10)) + 4) / 4 into out
     (B, NM, F), and the tile's (max, min) of the log into stats."""
     pid = tl.program_id(0)
     clip = pid // n_tiles
     tile = pid % n_tiles
     power, e = _power_tile(audio_ptr, lengths_ptr, operands_ptr, twiddles_ptr, window_ptr, clip, tile, N, F,
-                           BLOCK_F, IS_PCM, HAS_LENGTHS)
+                           BLOCK_F, IS_PCM, HAS_LENGTHS, ONE_STAGE1)
     # fp16x3: the power into [2^14, 2^15) as well (the filterbank arrives times 2^MEL_SHIFT), so that
     # mel = product * 2^-(e + s + MEL_SHIFT).
     scale, s = _pow2_scale(tl.max(power))
@@ -339,7 +349,7 @@ def whisper_log_mel_triton(audio: torch.Tensor, lengths: torch.Tensor | None, n_
     out = torch.empty(B, n_mels, F, dtype=out_dtype, device=audio.device)
     _waveform_tiles_kernel[(B * n_tiles,)](
         audio, lengths, operands, twiddles, window, proj, out, stats, N, F, n_mels, n_tiles,
-        BLOCK_F=config.block_f, BLOCK_M=config.block_m, NM_PAD=proj.shape[-1], K_GROUPS=config.k_groups,
+        BLOCK_F=config.block_f, BLOCK_M=config.block_m, NM_PAD=proj.shape[-1], K_GROUPS=config.k_groups, ONE_STAGE1=config.one_stage1,
         IS_PCM=audio.dtype == torch.int16, HAS_LENGTHS=lengths is not None,
         # The interpreter (CPU) cannot run inline PTX.
         HW_LOG2=not triton.knobs.runtime.interpret, num_warps=config.num_warps,
