@@ -137,6 +137,58 @@ class LogMelSpectrogram(Benchmark):
         return self._verify()
 
 
+# (B, N, n_mels) of the waveform workloads by device: 30-s clips on CUDA, fractions of a second on the CPU.
+WAVEFORM_WORKLOADS = {
+    "cuda": {"small": (16, 480000, 80), "medium": (64, 480000, 80), "large": (208, 480000, 128)},
+    "cpu": {"small": (1, 16000, 80), "medium": (2, 32000, 80), "large": (4, 48000, 128)},
+}
+
+
+class WhisperLogMel(Benchmark):
+    """`whisper_log_mel` on speech-like clips (with a noise, a silent and a -80 dB clip where B >= 4) at a small, a
+    medium and a large (B, N, n_mels) (`WAVEFORM_WORKLOADS`), against the eager reference."""
+
+    seed = 0
+
+    def _setup(self, workload: str):
+        B, N, self.n_mels = WAVEFORM_WORKLOADS["cuda" if str(self.device).startswith("cuda") else "cpu"][workload]
+        self.audio = whisper_batch(B, N, self.device)
+        self.out = None
+
+    def _run(self):
+        self.out = self.kernel.whisper_log_mel(self.audio, self.n_mels)
+
+    def _verify(self) -> torch.Tensor:
+        return self.kernel.whisper_log_mel_reference(self.audio, self.n_mels)
+
+    def setup_small(self):
+        self._setup("small")
+
+    def benchmark_small(self):
+        self._run()
+
+    def verify_small(self) -> torch.Tensor:
+        return self._verify()
+
+    def setup_medium(self):
+        self._setup("medium")
+
+    def benchmark_medium(self):
+        self._run()
+
+    def verify_medium(self) -> torch.Tensor:
+        return self._verify()
+
+    def setup_large(self):
+        self._setup("large")
+
+    def benchmark_large(self):
+        self._run()
+
+    def verify_large(self) -> torch.Tensor:
+        return self._verify()
+
+
 def _fused_variants(kernel, fused, stft, w):
     """The public op (the design and config `pick` chooses) and the same config in the other design."""
     _, config = fused.pick(*stft.shape, w.shape[0])
