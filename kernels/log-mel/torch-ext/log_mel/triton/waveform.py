@@ -42,6 +42,14 @@ HALF = tl.constexpr(13)  # k1 = 0..12: the stage-1 outputs a real signal needs
 PCM_SCALE = tl.constexpr(1.0 / 32768.0)  # int16 PCM -> [-1, 1)
 # fp16x3 projection: the filterbank (weights below 0.05) times 2^6, closer to the top of fp16's range.
 MEL_SHIFT = tl.constexpr(6)
+# Stage 2's output columns in frequency order: column c holds k2 = K2_ORDER[c], whose bins (k1 + 25 k2, or 400
+# minus that past 200) for k1 = 0..12 are 13 consecutive ones, so each group of 4 columns covers about 50
+# consecutive bins and a band block meets only the groups under its triangles.
+K2_ORDER = (0, 15, 1, 14, 2, 13, 3, 12, 4, 11, 5, 10, 6, 9, 7, 8)
+# One product of K = 256 would hold its whole A operand in every thread (128 registers for each half of the
+# split), so the projection runs as K_GROUPS products of K = 64 side by side (a batched product, the groups
+# spread over the warps), summed; a band block loads only its groups' filterbank (`group_support`).
+K_GROUPS = tl.constexpr(4)
 FLOOR_TILES = 8  # frame tiles a floor-pass program checks
 STATS_CHUNK = 256  # tile statistics per step of the clip-maximum reduction
 
@@ -56,12 +64,11 @@ class Config:
     num_warps: int = 4
     num_stages: int = 1
     maxnreg: int | None = None  # a register cap a thread, for more resident CTAs
-    k_groups: int = 4  # the projection's K = 256 in k_groups products side by side
     one_stage1: bool = False  # stage 1 as one [32 x 32] product (block-diagonal: twice the MMA work, one wait)
 
     @property
     def name(self) -> str:
-        return (f"f{self.block_f} m{self.block_m} g{self.k_groups} w{self.num_warps} s{self.num_stages}"
+        return (f"f{self.block_f} m{self.block_m} w{self.num_warps} s{self.num_stages}"
                 + (f" r{self.maxnreg}" if self.maxnreg else "") + (" one-stage1" if self.one_stage1 else ""))
 
 
@@ -102,7 +109,8 @@ def _dft_tables(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch
     row, col = i[:, None], i[None, :]
     used = (row < half) & (col < half)
     cos2, sin2 = torch.cos(2 * math.pi * row * col / radix), torch.sin(2 * math.pi * row * col / radix)  # [n2, k2]
-    # Stage 2 as one real product: row 2 n2 + (0: re, 1: im) of the input, column 2 k2 + (0: re, 1: im) of X.
+    # Stage 2 as one real product: row 2 n2 + (0: re, 1: im) of the input, column 2 c + (0: re, 1: im) of X.
+    cos2, sin2 = cos2[:, K2_ORDER], sin2[:, K2_ORDER]  # [n2, c]
     stage2 = torch.stack([torch.stack([cos2, -sin2], dim=-1), torch.stack([sin2, cos2], dim=-1)], dim=1)
     cos1 = torch.where(used, torch.cos(2 * math.pi * row * col / outer), 0.0)  # [n1, k1]: n1 = 0..12
     sin1 = torch.where(used & (row >= 1), -torch.sin(2 * math.pi * row * col / outer), 0.0)  # n1 = 1..12
@@ -121,20 +129,32 @@ def _dft_tables(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch
 
 
 def stage2_bins() -> tuple[torch.Tensor, torch.Tensor]:
-    """(bin, used) of the 256 stage-2 outputs in the kernel's order (k1 * 16 + k2): the DFT bin 0..200 each
-    holds, and whether it is the one copy of that bin the projection counts."""
-    radix, outer, n_fft = RADIX.value, OUTER.value, N_FFT.value
-    k1 = torch.arange(radix)[:, None]
-    k2 = torch.arange(radix)[None, :]
+    """(bin, used) of the 256 stage-2 outputs in the projection's order, group g, row k1, column c - 4 g (index
+    64 g + 4 k1 + c - 4 g, k2 = K2_ORDER[c]): the DFT bin 0..200 each holds, and whether it is the one copy of
+    that bin the projection counts."""
+    radix, outer, n_fft, groups = RADIX.value, OUTER.value, N_FFT.value, K_GROUPS.value
+    group = torch.arange(groups)[:, None, None]
+    k1 = torch.arange(radix)[None, :, None]
+    c = group * (radix // groups) + torch.arange(radix // groups)[None, None, :]
+    k2 = torch.tensor(K2_ORDER)[c]
     k = k1 + outer * k2
     bins = torch.where(k <= n_fft // 2, k, n_fft - k)
     used = (k1 < HALF.value) & ~((k1 == 0) & (k2 > n_fft // (2 * outer)))
     return bins.flatten(), used.flatten()
 
 
+def group_support(weights: torch.Tensor, block_m: int) -> torch.Tensor:
+    """(NM_PAD / block_m,) int32: bit g of entry j set where band block j has a nonzero (or NaN) weight in
+    projection group g of the (256, NM_PAD) permuted filterbank."""
+    groups = K_GROUPS.value
+    used = (weights != 0).view(groups, -1, weights.shape[1] // block_m, block_m).any(dim=3).any(dim=1)
+    bits = used.to(torch.int32) << torch.arange(groups, dtype=torch.int32)[:, None]
+    return bits.sum(dim=0, dtype=torch.int32)
+
+
 def permuted_filterbank(mel_filters: torch.Tensor, block_m: int) -> torch.Tensor:
-    """(256, NM rounded up to block_m) float32: row k1 * 16 + k2 holds the filterbank column of the bin that
-    stage-2 output holds, zero for the unused ones and past NM."""
+    """(256, NM rounded up to block_m) float32: row i holds the filterbank column of the bin that stage-2 output
+    i (`stage2_bins`' order) holds, zero for the unused ones and past NM."""
     NM = mel_filters.shape[0]
     bins, used = stage2_bins()
     out = torch.zeros(RADIX.value ** 2, triton.cdiv(NM, block_m) * block_m, dtype=torch.float32,
@@ -145,24 +165,31 @@ def permuted_filterbank(mel_filters: torch.Tensor, block_m: int) -> torch.Tensor
 
 
 @functools.cache
-def _projection(n_mels: int, device: torch.device, block_m: int) -> torch.Tensor:
-    """`permuted_filterbank(mel_filters(n_mels))` times 2^MEL_SHIFT as the projection loads it (`split_operand`)
-    on `device`, once per (n_mels, device, block_m)."""
-    weights = permuted_filterbank(mel_filters(n_mels), block_m).double() * 2.0**MEL_SHIFT.value
-    return split_operand(weights).to(device)
+def _projection(n_mels: int, device: torch.device, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights, support) on `device`, once per (n_mels, device, block_m): `permuted_filterbank(mel_filters(
+    n_mels))` times 2^MEL_SHIFT as the projection loads it (`split_operand`), and its `group_support`."""
+    weights = permuted_filterbank(mel_filters(n_mels), block_m)
+    support = group_support(weights, block_m)
+    return split_operand(weights.double() * 2.0**MEL_SHIFT.value).to(device), support.to(device)
 
 
 @triton.jit
-def _product(a, b_ptr, offsets, acc, B_LO: tl.constexpr):
+def _product(a, b_ptr, offsets, acc, B_LO: tl.constexpr, b_mask=None):
     """acc + a @ b to about fp32 accuracy from three fp16 tensor-core products: a = fp16(a) + fp16(a - fp16(a)),
     exact to 2^-22 of a while a lies in fp16's normal range (the callers scale by powers of two to put their
     operands' maxima in [2^14, 2^15); smaller values keep an absolute accuracy of 2^-25 there), b the constant
     operand at b_ptr + offsets split the same way by `split_operand` (its tail B_LO elements on), the product of
-    the two tails left out. fp16 products run at twice TF32's tensor-core rate."""
+    the two tails left out (b zero where `b_mask` is false, unread). fp16 products run at twice TF32's
+    tensor-core rate."""
     a_hi = a.to(tl.float16)
     a_lo = (a - a_hi.to(tl.float32)).to(tl.float16)
-    acc = tl.dot(a_hi, tl.load(b_ptr + B_LO + offsets), acc)
-    b_hi = tl.load(b_ptr + offsets)
+    if b_mask is None:
+        b_lo = tl.load(b_ptr + B_LO + offsets)
+        b_hi = tl.load(b_ptr + offsets)
+    else:
+        b_lo = tl.load(b_ptr + B_LO + offsets, mask=b_mask, other=0.0)
+        b_hi = tl.load(b_ptr + offsets, mask=b_mask, other=0.0)
+    acc = tl.dot(a_hi, b_lo, acc)
     acc = tl.dot(a_lo, b_hi, acc)
     return tl.dot(a_hi, b_hi, acc)
 
@@ -203,8 +230,8 @@ def _frame_samples(audio_ptr, clip_base, length, N, frame, n, ok):
 @triton.jit
 def _power_tile(audio_ptr, lengths_ptr, operands_ptr, twiddles_ptr, window_ptr, clip, tile, N, F,
                 BLOCK_F: tl.constexpr, IS_PCM: tl.constexpr, HAS_LENGTHS: tl.constexpr, ONE_STAGE1: tl.constexpr):
-    """(power [BLOCK_F, 256], e): the power spectra of frames tile * BLOCK_F + i (clamped to F - 1) times 2^e,
-    in the order k1 * 16 + k2 of `stage2_bins`. The samples are scaled by 2^s (the tile's largest stage-1 input
+    """(power [16 BLOCK_F, 16], e): the power spectra of frames tile * BLOCK_F + i (clamped to F - 1) times 2^e,
+    row (frame, k1), column c (k2 = K2_ORDER[c]). The samples are scaled by 2^s (the tile's largest stage-1 input
     into [2^14, 2^15)) and the stage-2 inputs by 2^-5 (their bound 26 * 2^15 * sqrt(2) into fp16's range), so
     e = 2 s - 10."""
     R: tl.constexpr = BLOCK_F * RADIX
@@ -264,14 +291,14 @@ def _power_tile(audio_ptr, lengths_ptr, operands_ptr, twiddles_ptr, window_ptr, 
     z = _product(g, operands_ptr + 2 * RADIX * RADIX, wide_square, None, LO)
     z_re, z_im = tl.split(tl.reshape(z, (R, RADIX, 2)))
     e = 2 * s - 10
-    return tl.reshape(z_re * z_re + z_im * z_im, (BLOCK_F, RADIX * RADIX)), e
+    return z_re * z_re + z_im * z_im, e
 
 
 @triton.jit
-def _waveform_tiles_kernel(audio_ptr, lengths_ptr, operands_ptr, twiddles_ptr, window_ptr, proj_ptr, out_ptr,
-                           stats_ptr,
+def _waveform_tiles_kernel(audio_ptr, lengths_ptr, operands_ptr, twiddles_ptr, window_ptr, proj_ptr, support_ptr,
+                           out_ptr, stats_ptr,
                            N, F, NM, n_tiles, BLOCK_F: tl.constexpr, BLOCK_M: tl.constexpr,
-                           NM_PAD: tl.constexpr, K_GROUPS: tl.constexpr, IS_PCM: tl.constexpr,
+                           NM_PAD: tl.constexpr, IS_PCM: tl.constexpr,
                            HAS_LENGTHS: tl.constexpr, ONE_STAGE1: tl.constexpr, HW_LOG2: tl.constexpr):
     """Pass 1, one program per (clip, frame tile), clip-major: (log10(max(mel, 1e-10)) + 4) / 4 into out
     (B, NM, F), and the tile's (max, min) of the log into stats."""
@@ -280,24 +307,25 @@ def _waveform_tiles_kernel(audio_ptr, lengths_ptr, operands_ptr, twiddles_ptr, w
     tile = pid % n_tiles
     power, e = _power_tile(audio_ptr, lengths_ptr, operands_ptr, twiddles_ptr, window_ptr, clip, tile, N, F,
                            BLOCK_F, IS_PCM, HAS_LENGTHS, ONE_STAGE1)
-    # fp16x3: the power into [2^14, 2^15) as well (the filterbank arrives times 2^MEL_SHIFT), so that
-    # mel = product * 2^-(e + s + MEL_SHIFT).
+    # The power into [2^14, 2^15) as well, and the filterbank arrives times 2^MEL_SHIFT: the projection's
+    # product is the mel times 2^e.
     scale, s = _pow2_scale(tl.max(power))
     e += s + MEL_SHIFT
     frames = tile * BLOCK_F + tl.arange(0, BLOCK_F)
     out_clip = out_ptr + clip.to(tl.int64) * NM * F
     run_max = tl.full((BLOCK_F, BLOCK_M), float("-inf"), tl.float32)
     run_min = tl.full((BLOCK_F, BLOCK_M), float("inf"), tl.float32)
-    # The projection contracts 256 values a frame; one product of K = 256 would hold its whole A operand in
-    # each thread (128 registers for each half of the split), so it runs as K_GROUPS products of
-    # K = 256 / K_GROUPS side by side (a batched product, the groups spread over the warps), then sums them.
-    power = tl.permute(tl.reshape(power * scale, (BLOCK_F, K_GROUPS, RADIX * RADIX // K_GROUPS)), (1, 0, 2))
-    group_rows = tl.arange(0, K_GROUPS)[:, None, None] * (RADIX * RADIX // K_GROUPS)
+    # The projection's operand [group, frame, 4 k1 + c - 4 g] (`stage2_bins`' order within a group).
+    power = tl.reshape(power * scale, (BLOCK_F, RADIX, K_GROUPS, RADIX // K_GROUPS))
+    power = tl.reshape(tl.permute(power, (2, 0, 1, 3)), (K_GROUPS, BLOCK_F, RADIX * RADIX // K_GROUPS))
+    group = tl.arange(0, K_GROUPS)
+    group_rows = group[:, None, None] * (RADIX * RADIX // K_GROUPS)
     k_in_group = tl.arange(0, RADIX * RADIX // K_GROUPS)[None, :, None]
-    for m0 in range(0, NM_PAD, BLOCK_M):
-        bands = m0 + tl.arange(0, BLOCK_M)
+    for j in range(0, NM_PAD // BLOCK_M):
+        bands = j * BLOCK_M + tl.arange(0, BLOCK_M)
         w = (group_rows + k_in_group) * NM_PAD + bands[None, None, :]
-        mel = tl.sum(_product(power, proj_ptr, w, None, RADIX * RADIX * NM_PAD), axis=0)
+        used = ((tl.load(support_ptr + j) >> group) & 1)[:, None, None] != 0  # the groups this block meets
+        mel = tl.sum(_product(power, proj_ptr, w, None, RADIX * RADIX * NM_PAD, used), axis=0)
         log_spec = log10_scaled(mel, e, HW_LOG2)
         # Stored as [BLOCK_M, BLOCK_F] (frames contiguous, as in memory): stored untransposed, a 16-bit output
         # costs about 90 registers more.
@@ -343,14 +371,14 @@ def whisper_log_mel_triton(audio: torch.Tensor, lengths: torch.Tensor | None, n_
     B, N = audio.shape
     F = N // HOP.value
     operands, twiddles, window = _dft_tables(audio.device)
-    proj = _projection(n_mels, audio.device, config.block_m)
+    proj, support = _projection(n_mels, audio.device, config.block_m)
     n_tiles = triton.cdiv(F, config.block_f)
     n_groups = triton.cdiv(n_tiles, FLOOR_TILES)
     stats = torch.empty(B, n_tiles, 2, dtype=torch.float32, device=audio.device)
     out = torch.empty(B, n_mels, F, dtype=out_dtype, device=audio.device)
     _waveform_tiles_kernel[(B * n_tiles,)](
-        audio, lengths, operands, twiddles, window, proj, out, stats, N, F, n_mels, n_tiles,
-        BLOCK_F=config.block_f, BLOCK_M=config.block_m, NM_PAD=proj.shape[-1], K_GROUPS=config.k_groups, ONE_STAGE1=config.one_stage1,
+        audio, lengths, operands, twiddles, window, proj, support, out, stats, N, F, n_mels, n_tiles,
+        BLOCK_F=config.block_f, BLOCK_M=config.block_m, NM_PAD=proj.shape[-1], ONE_STAGE1=config.one_stage1,
         IS_PCM=audio.dtype == torch.int16, HAS_LENGTHS=lengths is not None,
         # The interpreter (CPU) cannot run inline PTX.
         HW_LOG2=not triton.knobs.runtime.interpret, num_warps=config.num_warps,
