@@ -9,15 +9,16 @@ Per tile of BLOCK_F frames of one clip, everything stays on chip from the sample
      take s[n1] + s[25 - n1], sines s[n1] - s[25 - n1]), so two [16 x 16] products give Y[n2, k1] for
      k1 = 0..12, which is all the real signal needs;
    - the twiddles W400^(n2 k1), elementwise;
-   - stage 2, a 16-point complex DFT along n2 for each (frame, k1 <= 12): X[k1 + 25 k2] for every k2. With
+   - stage 2, a 16-point complex DFT along n2 for each (frame, k1 <= 12), one real [32 x 32] product of the
+     interleaved (re, im) values: X[k1 + 25 k2] for every k2, its columns in frequency order (K2_ORDER). With
      X[400 - k] = conj(X[k]) these 13 x 16 values hold each of the bins 0..200 once (k1 = 0 holds 0, 25, ..,
      200 twice over: the filterbank weights the second copy zero).
    Every product is fp32-accurate (`_product`: three fp16 products of split operands): a mel band 80 dB below
    its frame's loudest bin is still above the floor, and one TF32 product's rounding (2^-11 of the frame)
    would swamp it.
-3. Power, then the mel projection against the filterbank permuted into stage 2's (k1, k2) order, also
-   split into three products (the power spans ten decades; a TF32 rounding per term costs up to 1e-4 of the
-   output).
+3. Power, then the mel projection against the filterbank permuted into stage 2's order, also split into three
+   products (the power spans ten decades; a TF32 rounding per term costs up to 1e-4 of the output), each band
+   block reading only the filterbank groups under its triangles.
 4. log10(max(mel, 1e-10)), (x + 4) / 4 written in the output dtype, transposed to (B, NM, F); the tile's max
    and min of the log kept for the floor pass, which rewrites only tiles the clip's 80 dB floor reaches.
 """
@@ -40,7 +41,7 @@ RADIX = tl.constexpr(16)  # n2, k2: the stage-2 (complex) DFT size; 400 = 25 x 1
 OUTER = tl.constexpr(25)  # n1, k1: the stage-1 (real) DFT size
 HALF = tl.constexpr(13)  # k1 = 0..12: the stage-1 outputs a real signal needs
 PCM_SCALE = tl.constexpr(1.0 / 32768.0)  # int16 PCM -> [-1, 1)
-# fp16x3 projection: the filterbank (weights below 0.05) times 2^6, closer to the top of fp16's range.
+# The projection's filterbank (weights below 0.05) arrives times 2^6, closer to the top of fp16's range.
 MEL_SHIFT = tl.constexpr(6)
 # Stage 2's output columns in frequency order: column c holds k2 = K2_ORDER[c], whose bins (k1 + 25 k2, or 400
 # minus that past 200) for k1 = 0..12 are 13 consecutive ones, so each group of 4 columns covers about 50
@@ -73,10 +74,10 @@ class Config:
 
 
 # The kernel is latency-bound (a tile is a chain of small products, each behind a barrier), so resident warps
-# and the number of products matter most: 8 warps capped at 128 registers (2 CTAs, 16 warps an SM, no spill; 4
-# warps uncapped take 180-212, 2 CTAs, 8 warps), with stage 1 as two products or one, the latter also with the
-# projection's filterbank loads pipelined (cp.async, two stages). The first call of a kind on a device times the
-# candidates and keeps the fastest (`pick_config`).
+# and the number of products matter most: 8 warps capped at 128 registers (2 CTAs, 16 warps an SM, no spill),
+# with stage 1 as two products or one, the latter also with the projection's filterbank loads pipelined
+# (cp.async, two stages). The first call of a kind on a device times the candidates and keeps the fastest
+# (`pick_config`).
 CANDIDATES = (Config(num_warps=8, maxnreg=128), Config(num_warps=8, maxnreg=128, one_stage1=True),
               Config(num_warps=8, maxnreg=128, num_stages=2, one_stage1=True))
 # The candidates, and 4 warps at 168 registers (3 CTAs, 12 warps an SM) and uncapped, which the benchmark times
@@ -99,11 +100,10 @@ def _hann(n: torch.Tensor) -> torch.Tensor:
 
 @functools.cache
 def _dft_tables(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(operands, twiddles, window) on `device`, from float64, once per device: the products'
-    tables (stage-1 cos and -sin [16, 16], stage 2's complex product as one real [32, 32], stage 1 as one
-    block-diagonal [32, 32]; split by `split_operand`), the
-    twiddles W400^(n2 k1) ((2, 16, 16) float32: real, imaginary part) and the Hann window at the stage-1
-    inputs ((2, 16, 16) float32)."""
+    """(operands, twiddles, window) on `device`, from float64, once per device: the products' tables (stage-1
+    cos and -sin [16, 16], stage 2's complex product as one real [32, 32], stage 1 as one block-diagonal
+    [32, 32]; split by `split_operand`), the twiddles W400^(n2 k1) ((2, 16, 16) float32: real, imaginary part)
+    and the Hann window at the stage-1 inputs ((2, 16, 16) float32)."""
     radix, outer, half, n_fft = RADIX.value, OUTER.value, HALF.value, N_FFT.value
     i = torch.arange(radix, dtype=torch.float64)
     row, col = i[:, None], i[None, :]
