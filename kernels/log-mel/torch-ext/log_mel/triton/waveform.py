@@ -390,22 +390,29 @@ def whisper_log_mel_triton(audio: torch.Tensor, lengths: torch.Tensor | None, n_
 
 def pick_config(audio: torch.Tensor, lengths: torch.Tensor | None, n_mels: int, out_dtype: torch.dtype) -> Config:
     """The candidate that ran fastest at the first call of this kind (device, n_mels, dtypes, lengths or not,
-    and the power of two of B * N), each timed over three runs of that call's own inputs; the first candidate
-    off CUDA (the interpreter)."""
+    and the power of two of B * N), each timed over three runs of that call's own inputs (a candidate that fails
+    to compile is skipped); the first candidate off CUDA (the interpreter)."""
     if not audio.is_cuda:
         return CANDIDATES[0]
     key = (audio.device, n_mels, audio.dtype, out_dtype, lengths is not None, audio.numel().bit_length())
     if key not in _PICKED:
-        times = []
+        times = {}
         for config in CANDIDATES:
             run = functools.partial(whisper_log_mel_triton, audio, lengths, n_mels, out_dtype, config)
-            run()  # compiles
+            try:
+                run()  # compiles
+            except torch.OutOfMemoryError:
+                raise
+            except Exception as error:  # noqa: BLE001 - a candidate this Triton or GPU cannot build is skipped
+                if config is CANDIDATES[-1] and not times:
+                    raise error
+                continue
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             for _ in range(3):
                 run()
             end.record()
             end.synchronize()
-            times.append(start.elapsed_time(end))
-        _PICKED[key] = CANDIDATES[times.index(min(times))]
+            times[config] = start.elapsed_time(end)
+        _PICKED[key] = min(times, key=times.get)
     return _PICKED[key]
