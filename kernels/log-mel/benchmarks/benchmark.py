@@ -84,109 +84,107 @@ def speech_batch(B, F, NF, NM, device, seed=0):
     return stft, w.clamp(min=0.0).contiguous()
 
 
-# (B, F, NF, NM) of the `kernels benchmark` workloads by device: on CUDA 30-s clips at Whisper's sizes, the large one
-# a measure shape of the spec (1.3 GB a call); on the CPU (the eager reference) sizes that take milliseconds.
+# The `kernels benchmark` workloads by device: small, medium and large run `whisper_log_mel` on (B, N) clips
+# at n_mels, stft_* run `log_mel_spectrogram` at (B, F, NF, NM). On CUDA 30-s clips (the large STFT one a measure
+# shape of the spec, 1.3 GB a call); on the CPU (the eager reference) sizes that take milliseconds.
 WORKLOADS = {
-    "cuda": {"small": (16, 3000, 201, 80), "medium": (64, 3000, 201, 80), "large": (208, 3000, 201, 128)},
-    "cpu": {"small": (1, 100, 201, 80), "medium": (2, 300, 201, 80), "large": (4, 500, 201, 128)},
+    "cuda": {"small": (16, 480000, 80), "medium": (64, 480000, 80), "large": (208, 480000, 128),
+             "stft_small": (16, 3000, 201, 80), "stft_medium": (64, 3000, 201, 80),
+             "stft_large": (208, 3000, 201, 128)},
+    "cpu": {"small": (1, 16000, 80), "medium": (2, 32000, 80), "large": (4, 48000, 128),
+            "stft_small": (1, 100, 201, 80), "stft_medium": (2, 300, 201, 80), "stft_large": (4, 500, 201, 128)},
 }
 
 
-class LogMelSpectrogram(Benchmark):
-    """`log_mel_spectrogram` on a speech-like STFT and the spec's triangular filterbank at a small, a medium and a
-    large (B, F, NF, NM) (`WORKLOADS`), against the eager reference."""
+class LogMel(Benchmark):
+    """`whisper_log_mel` on speech-like clips (with a noise, a silent and a -80 dB clip where B >= 4) and
+    `log_mel_spectrogram` on a speech-like STFT with the spec's triangular filterbank, each at a small, a medium
+    and a large size (`WORKLOADS`), against the eager references."""
 
     seed = 0
 
-    def _setup(self, workload: str):
-        B, F, NF, NM = WORKLOADS["cuda" if str(self.device).startswith("cuda") else "cpu"][workload]
-        self.stft, self.mel_filters = speech_batch(B, F, NF, NM, self.device)
-        self.out = None
+    def _shape(self, workload: str):
+        return WORKLOADS["cuda" if str(self.device).startswith("cuda") else "cpu"][workload]
 
-    def _run(self):
-        self.out = self.kernel.log_mel_spectrogram(self.stft, self.mel_filters)
-
-    def _verify(self) -> torch.Tensor:
-        return self.kernel.log_mel_spectrogram_reference(self.stft, self.mel_filters)
-
-    def setup_small(self):
-        self._setup("small")
-
-    def benchmark_small(self):
-        self._run()
-
-    def verify_small(self) -> torch.Tensor:
-        return self._verify()
-
-    def setup_medium(self):
-        self._setup("medium")
-
-    def benchmark_medium(self):
-        self._run()
-
-    def verify_medium(self) -> torch.Tensor:
-        return self._verify()
-
-    def setup_large(self):
-        self._setup("large")
-
-    def benchmark_large(self):
-        self._run()
-
-    def verify_large(self) -> torch.Tensor:
-        return self._verify()
-
-
-# (B, N, n_mels) of the waveform workloads by device: 30-s clips on CUDA, fractions of a second on the CPU.
-WAVEFORM_WORKLOADS = {
-    "cuda": {"small": (16, 480000, 80), "medium": (64, 480000, 80), "large": (208, 480000, 128)},
-    "cpu": {"small": (1, 16000, 80), "medium": (2, 32000, 80), "large": (4, 48000, 128)},
-}
-
-
-class WhisperLogMel(Benchmark):
-    """`whisper_log_mel` on speech-like clips (with a noise, a silent and a -80 dB clip where B >= 4) at a small, a
-    medium and a large (B, N, n_mels) (`WAVEFORM_WORKLOADS`), against the eager reference."""
-
-    seed = 0
-
-    def _setup(self, workload: str):
-        B, N, self.n_mels = WAVEFORM_WORKLOADS["cuda" if str(self.device).startswith("cuda") else "cpu"][workload]
+    def _setup_waveform(self, workload: str):
+        B, N, self.n_mels = self._shape(workload)
         self.audio = whisper_batch(B, N, self.device)
         self.out = None
 
-    def _run(self):
+    def _run_waveform(self):
         self.out = self.kernel.whisper_log_mel(self.audio, self.n_mels)
 
-    def _verify(self) -> torch.Tensor:
+    def _verify_waveform(self) -> torch.Tensor:
         return self.kernel.whisper_log_mel_reference(self.audio, self.n_mels)
 
+    def _setup_stft(self, workload: str):
+        self.stft, self.mel_filters = speech_batch(*self._shape(workload), self.device)
+        self.out = None
+
+    def _run_stft(self):
+        self.out = self.kernel.log_mel_spectrogram(self.stft, self.mel_filters)
+
+    def _verify_stft(self) -> torch.Tensor:
+        return self.kernel.log_mel_spectrogram_reference(self.stft, self.mel_filters)
+
+    def setup(self):
+        """Both large workloads at once (for a run of every benchmark_* method on one setup, as gpu_profile does)."""
+        self._setup_waveform("large")
+        self._setup_stft("stft_large")
+
     def setup_small(self):
-        self._setup("small")
+        self._setup_waveform("small")
 
     def benchmark_small(self):
-        self._run()
+        self._run_waveform()
 
     def verify_small(self) -> torch.Tensor:
-        return self._verify()
+        return self._verify_waveform()
 
     def setup_medium(self):
-        self._setup("medium")
+        self._setup_waveform("medium")
 
     def benchmark_medium(self):
-        self._run()
+        self._run_waveform()
 
     def verify_medium(self) -> torch.Tensor:
-        return self._verify()
+        return self._verify_waveform()
 
     def setup_large(self):
-        self._setup("large")
+        self._setup_waveform("large")
 
     def benchmark_large(self):
-        self._run()
+        self._run_waveform()
 
     def verify_large(self) -> torch.Tensor:
-        return self._verify()
+        return self._verify_waveform()
+
+    def setup_stft_small(self):
+        self._setup_stft("stft_small")
+
+    def benchmark_stft_small(self):
+        self._run_stft()
+
+    def verify_stft_small(self) -> torch.Tensor:
+        return self._verify_stft()
+
+    def setup_stft_medium(self):
+        self._setup_stft("stft_medium")
+
+    def benchmark_stft_medium(self):
+        self._run_stft()
+
+    def verify_stft_medium(self) -> torch.Tensor:
+        return self._verify_stft()
+
+    def setup_stft_large(self):
+        self._setup_stft("stft_large")
+
+    def benchmark_stft_large(self):
+        self._run_stft()
+
+    def verify_stft_large(self) -> torch.Tensor:
+        return self._verify_stft()
 
 
 def _fused_variants(kernel, fused, stft, w):
