@@ -26,14 +26,10 @@ SPEC = "comba_backward"
 NAMES = ("dq", "dk", "dv", "dp", "dbeta", "dg")
 BENCH_SHAPE = (8, 2048, 32, 128, 128)
 SWEEP_SHAPES = [(8, 2048, 32, 128, 128), (16, 2048, 32, 64, 128)]
-# The spec's seed reference (an eager fp32 autograd run, tens of times our step) is timed at ANCHOR_SHAPES only, one
-# shape per K. fla's kernels autotune per (H, K, V), most of a GPU run's time for each new one: its forward and
-# training step are measured at every measure shape whose (H, K, V) an anchor shape has (`_fla_measured`).
-ANCHOR_SHAPES = SWEEP_SHAPES
-
-
-def _fla_measured(shape, anchor_shapes) -> bool:
-    return tuple(shape[i] for i in (2, 3, 4)) in {tuple(a[i] for i in (2, 3, 4)) for a in anchor_shapes}
+# The anchors (fla chunk_comba's forward and training step, the spec's seed reference) are measured at ANCHOR_SHAPES,
+# one shape: fla's kernels autotune for each new (H, K, V), which takes most of a GPU run's time, and the seed
+# reference is an eager fp32 autograd run. Our forward, backward and step rows cover every measure shape.
+ANCHOR_SHAPES = [BENCH_SHAPE]
 # The portable reverse scan at K = 128 holds its (128, 64) fp32 dS block, dVn and X of a V block in 255 registers of
 # 4 warps, so that two CTAs share an SM; it spills up to 148 B under the supported Tritons (tools.compile_sm90).
 SPILLS_BY_DESIGN = {"_reverse_scan_kernel": 160}
@@ -201,10 +197,9 @@ def _anchor(bench, case, impl, fn, args, ref, tflop, errors, ours):
 
 def side_by_side(kernel, bench, shapes=None, sweep_shapes=None, time_seed_reference=True,
                  anchor_shapes=None) -> list[dict]:
-    """Every measure shape of the spec: our backward, forward and training step, fla chunk_comba's forward and
-    forward + backward beside them (if installed) where `_fla_measured`; at ANCHOR_SHAPES the spec's seed reference;
-    then the stage sweep at SWEEP_SHAPES. `shapes`/`sweep_shapes`/`anchor_shapes` exist for a dry run at tiny shapes
-    on the CPU."""
+    """Every measure shape of the spec: our backward, forward and training step; at ANCHOR_SHAPES fla chunk_comba's
+    forward and forward + backward beside them (if installed) and the spec's seed reference; then the stage sweep at
+    SWEEP_SHAPES. `shapes`/`sweep_shapes`/`anchor_shapes` exist for a dry run at tiny shapes on the CPU."""
     s = bench.spec(SPEC)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     fla = _fla(bench)
@@ -228,7 +223,7 @@ def side_by_side(kernel, bench, shapes=None, sweep_shapes=None, time_seed_refere
             ours = _measured(bench, case + " forward", "comba-bwd forward", _inference(kernel), inputs[:6], ref_o,
                              tflop / 2, _output_error)
             rows.append(ours)
-            if fla is not None and _fla_measured(shape, anchor_shapes):
+            if fla is not None and shape in anchor_shapes:
                 rows.append(_anchor(bench, case + " forward", FLA_FORWARD, fla[0], inputs[:6], ref_o, tflop / 2,
                                     _output_error, ours))
         if shape in shapes or shape in sweep_shapes:
@@ -240,7 +235,7 @@ def side_by_side(kernel, bench, shapes=None, sweep_shapes=None, time_seed_refere
             step = _measured(bench, case + " step", "comba-bwd step", _step(kernel), inputs, ref, 1.5 * tflop,
                              _errors)
             rows += [ours, step]
-            if fla is not None and _fla_measured(shape, anchor_shapes):
+            if fla is not None and shape in anchor_shapes:
                 fla_step = _anchor(bench, case + " step", FLA_STEP, fla[1], inputs, ref, 1.5 * tflop, _errors, step)
                 rows.append(fla_step)
                 if "ms" in fla_step:  # the same run beside the backward
