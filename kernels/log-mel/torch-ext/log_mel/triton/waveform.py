@@ -9,16 +9,14 @@ Per tile of BLOCK_F frames of one clip, everything stays on chip from the sample
      take s[n1] + s[25 - n1], sines s[n1] - s[25 - n1]), so two [16 x 16] products give Y[n2, k1] for
      k1 = 0..12, which is all the real signal needs;
    - the twiddles W400^(n2 k1), elementwise;
-   - stage 2, a 16-point complex DFT along n2 for each (frame, k1 <= 12), one real [32 x 32] product of the
-     interleaved (re, im) values: X[k1 + 25 k2] for every k2, its columns in frequency order (K2_ORDER). With
+   - stage 2, a 16-point complex DFT along n2 for each (frame, k1 <= 12): X[k1 + 25 k2] for every k2. With
      X[400 - k] = conj(X[k]) these 13 x 16 values hold each of the bins 0..200 once (k1 = 0 holds 0, 25, ..,
      200 twice over: the filterbank weights the second copy zero).
    Every product is fp32-accurate (`_product`: three fp16 products of split operands): a mel band 80 dB below
    its frame's loudest bin is still above the floor, and one TF32 product's rounding (2^-11 of the frame)
    would swamp it.
-3. Power, then the mel projection against the filterbank permuted into stage 2's order, also split into three
-   products (the power spans ten decades; a TF32 rounding per term costs up to 1e-4 of the output), each band
-   block reading only the filterbank groups under its triangles.
+3. Power, then the mel projection against the filterbank permuted into stage 2's (k1, k2) order, also split
+   into three products (the power spans ten decades; a TF32 rounding per term costs up to 1e-4 of the output).
 4. log10(max(mel, 1e-10)), (x + 4) / 4 written in the output dtype, transposed to (B, NM, F); the tile's max
    and min of the log kept for the floor pass, which rewrites only tiles the clip's 80 dB floor reaches.
 """
@@ -41,16 +39,9 @@ RADIX = tl.constexpr(16)  # n2, k2: the stage-2 (complex) DFT size; 400 = 25 x 1
 OUTER = tl.constexpr(25)  # n1, k1: the stage-1 (real) DFT size
 HALF = tl.constexpr(13)  # k1 = 0..12: the stage-1 outputs a real signal needs
 PCM_SCALE = tl.constexpr(1.0 / 32768.0)  # int16 PCM -> [-1, 1)
-# The projection's filterbank (weights below 0.05) arrives times 2^6, closer to the top of fp16's range.
+# fp16x3 projection: the filterbank (weights below 0.05) times 2^6, closer to the top of fp16's range.
 MEL_SHIFT = tl.constexpr(6)
-# Stage 2's output columns in frequency order: column c holds k2 = K2_ORDER[c], whose bins (k1 + 25 k2, or 400
-# minus that past 200) for k1 = 0..12 are 13 consecutive ones, so each group of 4 columns covers about 50
-# consecutive bins and a band block meets only the groups under its triangles.
-K2_ORDER = (0, 15, 1, 14, 2, 13, 3, 12, 4, 11, 5, 10, 6, 9, 7, 8)
-# One product of K = 256 would hold its whole A operand in every thread (128 registers for each half of the
-# split), so the projection runs as K_GROUPS products of K = 64 side by side (a batched product, the groups
-# spread over the warps), summed; a band block loads only its groups' filterbank (`group_support`).
-K_GROUPS = tl.constexpr(4)
+WINDOW_PAD = 512  # the Hann window, zero past 400 (the masked lanes of the framing read there)
 FLOOR_TILES = 8  # frame tiles a floor-pass program checks
 STATS_CHUNK = 256  # tile statistics per step of the clip-maximum reduction
 
@@ -64,25 +55,17 @@ class Config:
     block_m: int = 32
     num_warps: int = 4
     num_stages: int = 1
-    maxnreg: int | None = None  # a register cap a thread, for more resident CTAs
-    one_stage1: bool = False  # stage 1 as one [32 x 32] product (block-diagonal: twice the MMA work, one wait)
+    k_groups: int = 4  # the projection's K = 256 in k_groups products side by side
 
     @property
     def name(self) -> str:
-        return (f"f{self.block_f} m{self.block_m} w{self.num_warps} s{self.num_stages}"
-                + (f" r{self.maxnreg}" if self.maxnreg else "") + (" one-stage1" if self.one_stage1 else ""))
+        return f"f{self.block_f} m{self.block_m} g{self.k_groups} w{self.num_warps} s{self.num_stages}"
 
 
-# The kernel is latency-bound (a tile is a chain of small products, each behind a barrier), so resident warps
-# and the number of products matter most: 8 warps capped at 128 registers (2 CTAs, 16 warps an SM, no spill),
-# with stage 1 as two products or one, the latter also with the projection's filterbank loads pipelined
-# (cp.async, two stages), and 4 warps at 168 (3 CTAs, 12 warps). The first call of a kind on a device times the
-# candidates and keeps the fastest (`pick_config`).
-CANDIDATES = (Config(num_warps=8, maxnreg=128), Config(num_warps=8, maxnreg=128, one_stage1=True),
-              Config(num_warps=8, maxnreg=128, num_stages=2, one_stage1=True), Config(maxnreg=168, one_stage1=True))
-# The candidates and the uncapped 4-warp config, which the benchmark times and the GPU tests run.
-SHIPPED_CONFIGS = CANDIDATES + (Config(),)
-_PICKED: dict = {}
+DEFAULT_CONFIG = Config()
+# The pick and the runners-up the benchmark times and the GPU tests run.
+SHIPPED_CONFIGS = (DEFAULT_CONFIG, Config(block_m=16), Config(k_groups=8), Config(block_f=32, num_warps=8),
+                   Config(num_warps=8))
 
 
 def split_operand(t: torch.Tensor) -> torch.Tensor:
@@ -92,68 +75,43 @@ def split_operand(t: torch.Tensor) -> torch.Tensor:
     return torch.stack([head, (t - head.to(t.dtype)).to(torch.float16)])
 
 
-def _hann(n: torch.Tensor) -> torch.Tensor:
-    """The periodic Hann window of 400 at n."""
-    return 0.5 - 0.5 * torch.cos(2 * math.pi * n / N_FFT.value)
-
-
 @functools.cache
 def _dft_tables(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(operands, twiddles, window) on `device`, from float64, once per device: the products' tables (stage-1
-    cos and -sin [16, 16], stage 2's complex product as one real [32, 32], stage 1 as one block-diagonal
-    [32, 32]; split by `split_operand`), the twiddles W400^(n2 k1) ((2, 16, 16) float32: real, imaginary part)
-    and the Hann window at the stage-1 inputs ((2, 16, 16) float32)."""
+    """(operands, twiddles, window) on `device`, from float64, once per device: the products'
+    tables (stage-1 cos, stage-1 -sin, stage-2 cos, stage-2 sin; (4, 16, 16), split by `split_operand`), the
+    twiddles W400^(n2 k1) ((2, 16, 16) float32: real, imaginary part) and the Hann window ((512,) float32)."""
     radix, outer, half, n_fft = RADIX.value, OUTER.value, HALF.value, N_FFT.value
     i = torch.arange(radix, dtype=torch.float64)
     row, col = i[:, None], i[None, :]
     used = (row < half) & (col < half)
-    cos2, sin2 = torch.cos(2 * math.pi * row * col / radix), torch.sin(2 * math.pi * row * col / radix)  # [n2, k2]
-    # Stage 2 as one real product: row 2 n2 + (0: re, 1: im) of the input, column 2 c + (0: re, 1: im) of X.
-    cos2, sin2 = cos2[:, K2_ORDER], sin2[:, K2_ORDER]  # [n2, c]
-    stage2 = torch.stack([torch.stack([cos2, -sin2], dim=-1), torch.stack([sin2, cos2], dim=-1)], dim=1)
-    cos1 = torch.where(used, torch.cos(2 * math.pi * row * col / outer), 0.0)  # [n1, k1]: n1 = 0..12
-    sin1 = torch.where(used & (row >= 1), -torch.sin(2 * math.pi * row * col / outer), 0.0)  # n1 = 1..12
-    # Stage 1 as one real product: row 2 n1 + (0: cosine input, 1: sine input), column 2 k1 + (0: re, 1: im).
-    zero = torch.zeros_like(cos1)
-    stage1 = torch.stack([torch.stack([cos1, zero], dim=-1), torch.stack([zero, sin1], dim=-1)], dim=1)
-    operands = torch.cat([cos1.flatten(), sin1.flatten(), stage2.reshape(-1), stage1.reshape(-1)])
+    operands = torch.stack([
+        torch.where(used, torch.cos(2 * math.pi * row * col / outer), 0.0),  # [n1, k1]: n1 = 0..12
+        torch.where(used & (row >= 1), -torch.sin(2 * math.pi * row * col / outer), 0.0),  # [n1, k1]: n1 = 1..12
+        torch.cos(2 * math.pi * row * col / radix),  # [n2, k2]
+        torch.sin(2 * math.pi * row * col / radix),
+    ])
     twiddles = torch.stack([torch.cos(2 * math.pi * row * col / n_fft), -torch.sin(2 * math.pi * row * col / n_fft)])
-    # The window at the stage-1 inputs [column n1, row n2]: at 16 n1 + n2 for n1 <= 12, at 400 - 16 n1 + n2
-    # for 1 <= n1 <= 12 (the mirror), zero elsewhere.
-    n1, n2 = row, col
-    window = torch.stack([torch.where(n1 < half, _hann(radix * n1 + n2), 0.0),
-                          torch.where((n1 >= 1) & (n1 < half), _hann(n_fft - radix * n1 + n2), 0.0)])
+    n = torch.arange(WINDOW_PAD, dtype=torch.float64)
+    window = torch.where(n < n_fft, 0.5 - 0.5 * torch.cos(2 * math.pi * n / n_fft), 0.0)
     return (split_operand(operands).to(device), twiddles.to(device, torch.float32),
             window.to(device, torch.float32))
 
 
 def stage2_bins() -> tuple[torch.Tensor, torch.Tensor]:
-    """(bin, used) of the 256 stage-2 outputs in the projection's order, group g, row k1, column c - 4 g (index
-    64 g + 4 k1 + c - 4 g, k2 = K2_ORDER[c]): the DFT bin 0..200 each holds, and whether it is the one copy of
-    that bin the projection counts."""
-    radix, outer, n_fft, groups = RADIX.value, OUTER.value, N_FFT.value, K_GROUPS.value
-    group = torch.arange(groups)[:, None, None]
-    k1 = torch.arange(radix)[None, :, None]
-    c = group * (radix // groups) + torch.arange(radix // groups)[None, None, :]
-    k2 = torch.tensor(K2_ORDER)[c]
+    """(bin, used) of the 256 stage-2 outputs in the kernel's order (k1 * 16 + k2): the DFT bin 0..200 each
+    holds, and whether it is the one copy of that bin the projection counts."""
+    radix, outer, n_fft = RADIX.value, OUTER.value, N_FFT.value
+    k1 = torch.arange(radix)[:, None]
+    k2 = torch.arange(radix)[None, :]
     k = k1 + outer * k2
     bins = torch.where(k <= n_fft // 2, k, n_fft - k)
     used = (k1 < HALF.value) & ~((k1 == 0) & (k2 > n_fft // (2 * outer)))
     return bins.flatten(), used.flatten()
 
 
-def group_support(weights: torch.Tensor, block_m: int) -> torch.Tensor:
-    """(NM_PAD / block_m,) int32: bit g of entry j set where band block j has a nonzero (or NaN) weight in
-    projection group g of the (256, NM_PAD) permuted filterbank."""
-    groups = K_GROUPS.value
-    used = (weights != 0).view(groups, -1, weights.shape[1] // block_m, block_m).any(dim=3).any(dim=1)
-    bits = used.to(torch.int32) << torch.arange(groups, dtype=torch.int32)[:, None]
-    return bits.sum(dim=0, dtype=torch.int32)
-
-
 def permuted_filterbank(mel_filters: torch.Tensor, block_m: int) -> torch.Tensor:
-    """(256, NM rounded up to block_m) float32: row i holds the filterbank column of the bin that stage-2 output
-    i (`stage2_bins`' order) holds, zero for the unused ones and past NM."""
+    """(256, NM rounded up to block_m) float32: row k1 * 16 + k2 holds the filterbank column of the bin that
+    stage-2 output holds, zero for the unused ones and past NM."""
     NM = mel_filters.shape[0]
     bins, used = stage2_bins()
     out = torch.zeros(RADIX.value ** 2, triton.cdiv(NM, block_m) * block_m, dtype=torch.float32,
@@ -164,31 +122,24 @@ def permuted_filterbank(mel_filters: torch.Tensor, block_m: int) -> torch.Tensor
 
 
 @functools.cache
-def _projection(n_mels: int, device: torch.device, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weights, support) on `device`, once per (n_mels, device, block_m): `permuted_filterbank(mel_filters(
-    n_mels))` times 2^MEL_SHIFT as the projection loads it (`split_operand`), and its `group_support`."""
-    weights = permuted_filterbank(mel_filters(n_mels), block_m)
-    support = group_support(weights, block_m)
-    return split_operand(weights.double() * 2.0**MEL_SHIFT.value).to(device), support.to(device)
+def _projection(n_mels: int, device: torch.device, block_m: int) -> torch.Tensor:
+    """`permuted_filterbank(mel_filters(n_mels))` times 2^MEL_SHIFT as the projection loads it (`split_operand`)
+    on `device`, once per (n_mels, device, block_m)."""
+    weights = permuted_filterbank(mel_filters(n_mels), block_m).double() * 2.0**MEL_SHIFT.value
+    return split_operand(weights).to(device)
 
 
 @triton.jit
-def _product(a, b_ptr, offsets, acc, B_LO: tl.constexpr, b_mask=None):
+def _product(a, b_ptr, offsets, acc, B_LO: tl.constexpr):
     """acc + a @ b to about fp32 accuracy from three fp16 tensor-core products: a = fp16(a) + fp16(a - fp16(a)),
     exact to 2^-22 of a while a lies in fp16's normal range (the callers scale by powers of two to put their
     operands' maxima in [2^14, 2^15); smaller values keep an absolute accuracy of 2^-25 there), b the constant
     operand at b_ptr + offsets split the same way by `split_operand` (its tail B_LO elements on), the product of
-    the two tails left out (b zero where `b_mask` is false, unread). fp16 products run at twice TF32's
-    tensor-core rate."""
+    the two tails left out. fp16 products run at twice TF32's tensor-core rate."""
     a_hi = a.to(tl.float16)
     a_lo = (a - a_hi.to(tl.float32)).to(tl.float16)
-    if b_mask is None:
-        b_lo = tl.load(b_ptr + B_LO + offsets)
-        b_hi = tl.load(b_ptr + offsets)
-    else:
-        b_lo = tl.load(b_ptr + B_LO + offsets, mask=b_mask, other=0.0)
-        b_hi = tl.load(b_ptr + offsets, mask=b_mask, other=0.0)
-    acc = tl.dot(a_hi, b_lo, acc)
+    acc = tl.dot(a_hi, tl.load(b_ptr + B_LO + offsets), acc)
+    b_hi = tl.load(b_ptr + offsets)
     acc = tl.dot(a_lo, b_hi, acc)
     return tl.dot(a_hi, b_hi, acc)
 
@@ -217,22 +168,25 @@ def log10_scaled(mel, e, HW_LOG2: tl.constexpr):
 
 
 @triton.jit
-def _frame_samples(audio_ptr, clip_base, length, N, frame, n, ok):
-    """Sample n of `frame`: centre reflect padding at the clip's ends (N > 200), zero at or past `length` and
-    where `ok` is false."""
+def _frame_samples(audio_ptr, window_ptr, clip_base, length, N, frame, n, ok, IS_PCM: tl.constexpr):
+    """Sample n of `frame` times the window: centre reflect padding at the clip's ends (N > 200), zero at or
+    past `length` and where `ok` is false."""
     j = frame * HOP - N_FFT // 2 + n
     j = tl.where(j < 0, -j, j)
     j = tl.where(j >= N, 2 * N - 2 - j, j)
-    return tl.load(audio_ptr + clip_base + j, mask=ok & (j < length), other=0).to(tl.float32)
+    x = tl.load(audio_ptr + clip_base + j, mask=ok & (j < length), other=0).to(tl.float32)
+    if IS_PCM:
+        x = x * PCM_SCALE
+    return x * tl.load(window_ptr + n)
 
 
 @triton.jit
 def _power_tile(audio_ptr, lengths_ptr, operands_ptr, twiddles_ptr, window_ptr, clip, tile, N, F,
-                BLOCK_F: tl.constexpr, IS_PCM: tl.constexpr, HAS_LENGTHS: tl.constexpr, ONE_STAGE1: tl.constexpr):
-    """(power [16 BLOCK_F, 16], e): the power spectra of frames tile * BLOCK_F + i (clamped to F - 1) times 2^e,
-    row (frame, k1), column c (k2 = K2_ORDER[c]). The samples are scaled by 2^s (the tile's largest stage-1 input
-    into [2^14, 2^15)) and the stage-2 inputs by 2^-5 (their bound 26 * 2^15 * sqrt(2) into fp16's range), so
-    e = 2 s - 10."""
+                BLOCK_F: tl.constexpr, IS_PCM: tl.constexpr, HAS_LENGTHS: tl.constexpr):
+    """(power [BLOCK_F, 256], e): the power spectra of frames tile * BLOCK_F + i (clamped to F - 1) times 2^e,
+    in the order k1 * 16 + k2 of `stage2_bins`. With "fp16x3" the samples are scaled by 2^s (the tile's
+    largest stage-1 input into [2^14, 2^15)) and the stage-2 inputs by 2^-5 (their bound 26 * 2^15 * sqrt(2)
+    into fp16's range), so e = 2 s - 10."""
     R: tl.constexpr = BLOCK_F * RADIX
     rows = tl.arange(0, R)
     n2 = rows % RADIX
@@ -240,91 +194,70 @@ def _power_tile(audio_ptr, lengths_ptr, operands_ptr, twiddles_ptr, window_ptr, 
     cols = tl.arange(0, RADIX)
     length = N
     if HAS_LENGTHS:
-        length = tl.minimum(tl.maximum(tl.load(lengths_ptr + clip), 0), N).to(tl.int32)
+        length = tl.load(lengths_ptr + clip).to(tl.int32)
     base = clip.to(tl.int64) * N
-    # Stage-1 inputs [R, 16]: row (frame, n2), column n1; s[n1] at 16 n1 + n2, s[25 - n1] at 400 - 16 n1 + n2,
-    # the window zero where n1 is not used (n1 > 12; n1 = 0 for the mirror).
+    # Stage-1 inputs [R, 16]: row (frame, n2), column n1 <= 12; s[n1] at 16 n1 + n2, s[25 - n1] at 400 - 16 n1 + n2.
     n_lo = RADIX * cols[None, :] + n2[:, None]
     n_hi = N_FFT - RADIX * cols[None, :] + n2[:, None]
-    window = window_ptr + cols[None, :] * RADIX + n2[:, None]
-    w_lo = tl.load(window)
-    w_hi = tl.load(window + RADIX * RADIX)
-    last = tl.minimum(tile * BLOCK_F + BLOCK_F - 1, F - 1)
-    if (tile * BLOCK_F * HOP >= N_FFT // 2) & (last * HOP + N_FFT // 2 + RADIX <= length):
-        # Interior tile: every sample it reads (the mirror's unused column reaches 15 past the frame) lies
-        # inside the clip; no reflection, no mask.
-        first = audio_ptr + base + frame * HOP - N_FFT // 2
-        s_lo = tl.load(first + n_lo).to(tl.float32)
-        s_hi = tl.load(first + n_hi).to(tl.float32)
-    else:
-        s_lo = _frame_samples(audio_ptr, base, length, N, frame, n_lo, cols[None, :] < HALF)
-        s_hi = _frame_samples(audio_ptr, base, length, N, frame, n_hi, (cols[None, :] >= 1) & (cols[None, :] < HALF))
-    if IS_PCM:
-        w_lo *= PCM_SCALE
-        w_hi *= PCM_SCALE
-    s_lo *= w_lo
-    s_hi *= w_hi
+    s_lo = _frame_samples(audio_ptr, window_ptr, base, length, N, frame, n_lo, cols[None, :] < HALF, IS_PCM)
+    s_hi = _frame_samples(audio_ptr, window_ptr, base, length, N, frame, n_hi,
+                          (cols[None, :] >= 1) & (cols[None, :] < HALF), IS_PCM)
     cosines = s_lo + s_hi
     sines = s_lo - s_hi
     scale, s = _pow2_scale(tl.maximum(tl.max(tl.abs(cosines)), tl.max(tl.abs(sines))))
     square = cols[:, None] * RADIX + cols[None, :]
-    LO: tl.constexpr = 10 * RADIX * RADIX  # the operands' tails
-    wide = tl.arange(0, 2 * RADIX)
-    wide_square = wide[:, None] * (2 * RADIX) + wide[None, :]
-    if ONE_STAGE1:
-        inputs = tl.reshape(tl.join(cosines * scale, sines * scale), (R, 2 * RADIX))
-        y_re, y_im = tl.split(tl.reshape(_product(inputs, operands_ptr + 6 * RADIX * RADIX, wide_square, None, LO),
-                                         (R, RADIX, 2)))
-    else:
-        y_re = _product(cosines * scale, operands_ptr, square, None, LO)
-        y_im = _product(sines * scale, operands_ptr + RADIX * RADIX, square, None, LO)
+    LO: tl.constexpr = 4 * RADIX * RADIX  # the operands' tails (fp16x3)
+    y_re = _product(cosines * scale, operands_ptr, square, None, LO)
+    y_im = _product(sines * scale, operands_ptr + RADIX * RADIX, square, None, LO)
     twiddle = twiddles_ptr + n2[:, None] * RADIX + cols[None, :]
     t_re = tl.load(twiddle)
     t_im = tl.load(twiddle + RADIX * RADIX)
     t_re *= 1.0 / 32
     t_im *= 1.0 / 32
-    # Twiddled, (re, im) interleaved, then row (frame, n2), column k1 -> row (frame, k1), column 2 n2 + part:
-    # stage 2 contracts over n2, in one product.
-    g = tl.join(y_re * t_re - y_im * t_im, y_re * t_im + y_im * t_re)
-    g = tl.reshape(tl.permute(tl.reshape(g, (BLOCK_F, RADIX, RADIX, 2)), (0, 2, 1, 3)), (R, 2 * RADIX))
-    z = _product(g, operands_ptr + 2 * RADIX * RADIX, wide_square, None, LO)
-    z_re, z_im = tl.split(tl.reshape(z, (R, RADIX, 2)))
+    g_re = y_re * t_re - y_im * t_im
+    g_im = y_re * t_im + y_im * t_re
+    # Row (frame, n2), column k1 -> row (frame, k1), column n2: stage 2 contracts over n2.
+    g_re = tl.reshape(tl.permute(tl.reshape(g_re, (BLOCK_F, RADIX, RADIX)), (0, 2, 1)), (R, RADIX))
+    g_im = tl.reshape(tl.permute(tl.reshape(g_im, (BLOCK_F, RADIX, RADIX)), (0, 2, 1)), (R, RADIX))
+    cos2 = operands_ptr + 2 * RADIX * RADIX
+    sin2 = operands_ptr + 3 * RADIX * RADIX
+    z_re = _product(g_im, sin2, square, _product(g_re, cos2, square, None, LO), LO)
+    z_im = _product(-g_re, sin2, square, _product(g_im, cos2, square, None, LO), LO)
     e = 2 * s - 10
-    return z_re * z_re + z_im * z_im, e
+    return tl.reshape(z_re * z_re + z_im * z_im, (BLOCK_F, RADIX * RADIX)), e
 
 
 @triton.jit
-def _waveform_tiles_kernel(audio_ptr, lengths_ptr, operands_ptr, twiddles_ptr, window_ptr, proj_ptr, support_ptr,
-                           out_ptr, stats_ptr,
+def _waveform_tiles_kernel(audio_ptr, lengths_ptr, operands_ptr, twiddles_ptr, window_ptr, proj_ptr, out_ptr,
+                           stats_ptr,
                            N, F, NM, n_tiles, BLOCK_F: tl.constexpr, BLOCK_M: tl.constexpr,
-                           NM_PAD: tl.constexpr, IS_PCM: tl.constexpr,
-                           HAS_LENGTHS: tl.constexpr, ONE_STAGE1: tl.constexpr, HW_LOG2: tl.constexpr):
+                           NM_PAD: tl.constexpr, K_GROUPS: tl.constexpr, IS_PCM: tl.constexpr, HAS_LENGTHS: tl.constexpr,
+                           HW_LOG2: tl.constexpr):
     """Pass 1, one program per (clip, frame tile), clip-major: (log10(max(mel, 1e-10)) + 4) / 4 into out
     (B, NM, F), and the tile's (max, min) of the log into stats."""
     pid = tl.program_id(0)
     clip = pid // n_tiles
     tile = pid % n_tiles
     power, e = _power_tile(audio_ptr, lengths_ptr, operands_ptr, twiddles_ptr, window_ptr, clip, tile, N, F,
-                           BLOCK_F, IS_PCM, HAS_LENGTHS, ONE_STAGE1)
-    # The power into [2^14, 2^15) as well, and the filterbank arrives times 2^MEL_SHIFT: the projection's
-    # product is the mel times 2^e.
+                           BLOCK_F, IS_PCM, HAS_LENGTHS)
+    # fp16x3: the power into [2^14, 2^15) as well (the filterbank arrives times 2^MEL_SHIFT), so that
+    # mel = product * 2^-(e + s + MEL_SHIFT).
     scale, s = _pow2_scale(tl.max(power))
     e += s + MEL_SHIFT
     frames = tile * BLOCK_F + tl.arange(0, BLOCK_F)
     out_clip = out_ptr + clip.to(tl.int64) * NM * F
     run_max = tl.full((BLOCK_F, BLOCK_M), float("-inf"), tl.float32)
     run_min = tl.full((BLOCK_F, BLOCK_M), float("inf"), tl.float32)
-    # The projection's operand [group, frame, 4 k1 + c - 4 g] (`stage2_bins`' order within a group).
-    power = tl.reshape(power * scale, (BLOCK_F, RADIX, K_GROUPS, RADIX // K_GROUPS))
-    power = tl.reshape(tl.permute(power, (2, 0, 1, 3)), (K_GROUPS, BLOCK_F, RADIX * RADIX // K_GROUPS))
-    group = tl.arange(0, K_GROUPS)
-    group_rows = group[:, None, None] * (RADIX * RADIX // K_GROUPS)
+    # The projection contracts 256 values a frame; one product of K = 256 would hold its whole A operand in
+    # each thread (128 registers for each half of the split), so it runs as K_GROUPS products of
+    # K = 256 / K_GROUPS side by side (a batched product, the groups spread over the warps), then sums them.
+    power = tl.permute(tl.reshape(power * scale, (BLOCK_F, K_GROUPS, RADIX * RADIX // K_GROUPS)), (1, 0, 2))
+    group_rows = tl.arange(0, K_GROUPS)[:, None, None] * (RADIX * RADIX // K_GROUPS)
     k_in_group = tl.arange(0, RADIX * RADIX // K_GROUPS)[None, :, None]
-    for j in range(0, NM_PAD // BLOCK_M):
-        bands = j * BLOCK_M + tl.arange(0, BLOCK_M)
+    for m0 in range(0, NM_PAD, BLOCK_M):
+        bands = m0 + tl.arange(0, BLOCK_M)
         w = (group_rows + k_in_group) * NM_PAD + bands[None, None, :]
-        used = ((tl.load(support_ptr + j) >> group) & 1)[:, None, None] != 0  # the groups this block meets
-        mel = tl.sum(_product(power, proj_ptr, w, None, RADIX * RADIX * NM_PAD, used), axis=0)
+        mel = tl.sum(_product(power, proj_ptr, w, None, RADIX * RADIX * NM_PAD), axis=0)
         log_spec = log10_scaled(mel, e, HW_LOG2)
         # Stored as [BLOCK_M, BLOCK_F] (frames contiguous, as in memory): stored untransposed, a 16-bit output
         # costs about 90 registers more.
@@ -366,52 +299,22 @@ def whisper_log_mel_triton(audio: torch.Tensor, lengths: torch.Tensor | None, n_
                            config: Config | None = None) -> torch.Tensor:
     """(B, n_mels, N // 160) in `out_dtype` from validated, contiguous audio (B, N) (float32, float16,
     bfloat16 or int16 PCM) and lengths (B,) int64 on its device, or None."""
-    config = config or pick_config(audio, lengths, n_mels, out_dtype)
+    config = config or DEFAULT_CONFIG
     B, N = audio.shape
     F = N // HOP.value
     operands, twiddles, window = _dft_tables(audio.device)
-    proj, support = _projection(n_mels, audio.device, config.block_m)
+    proj = _projection(n_mels, audio.device, config.block_m)
     n_tiles = triton.cdiv(F, config.block_f)
     n_groups = triton.cdiv(n_tiles, FLOOR_TILES)
     stats = torch.empty(B, n_tiles, 2, dtype=torch.float32, device=audio.device)
     out = torch.empty(B, n_mels, F, dtype=out_dtype, device=audio.device)
     _waveform_tiles_kernel[(B * n_tiles,)](
-        audio, lengths, operands, twiddles, window, proj, support, out, stats, N, F, n_mels, n_tiles,
-        BLOCK_F=config.block_f, BLOCK_M=config.block_m, NM_PAD=proj.shape[-1], ONE_STAGE1=config.one_stage1,
+        audio, lengths, operands, twiddles, window, proj, out, stats, N, F, n_mels, n_tiles,
+        BLOCK_F=config.block_f, BLOCK_M=config.block_m, NM_PAD=proj.shape[-1], K_GROUPS=config.k_groups,
         IS_PCM=audio.dtype == torch.int16, HAS_LENGTHS=lengths is not None,
         # The interpreter (CPU) cannot run inline PTX.
         HW_LOG2=not triton.knobs.runtime.interpret, num_warps=config.num_warps,
-        num_stages=config.num_stages, maxnreg=config.maxnreg)
+        num_stages=config.num_stages)
     _waveform_floor_kernel[(B * n_groups,)](out, stats, F, n_mels, n_tiles, n_groups, BLOCK_F=config.block_f,
                                             BLOCK_M=32, STATS_CHUNK=STATS_CHUNK, FLOOR_TILES=FLOOR_TILES)
     return out
-
-
-def pick_config(audio: torch.Tensor, lengths: torch.Tensor | None, n_mels: int, out_dtype: torch.dtype) -> Config:
-    """The candidate that ran fastest at the first call of this kind (device, n_mels, dtypes, lengths or not,
-    and the power of two of B * N), each timed over three runs of that call's own inputs (a candidate that fails
-    to compile is skipped); the first candidate off CUDA (the interpreter)."""
-    if not audio.is_cuda:
-        return CANDIDATES[0]
-    key = (audio.device, n_mels, audio.dtype, out_dtype, lengths is not None, audio.numel().bit_length())
-    if key not in _PICKED:
-        times = {}
-        for config in CANDIDATES:
-            run = functools.partial(whisper_log_mel_triton, audio, lengths, n_mels, out_dtype, config)
-            try:
-                run()  # compiles
-            except torch.OutOfMemoryError:
-                raise
-            except Exception as error:  # noqa: BLE001 - a candidate this Triton or GPU cannot build is skipped
-                if config is CANDIDATES[-1] and not times:
-                    raise error
-                continue
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(3):
-                run()
-            end.record()
-            end.synchronize()
-            times[config] = start.elapsed_time(end)
-        _PICKED[key] = min(times, key=times.get)
-    return _PICKED[key]
