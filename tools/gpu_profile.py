@@ -42,16 +42,17 @@ def profiled_call(name: str) -> None:
     bench.kernel, bench.device = kernel, "cuda"
     if bench.seed is not None:
         torch.manual_seed(bench.seed)
-    bench.setup()
-    methods = [getattr(bench, m) for m in dir(bench) if m.startswith("benchmark_")]
-    for method in methods:
-        method()
-    torch.cuda.synchronize()
-    torch.cuda.profiler.start()
-    for method in methods:
-        method()
-    torch.cuda.synchronize()
-    torch.cuda.profiler.stop()
+    # Each workload as `kernels benchmark` runs it (its own setup_<workload> where it has one, else setup()),
+    # warmed up, then one call inside the profiled range.
+    for workload in [m.removeprefix("benchmark_") for m in dir(bench) if m.startswith("benchmark_")]:
+        getattr(bench, f"setup_{workload}", bench.setup)()
+        call = getattr(bench, f"benchmark_{workload}")
+        call()
+        torch.cuda.synchronize()
+        torch.cuda.profiler.start()
+        call()
+        torch.cuda.synchronize()
+        torch.cuda.profiler.stop()
 
 
 def main(argv: list[str] | None = None) -> int:
