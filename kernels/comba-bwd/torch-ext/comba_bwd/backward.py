@@ -32,15 +32,13 @@ except ImportError:
     gluon_kernels = None
 
 
-def backward_stages(q, k, v, p, beta, g, do, scale: float, grads=None, plan=None, saved=None):
+def backward_stages(q, k, v, p, beta, g, do, scale: float, grads=None, plan=None):
     """The backward as ordered launches: ({stage name: fn() launching it}, the six gradients once all ran).
 
     Each stage reads only what earlier stages wrote, so after one full pass any stage can be re-run (timed)
     alone. Inputs contiguous, K and V in {64, 128}; the gradients are (dq, dk, dv, dp, dbeta, dg) with dg in
     float32, padded in time to a multiple of the chunk (fused_backward trims them); `grads`, when given, are
     contiguous tensors of those shapes and dtypes to write them into; `plan` is `dispatch.plan`'s for the call.
-    `saved`, when given, is the fused forward's (A, S, Vn) for these inputs (`dispatch.saved_like`): the backward
-    then starts at its reverse scan, without the transform and the forward scan.
     """
     B, T, H, K = q.shape
     V = v.shape[-1]
@@ -53,13 +51,13 @@ def backward_stages(q, k, v, p, beta, g, do, scale: float, grads=None, plan=None
     # dbeta's v parts: none where the gradient kernel makes it, one from a Gluon reverse scan, else one per V block of
     # the Triton reverse scan.
     NV = 0 if plan.v_adjoint_in_grads else 1 if "reverse_scan" in gluon else V // triton_kernels.chunk.scan_block(K, V)
-    A, S, Vn = dispatch.saved_like(q, V) if saved is None else saved
+    A, S, Vn = dispatch.state_scratch(q, V)
     dS = torch.empty_like(S)
     X = torch.empty_like(Vn)
     dbeta_v = torch.empty(NV, *beta.shape, device=dev, dtype=torch.float32)
     dq, dk, dv, dp, dbeta, dg = _gradients_like(q, k, v, p, beta, g) if grads is None else grads
     t = gluon_kernels.chunk.tiles(q, k, p, v, do, A, S, dS, Vn, X) if gluon else None
-    stages = forward.state_stages(k, v, p, beta, g, (A, S, Vn), plan, t) if saved is None else {}
+    stages = forward.state_stages(k, v, p, beta, g, (A, S, Vn), plan, t)
     if "reverse_scan" in gluon:
         stages["reverse_scan"] = lambda: gluon_kernels.reverse.launch(t, q, v, beta, g, dv, dbeta_v, scale)
     else:
@@ -99,13 +97,11 @@ def _launch_on_streams(pieces, device: torch.device):
             own.wait_stream(main)
         for stages, own, side in zip(pieces, streams[0::2], streams[1::2]):
             with torch.cuda.stream(own):
-                if "transform" in stages:  # not where the backward takes the forward's saved states
-                    stages["transform"]()
+                stages["transform"]()
                 side.wait_stream(own)
                 with torch.cuda.stream(side):
                     stages["reverse_scan"]()
-                if "forward_scan" in stages:
-                    stages["forward_scan"]()
+                stages["forward_scan"]()
                 own.wait_stream(side)
                 for name, launch in stages.items():
                     if name not in ("transform", "forward_scan", "reverse_scan"):  # the gradient stages
@@ -114,24 +110,22 @@ def _launch_on_streams(pieces, device: torch.device):
             main.wait_stream(own)
 
 
-def fused_backward(q, k, v, p, beta, g, do, scale: float, saved=None):
-    """(dq, dk, dv, dp, dbeta, dg) in their inputs' dtypes (dg float32); inputs contiguous, K, V in {64, 128};
-    `saved`, when given, the fused forward's (A, S, Vn) for these inputs (`forward.fused_forward`). A Gluon kernel
-    that fails to compile switches the Gluon path off and the call runs the Triton kernels
+def fused_backward(q, k, v, p, beta, g, do, scale: float):
+    """(dq, dk, dv, dp, dbeta, dg) in their inputs' dtypes (dg float32); inputs contiguous, K, V in {64, 128}. A Gluon
+    kernel that fails to compile switches the Gluon path off and the call runs the Triton kernels
     (`dispatch.with_fallback`)."""
-    return dispatch.with_fallback(lambda: _backward(q, k, v, p, beta, g, do, scale, saved), q, v.shape[-1])
+    return dispatch.with_fallback(lambda: _backward(q, k, v, p, beta, g, do, scale), q, v.shape[-1])
 
 
-def _backward(q, k, v, p, beta, g, do, scale: float, saved=None):
-    B, T, H = q.shape[:3]
+def _backward(q, k, v, p, beta, g, do, scale: float):
+    B, T = q.shape[:2]
     plan = dispatch.plan(q, v.shape[-1])
     inputs = [pad_time(x) for x in (q, k, v, p, beta, g, do)]
     grads = _gradients_like(*inputs[:6])
     cuts = [B * i // plan.pieces for i in range(plan.pieces + 1)]
     # Every piece's scratch is allocated before the launches and referenced until the streams are joined, so the
     # allocator cannot hand one piece's freed scratch to another piece's stream while it still runs.
-    pieces = [backward_stages(*(x[a:b] for x in inputs), scale, tuple(x[a:b] for x in grads), plan,
-                              None if saved is None else tuple(x[a * H:b * H] for x in saved))[0]
+    pieces = [backward_stages(*(x[a:b] for x in inputs), scale, tuple(x[a:b] for x in grads), plan)[0]
               for a, b in zip(cuts, cuts[1:])]
     if q.is_cuda:
         _launch_on_streams(pieces, q.device)

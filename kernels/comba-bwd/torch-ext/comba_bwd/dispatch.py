@@ -1,5 +1,5 @@
 """Where comba's forward and backward run, planned in one place: the fast-path table, which stages Gluon kernels
-take, how the batch is cut, the scratch the forward hands the backward, and the fall-back from Gluon to Triton.
+take, how the batch is cut, the scratch of the stages both share, and the fall-back from Gluon to Triton.
 
 The portable path (Triton kernels, `triton/`: the chunk transform, the two state scans, the forward's output, the
 gradient parts and dg) runs on every CUDA GPU the metadata accepts under every supported Triton; the Gluon kernels
@@ -85,10 +85,10 @@ def with_fallback(call, q: torch.Tensor, V: int):
         return call()
 
 
-def saved_like(q: torch.Tensor, V: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Uninitialised (A, S, Vn), the fused forward's scratch that the backward takes, for inputs q (B, T, H, K) with T
-    a multiple of the chunk: A (BH, N, 64, 64), S (BH, N, K, V), Vn (BH, T, V), bf16 whatever the inputs' dtype (the
-    tensor-core operands of the scans). On the meta device too (the ops' fakes, the offline compile)."""
+def state_scratch(q: torch.Tensor, V: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Uninitialised (A, S, Vn), what the transform and the forward scan write for inputs q (B, T, H, K) with T a
+    multiple of the chunk: A (BH, N, 64, 64), S (BH, N, K, V), Vn (BH, T, V), bf16 whatever the inputs' dtype (the
+    tensor-core operands of the later stages)."""
     B, T, H, K = q.shape
     N = T // CHUNK
     empty = lambda *shape: torch.empty(*shape, device=q.device, dtype=torch.bfloat16)  # noqa: E731

@@ -7,9 +7,8 @@ gam = exp(gc), E_ij = exp(gc_i - gc_j) (j <= i), L = strict_lower((beta P) K^T *
   2. forward_scan  (serial over chunks)  S_n, the state before chunk n, and Vn = A (beta V) - A (beta gam P) S_n,
      both bf16 -> HBM.
   3. output        (chunk-parallel)  O = scale [(gam Q) S_n + (lower(Q K^T) * E) Vn].
-Stages 1 and 2 are the backward's own first stages (the same kernels, `dispatch.plan` choosing Triton or Gluon the
-same way), so A, S_n and Vn are what the backward would recompute: the autograd link (op.py) keeps them for it, and
-the backward starts at its reverse scan.
+Stages 1 and 2 are the backward's own first stages (`state_stages`: the same kernels, `dispatch.plan` choosing
+Triton or Gluon the same way). A, S_n and Vn are scratch: the backward of a training step makes them again.
 """
 
 import contextlib
@@ -26,12 +25,12 @@ except ImportError:
     gluon_kernels = None
 
 
-def state_stages(k, v, p, beta, g, saved, plan, tiles=None) -> dict:
-    """{"transform", "forward_scan"}: launches that fill `saved` = (A, S, Vn) (`dispatch.saved_like`) for inputs
-    padded to whole chunks, by the kernels `plan` (`dispatch.plan`) picks; `tiles` are the Gluon descriptors
+def state_stages(k, v, p, beta, g, scratch, plan, tiles=None) -> dict:
+    """{"transform", "forward_scan"}: launches that fill `scratch` = (A, S, Vn) (`dispatch.state_scratch`) for
+    inputs padded to whole chunks, by the kernels `plan` (`dispatch.plan`) picks; `tiles` are the Gluon descriptors
     (`gluon.chunk.tiles`) where the Gluon forward scan runs. The forward's first two stages, and the backward's where
     it recomputes them."""
-    A, S, Vn = saved
+    A, S, Vn = scratch
     stages = {}
     if "transform" in plan.gluon:
         stages["transform"] = lambda: gluon_kernels.transform.launch(k, p, beta, g, A)
@@ -51,17 +50,16 @@ def forward_stages(q, k, v, p, beta, g, scale: float, plan=None):
     stages wrote, so after one full pass any stage can be re-run (timed) alone."""
     V = v.shape[-1]
     plan = plan or dispatch.plan(q, V)
-    A, S, Vn = saved = dispatch.saved_like(q, V)
+    A, S, Vn = scratch = dispatch.state_scratch(q, V)
     o = torch.empty_like(v)
     t = gluon_kernels.chunk.tiles(q, k, p, v, None, A, S, None, Vn, None) if "forward_scan" in plan.gluon else None
-    stages = state_stages(k, v, p, beta, g, saved, plan, t)
+    stages = state_stages(k, v, p, beta, g, scratch, plan, t)
     stages["output"] = lambda: triton_kernels.output.launch(q, k, beta, g, S, Vn, o, scale)
     return stages, (o, A, S, Vn)
 
 
 def fused_forward(q, k, v, p, beta, g, scale: float):
-    """(o, A, S, Vn): o (B, T, H, V) in v's dtype and the scratch the backward takes (`dispatch.saved_like`, T padded
-    to a multiple of the chunk). Inputs contiguous, K and V in {64, 128}, any T >= 1. A Gluon kernel that fails to
+    """o (B, T, H, V) in v's dtype; inputs contiguous, K and V in {64, 128}, any T >= 1. A Gluon kernel that fails to
     compile switches the Gluon path off and the call runs the Triton kernels (`dispatch.with_fallback`)."""
     return dispatch.with_fallback(lambda: _forward(q, k, v, p, beta, g, scale), q, v.shape[-1])
 
@@ -69,9 +67,9 @@ def fused_forward(q, k, v, p, beta, g, scale: float):
 def _forward(q, k, v, p, beta, g, scale: float):
     T = q.shape[1]
     inputs = [pad_time(x) for x in (q, k, v, p, beta, g)]
-    stages, (o, A, S, Vn) = forward_stages(*inputs, scale)
+    stages, (o, *_) = forward_stages(*inputs, scale)
     # A Triton or Gluon kernel launches on the current device, whatever its tensors' device.
     with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
         for launch in stages.values():
             launch()
-    return (o if o.shape[1] == T else o[:, :T].contiguous()), A, S, Vn
+    return o if o.shape[1] == T else o[:, :T].contiguous()

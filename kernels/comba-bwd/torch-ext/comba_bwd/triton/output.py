@@ -1,6 +1,6 @@
-"""The forward's output in Triton, chunk-parallel: per (b, h, chunk) and block of V,
+"""The forward's output in Triton, chunk-parallel: per (b, h, chunk),
 O = scale [(gam Q) S_n + (lower(Q K^T) * E) Vn], from the chunk-start states S_n and the corrected values Vn that the
-forward scan (`states`) leaves in HBM. Both products accumulate into one fp32 [64, BV] tile; Q K^T's scale and decay
+forward scan (`states`) leaves in HBM. Both products accumulate into one fp32 [64, V] tile; Q K^T's scale and decay
 are applied in fp32 ahead of its rounding to bf16."""
 
 import triton
@@ -9,20 +9,17 @@ import triton.language as tl
 from ..reference import CHUNK
 from .chunk import BT, chunk_offsets, decay, gates, row_ptrs, row_ptrs_t
 
-# Four warps a program, V in blocks of 64: a chunk's V blocks are neighbours in the grid, so the second reads the
-# chunk's q and k from L2, and a program takes 168 registers and 32 KB of shared memory at K = 128 (sm_90a), so that
-# three CTAs share an SM (with all of V = 128 in one program: 255 registers, two).
+# Four warps a program, all of V in one program, so that Q K^T is formed once a chunk: 255 registers (no spill) and
+# 48 KB of shared memory at K = V = 128 (sm_90a), two CTAs an SM; V blocks of 64 (three CTAs an SM) are slower.
 OUTPUT_WARPS = 4
-OUTPUT_BV = 64
 
 
 @triton.jit
-def _output_kernel(q, k, beta, g, S_in, Vn_in, o, scale, N, H, K: tl.constexpr, V: tl.constexpr,
-                   BV: tl.constexpr):
-    scal_base, t0, chunk, rows = chunk_offsets(N, H, V // BV)
+def _output_kernel(q, k, beta, g, S_in, Vn_in, o, scale, N, H, K: tl.constexpr, V: tl.constexpr):
+    scal_base, t0, chunk, rows = chunk_offsets(N, H)
     gc, _, _ = gates(g, beta, scal_base, t0, H)
     r = tl.arange(0, BT)
-    cv = tl.program_id(0) % (V // BV) * BV + tl.arange(0, BV)
+    cv = tl.arange(0, V)
     qk = tl.load(row_ptrs(q, scal_base * K, t0, H * K, K))
     kt = tl.load(row_ptrs_t(k, scal_base * K, t0, H * K, K)).to(tl.bfloat16)
     scores = tl.dot(qk.to(tl.bfloat16), kt) * (scale * decay(gc, False, False))      # scale lower(Q K^T) * E
@@ -38,8 +35,6 @@ def launch(q, k, beta, g, S, Vn, o, scale: float):
     """o (B, T, H, V) of inputs (B, T, H, *) with T a multiple of the chunk, from the forward scan's S (BH, N, K, V)
     and Vn (BH, T, V)."""
     B, T, H, K = q.shape
-    V = o.shape[-1]
     N = T // CHUNK
-    BV = min(V, OUTPUT_BV)
-    _output_kernel[(N * (V // BV), B * H)](q, k, beta, g, S, Vn, o, scale, N, H, K=K, V=V, BV=BV,
-                                           num_warps=OUTPUT_WARPS, num_stages=1)
+    _output_kernel[(N, B * H)](q, k, beta, g, S, Vn, o, scale, N, H, K=K, V=o.shape[-1], num_warps=OUTPUT_WARPS,
+                               num_stages=1)
