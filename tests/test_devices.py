@@ -14,10 +14,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from testkit import HAS_CUDA, load, rel_err
+from testkit import HAS_CUDA, load, needs_cuda, rel_err
 
 needs_two_gpus = pytest.mark.skipif(not HAS_CUDA or torch.cuda.device_count() < 2, reason="needs two CUDA devices")
-needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
 
 
 class Case(NamedTuple):
