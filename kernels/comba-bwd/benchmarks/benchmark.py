@@ -171,7 +171,7 @@ def _stage_sweep(bench, pipeline, case, tflop, inputs, ref, scale):
 
 def _forward_stage_sweep(bench, pipeline, case, tflop, inputs, ref_o, scale):
     """The whole forward and each of its stages alone (`ms_<stage>`), at one shape (T a multiple of the chunk)."""
-    stages, (o, *_) = pipeline.forward_stages(*inputs, scale)
+    stages, o = pipeline.forward_stages(*inputs, scale)
     run = lambda: [launch() for launch in stages.values()]  # noqa: E731
     run()
     t_all = bench.time(run)

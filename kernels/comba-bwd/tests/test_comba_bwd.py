@@ -503,6 +503,12 @@ def test_gluon_rule(dispatch):
     assert dispatch.plan(q(cpu, 128, B=1), 128).pieces == 1
 
 
+def take_the_triton_kernels(dispatch, monkeypatch):
+    """Make every call plan the Triton kernels alone: the plan with no Gluon stage, dv from the reverse scan."""
+    plan = dispatch.plan
+    monkeypatch.setattr(dispatch, "plan", lambda q, V: plan(q, V)._replace(gluon=(), v_adjoint_in_grads=False))
+
+
 def _check_against_spec(backward, shape, tol=2e-2):
     """All six gradients of `backward` (a CUDA path) against the fp32 spec, at one of the spec's shapes."""
     s = spec("comba_backward")
@@ -546,8 +552,7 @@ def test_cuda_gluon_kernels_match_the_triton_kernels(backward, dispatch, shape, 
         pytest.skip("the Gluon kernels run on Hopper only")
     inputs = make_inputs(*shape, torch.bfloat16, "cuda", seed=13)
     with_gluon = backward.fused_backward(*inputs, 0.1)
-    triton_plan = dispatch.plan
-    monkeypatch.setattr(dispatch, "plan", lambda q, V: triton_plan(q, V)._replace(gluon=(), v_adjoint_in_grads=False))
+    take_the_triton_kernels(dispatch, monkeypatch)
     with_triton = backward.fused_backward(*inputs, 0.1)
     ref = float64_grads(inputs, 0.1)
     assert_grads_close(with_gluon, ref, 1e-2)

@@ -12,7 +12,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from test_comba_bwd import NAMES, assert_grads_close, comba_recurrence, float64_grads, make_inputs
+from test_comba_bwd import (
+    CORRECT_SHAPES,
+    MEASURE_SHAPES,
+    assert_grads_close,
+    comba_recurrence,
+    make_inputs,
+    take_the_triton_kernels,
+)
 from testkit import HAS_CUDA, load, needs_cuda, needs_triton, rel_err, spec, submodule
 
 TRITON_DEVICE = "cuda" if HAS_CUDA else "cpu"
@@ -94,8 +101,7 @@ def test_cuda_gluon_forward_matches_the_triton_forward(forward, dispatch, shape,
         pytest.skip("the Gluon kernels run on Hopper only")
     *x, _ = make_inputs(*shape, torch.bfloat16, "cuda", seed=30)
     with_gluon = forward.fused_forward(*x, 0.1)
-    triton_plan = dispatch.plan
-    monkeypatch.setattr(dispatch, "plan", lambda q, V: triton_plan(q, V)._replace(gluon=(), v_adjoint_in_grads=False))
+    take_the_triton_kernels(dispatch, monkeypatch)
     with_triton = forward.fused_forward(*x, 0.1)
     ref = comba_recurrence(*[t.double().cpu() for t in x], scale=0.1)
     assert rel_err(with_gluon, ref) < 1e-2 and rel_err(with_triton, ref) < 1e-2
@@ -116,15 +122,13 @@ def _check_forward_against_spec(comba, shape, tol=2e-2):
 
 
 @needs_cuda
-@pytest.mark.parametrize("shape", [(1, 512, 4, 128, 128), (2, 1024, 4, 64, 64), (1, 1024, 8, 128, 64),
-                                   (2, 256, 4, 64, 128)])
+@pytest.mark.parametrize("shape", CORRECT_SHAPES)
 def test_cuda_forward_matches_spec_correct_shapes(comba, shape):
     _check_forward_against_spec(comba, shape)
 
 
 @needs_cuda
-@pytest.mark.parametrize("shape", [(8, 2048, 32, 128, 128), (12, 2048, 32, 128, 128), (8, 4096, 16, 128, 128),
-                                   (16, 2048, 32, 64, 128), (10, 4096, 32, 128, 128)])
+@pytest.mark.parametrize("shape", MEASURE_SHAPES)
 def test_cuda_forward_matches_spec_measure_shapes(comba, shape):
     _check_forward_against_spec(comba, shape)
     torch.cuda.empty_cache()
@@ -138,9 +142,7 @@ def test_cuda_training_step_matches_spec_gradients(comba, shape):
     q, k, v, p, beta, g, do = s.make(*shape, 0)
     x = [t.clone().requires_grad_() for t in (q, k, v, p, beta, g)]
     got = torch.autograd.grad(comba.comba_attention(*x), x, do)
-    ref = s.ref(*(t.float() for t in (q, k, v, p, beta, g, do)))
-    errs = {n: rel_err(a, b) for n, a, b in zip(NAMES, got, ref)}
-    assert all(e < 2e-2 for e in errs.values()), errs
+    assert_grads_close(got, s.ref(*(t.float() for t in (q, k, v, p, beta, g, do))), 2e-2)
 
 
 @needs_cuda

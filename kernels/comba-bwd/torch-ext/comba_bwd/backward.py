@@ -51,7 +51,7 @@ def backward_stages(q, k, v, p, beta, g, do, scale: float, grads=None, plan=None
     # dbeta's v parts: none where the gradient kernel makes it, one from a Gluon reverse scan, else one per V block of
     # the Triton reverse scan.
     NV = 0 if plan.v_adjoint_in_grads else 1 if "reverse_scan" in gluon else V // triton_kernels.chunk.scan_block(K, V)
-    A, S, Vn = dispatch.state_scratch(q, V)
+    A, S, Vn = forward.state_scratch(q, V)
     dS = torch.empty_like(S)
     X = torch.empty_like(Vn)
     dbeta_v = torch.empty(NV, *beta.shape, device=dev, dtype=torch.float32)
@@ -114,12 +114,11 @@ def fused_backward(q, k, v, p, beta, g, do, scale: float):
     """(dq, dk, dv, dp, dbeta, dg) in their inputs' dtypes (dg float32); inputs contiguous, K, V in {64, 128}. A Gluon
     kernel that fails to compile switches the Gluon path off and the call runs the Triton kernels
     (`dispatch.with_fallback`)."""
-    return dispatch.with_fallback(lambda: _backward(q, k, v, p, beta, g, do, scale), q, v.shape[-1])
+    return dispatch.with_fallback(lambda plan: _backward(q, k, v, p, beta, g, do, scale, plan), q, v.shape[-1])
 
 
-def _backward(q, k, v, p, beta, g, do, scale: float):
+def _backward(q, k, v, p, beta, g, do, scale: float, plan):
     B, T = q.shape[:2]
-    plan = dispatch.plan(q, v.shape[-1])
     inputs = [pad_time(x) for x in (q, k, v, p, beta, g, do)]
     grads = _gradients_like(*inputs[:6])
     cuts = [B * i // plan.pieces for i in range(plan.pieces + 1)]

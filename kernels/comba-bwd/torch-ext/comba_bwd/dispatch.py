@@ -1,5 +1,5 @@
 """Where comba's forward and backward run, planned in one place: the fast-path table, which stages Gluon kernels
-take, how the batch is cut, the scratch of the stages both share, and the fall-back from Gluon to Triton.
+take, how the batch is cut, and the fall-back from Gluon to Triton.
 
 The portable path (Triton kernels, `triton/`: the chunk transform, the two state scans, the forward's output, the
 gradient parts and dg) runs on every CUDA GPU the metadata accepts under every supported Triton; the Gluon kernels
@@ -13,7 +13,6 @@ from typing import NamedTuple
 import torch
 
 from .common.fast_paths import FastPath, FastPaths, falls_back
-from .reference import CHUNK
 
 FAST_PATHS = FastPaths("comba-bwd", (
     FastPath("gluon", "Gluon warpgroup-MMA kernels for bf16 inputs with V = 128: both scans and the gradients at "
@@ -68,28 +67,19 @@ def plan(q: torch.Tensor, V: int) -> Plan:
 
 
 def with_fallback(call, q: torch.Tensor, V: int):
-    """call(), a pipeline run that takes `plan(q, V)`'s kernels. A Gluon kernel compiles at its first launch of a
+    """call(plan), a pipeline run that takes `plan(q, V)`'s kernels. A Gluon kernel compiles at its first launch of a
     specialization; if a call that takes Gluon kernels raises so (`falls_back`), the Gluon path is switched off for the
-    process (FAST_PATHS.failed, one warning) and call() runs again on the Triton kernels, after the device has finished
-    what the failed attempt launched (its scratch is freed)."""
-    if not plan(q, V).gluon:
-        return call()
+    process (FAST_PATHS.failed, one warning) and call runs again with the plan made anew, on the Triton kernels, after
+    the device has finished what the failed attempt launched (its scratch is freed)."""
+    first = plan(q, V)
+    if not first.gluon:
+        return call(first)
     try:
-        return call()
+        return call(first)
     except Exception as error:
         if not falls_back(error):
             raise
         FAST_PATHS.failed("gluon", error)
         if q.is_cuda and not torch.cuda.is_current_stream_capturing():
             torch.cuda.synchronize(q.device)
-        return call()
-
-
-def state_scratch(q: torch.Tensor, V: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Uninitialised (A, S, Vn), what the transform and the forward scan write for inputs q (B, T, H, K) with T a
-    multiple of the chunk: A (BH, N, 64, 64), S (BH, N, K, V), Vn (BH, T, V), bf16 whatever the inputs' dtype (the
-    tensor-core operands of the later stages)."""
-    B, T, H, K = q.shape
-    N = T // CHUNK
-    empty = lambda *shape: torch.empty(*shape, device=q.device, dtype=torch.bfloat16)  # noqa: E731
-    return empty(B * H, N, CHUNK, CHUNK), empty(B * H, N, K, V), empty(B * H, T, V)
+        return call(plan(q, V))

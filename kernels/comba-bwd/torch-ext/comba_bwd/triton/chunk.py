@@ -1,5 +1,5 @@
-"""What the Triton kernels of the backward share: the chunk, the gates of a chunk, its decay, the pointers to its rows,
-the offsets of a chunk-parallel program, and the scans' V blocks and pipeline depth.
+"""What the Triton kernels of the forward and the backward share: the chunk, the gates of a chunk, its decay, the
+pointers to its rows, the offsets of a chunk-parallel program, and the scans' V blocks and pipeline depth.
 
 Notation as in reference.py: per (b, h) and chunk n, gc the inclusive cumsum of g inside the chunk, gam = exp(gc),
 Gam = exp(gc[-1]), E_ij = exp(gc_i - gc_j) (j <= i).

@@ -1,6 +1,6 @@
-"""The forward scan in Triton, the backward's recompute of the forward's states: per (b, h, V block), serial over the
-chunks, S_n (bf16, the state before chunk n) and Vn = A (beta V) - A (beta gam P) S (bf16) -> HBM, so that the
-chunk-parallel gradient kernels read their chunk's state without a scan of their own."""
+"""The forward scan in Triton, the forward's second stage and the backward's recompute of it: per (b, h, V block),
+serial over the chunks, S_n (bf16, the state before chunk n) and Vn = A (beta V) - A (beta gam P) S (bf16) -> HBM, so
+that the chunk-parallel output and gradient kernels read their chunk's state without a scan of their own."""
 
 import triton
 import triton.language as tl
