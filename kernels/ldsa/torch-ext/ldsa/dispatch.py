@@ -223,7 +223,6 @@ def _band_plan(W: int, left: int, Dh: int, T: int, BH: int, itemsize: int) -> tu
     return n_ttiles, tuple(leads), meta, num_warps
 
 
-
 def _tma_plan(
     direction: str, N: int, K: int, W: int, Dh: int, T: int, BH: int, dtype: torch.dtype, device: int
 ) -> tuple:  # fmt: skip

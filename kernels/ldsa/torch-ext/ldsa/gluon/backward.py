@@ -27,7 +27,6 @@ most; at the plain strides 64 and 65 the conflicts bound the kernel. Windows: ri
 reads 48 span positions a block) and left + lead_r <= 16 (the dv part reads 48 frames a block).
 """
 
-
 import functools
 
 import torch
@@ -284,12 +283,16 @@ def _ldsa_backward_gluon_kernel(lg_desc, lgh_desc, v_desc, vh_desc, g_desc, gh_d
         mbarrier.invalidate(bars.index(part))
 
 
+def _leads(W: int, left: int) -> tuple[int, int]:
+    """(lead, lead_r): left and right = W - 1 - left rounded up to 8 frames, the spans' TMA column offsets."""
+    return -(-left // 8) * 8, -(-(W - 1 - left) // 8) * 8
+
+
 def takes(W: int, left: int, Dh: int, T: int, BH: int, dtype: torch.dtype) -> bool:
     """Whether this kernel takes a call: 16-bit or float32 values, 2 to 15 taps with right + lead <= 16 and
-    left + lead_r <= 16 (lead, lead_r: left and right rounded up to 8, the spans' TMA column offsets), T a
-    multiple of 8, Dh 16 to 64 and int32 row coordinates."""
+    left + lead_r <= 16 (`_leads`), T a multiple of 8, Dh 16 to 64 and int32 row coordinates."""
     right = W - 1 - left
-    lead, lead_r = -(-left // 8) * 8, -(-right // 8) * 8
+    lead, lead_r = _leads(W, left)
     return (2 <= W <= 15 and right + lead <= 16 and left + lead_r <= 16 and dtype in GL_DTYPES
             and T % 8 == 0 and Dh in (16, 32, 64) and BH * max(Dh, W) < 2**31)
 
@@ -360,7 +363,7 @@ def launch(W: int, left: int, Dh: int, T: int, BH: int, dtype: torch.dtype, devi
     arguments = ((0, logits, (1, rows, frames), tile), (0, logits, (1, rows, halo), tile_halo),
                  (1, values, (Dh, frames), box), (1, values, (Dh, halo), box_halo), (2, values, (Dh, frames), box),
                  (2, values, (Dh, halo), box_halo), (4, values, (Dh, frames), box), 3)
-    lead, lead_r = -(-left // 8) * 8, -(-(W - 1 - left) // 8) * 8
+    lead, lead_r = _leads(W, left)
     box_view, halo_view = p_operand_views(dtype, Dh)
     return Launch(_ldsa_backward_gluon_kernel, programs, (T, W, left, lead, lead_r, n_chunks, BH * n_chunks),
                   dict(DH=Dh, BOX_VIEW=box_view, HALO_VIEW=halo_view), WARPS.value, config, arguments, fast_path)

@@ -1,9 +1,9 @@
 """The LDSA forward for windows of up to 15 taps on Hopper, written in Gluon (Triton's explicit-layout dialect),
 so that the band never passes through shared memory. 16-bit and float32 values.
 
-The Triton TMA forward (`triton.band_tma`) stores its gathered band in shared memory as an
-MMA operand and reads it back each chunk, which leaves it bound by shared memory. Here the band is the B operand
-of `mma.sync`, held in registers and built where the MMA wants it:
+The Triton TMA forward (`triton.band_tma`) stores its gathered band in shared memory as an MMA operand and reads it
+back each chunk, which leaves it bound by shared memory. Here the band is the B operand of `mma.sync`, held in
+registers and built where the MMA wants it:
 
 - A chunk is 64 frames of one (b, h). TMA copies its logits [16, 64] and its value span [Dh, 80] (64 + 16
   positions from t0 - lead; zero fill outside the tensor) into shared memory, STAGES chunks deep, on a persistent
@@ -23,7 +23,6 @@ of `mma.sync`, held in registers and built where the MMA wants it:
   of split operands for float32.
 """
 
-
 import functools
 
 import torch
@@ -42,6 +41,7 @@ TAPS = gl.constexpr(16)  # logits rows a chunk: windows of up to TAPS - 1 taps; 
 # H200. A float32 program takes 64 KB of shared memory at Dh = 64, so at most 3 fit an SM.
 PROGRAMS_PER_SM = {2: 4, 4: 3}
 STAGES = 2
+
 
 @gluon.jit
 def _issue(a_desc, v_desc, halo_desc, a_s, v_s, halo_s, st, bar, i, n_chunks, W, lead, DH: gl.constexpr, pred):
@@ -211,7 +211,6 @@ def layouts(dtype: torch.dtype, Dh: int) -> tuple:
     box = box_frames(dtype)
     boxes = ([TAPS.value, box], [Dh, box], [Dh, HALO.value], [Dh, box])
     return tuple(gl.NVMMASharedLayout.get_default_for(shape, GL_DTYPES[dtype]) for shape in boxes)
-
 
 
 def launch(W: int, left: int, lead: int, Dh: int, T: int, BH: int, dtype: torch.dtype, device: int, config: str,

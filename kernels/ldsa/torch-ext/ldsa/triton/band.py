@@ -13,7 +13,7 @@ da[k, t] from its band and applies the softmax Jacobian; for the chunk's value p
 weights of the frames whose windows reach them and forms dv = G Y^T like the forward. Each input is read
 from HBM about once and each gradient written once: the minimal bytes.
 
-The tiles (N, K, BLOCK_W, BLOCK_D, chunks a program) are the dispatcher's plan (`dispatch.band_plan`).
+The tiles (N, K, BLOCK_W, BLOCK_D, chunks a program) are the dispatcher's plan (`dispatch._band_plan`).
 """
 
 import triton
@@ -29,7 +29,6 @@ def _aligned(T, T_ALIGN: tl.constexpr):
     """T, with its known divisor T_ALIGN visible to the compiler's alignment analysis: Triton vectorizes
     loads and stores only where it can prove the row starts aligned."""
     return (T // T_ALIGN) * T_ALIGN
-
 
 
 @triton.jit
@@ -182,7 +181,7 @@ def _ldsa_backward_kernel(
 
 
 def forward_launch(plan, W: int, left: int, Dh: int, T: int, BH: int, prefetch: bool, config: str) -> Launch:
-    """The forward's launch on the `dispatch.band_plan` `plan`: one program a (b, h) and run of frames; `prefetch`
+    """The forward's launch on the `dispatch._band_plan` `plan`: one program a (b, h) and run of frames; `prefetch`
     loads the next chunk ahead where there is one channel tile."""
     n_ttiles, (lead, _), meta, num_warps = plan
     meta = dict(meta, PREFETCH=prefetch and meta["D_TILES"] == 1)
@@ -190,6 +189,6 @@ def forward_launch(plan, W: int, left: int, Dh: int, T: int, BH: int, prefetch: 
 
 
 def backward_launch(plan, W: int, left: int, Dh: int, T: int, BH: int, config: str) -> Launch:
-    """The backward's launch on the `dispatch.band_plan` `plan`, the forward's grid."""
+    """The backward's launch on the `dispatch._band_plan` `plan`, the forward's grid."""
     n_ttiles, leads, meta, num_warps = plan
     return Launch(_ldsa_backward_kernel, BH * n_ttiles, (T, Dh, W, left, *leads, n_ttiles), meta, num_warps, config)

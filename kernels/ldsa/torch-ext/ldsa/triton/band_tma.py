@@ -2,7 +2,7 @@
 their launches: the band products of `band`, their tiles copied into shared memory by TMA while the previous chunk
 is computed. The forward's value spans start `lead` >= left positions before their chunk, the backward's second
 span `lead_right` >= right, both multiples of 8 (TMA's 16-byte column offsets); the tiles and the grid are the
-dispatcher's plan (`dispatch.tma_tiles`, `dispatch.tma_plan`)."""
+dispatcher's plan (`dispatch._tma_tiles`, `dispatch._tma_plan`)."""
 
 import triton
 import triton.language as tl
@@ -118,7 +118,7 @@ def _ldsa_backward_tma_kernel(
 
 def forward_launch(tiles: tuple, plan: tuple, W: int, left: int, Dh: int, T: int, BH: int, config: str,
                    fast_path: str) -> Launch:  # fmt: skip
-    """The forward's launch for the `dispatch.tma_tiles` `tiles` and `dispatch.tma_plan` `plan`: descriptors of
+    """The forward's launch for the `dispatch._tma_tiles` `tiles` and `dispatch._tma_plan` `plan`: descriptors of
     a_logits as [B*H*W, T] (a chunk's taps and frames a box) and of v and out as [B*H*Dh, T] (a span, a chunk)."""
     N, K, lead, _ = tiles
     programs, ints, meta, num_warps = plan
