@@ -11,7 +11,7 @@ import for the installed Triton, so that every kernel is written against one voc
 
 What cannot be adapted here: from 3.8 a shared buffer in a padded layout may be reinterpreted only as a layout of
 the same padding pattern, so a kernel that reads a buffer through views of other row strides than it was stored with
-compiles under 3.6 and 3.7 alone (its package's table of fast paths says so).
+addresses those cells another way from 3.8 on (ldsa's Gluon backward gathers and scatters them).
 """
 
 from triton.experimental import gluon
