@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch import nn
 
-from testkit import HAS_CUDA, load, needs_cuda
+from testkit import load, needs_cuda
 
 VOCAB, D, H, K, V, T = 64, 64, 4, 16, 16, 128
 

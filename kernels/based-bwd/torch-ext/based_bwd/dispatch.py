@@ -8,8 +8,9 @@ from .reference import based_backward_reference, based_forward_reference
 
 
 def kernel_path(x: torch.Tensor) -> str:
-    """Which implementation a call on `x` takes: "triton" for bf16/fp16 CUDA tensors, "reference" otherwise
-    (and for a backward with a value size V above triton.backward.MAX_V)."""
+    """Which implementation a call on `x` takes by device and dtype: "triton" for bf16/fp16 CUDA tensors,
+    "reference" otherwise. A backward with a value size V above triton.backward.MAX_V takes the reference
+    whatever this names (`cuda_backward`)."""
     # The backward's fp32 mode (IEEE fp32 matmuls) fails its float64 check at K=8 on the H200, and the
     # forward's spills, so fp32 inputs take the eager reference on CUDA too.
     return "triton" if x.is_cuda and x.dtype != torch.float32 else "reference"

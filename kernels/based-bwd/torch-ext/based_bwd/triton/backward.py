@@ -3,16 +3,13 @@
 Notation as in reference.py: q~ = scale q, s_ij = q~_i . k_j, A_ij = 1 + s_ij + s_ij^2 / 2 (j <= i),
 r_i = 1 / (den_i + 1e-6), delta_i = do_i . o_i, g_i = r_i do_i, h_i = -r_i delta_i. With the feature maps
 phi_k(k) = [1, k, k (x) k] and phi_q(q~) = [1, q~, q~ (x) q~ / 2] (the Taylor term's 1/2 on the query side),
-A_ij = phi_q(q~_i) . phi_k(k_j). Both maps are symmetric in the pair (a, b) of a product x_a x_b, so the
-states keep one row per unordered pair: P = 1 + K + K (K + 1) / 2 rows, row 0 the constant, rows 1 .. K the
-linear block, then the pairs a <= b row by row (`_pair_row`); 153 rows at K = 16 instead of 273.
+A_ij = phi_q(q~_i) . phi_k(k_j); the states keep one row per unordered pair of a product, in the packed layout
+of `states` (P rows).
 
 The sequence is cut in chunks of C positions. Per (b, h) and chunk n the launches below exchange, through
 one HBM buffer of N x P x V states (bf16 for 16-bit inputs) and an fp32 N x P normaliser buffer:
 
-1. `_state_scan` (forward): S_n = sum over earlier chunks of phi_k(K)^T V and z_n = sum of phi_k(k). Each
-   program owns a block of feature rows and of V columns, so the scan is parallel over (features, V, b h);
-   only the running sum is serial, and it is fp32 in registers.
+1. `states._state_scan` (forward): S_n = sum over earlier chunks of phi_k(K)^T V and z_n = sum of phi_k(k).
 2. `_chunk_forward_dq`, one program per chunk, all of V: recomputes num and den from S_n, z_n and the
    chunk's quadratic form, hence r and delta, and then the complete dq; it writes g = r do (in the matmul
    operand type, which every later use rounds it to) and h (one float a position) for the launches after it:
@@ -38,13 +35,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..reference import EPS
-from .states import _chunk_state, _pair_row, _state_scan, n_features
-from .tiles import _dot, _load_rows, _sequence_row, _store_rows, on_device
-
-# A jit function may read a module global only when it is a constexpr (the interpreter does not check this,
-# the compiler does).
-_EPS = tl.constexpr(EPS)
+from .states import _chunk_state, _pair_row, _state_scan, n_features, state_buffers
+from .tiles import _EPS, _dot, _load_rows, _sequence_row, _store_rows, on_device, operand_type
 
 
 @triton.jit
@@ -225,12 +217,9 @@ class Config(NamedTuple):
     scan_warps: int = 8
 
 
-# The launch the public op uses, per feature size K, and the alternatives the benchmark times beside it. At the
-# measure shapes on the H200 the chunk kernels are faster on 4 warps than on 8, and faster capped at 168
-# registers (three CTAs an SM instead of two) than uncapped, most at V = 64, where the cap costs no spill; only
-# at (4, 8192, 24, 16, 128) is the cap slightly slower. The scans are faster with 64 V columns a program than
-# with 128 at most shapes; loading the next chunk ahead in the scans and software pipelining of the chunk
-# kernels (num_stages=2) are no faster at any shape, so every launch runs num_stages=1.
+# The launch the public op uses, per feature size K, and the alternatives the benchmark times beside it: the
+# chunk kernels on 4 warps capped at 168 registers a thread (three CTAs an SM instead of two uncapped), the
+# scans 64 V columns a program, every launch num_stages=1; the benchmark's H200 timings choose among them.
 DEFAULT_CONFIG = {8: Config(), 16: Config()}
 CONFIG_CHOICES = [Config(chunk_registers=None), Config(warps=8, chunk_registers=None)]
 # V is held whole by a chunk program (delta_i = do_i . o_i needs all of it); wider V takes the reference.
@@ -240,7 +229,7 @@ MAX_V = 256
 def launch_plan(K: int, V: int, dtype: torch.dtype, config: Config | None = None) -> dict:
     """{kernel name: (jit function, constexpr arguments, num_warps, maxnreg)} for the four launches."""
     cfg = config or DEFAULT_CONFIG[K]
-    DOT = tl.float32 if dtype == torch.float32 else tl.bfloat16
+    DOT = operand_type(dtype)
     BV = max(16, triton.next_power_of_2(V))
     P = n_features(K)
     scan = dict(K=K, P=P, R=cfg.scan_rows, BV=min(cfg.scan_bv, BV), C=cfg.chunk, DOT=DOT)
@@ -268,10 +257,8 @@ def based_backward_triton(q, k, v, do, scale: float, config: Config | None = Non
     plan = launch_plan(K, V, q.dtype, config)
     C = plan["forward_dq"][1]["C"]
     N, BH, P = triton.cdiv(T, C), B * H, plan["forward_dq"][1]["P"]
-    f32 = dict(device=q.device, dtype=torch.float32)
-    states = torch.empty(BH, N, P, V, device=q.device, dtype=torch.float32 if q.dtype == torch.float32 else torch.bfloat16)
-    norms = torch.empty(BH, N, P, **f32)
-    h = torch.empty(BH, T, **f32)
+    states, norms = state_buffers(BH, N, P, V, q)
+    h = torch.empty(BH, T, device=q.device, dtype=torch.float32)
     g = torch.empty_like(do)  # r do, rounded to the matmul operand type (the inputs')
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     scan = plan["forward_scan"][1]

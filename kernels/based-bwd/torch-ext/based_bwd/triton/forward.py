@@ -27,11 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..reference import EPS
-from .states import _chunk_state, _pair_row, _state_scan, n_features
-from .tiles import _dot, _load_rows, _sequence_row, _store_rows, on_device
-
-_EPS = tl.constexpr(EPS)  # a jit function reads a module global only as a constexpr
+from .states import _chunk_state, _pair_row, _state_scan, n_features, state_buffers
+from .tiles import _EPS, _dot, _load_rows, _sequence_row, _store_rows, on_device, operand_type
 
 
 @triton.jit
@@ -127,7 +124,7 @@ CONFIG_CHOICES = [ForwardConfig(), ForwardConfig(bv=64), ForwardConfig(warps=8),
 def launch_plan(K: int, V: int, dtype: torch.dtype, config: ForwardConfig | None = None) -> dict:
     """{kernel name: (jit function, constexpr arguments, num_warps)} for the two launches."""
     cfg = config or DEFAULT_CONFIG[K]
-    DOT = tl.float32 if dtype == torch.float32 else tl.bfloat16
+    DOT = operand_type(dtype)
     BV = max(16, triton.next_power_of_2(V))
     P = n_features(K)
     scan = dict(K=K, P=P, R=cfg.scan_rows, BV=min(cfg.scan_bv, BV), C=cfg.chunk, DOT=DOT, REVERSE=False)
@@ -146,8 +143,7 @@ def based_forward_triton(q, k, v, scale: float, config: ForwardConfig | None = N
     scan, out = plan["scan"][1], plan["output"][1]
     C, P, BH = out["C"], out["P"], B * H
     N = triton.cdiv(T, C)
-    states = torch.empty(BH, N, P, V, device=q.device, dtype=torch.float32 if q.dtype == torch.float32 else torch.bfloat16)
-    norms = torch.empty(BH, N, P, device=q.device, dtype=torch.float32)
+    states, norms = state_buffers(BH, N, P, V, q)
     o = torch.empty_like(v)
     common = (T, H, V, scale, N)
     with on_device(q):

@@ -12,6 +12,7 @@ phi_q(q~) h (dk and dv read them). Each program owns a block of feature rows and
 parallel over (features, V, b h); only the running sum is serial, and it is fp32 in registers.
 """
 
+import torch
 import triton
 import triton.language as tl
 
@@ -111,3 +112,11 @@ def n_features(K: int) -> int:
     """P, the state rows: the constant, K linear features and the K (K + 1) / 2 distinct products x_a x_b
     (a <= b; the state of x_b x_a is the same, so the kernels read one row for both orders)."""
     return 1 + K + K * (K + 1) // 2
+
+
+def state_buffers(BH: int, N: int, P: int, V: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Uninitialised (B H, N, P, V) states (fp32 for fp32 inputs `x`, bf16 otherwise) and fp32 (B H, N, P)
+    normalisers on x's device."""
+    dtype = torch.float32 if x.dtype == torch.float32 else torch.bfloat16
+    states = torch.empty(BH, N, P, V, device=x.device, dtype=dtype)
+    return states, torch.empty(BH, N, P, device=x.device, dtype=torch.float32)

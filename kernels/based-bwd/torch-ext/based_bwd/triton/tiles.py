@@ -1,12 +1,21 @@
 """Tile helpers the forward and the backward kernels share: row-tile loads and stores of (B, T, H, D) tensors,
-the sequence offset of a (b, h) program, the matmul in the kernels' operand type, and the device a launch
-runs on."""
+the sequence offset of a (b, h) program, the matmul in the kernels' operand type (and that type for an input
+dtype), the normaliser's epsilon, and the device a launch runs on."""
 
 import contextlib
 
 import torch
 import triton
 import triton.language as tl
+
+from ..reference import EPS
+
+_EPS = tl.constexpr(EPS)  # a jit function reads a module global only as a constexpr (the compiler checks this)
+
+
+def operand_type(dtype: torch.dtype):
+    """The kernels' matmul operand type for inputs of `dtype`: IEEE fp32 for fp32, bf16 otherwise."""
+    return tl.float32 if dtype == torch.float32 else tl.bfloat16
 
 
 @triton.jit
