@@ -1,5 +1,5 @@
-"""log-mel benchmarks: the `kernels benchmark` class (small, medium and large workloads) and the side-by-side table
-for tools/gpu_bench.py.
+"""log-mel benchmarks: the `kernels benchmark` class (waveform and STFT workloads, small to large) and the
+side-by-side table for tools/gpu_bench.py.
 
 `side_by_side` times, at every measure shape of the spec and in one run: the public op (the design and
 config `pick` chooses), the same config clip-resident, the eager reference and torch.compile(reference);
@@ -7,7 +7,8 @@ GB/s on the spec's canonical bytes, % of the copy bandwidth measured in the same
 torch.compile, and the relative Frobenius error against the spec's fp32 reference. Then a sweep of every
 shipped tile config (two-pass, plus one clip-resident row) at the first measure shape of each (NF, NM):
 (208, 3000, 201, 128), (104, 3000, 401, 80) and (208, 3000, 201, 80); a batch with silent clips (the floor
-pass has real work) and batches with Whisper's Slaney filterbank (NM 80 and 128).
+pass has real work) and batches with Whisper's Slaney filterbank (NM 80 and 128). Then `waveform_rows`:
+`whisper_log_mel` on 30-s clips beside flashmel and transformers' torch path, and every shipped waveform config.
 """
 
 import importlib

@@ -83,7 +83,8 @@ def whisper_log_mel(audio: torch.Tensor, n_mels: int = 80, *, lengths: torch.Ten
     Returns (B, n_mels, N // 160) `out_dtype`, contiguous: frames of a periodic Hann window of 400, hop 160,
     centred with reflect padding, the last frame dropped; power, the Slaney filterbank, log10(max(mel, 1e-10)),
     the clip's maximum - 8 as a floor, (x + 4) / 4. On CUDA one fused pass from the samples (DFT and projection
-    as 3xTF32 tensor-core products, fp32-accurate) and a pass that touches only tiles the floor reaches.
+    as tensor-core products of split fp16 operands, fp32-accurate) and a pass that touches only tiles the floor
+    reaches.
     """
     if isinstance(lengths, Sequence):
         lengths = torch.tensor(lengths, dtype=torch.int64)

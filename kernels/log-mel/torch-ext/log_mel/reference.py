@@ -1,16 +1,16 @@
-"""Eager log-mel from the complex STFT: the numerical specification, in plain torch, float32 throughout.
+"""Eager log-mel, from the complex STFT and from the waveform: the numerical specification, in plain torch,
+float32 throughout.
 
-This is the CPU path of `log_mel_spectrogram` and the baseline the fused kernel is checked against. It
-materialises the power spectrum and the mel spectrogram, as the spec's reference does.
+These are the CPU paths of `log_mel_spectrogram` and `whisper_log_mel` and the baselines the fused kernels are
+checked against. They materialise the power spectrum and the mel spectrogram, as the spec's reference does.
 """
 
 import functools
 
 import torch
 
-from .whisper import HOP_LENGTH, N_FFT, mel_filters
+from .whisper import HOP_LENGTH, N_FFT, PCM_SCALE, mel_filters
 
-PCM_SCALE = 1.0 / 32768.0  # int16 PCM -> [-1, 1)
 CLAMP = 1e-10  # mel power floor before the log: silent bins give log10(1e-10) = -10, never -inf
 DYNAMIC_RANGE = 8.0  # 80 dB below the clip's loudest mel bin, in log10 units
 
@@ -36,7 +36,7 @@ def _window(device: torch.device) -> torch.Tensor:
 
 
 @functools.cache
-def filterbank_on(n_mels: int, device: torch.device) -> torch.Tensor:
+def _filterbank_on(n_mels: int, device: torch.device) -> torch.Tensor:
     """`mel_filters(n_mels)` on `device`, once per (n_mels, device); never handed to callers."""
     return mel_filters(n_mels).to(device)
 
@@ -56,5 +56,5 @@ def whisper_log_mel_reference(audio: torch.Tensor, n_mels: int = 80, lengths: to
     stft = torch.stft(x, N_FFT, HOP_LENGTH, window=_window(x.device), center=True, pad_mode="reflect",
                       return_complex=True)  # (B, NF, N // 160 + 1)
     frames = stft[..., :-1].transpose(1, 2)  # (B, F, NF)
-    out = log_mel_spectrogram_reference(frames, filterbank_on(n_mels, x.device))
+    out = log_mel_spectrogram_reference(frames, _filterbank_on(n_mels, x.device))
     return out.transpose(1, 2).contiguous().to(out_dtype)

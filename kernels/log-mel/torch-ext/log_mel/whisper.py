@@ -9,6 +9,7 @@ from .validation import check_filterbank_args
 SAMPLE_RATE = 16000
 N_FFT = 400
 HOP_LENGTH = 160
+PCM_SCALE = 1.0 / 32768.0  # int16 PCM -> [-1, 1)
 
 # Slaney's mel scale (librosa htk=False): linear below 1 kHz, logarithmic above.
 _LINEAR_HZ_PER_MEL = 200.0 / 3.0

@@ -1,5 +1,6 @@
-"""The pieces both log-mel passes end with: the clamped log10 of a mel tile and a clip's 80 dB floor from its
-tiles' statistics."""
+"""The pieces the log-mel kernels end with: the STFT kernel's clamped log10 of a mel tile (the waveform kernel's
+`log10_scaled` takes its power-of-two scale inside the log instead), the log's constants, and a clip's 80 dB floor
+from its tiles' statistics."""
 
 import triton
 import triton.language as tl
@@ -8,6 +9,7 @@ import triton.language as tl
 LOG10_2 = tl.constexpr(0.301029995663981195)  # log10(x) = log2(x) * log10(2)
 # torch.log10(torch.tensor(1e-10)) is exactly -10.0 in fp32: the value of every clamped (silent) bin.
 LOG10_CLAMP = tl.constexpr(-10.0)
+STATS_CHUNK = 256  # tile statistics per step of the clip-maximum reduction (`clip_floor`)
 
 
 @triton.jit

@@ -33,11 +33,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .epilogue import clip_floor, log10_clamped
+from .epilogue import STATS_CHUNK, clip_floor, log10_clamped
 
 SUPPORT_CHUNK = 128  # filterbank bins per step of the band-support scan
 FLOOR_CHUNK = 1024  # output elements per step of the floor pass
-STATS_CHUNK = 256  # tile statistics per step of the clip-maximum reduction
 # Frame tiles a floor-pass program checks: at one a program the pass is thousands of programs of a few loads
 # each, and 8 a program is faster on the H200.
 FLOOR_TILES = 8

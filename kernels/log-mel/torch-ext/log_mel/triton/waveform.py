@@ -29,21 +29,20 @@ import torch
 import triton
 import triton.language as tl
 
-from ..whisper import mel_filters
-from .epilogue import LOG10_2, LOG10_CLAMP, clip_floor
+from .. import whisper
+from .epilogue import LOG10_2, LOG10_CLAMP, STATS_CHUNK, clip_floor
 
 # Globals read inside @triton.jit functions must be constexpr; host code reads their `.value`.
-N_FFT = tl.constexpr(400)
-HOP = tl.constexpr(160)
+N_FFT = tl.constexpr(whisper.N_FFT)
+HOP = tl.constexpr(whisper.HOP_LENGTH)
 RADIX = tl.constexpr(16)  # n2, k2: the stage-2 (complex) DFT size; 400 = 25 x 16
 OUTER = tl.constexpr(25)  # n1, k1: the stage-1 (real) DFT size
 HALF = tl.constexpr(13)  # k1 = 0..12: the stage-1 outputs a real signal needs
-PCM_SCALE = tl.constexpr(1.0 / 32768.0)  # int16 PCM -> [-1, 1)
-# fp16x3 projection: the filterbank (weights below 0.05) times 2^6, closer to the top of fp16's range.
+PCM_SCALE = tl.constexpr(whisper.PCM_SCALE)
+# The projection's operand: the filterbank (weights below 0.05) times 2^6, closer to the top of fp16's range.
 MEL_SHIFT = tl.constexpr(6)
 WINDOW_PAD = 512  # the Hann window, zero past 400 (the masked lanes of the framing read there)
 FLOOR_TILES = 8  # frame tiles a floor-pass program checks
-STATS_CHUNK = 256  # tile statistics per step of the clip-maximum reduction
 
 
 @dataclass(frozen=True)
@@ -63,7 +62,7 @@ class Config:
 
 
 DEFAULT_CONFIG = Config()
-# The pick and the runners-up the benchmark times and the GPU tests run.
+# The default and the runners-up the benchmark times and the GPU tests run.
 SHIPPED_CONFIGS = (DEFAULT_CONFIG, Config(block_m=16), Config(k_groups=8), Config(block_f=32, num_warps=8),
                    Config(num_warps=8))
 
@@ -125,7 +124,7 @@ def permuted_filterbank(mel_filters: torch.Tensor, block_m: int) -> torch.Tensor
 def _projection(n_mels: int, device: torch.device, block_m: int) -> torch.Tensor:
     """`permuted_filterbank(mel_filters(n_mels))` times 2^MEL_SHIFT as the projection loads it (`split_operand`)
     on `device`, once per (n_mels, device, block_m)."""
-    weights = permuted_filterbank(mel_filters(n_mels), block_m).double() * 2.0**MEL_SHIFT.value
+    weights = permuted_filterbank(whisper.mel_filters(n_mels), block_m).double() * 2.0**MEL_SHIFT.value
     return split_operand(weights).to(device)
 
 
@@ -184,9 +183,9 @@ def _frame_samples(audio_ptr, window_ptr, clip_base, length, N, frame, n, ok, IS
 def _power_tile(audio_ptr, lengths_ptr, operands_ptr, twiddles_ptr, window_ptr, clip, tile, N, F,
                 BLOCK_F: tl.constexpr, IS_PCM: tl.constexpr, HAS_LENGTHS: tl.constexpr):
     """(power [BLOCK_F, 256], e): the power spectra of frames tile * BLOCK_F + i (clamped to F - 1) times 2^e,
-    in the order k1 * 16 + k2 of `stage2_bins`. With "fp16x3" the samples are scaled by 2^s (the tile's
-    largest stage-1 input into [2^14, 2^15)) and the stage-2 inputs by 2^-5 (their bound 26 * 2^15 * sqrt(2)
-    into fp16's range), so e = 2 s - 10."""
+    in the order k1 * 16 + k2 of `stage2_bins`. For `_product`'s fp16 operands the samples are scaled by 2^s
+    (the tile's largest stage-1 input into [2^14, 2^15)) and the stage-2 inputs by 2^-5 (their bound
+    26 * 2^15 * sqrt(2) into fp16's range), so e = 2 s - 10."""
     R: tl.constexpr = BLOCK_F * RADIX
     rows = tl.arange(0, R)
     n2 = rows % RADIX
@@ -206,7 +205,7 @@ def _power_tile(audio_ptr, lengths_ptr, operands_ptr, twiddles_ptr, window_ptr, 
     sines = s_lo - s_hi
     scale, s = _pow2_scale(tl.maximum(tl.max(tl.abs(cosines)), tl.max(tl.abs(sines))))
     square = cols[:, None] * RADIX + cols[None, :]
-    LO: tl.constexpr = 4 * RADIX * RADIX  # the operands' tails (fp16x3)
+    LO: tl.constexpr = 4 * RADIX * RADIX  # the operands' tails (`split_operand`)
     y_re = _product(cosines * scale, operands_ptr, square, None, LO)
     y_im = _product(sines * scale, operands_ptr + RADIX * RADIX, square, None, LO)
     twiddle = twiddles_ptr + n2[:, None] * RADIX + cols[None, :]
@@ -240,7 +239,7 @@ def _waveform_tiles_kernel(audio_ptr, lengths_ptr, operands_ptr, twiddles_ptr, w
     tile = pid % n_tiles
     power, e = _power_tile(audio_ptr, lengths_ptr, operands_ptr, twiddles_ptr, window_ptr, clip, tile, N, F,
                            BLOCK_F, IS_PCM, HAS_LENGTHS)
-    # fp16x3: the power into [2^14, 2^15) as well (the filterbank arrives times 2^MEL_SHIFT), so that
+    # The power into [2^14, 2^15) as well (the filterbank arrives times 2^MEL_SHIFT), so that
     # mel = product * 2^-(e + s + MEL_SHIFT).
     scale, s = _pow2_scale(tl.max(power))
     e += s + MEL_SHIFT
