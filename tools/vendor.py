@@ -21,6 +21,7 @@ VENDORED = {
     "fast_paths.py": ("ldsa", "comba-bwd"),
     "tf32.py": ("ldsa", "comba-bwd"),
     "checks.py": ("ldsa", "log-mel", "based-bwd", "comba-bwd"),
+    "devices.py": ("ldsa", "log-mel", "based-bwd", "comba-bwd"),
 }
 HEADER = "# Generated from common/{name} by `python -m tools.vendor`: edit that file, not this copy.\n"
 INIT = ("# Generated from common/ by `python -m tools.vendor`.\n"

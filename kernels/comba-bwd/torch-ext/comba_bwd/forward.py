@@ -11,12 +11,11 @@ Stages 1 and 2 are the backward's own first stages (`state_stages`: the same ker
 Triton or Gluon the same way). A, S_n and Vn are scratch: the backward of a training step makes them again.
 """
 
-import contextlib
-
 import torch
 
 from . import dispatch
 from . import triton as triton_kernels
+from .common.devices import on_device
 from .reference import CHUNK, pad_time
 
 try:  # Gluon, Triton's explicit-layout dialect; dispatch plans Gluon stages only under releases that have it
@@ -78,8 +77,7 @@ def _forward(q, k, v, p, beta, g, scale: float, plan):
     T = q.shape[1]
     inputs = [pad_time(x) for x in (q, k, v, p, beta, g)]
     stages, o = forward_stages(*inputs, scale, plan)
-    # A Triton or Gluon kernel launches on the current device, whatever its tensors' device.
-    with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
+    with on_device(q):
         for launch in stages.values():
             launch()
     return o if o.shape[1] == T else o[:, :T].contiguous()

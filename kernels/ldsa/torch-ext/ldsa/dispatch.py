@@ -15,9 +15,10 @@ import functools
 import torch
 import triton
 
+from .common.devices import on_device
 from .common.fast_paths import FastPath, FastPaths
 from .triton import band, band_tma
-from .triton.launch import Launch, device_of, launch, sm_count
+from .triton.launch import Launch, launch, sm_count
 
 try:  # Gluon, Triton's explicit-layout dialect (its Hopper TMA and mma.sync): band-gluon
     from .gluon import backward as gluon_backward
@@ -413,7 +414,7 @@ def ldsa_forward_of_signature(signature: tuple, a_logits: torch.Tensor, v: torch
 
 def _run_forward(plan, a_logits: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     out = torch.empty_like(v)
-    with device_of(v):
+    with on_device(v):
         _run(plan, (a_logits, v, out))
     return out
 
@@ -431,7 +432,7 @@ def ldsa_backward(
         vals, grad_out = v.float(), grad_out.float()
     dlogits = torch.empty_like(a_logits)
     dv = torch.empty_like(v)
-    with device_of(v):
+    with on_device(v):
         _run(lambda: backward_launch(a_logits, vals, grad_out, left, right, config),
              (a_logits, vals, grad_out, dlogits, dv))
     return dlogits, dv

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 import torch
 
 from ._ops import add_op_namespace_prefix
+from .common.devices import on_device
 from .reference import log_mel_spectrogram_reference, whisper_log_mel_reference
 from .validation import check_log_mel_args, check_whisper_args
 from .whisper import HOP_LENGTH, N_FFT
@@ -20,7 +21,7 @@ from .whisper import HOP_LENGTH, N_FFT
 def log_mel_op(stft: torch.Tensor, mel_filters: torch.Tensor) -> torch.Tensor:
     from .triton.stft import log_mel_triton
 
-    with torch.cuda.device(stft.device):  # Triton launches on the current device
+    with on_device(stft):
         return log_mel_triton(stft, mel_filters)
 
 
@@ -40,7 +41,7 @@ def whisper_log_mel_op(audio: torch.Tensor, lengths: torch.Tensor | None, n_mels
                        out_dtype: torch.dtype) -> torch.Tensor:
     from .triton.waveform import whisper_log_mel_triton
 
-    with torch.cuda.device(audio.device):  # Triton launches on the current device
+    with on_device(audio):
         return whisper_log_mel_triton(audio, lengths, n_mels, out_dtype)
 
 

@@ -27,8 +27,9 @@ import torch
 import triton
 import triton.language as tl
 
+from ..common.devices import on_device
 from .states import _chunk_state, _pair_row, _state_scan, n_features, state_buffers
-from .tiles import _EPS, _dot, _load_rows, _sequence_row, _store_rows, on_device, operand_type
+from .tiles import _EPS, _dot, _load_rows, _sequence_row, _store_rows, operand_type
 
 
 @triton.jit

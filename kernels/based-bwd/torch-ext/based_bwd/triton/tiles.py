@@ -2,7 +2,6 @@
 the sequence offset of a (b, h) program, the matmul in the kernels' operand type (and that type for an input
 dtype), the normaliser's epsilon, and the device a launch runs on."""
 
-import contextlib
 
 import torch
 import triton
@@ -47,9 +46,3 @@ def _dot(DOT: tl.constexpr, a, b):
 def _sequence_row(pid_bh, T, H):
     """The row of position 0 of sequence pid_bh = b H + h in a (B, T, H, .) tensor, in int64."""
     return (pid_bh // H).to(tl.int64) * T * H + pid_bh % H
-
-
-def on_device(x: torch.Tensor):
-    """The context a launch on x's tensors runs in: x's CUDA device made current (Triton launches on the current
-    device), or nothing for the interpreter's CPU tensors."""
-    return torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext()

@@ -3,7 +3,6 @@ descriptors built on the host each call, on the tensors' CUDA device. Every kern
 Gluon's) launches through `launch`; the dispatcher (`dispatch`) plans the launches and decides what a fast path's
 compile failure does."""
 
-import contextlib
 import functools
 import math
 from typing import NamedTuple
@@ -105,16 +104,6 @@ def _descriptor(x: torch.Tensor, shape: tuple, block: tuple, layout=None, checke
     if layout is None:
         return TensorDescriptor(x, shape, strides, block)
     return GluonTensorDescriptor(x, list(shape), list(strides), list(block), layout)
-
-
-_SAME_DEVICE = contextlib.nullcontext()
-
-
-def device_of(x: torch.Tensor):
-    """Triton launches on the current CUDA device: switch to x's device when it is another one."""
-    if x.is_cuda and x.device.index != torch.cuda.current_device():
-        return torch.cuda.device(x.device)
-    return _SAME_DEVICE
 
 
 def sm_count(device: int) -> int:
