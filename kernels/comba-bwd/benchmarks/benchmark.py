@@ -26,10 +26,9 @@ SPEC = "comba_backward"
 NAMES = ("dq", "dk", "dv", "dp", "dbeta", "dg")
 BENCH_SHAPE = (8, 2048, 32, 128, 128)
 SWEEP_SHAPES = [(8, 2048, 32, 128, 128), (16, 2048, 32, 64, 128)]
-# The anchors (fla chunk_comba's forward and training step, the spec's seed reference) are measured at ANCHOR_SHAPES,
-# one shape: fla's kernels autotune for each new (H, K, V), which takes most of a GPU run's time, and the seed
-# reference is an eager fp32 autograd run. Our forward, backward and step rows cover every measure shape.
-ANCHOR_SHAPES = [BENCH_SHAPE]
+# fla chunk_comba's forward and training step are measured beside ours at every measure shape; the spec's seed
+# reference (an eager fp32 autograd run) is timed at SEED_SHAPES alone.
+SEED_SHAPES = [BENCH_SHAPE]
 # The portable reverse scan at K = 128 holds its (128, 64) fp32 dS block, dVn and X of a V block in 255 registers of
 # 4 warps, so that two CTAs share an SM; it spills up to 148 B under the supported Tritons (tools.compile_sm90).
 SPILLS_BY_DESIGN = {"_reverse_scan_kernel": 160}
@@ -195,11 +194,11 @@ def _anchor(bench, case, impl, fn, args, ref, tflop, errors, ours):
     return row
 
 
-def side_by_side(kernel, bench, shapes=None, sweep_shapes=None, time_seed_reference=True,
-                 anchor_shapes=None) -> list[dict]:
-    """Every measure shape of the spec: our backward, forward and training step; at ANCHOR_SHAPES fla chunk_comba's
-    forward and forward + backward beside them (if installed) and the spec's seed reference; then the stage sweep at
-    SWEEP_SHAPES. `shapes`/`sweep_shapes`/`anchor_shapes` exist for a dry run at tiny shapes on the CPU."""
+def side_by_side(kernel, bench, shapes=None, sweep_shapes=None, seed_shapes=None) -> list[dict]:
+    """Every measure shape of the spec: our backward, forward and training step with fla chunk_comba's forward and
+    forward + backward beside them (if installed); the spec's seed reference at SEED_SHAPES; then the stage sweep at
+    SWEEP_SHAPES. `shapes`/`sweep_shapes`/`seed_shapes` exist for a dry run at tiny shapes on the CPU (and for a run
+    cut into one call a shape)."""
     s = bench.spec(SPEC)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     fla = _fla(bench)
@@ -208,7 +207,7 @@ def side_by_side(kernel, bench, shapes=None, sweep_shapes=None, time_seed_refere
     forward_pipeline = importlib.import_module(f"{kernel.__name__}.forward")
     shapes = [tuple(x) for x in (shapes or s.measure_shapes)]
     sweep_shapes = [tuple(x) for x in (sweep_shapes or SWEEP_SHAPES)] if bench.sweep else []
-    anchor_shapes = [tuple(x) for x in (anchor_shapes or ANCHOR_SHAPES)]
+    seed_shapes = [tuple(x) for x in (SEED_SHAPES if seed_shapes is None else seed_shapes)]
     rows = []
     for shape in dict.fromkeys(shapes + sweep_shapes):
         case = "(B,T,H,K,V)=" + ",".join(map(str, shape)) + " bf16"
@@ -223,7 +222,7 @@ def side_by_side(kernel, bench, shapes=None, sweep_shapes=None, time_seed_refere
             ours = _measured(bench, case + " forward", "comba-bwd forward", _inference(kernel), inputs[:6], ref_o,
                              tflop / 2, _output_error)
             rows.append(ours)
-            if fla is not None and shape in anchor_shapes:
+            if fla is not None:
                 rows.append(_anchor(bench, case + " forward", FLA_FORWARD, fla[0], inputs[:6], ref_o, tflop / 2,
                                     _output_error, ours))
         if shape in shapes or shape in sweep_shapes:
@@ -235,14 +234,14 @@ def side_by_side(kernel, bench, shapes=None, sweep_shapes=None, time_seed_refere
             step = _measured(bench, case + " step", "comba-bwd step", _step(kernel), inputs, ref, 1.5 * tflop,
                              _errors)
             rows += [ours, step]
-            if fla is not None and shape in anchor_shapes:
+            if fla is not None:
                 fla_step = _anchor(bench, case + " step", FLA_STEP, fla[1], inputs, ref, 1.5 * tflop, _errors, step)
                 rows.append(fla_step)
                 if "ms" in fla_step:  # the same run beside the backward
                     rows.append(_row(case, FLA_STEP, fla_step["ms"], tflop, {k: v for k, v in fla_step.items()
                                                                               if k.startswith("err_")}))
                     ours["x_vs_fla"] = fla_step["ms"] / ours["ms"]
-            if time_seed_reference and shape in anchor_shapes:
+            if shape in seed_shapes:
                 t_seed = bench.time(lambda: s.ref(*inputs))
                 rows.append(_row(case, "spec seed reference (autograd, fp32)", t_seed, tflop))
                 ours["x_vs_seed_reference"] = t_seed / ours["ms"]
