@@ -106,8 +106,9 @@ CURRENT = {
                   ("based-bwd triton", "based-bwd triton step (fwd+bwd autograd)", "based-bwd triton forward"),
                   ("fla parallel_based fwd+bwd", "fla fused_chunk_based fwd+bwd", "fla parallel_based forward",
                    "fla fused_chunk_based forward"), None),
-    "comba-bwd": ("comba-bwd-2d49a94", ("comba-bwd triton",),
-                  ("fla 0.6.0 chunk_comba fwd+bwd (p'=exp(g)p bf16, guard lifted)",), None),
+    "comba-bwd": ("comba-bwd-048a2b7", ("comba-bwd step", "comba-bwd forward", "comba-bwd triton"),
+                  ("fla 0.6.0 chunk_comba fwd+bwd (p'=exp(g)p bf16, guard lifted)",
+                   "fla 0.6.0 chunk_comba forward (p'=exp(g)p bf16, guard lifted)"), None),
 }
 
 
