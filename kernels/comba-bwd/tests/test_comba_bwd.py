@@ -486,7 +486,7 @@ def test_gluon_rule(dispatch):
     """Gluon kernels take bf16 inputs with V = 128 on Hopper (and meta tensors, for the offline compile): the scans and
     the gradients at K = 128, the transform, the forward scan and the gradients at K = 64; never float16 (they would
     read the bf16 scratch as float16) or float32, V = 64, nor CPU tensors (the interpreter runs the Triton kernels).
-    Where they take a call at K = 128 the batch is not cut in pieces; at K = 64 the gradient kernel makes dv."""
+    Where they take a call the batch is not cut in pieces; at K = 64 the gradient kernel makes dv."""
     takes = dispatch.gluon_stages
     meta, cpu = torch.device("meta"), torch.device("cpu")
     assert takes(meta, torch.bfloat16, 128, 128) == ("forward_scan", "reverse_scan", "grads")
@@ -497,7 +497,7 @@ def test_gluon_rule(dispatch):
     assert not takes(cpu, torch.bfloat16, 128, 128) and not takes(cpu, torch.bfloat16, 64, 128)
     q = lambda device, K, B=4: torch.empty(B, 64, 2, K, device=device, dtype=torch.bfloat16)  # noqa: E731
     assert dispatch.plan(q(meta, 128), 128) == (takes(meta, torch.bfloat16, 128, 128), False, 1)
-    assert dispatch.plan(q(meta, 64), 128) == (takes(meta, torch.bfloat16, 64, 128), True, 2)
+    assert dispatch.plan(q(meta, 64), 128) == (takes(meta, torch.bfloat16, 64, 128), True, 1)
     assert dispatch.plan(q(meta, 64), 64) == ((), False, 2)
     assert dispatch.plan(q(cpu, 128), 128) == ((), False, 2)
     assert dispatch.plan(q(cpu, 128, B=1), 128).pieces == 1

@@ -28,11 +28,13 @@ GLUON_V = 128
 # than the Triton one; at K = 128 the Gluon transform is slower than the Triton one.
 GLUON_STAGES = {128: ("forward_scan", "reverse_scan", "grads"), 64: ("transform", "forward_scan", "grads")}
 
-# The batch is cut in BATCH_PIECES pieces. On CUDA each piece is launched on a stream of its own, and its reverse
+# The portable path cuts the batch in BATCH_PIECES pieces. On CUDA each piece is launched on a stream of its own, and its reverse
 # scan on one more stream beside its forward scan (the scans depend only on the transform). The stages are
 # bound by different things (the transform by its chain of small products, the scans by their serial chunk loop and
 # HBM, the gradient kernel by L2), and a scan's last wave is partial, so stages of the two pieces fill each other's
-# idle SMs; three pieces are no faster than two. The reverse scan's side stream pays in one piece as well.
+# idle SMs; three pieces are no faster than two. The reverse scan's side stream pays in one piece as well. Where Gluon
+# kernels run, the batch stays whole: launching one piece's Gluon stages takes the host almost as long as the GPU takes
+# to run them, so in two pieces the call would be bound by the host (at K = 64 as at K = 128).
 BATCH_PIECES = 2
 
 
@@ -56,13 +58,11 @@ def gluon_stages(device: torch.device, dtype: torch.dtype, K: int, V: int) -> tu
 
 def plan(q: torch.Tensor, V: int) -> Plan:
     """The plan of a call with q (B, T, H, K) and V. dv and dbeta's v part come from the K = 64 Gluon gradient kernel,
-    which reads X anyway, where it runs, else from the reverse scan. The batch is cut in BATCH_PIECES (at most B), but
-    stays whole where Gluon kernels run at K = 128: there the host takes about as long to launch two pieces as the GPU
-    takes to run them, so a second piece gains nothing and makes the time vary from run to run; at K = 64 the GPU's
-    time is well above the host's, and two pieces are faster."""
+    which reads X anyway, where it runs, else from the reverse scan. The batch is cut in BATCH_PIECES (at most B) on
+    the portable path and stays whole where Gluon kernels run (BATCH_PIECES says why)."""
     B, K = q.shape[0], q.shape[-1]
     gluon = gluon_stages(q.device, q.dtype, K, V)
-    pieces = 1 if gluon and K == 128 else BATCH_PIECES
+    pieces = 1 if gluon else BATCH_PIECES
     return Plan(gluon, "grads" in gluon and K == 64, min(pieces, B))
 
 
