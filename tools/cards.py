@@ -28,10 +28,10 @@ FAST = """A fast path runs only where its row says it was verified, elsewhere th
 fails to compile at its first launch is switched off for the process with one `FastPathFallback` warning naming it
 and the Triton release, and the call runs the portable kernels."""
 
-POLICY = """Input policy (every tessera kernel): a call the op cannot compute raises `TypeError` or `ValueError` naming the
-argument before any launch; a call a fast path cannot take runs on a slower path. Tensor values are not inspected
-(that would synchronise the GPU): NaN propagates; comba-bwd takes a log-decay below -104 (`-inf` included) as -104,
-whose gate is exactly 0 in fp32, a hard reset."""
+POLICY = """Input policy (every tessera kernel): a call the op cannot compute raises `TypeError` or `ValueError`
+naming the argument before any launch; a call a fast path cannot take runs on a slower path. Tensor values are not
+inspected (that would synchronise the GPU): NaN propagates; comba-bwd takes a log-decay below -104 (`-inf` included)
+as -104, whose gate is exactly 0 in fp32, a hard reset."""
 
 
 def fast_paths_table(kernel: Kernel) -> str | None:
@@ -134,8 +134,9 @@ def results_table(kernel: Kernel, rows: list[dict]) -> str:
         figures.setdefault(r["case"], {}).setdefault(r["impl"], {})[r["metric"]] = r["value"]
     one = next(iter(first.values()))
     named = ", ".join(f"`{f['run']}` at `{f['sha']}` ({f['date']})" for f in first.values())
-    out = [f"Run{'s' if len(first) > 1 else ''} {named}: {one['device']}, torch {one['torch']}, Triton {one['triton']}; "
-           "times are medians.", "",
+    plural = "s" if len(first) > 1 else ""
+    out = [f"Run{plural} {named}: {one['device']}, torch {one['torch']}, Triton {one['triton']}; times are medians.",
+           "",
            "| case | implementation | ms | rate | max rel. error | ours x faster |", "|---|---|---|---|---|---|"]
     for case, impls in figures.items():
         own = next((impls[i]["ms"] for i in ours if i in impls), None)

@@ -28,13 +28,13 @@ GLUON_V = 128
 # than the Triton one; at K = 128 the Gluon transform is slower than the Triton one.
 GLUON_STAGES = {128: ("forward_scan", "reverse_scan", "grads"), 64: ("transform", "forward_scan", "grads")}
 
-# The portable path cuts the batch in BATCH_PIECES pieces. On CUDA each piece is launched on a stream of its own, and its reverse
-# scan on one more stream beside its forward scan (the scans depend only on the transform). The stages are
-# bound by different things (the transform by its chain of small products, the scans by their serial chunk loop and
-# HBM, the gradient kernel by L2), and a scan's last wave is partial, so stages of the two pieces fill each other's
-# idle SMs; three pieces are no faster than two. The reverse scan's side stream pays in one piece as well. Where Gluon
-# kernels run, the batch stays whole: launching one piece's Gluon stages takes the host almost as long as the GPU takes
-# to run them, so in two pieces the call would be bound by the host (at K = 64 as at K = 128).
+# The portable path cuts the batch in BATCH_PIECES pieces. On CUDA each piece is launched on a stream of its own, and
+# its reverse scan on one more stream beside its forward scan (the scans depend only on the transform). The stages are
+# bound by different things (the transform by its chain of small products, the scans by their serial chunk loop and HBM,
+# the gradient kernel by L2), and a scan's last wave is partial, so stages of the two pieces fill each other's idle SMs;
+# three pieces are no faster than two. The reverse scan's side stream pays in one piece as well. Where Gluon kernels
+# run, the batch stays whole: launching one piece's Gluon stages takes the host almost as long as the GPU takes to run
+# them, so in two pieces the call would be bound by the host (at K = 64 as at K = 128).
 BATCH_PIECES = 2
 
 
