@@ -1,5 +1,7 @@
 """The generated parts of the kernel cards are current."""
 
+import pytest
+
 from tools import cards
 from tools.common import all_kernels
 
@@ -14,3 +16,37 @@ def test_packages_with_gluon_kernels_have_a_table():
     for kernel in all_kernels():
         if (kernel.source / "gluon").is_dir():
             assert cards.fast_paths_table(kernel) is not None, kernel.name
+
+
+def _row(run, case, impl, value, triton="3.6.0"):
+    return dict(run=run, date="2026-12-02", sha=run[-7:], device="H200", torch="2.11", triton=triton,
+                kernel="comba-bwd", case=case, impl=impl, metric="ms", value=value)
+
+
+def test_results_table_takes_each_case_from_one_of_its_runs(monkeypatch):
+    kernel = next(k for k in all_kernels() if k.name == "comba-bwd")
+    ours, fla = "comba-bwd step", "fla 0.6.0 chunk_comba fwd+bwd (p'=exp(g)p bf16, guard lifted)"
+    monkeypatch.setitem(cards.CURRENT, "comba-bwd", (("run-aaaaaaa", "run-bbbbbbb"), (ours,), (fla,), ("step",)))
+    rows = [_row("run-aaaaaaa", "A step", ours, 2.0), _row("run-aaaaaaa", "A step", fla, 4.0),
+            _row("run-bbbbbbb", "B step", ours, 1.0), _row("run-bbbbbbb", "B step", fla, 3.0),
+            _row("run-ccccccc", "C step", ours, 9.0), _row("run-aaaaaaa", "A forward", ours, 7.0)]
+    table = cards.results_table(kernel, rows)
+    assert "`run-aaaaaaa`" in table and "`run-bbbbbbb`" in table
+    assert "C step" not in table and "A forward" not in table  # other runs' and other cases' rows stay out
+    line = {c: next(x for x in table.splitlines() if x.startswith(f"| {c} step | {fla} |")) for c in ("A", "B")}
+    assert line["A"].startswith(f"| A step | {fla} | 4 |") and line["A"].endswith("| 2 |")  # fla's ms, fla / ours
+    assert line["B"].startswith(f"| B step | {fla} | 3 |") and line["B"].endswith("| 3 |")
+    with pytest.raises(SystemExit, match="is in runs"):  # one case measured in two runs is ambiguous
+        cards.results_table(kernel, rows + [_row("run-bbbbbbb", "A step", ours, 1.5)])
+    with pytest.raises(SystemExit, match="differ"):  # runs of other machines or releases are not one table
+        cards.results_table(kernel, rows[:2] + [_row("run-bbbbbbb", "B step", ours, 1.0, triton="3.8.0")])
+
+
+def test_by_triton_takes_each_case_from_the_last_run_that_measured_it():
+    kernel = next(k for k in all_kernels() if k.name == "comba-bwd")
+    impl = "comba-bwd triton"
+    rows = [_row("old-1111111", "X bf16", impl, 5.0), _row("old-1111111", "X bf16", impl, 6.0, triton="3.8.0"),
+            _row("new-2222222", "X bf16", impl, 4.0)]
+    table = cards.by_triton(kernel, rows)
+    assert "| times from run | `new-2222222` | `old-1111111` |" in table
+    assert "| X bf16, ms | 4 | 6 |" in table

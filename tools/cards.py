@@ -129,8 +129,10 @@ def results_table(kernel: Kernel, rows: list[dict]) -> str:
         first.setdefault(r["run"], r)
     if len({(f["device"], f["torch"], f["triton"]) for f in first.values()}) > 1:
         raise SystemExit(f"{kernel.name}: runs {runs} differ in device, torch or Triton")
-    figures: dict = {}
+    figures, source = {}, {}
     for r in rows:
+        if source.setdefault(r["case"], r["run"]) != r["run"]:
+            raise SystemExit(f"{kernel.name}: case {r['case']!r} is in runs {source[r['case']]} and {r['run']}")
         figures.setdefault(r["case"], {}).setdefault(r["impl"], {})[r["metric"]] = r["value"]
     one = next(iter(first.values()))
     named = ", ".join(f"`{f['run']}` at `{f['sha']}` ({f['date']})" for f in first.values())
