@@ -194,3 +194,30 @@ def test_shipped_code_carries_no_run_history(tmp_path):
         "a results file or probe", "a results file or probe", "a timing or throughput", "a branch"]
     for kernel in all_kernels():
         assert [v for f in sorted(kernel.source.rglob("*.py")) for v in history_violations(f)] == [], kernel.name
+
+
+def test_bench_kwargs_name_a_kernel_and_a_json_object():
+    """gpu_bench --bench-kwargs KERNEL=JSON: the keyword arguments of one kernel's side_by_side."""
+    from tools.gpu_bench import side_by_side_kwargs
+
+    names = ["comba-bwd", "ldsa"]
+    got = side_by_side_kwargs(['comba-bwd={"shapes": [[8, 4096, 16, 128, 128]], "seed_shapes": []}'], names)
+    assert got == {"comba-bwd": {"shapes": [[8, 4096, 16, 128, 128]], "seed_shapes": []}}
+    for bad in ('based-bwd={"shapes": []}', "comba-bwd", 'comba-bwd={"shapes": [', "comba-bwd=[1, 2]"):
+        with pytest.raises(SystemExit, match="--bench-kwargs"):
+            side_by_side_kwargs([bad], names)
+
+
+@pytest.mark.parametrize("name, kwargs", [
+    ("comba-bwd", {"shapes": [[8, 4096, 16, 128, 128]], "sweep_shapes": [], "seed_shapes": []}),
+    ("ldsa", {"shapes": [[16, 256]], "backward_shapes": [[64, 3000]]}),
+    ("log-mel", {"shapes": [[1, 3000, 201]], "sweep_shapes": []}),
+])
+def test_side_by_side_takes_cut_down_kwargs(name, kwargs):
+    """The cut-down runs `--bench-kwargs` makes bind to each benchmark's side_by_side (not run here)."""
+    import inspect
+
+    from tools.gpu_bench import load_benchmark
+
+    module, package = load_benchmark(name)
+    inspect.signature(module.side_by_side).bind(package, object(), **kwargs)

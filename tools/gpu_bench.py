@@ -146,13 +146,32 @@ def load_benchmark(name: str):
     return module, get_kernel(f"{HUB_ORG}/{name}", version=1, trust_remote_code=True)
 
 
-def run_benchmarks(names: list[str], bench: Bench, results: dict, save) -> None:
-    """Each kernel's side_by_side rows into `results`, saved after every kernel so a cut-off run keeps them."""
+def side_by_side_kwargs(items: list[str], names: list[str]) -> dict[str, dict]:
+    """{kernel: keyword arguments for its side_by_side} from `KERNEL=JSON` items (`--bench-kwargs`), each JSON an
+    object, each KERNEL one of `names`."""
+    kwargs = {}
+    for item in items:
+        name, sep, text = item.partition("=")
+        if not sep or name not in names:
+            raise SystemExit(f"--bench-kwargs {item!r}: expected KERNEL=JSON with KERNEL one of {names}")
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise SystemExit(f"--bench-kwargs {item!r}: {e}") from None
+        if not isinstance(value, dict):
+            raise SystemExit(f"--bench-kwargs {item!r}: the JSON must be an object of keyword arguments")
+        kwargs[name] = value
+    return kwargs
+
+
+def run_benchmarks(names: list[str], bench: Bench, results: dict, save, kwargs: dict[str, dict] | None = None) -> None:
+    """Each kernel's side_by_side rows into `results` (called with `kwargs[name]`, where given), saved after every
+    kernel so a cut-off run keeps them."""
     for name in names:
         try:
             module, kernel = load_benchmark(name)
             start = time.time()
-            rows = module.side_by_side(kernel, bench)
+            rows = module.side_by_side(kernel, bench, **(kwargs or {}).get(name, {}))
             results[name] = {"rows": rows, "seconds": round(time.time() - start, 1)}
         except Exception:
             results[name] = {"rows": [], "error": traceback.format_exc()}
@@ -201,6 +220,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-sweep", action="store_true", help="skip the candidate-config sweeps")
     parser.add_argument("--tests", metavar="EXPR", help="only the tests pytest's -k EXPR selects")
     parser.add_argument("--test-timeout", type=float, default=300, help="seconds for the test run (default 300)")
+    parser.add_argument("--bench-kwargs", action="append", default=[], metavar="KERNEL=JSON",
+                        help="keyword arguments for KERNEL's side_by_side, e.g. 'comba-bwd={\"shapes\": "
+                             "[[8, 4096, 16, 128, 128]]}' (a run cut to what one device call holds); repeatable")
     parser.add_argument("--specs", type=Path, default=Path(os.environ.get("TESSERA_SPECS", REPO_ROOT.parent / "shared" / "specs")))
     args = parser.parse_args(argv)
 
@@ -212,6 +234,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     os.environ["TESSERA_SPECS"] = str(args.specs)
     names = [k.name for k in resolve(args.kernels)]
+    bench_kwargs = side_by_side_kwargs(args.bench_kwargs, names)
     sha, base = prepare_run(names)
     report = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -237,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
     report["benchmarks"] = {}
     save()
     if not args.skip_bench:
-        run_benchmarks(names, bench, report["benchmarks"], save)
+        run_benchmarks(names, bench, report["benchmarks"], save, bench_kwargs)
     print(markdown(report))
     return 0
 
