@@ -98,14 +98,14 @@ RESULTS_END = "<!-- /results -->"
 # implementations' names, the implementations shown beside them, and the cases shown (substrings of the case label;
 # None: every case).
 CURRENT = {
-    "ldsa": ("ldsa-log-mel-1ef6b90", ("ldsa triton", "ldsa triton backward"),
+    "ldsa": (("ldsa-log-mel-1ef6b90",), ("ldsa triton", "ldsa triton backward"),
              ("eager reference (shift-mul-add)", "eager analytic backward (reference.py)", "torch.compile(reference)"),
              ("[16,256] H=8 Dh=64 W=15 causal", "[32,3000] H=8 Dh=64 W=15 causal", "[64,3000] H=8 Dh=64 W=15 causal")),
-    "log-mel": ("ldsa-log-mel-1ef6b90", ("public op (pick)", "whisper_log_mel, fp32"),
+    "log-mel": (("ldsa-log-mel-1ef6b90",), ("public op (pick)", "whisper_log_mel, fp32"),
                 ("torch.compile(reference)", "flashmel 0.1.0 + torch log/floor, fp32",
                  "transformers torch path (device), fp32"),
                 ("whisper slaney filterbank", "waveform")),
-    "based-bwd": ("based-bwd-1ef6b90",
+    "based-bwd": (("based-bwd-1ef6b90",),
                   ("based-bwd triton", "based-bwd triton step (fwd+bwd autograd)", "based-bwd triton forward"),
                   ("fla parallel_based fwd+bwd", "fla fused_chunk_based fwd+bwd", "fla parallel_based forward",
                    "fla fused_chunk_based forward"), None),
@@ -119,7 +119,6 @@ def results_table(kernel: Kernel, rows: list[dict]) -> str:
     """The card's current results: our rows and the anchors beside them, each case's figures and how many times
     our time is faster than each anchor's, from the kernel's CURRENT runs of bench/results.jsonl."""
     runs, ours, anchors, cases = CURRENT[kernel.name]
-    runs = (runs,) if isinstance(runs, str) else runs
     rows = [r for r in rows if r["run"] in runs and r["kernel"] == kernel.name and r["impl"] in ours + anchors
             and (cases is None or any(c in r["case"] for c in cases))]
     if not rows:

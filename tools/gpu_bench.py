@@ -164,14 +164,14 @@ def side_by_side_kwargs(items: list[str], names: list[str]) -> dict[str, dict]:
     return kwargs
 
 
-def run_benchmarks(names: list[str], bench: Bench, results: dict, save, kwargs: dict[str, dict] | None = None) -> None:
+def run_benchmarks(names: list[str], bench: Bench, results: dict, save, kwargs: dict[str, dict]) -> None:
     """Each kernel's side_by_side rows into `results` (called with `kwargs[name]`, where given), saved after every
     kernel so a cut-off run keeps them."""
     for name in names:
         try:
             module, kernel = load_benchmark(name)
             start = time.time()
-            rows = module.side_by_side(kernel, bench, **(kwargs or {}).get(name, {}))
+            rows = module.side_by_side(kernel, bench, **kwargs.get(name, {}))
             results[name] = {"rows": rows, "seconds": round(time.time() - start, 1)}
         except Exception:
             results[name] = {"rows": [], "error": traceback.format_exc()}
@@ -225,6 +225,8 @@ def main(argv: list[str] | None = None) -> int:
                              "[[8, 4096, 16, 128, 128]]}' (a run cut to what one device call holds); repeatable")
     parser.add_argument("--specs", type=Path, default=Path(os.environ.get("TESSERA_SPECS", REPO_ROOT.parent / "shared" / "specs")))
     args = parser.parse_args(argv)
+    names = [k.name for k in resolve(args.kernels)]
+    bench_kwargs = side_by_side_kwargs(args.bench_kwargs, names)  # a bad one fails here, on any machine
 
     import torch
     import triton
@@ -233,8 +235,6 @@ def main(argv: list[str] | None = None) -> int:
         print("gpu_bench needs a CUDA device", file=sys.stderr)
         return 2
     os.environ["TESSERA_SPECS"] = str(args.specs)
-    names = [k.name for k in resolve(args.kernels)]
-    bench_kwargs = side_by_side_kwargs(args.bench_kwargs, names)
     sha, base = prepare_run(names)
     report = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
