@@ -23,7 +23,7 @@ def _row(run, case, impl, value, triton="3.6.0"):
                 kernel="comba-bwd", case=case, impl=impl, metric="ms", value=value)
 
 
-def test_results_table_takes_each_case_from_one_of_its_runs(monkeypatch):
+def test_results_table_takes_each_case_from_its_last_run(monkeypatch):
     kernel = next(k for k in all_kernels() if k.name == "comba-bwd")
     ours, fla = "comba-bwd step", "fla 0.6.0 chunk_comba fwd+bwd (p'=exp(g)p bf16, guard lifted)"
     monkeypatch.setitem(cards.CURRENT, "comba-bwd", (("run-aaaaaaa", "run-bbbbbbb"), (ours,), (fla,), ("step",)))
@@ -36,8 +36,12 @@ def test_results_table_takes_each_case_from_one_of_its_runs(monkeypatch):
     line = {c: next(x for x in table.splitlines() if x.startswith(f"| {c} step | {fla} |")) for c in ("A", "B")}
     assert line["A"].startswith(f"| A step | {fla} | 4 |") and line["A"].endswith("| 2 |")  # fla's ms, fla / ours
     assert line["B"].startswith(f"| B step | {fla} | 3 |") and line["B"].endswith("| 3 |")
-    with pytest.raises(SystemExit, match="is in runs"):  # one case measured in two runs is ambiguous
-        cards.results_table(kernel, rows + [_row("run-bbbbbbb", "A step", ours, 1.5)])
+    # A case measured again in a later run of CURRENT takes all its figures from that run.
+    remeasured = cards.results_table(kernel, rows + [_row("run-bbbbbbb", "A step", ours, 1.0),
+                                                     _row("run-bbbbbbb", "A step", fla, 3.5)])
+    again = next(x for x in remeasured.splitlines() if x.startswith(f"| A step | {fla} |"))
+    assert again.startswith(f"| A step | {fla} | 3.5 |") and again.endswith("| 3.5 |")
+    assert "`run-aaaaaaa`" not in remeasured.splitlines()[0]  # run A no longer supplies a shown case
     with pytest.raises(SystemExit, match="differ"):  # runs of other machines or releases are not one table
         cards.results_table(kernel, rows[:2] + [_row("run-bbbbbbb", "B step", ours, 1.0, triton="3.8.0")])
 
