@@ -17,8 +17,8 @@ from .common import REPO_ROOT, read_kernel
 COMMON_DIR = REPO_ROOT / "common"
 # common/ file -> the kernels whose packages take a copy of it
 VENDORED = {
-    "gluon_compat.py": ("ldsa", "comba-bwd"),
-    "fast_paths.py": ("ldsa", "comba-bwd"),
+    "gluon_compat.py": ("ldsa", "log-mel", "comba-bwd"),
+    "fast_paths.py": ("ldsa", "log-mel", "comba-bwd"),
     "tf32.py": ("ldsa", "comba-bwd"),
     "checks.py": ("ldsa", "log-mel", "based-bwd", "comba-bwd"),
     "devices.py": ("ldsa", "log-mel", "based-bwd", "comba-bwd"),

@@ -287,8 +287,8 @@ def _stft_rows(kernel, bench, shapes, whisper_shape, sweep_shapes) -> list[dict]
 
 def compile_cases(kernel, spec):
     """(label, call) pairs for `python -m tools.compile_sm90`, on meta tensors: the STFT op's two designs with every
-    shipped config at every measure shape of the spec, and the waveform op's shipped configs at 30-s clips for every
-    audio and output dtype, with and without lengths."""
+    shipped config at every measure shape of the spec, the waveform op's shipped configs at 30-s clips for every
+    audio and output dtype, with and without lengths, and the Gluon waveform kernel where it compiles."""
     fused = importlib.import_module(f"{kernel.__name__}.triton.stft")
     waveform = importlib.import_module(f"{kernel.__name__}.triton.waveform")
 
@@ -315,6 +315,18 @@ def compile_cases(kernel, spec):
             yield waveform_case(n_mels, torch.float32, torch.float32, False, config)
         yield waveform_case(80, torch.int16, torch.bfloat16, True, config)
         yield waveform_case(128, torch.bfloat16, torch.float16, True, config)
+    dispatch = importlib.import_module(f"{kernel.__name__}.dispatch")
+    if dispatch.FAST_PATHS.compiles("waveform-gluon"):
+        gluon = importlib.import_module(f"{kernel.__name__}.gluon.waveform")
+        for n_mels, audio_dtype, out_dtype, with_lengths in ((80, torch.float32, torch.float32, False),
+                                                             (128, torch.float32, torch.float32, False),
+                                                             (80, torch.int16, torch.bfloat16, True),
+                                                             (128, torch.bfloat16, torch.float16, True)):
+            audio = torch.empty(208, 480000, dtype=audio_dtype, device="meta")
+            lengths = torch.empty(208, dtype=torch.int64, device="meta") if with_lengths else None
+            yield (f"waveform-gluon {n_mels} mels {str(audio_dtype)[6:]}->{str(out_dtype)[6:]}"
+                   f"{' lengths' if with_lengths else ''}",
+                   lambda a=audio, l=lengths, m=n_mels, o=out_dtype: gluon.whisper_log_mel_gluon(a, l, m, o))
 
 
 def _transformers_torch_path(mel_filters_t):
@@ -366,11 +378,17 @@ def waveform_rows(kernel, bench, batches=WAVEFORM_BATCHES, n_samples=30 * 16000)
     beside flashmel (mel only, and with the log and floor in torch: the bar), and transformers' torch path on
     the device. GB/s on the essential bytes (the audio read once, the features written once), % of the copy rate
     in this run, x over flashmel + log, and the max abs error against float64 (fp32 rows) or against the float64
-    features rounded to bf16 (bf16 rows). Then every shipped tile config of the waveform kernel at the largest
-    batch and 80 mels."""
+    features rounded to bf16 (bf16 rows). The Gluon and Triton waveform kernels on their own where the GPU takes
+    the Gluon one, then every shipped config of both at the largest batch and 80 mels."""
     waveform = importlib.import_module(f"{kernel.__name__}.triton.waveform")
     flashmel = bench.optional("flashmel")
     device = "cuda" if torch.cuda.is_available() else "cpu"  # the CPU: the dry run below
+    # The Gluon kernel on its own, wherever its GPU takes it (verified or not: these rows verify it).
+    dispatch = importlib.import_module(f"{kernel.__name__}.dispatch")
+    gluon = None
+    if device == "cuda" and dispatch.FAST_PATHS.compiles("waveform-gluon") and \
+            tuple(torch.cuda.get_device_capability()) in dispatch.FAST_PATHS.paths["waveform-gluon"].capabilities:
+        gluon = importlib.import_module(f"{kernel.__name__}.gluon.waveform")
     rows = []
     for B in batches:
         audio = whisper_batch(B, n_samples, device)
@@ -396,6 +414,18 @@ def waveform_rows(kernel, bench, batches=WAVEFORM_BATCHES, n_samples=30 * 16000)
             impls["whisper_log_mel, fp32"] = (lambda: kernel.whisper_log_mel(audio, n_mels), ref64, fp32_bytes)
             impls["whisper_log_mel, int16 -> bf16"] = (
                 lambda: kernel.whisper_log_mel(pcm, n_mels, out_dtype=torch.bfloat16), pcm_ref64, pcm_bytes)
+            if gluon is not None:
+                impls["waveform-gluon kernel, fp32"] = (
+                    lambda: gluon.whisper_log_mel_gluon(audio, None, n_mels, torch.float32), ref64, fp32_bytes)
+                impls["waveform-gluon kernel, int16 -> bf16"] = (
+                    lambda: gluon.whisper_log_mel_gluon(pcm, None, n_mels, torch.bfloat16), pcm_ref64, pcm_bytes)
+                impls["waveform triton kernel, fp32"] = (
+                    lambda: waveform.whisper_log_mel_triton(audio, None, n_mels, torch.float32), ref64, fp32_bytes)
+            if B == batches[-1] and n_mels == 80 and gluon is not None:
+                for config in gluon.SHIPPED_CONFIGS:
+                    impls[f"waveform-gluon kernel {config.name}, fp32"] = (
+                        lambda c=config: gluon.whisper_log_mel_gluon(audio, None, n_mels, torch.float32, c),
+                        ref64, fp32_bytes)
             if B == batches[-1] and n_mels == 80:
                 for config in waveform.SHIPPED_CONFIGS:
                     impls[f"waveform kernel {config.name}, fp32"] = (

@@ -174,6 +174,116 @@ def test_stage2_bins_cover_every_bin_once(waveform):
     assert sorted(bins[used].tolist()) == list(range(201))
 
 
+@needs_triton
+@pytest.mark.kernels_ci
+@pytest.mark.parametrize("n_mels", [80, 128, 20])
+def test_chunk_plan_projects_like_the_filterbank(lm, n_mels):
+    # The Gluon kernel's projection: power in (k2, k1) order times the split weights, over each band block's
+    # marked chunks only, against the filterbank applied to the power in bin order.
+    gluon = submodule(lm, "gluon.waveform")
+    waveform = submodule(lm, "triton.waveform")
+    filters = lm.mel_filters(n_mels)
+    plan, projection = gluon.chunk_plan(filters)
+    bins, used = waveform.stage2_bins()
+    bins = bins.view(16, 16).t().reshape(-1)  # row k2 * 16 + k1
+    power = torch.rand(7, 201, dtype=torch.float64) * 10.0 ** torch.randint(-8, 3, (7, 201))
+    ordered = power[:, bins]  # unused rows meet zero weights
+    weights = projection.double().sum(dim=0).t()  # [k2 * 16 + k1, band]
+    blocks = weights.shape[1] // 16
+    mel = torch.zeros(7, blocks * 16, dtype=torch.float64)
+    for block in range(blocks):
+        for k2 in range(16):
+            if (int(plan[block]) >> k2) & 1:
+                rows = slice(k2 * 16, k2 * 16 + 16)
+                mel[:, block * 16:block * 16 + 16] += ordered[:, rows] @ weights[rows, block * 16:block * 16 + 16]
+    ref = power @ filters.double().t()
+    assert torch.allclose(mel[:, :n_mels], ref, rtol=3e-5, atol=0)
+    assert not mel[:, n_mels:].any()
+    # A block's mask marks exactly the chunks where some of its weights are non-zero.
+    for block in range(blocks):
+        for k2 in range(16):
+            nonzero = bool(weights[k2 * 16:k2 * 16 + 16, block * 16:block * 16 + 16].any())
+            assert bool((int(plan[block]) >> k2) & 1) == nonzero
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The Gluon kernel (its fast path's GPUs only)
+
+
+@pytest.fixture(scope="module")
+def gluon_waveform(lm):
+    if not HAS_CUDA:
+        pytest.skip("needs a CUDA device")
+    dispatch = submodule(lm, "dispatch")
+    capabilities = dispatch.FAST_PATHS.paths["waveform-gluon"].capabilities
+    if tuple(torch.cuda.get_device_capability()) not in capabilities or \
+            not dispatch.FAST_PATHS.compiles("waveform-gluon"):
+        pytest.skip("the Gluon waveform kernel does not run on this GPU or Triton")
+    return submodule(lm, "gluon.waveform")
+
+
+@pytest.mark.parametrize("n_mels", [80, 128, 20])
+def test_gluon_kernel_matches_float64(gluon_waveform, n_mels):
+    # 8077 samples: 50 frames, tiles at both clip ends; 20000: 125 frames, interior tiles (no reflection) between
+    # ragged ones; a clip 3200 samples long, and one longer than the batch.
+    for n_samples in (8077, 20000):
+        audio = bench.whisper_batch(5, n_samples, "cpu")
+        lengths = torch.tensor([n_samples, n_samples, n_samples, 3200, n_samples + 900])
+        padded = audio * (torch.arange(n_samples)[None, :] < lengths[:, None])
+        ref = float64_features(padded, n_mels)
+        for config in gluon_waveform.SHIPPED_CONFIGS:
+            out = gluon_waveform.whisper_log_mel_gluon(audio.cuda(), lengths.cuda(), n_mels, torch.float32, config)
+            assert max_abs(out, ref) <= 1e-4, config.name
+            assert torch.equal(out[SILENT].cpu(), torch.full_like(out[SILENT].cpu(), -1.5)), config.name
+
+
+@pytest.mark.parametrize("audio_dtype,out_dtype", [(torch.int16, torch.bfloat16), (torch.float16, torch.float16),
+                                                   (torch.bfloat16, torch.float32)])
+def test_gluon_kernel_dtypes(gluon_waveform, audio_dtype, out_dtype):
+    audio = bench.whisper_batch(4, 16000, "cpu")
+    if audio_dtype == torch.int16:
+        x = (audio * 32768).round().clamp(-32768, 32767).to(torch.int16)
+        exact = x.float() / 32768
+    else:
+        x = audio.to(audio_dtype)
+        exact = x.float()
+    out = gluon_waveform.whisper_log_mel_gluon(x.cuda(), None, 80, out_dtype)
+    assert out.dtype == out_dtype
+    ulp = 0.0 if out_dtype == torch.float32 else (2.0**-7 if out_dtype == torch.bfloat16 else 2.0**-10)
+    assert max_abs(out, float64_features(exact, 80)) <= 1e-4 + ulp
+
+
+def test_gluon_kernel_extreme_gains(gluon_waveform):
+    # Per-frame scaling keeps every gain fp32-accurate: a clip at 1e-30 of full scale is all below the 1e-10
+    # clamp (silence), one at 1e30 has its mel power near 1e60, past fp32's range. A NaN sample makes its
+    # clip's features NaN rather than silence.
+    audio = bench.whisper_batch(4, 16000, "cpu")[:1].repeat(3, 1)
+    audio[1] *= 1e-30
+    audio[2] *= 1e30
+    out = gluon_waveform.whisper_log_mel_gluon(audio.cuda(), None, 80, torch.float32)
+    assert max_abs(out, float64_features(audio, 80)) <= 1e-4
+    nan = audio[:1].clone()
+    nan[0, 8000] = float("nan")
+    assert torch.isnan(gluon_waveform.whisper_log_mel_gluon(nan.cuda(), None, 80, torch.float32)).any()
+
+
+def test_gluon_fallback_warns_once_and_runs_triton(lm, gluon_waveform, monkeypatch):
+    dispatch = submodule(lm, "dispatch")
+    fast_paths = submodule(lm, "common.fast_paths")
+    monkeypatch.setattr(fast_paths, "TRY_UNVERIFIED", True)
+
+    def broken(*args):
+        raise RuntimeError("a compile error")
+
+    monkeypatch.setattr(gluon_waveform, "whisper_log_mel_gluon", broken)
+    monkeypatch.setattr(dispatch.FAST_PATHS, "switched_off", {})
+    audio = bench.whisper_batch(4, 4000, "cpu")
+    with pytest.warns(fast_paths.FastPathFallback, match="waveform-gluon"):
+        out = dispatch.whisper_log_mel_cuda(audio.cuda(), None, 80, torch.float32)
+    assert max_abs(out, float64_features(audio, 80)) <= 1e-4
+    assert dispatch.waveform_path(audio.cuda()) == "triton"
+
+
 # ---------------------------------------------------------------------------------------------------------
 # CUDA at Whisper's sizes
 

@@ -1,9 +1,9 @@
 """The registered ops and the public functions.
 
-CUDA tensors run the Triton kernels (`triton.stft` and `triton.waveform`, imported on first use so that the
-package imports without triton); CPU tensors run the eager reference (see `dispatch`). The op names go through
-`add_op_namespace_prefix`, so two versions of this kernel can be loaded side by side. The ops have no autograd
-formula: the public functions refuse inputs that require grad (see `validation`).
+CUDA tensors run the Triton and Gluon kernels (`triton.stft`, and for the waveform the path `dispatch` picks,
+imported on first use so that the package imports without triton); CPU tensors run the eager reference. The op
+names go through `add_op_namespace_prefix`, so two versions of this kernel can be loaded side by side. The ops
+have no autograd formula: the public functions refuse inputs that require grad (see `validation`).
 """
 
 from collections.abc import Sequence
@@ -39,10 +39,10 @@ def _(stft, mel_filters):
 @torch.library.custom_op(add_op_namespace_prefix("whisper_log_mel"), mutates_args=(), device_types="cuda")
 def whisper_log_mel_op(audio: torch.Tensor, lengths: torch.Tensor | None, n_mels: int,
                        out_dtype: torch.dtype) -> torch.Tensor:
-    from .triton.waveform import whisper_log_mel_triton
+    from .dispatch import whisper_log_mel_cuda
 
     with on_device(audio):
-        return whisper_log_mel_triton(audio, lengths, n_mels, out_dtype)
+        return whisper_log_mel_cuda(audio, lengths, n_mels, out_dtype)
 
 
 @torch.library.register_kernel(add_op_namespace_prefix("whisper_log_mel"), "cpu")
@@ -84,8 +84,8 @@ def whisper_log_mel(audio: torch.Tensor, n_mels: int = 80, *, lengths: torch.Ten
     Returns (B, n_mels, N // 160) `out_dtype`, contiguous: frames of a periodic Hann window of 400, hop 160,
     centred with reflect padding, the last frame dropped; power, the Slaney filterbank, log10(max(mel, 1e-10)),
     the clip's maximum - 8 as a floor, (x + 4) / 4. On CUDA one fused pass from the samples (DFT and projection
-    as tensor-core products of split fp16 operands, fp32-accurate) and a pass that touches only tiles the floor
-    reaches.
+    as tensor-core products of split 16-bit operands, fp32-accurate; in Gluon on Hopper, see `dispatch`) and a
+    pass that touches only tiles the floor reaches.
     """
     if isinstance(lengths, Sequence):
         lengths = torch.tensor(lengths, dtype=torch.int64)

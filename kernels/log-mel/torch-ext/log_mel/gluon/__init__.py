@@ -1,0 +1,1 @@
+"""Gluon kernels (Triton's explicit-layout dialect) of the fast path."""

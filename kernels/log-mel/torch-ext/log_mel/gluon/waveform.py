@@ -1,0 +1,301 @@
+"""Whisper's log-mel from the waveform in Gluon with mma.sync: the fast path of `whisper_log_mel` on Hopper.
+
+The DFT factors as in `triton/waveform.py` (400 = 25 x 16, n = 16 n1 + n2, k = k1 + 25 k2), but each warp runs
+one frame at a time through both stages as [16 x 16] mma.sync products whose constant operands (the DFT tables
+and twiddles) stay in registers for the whole tile, and whose intermediate never leaves them:
+
+1. stage 1, Y[k1, n2] = C[k1, n1] S[n1, n2]: the 25-point real DFT along n1, the table C as the left operand and
+   the folded samples (s[n1] +- s[25 - n1], n1 <= 12) loaded straight into the right operand's registers; a
+   program whose frames lie inside the clip loads them without the reflection and length tests;
+2. the twiddles W400^(n2 k1), elementwise on the accumulator;
+3. stage 2, Z[k1, k2] = G[k1, n2] D[n2, k2]: the 16-point complex DFT along n2. The accumulator of stage 1 is
+   the left operand of stage 2 in the same registers (mma.sync's accumulator and left-operand layouts agree),
+   so the transpose between the stages costs nothing;
+4. the power |Z|^2 goes to shared memory as [(k2, warp), k1, frame]: a run of 16 values at fixed k2 holds
+   13 consecutive DFT bins (k1 = 0..12 of X[k1 + 25 k2], or of its mirror 400 - k), so a block of 16 mel
+   bands, whose triangles span a few dozen bins, needs only the k2 chunks its mask in the `chunk_plan` marks
+   (20 of 80 at 80 mels, 23 of 128 at 128);
+5. after `Config.frames` frames a warp, the projection mel^T = W^T P^T: [16 bands x 16 bins] x [16 bins x frames]
+   products over the block's chunks, then log10, (x + 4) / 4 and the store, and the tile's max and min of the
+   log for the floor pass (`triton.waveform`'s, shared with the Triton path).
+
+Precision: the DFT products take fp16 operands split into head and tail (three products, fp32-accurate while
+the operand lies in fp16's normal range): each frame's folded samples are scaled by a power of two into
+[2^14, 2^15) and the stage-2 inputs by 2^-5, and the frame's exponent goes back inside the log. The projection
+splits the power and the filterbank into bfloat16 head and tail (three products, about 2^-16 relative),
+whose range needs no scaling.
+"""
+
+from dataclasses import dataclass
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+
+from .. import whisper
+from ..common.gluon_compat import barrier
+from ..triton.epilogue import LOG10_2, LOG10_CLAMP, STATS_CHUNK
+from ..triton.waveform import FLOOR_TILES, _dft_tables, _waveform_floor_kernel, stage2_bins
+
+N_FFT = gl.constexpr(whisper.N_FFT)
+HOP = gl.constexpr(whisper.HOP_LENGTH)
+PCM_SCALE = gl.constexpr(whisper.PCM_SCALE)
+BANDS = gl.constexpr(16)  # mel bands a projection block (the projection's M)
+
+
+@dataclass(frozen=True)
+class Config:
+    """frames: the frames a warp transforms before projecting them (the projection's N: 8 or 16; the power of
+    num_warps * frames frames takes 4 KB of shared memory a frame of a warp); maxnreg: a register cap, for more
+    resident warps."""
+
+    frames: int = 8
+    num_warps: int = 4
+    maxnreg: int | None = None
+
+    @property
+    def name(self) -> str:
+        return f"j{self.frames} w{self.num_warps}" + (f" r{self.maxnreg}" if self.maxnreg else "")
+
+
+DEFAULT_CONFIG = Config()
+# The default and the runners-up the benchmark times and the GPU tests run.
+SHIPPED_CONFIGS = (DEFAULT_CONFIG, Config(frames=16), Config(maxnreg=128))
+
+
+@gluon.jit
+def _grid(D0: gl.constexpr, D1: gl.constexpr, D2: gl.constexpr, layout: gl.constexpr):
+    """Index tensors [D0, 1, 1], [1, D1, 1], [1, 1, D2] in `layout`."""
+    i0 = gl.arange(0, D0, layout=gl.SliceLayout(1, gl.SliceLayout(2, layout)))
+    i1 = gl.arange(0, D1, layout=gl.SliceLayout(0, gl.SliceLayout(2, layout)))
+    i2 = gl.arange(0, D2, layout=gl.SliceLayout(0, gl.SliceLayout(1, layout)))
+    return (gl.expand_dims(gl.expand_dims(i0, 1), 2), gl.expand_dims(gl.expand_dims(i1, 0), 2),
+            gl.expand_dims(gl.expand_dims(i2, 0), 1))
+
+
+@gluon.jit
+def _split(x, dtype: gl.constexpr):
+    """(head, tail) of fp32 x in `dtype`: head + tail = x to about 2^-22 (fp16, in its normal range) or 2^-16
+    (bf16)."""
+    hi = x.to(dtype)
+    return hi, (x - hi.to(gl.float32)).to(dtype)
+
+
+@gluon.jit
+def _mma3(a_hi, a_lo, b_hi, b_lo, acc):
+    """acc + a @ b from the split operands, the tails' product left out."""
+    acc = mma_v2(a_lo, b_hi, acc)
+    acc = mma_v2(a_hi, b_lo, acc)
+    return mma_v2(a_hi, b_hi, acc)
+
+
+@gluon.jit
+def _pow2_scale(amax):
+    """(2^s, s) for the integer s that puts amax (>= 0) in [2^14, 2^15), within fp32's normal exponents."""
+    biased = 268 - ((amax.to(gl.int32, bitcast=True) >> 23) & 255)  # 127 + 14 - (exponent of amax)
+    biased = gl.minimum(gl.maximum(biased, 1), 254)
+    return (biased << 23).to(gl.float32, bitcast=True), biased - 127
+
+
+@gluon.jit
+def _samples(audio_ptr, window, clip_base, length, N, frame, n, ok, IS_PCM: gl.constexpr, INTERIOR: gl.constexpr):
+    """Sample n of `frame` times its window value: reflected at the clip's ends and zero at or past `length`
+    (INTERIOR: the program's frames lie inside both, and only `ok` masks), zero where `ok` is false."""
+    j = frame * HOP - N_FFT // 2 + n
+    if INTERIOR:
+        x = gl.load(audio_ptr + clip_base + j, mask=ok, other=0).to(gl.float32)
+    else:
+        j = gl.where(j < 0, -j, j)
+        j = gl.where(j >= N, 2 * N - 2 - j, j)
+        x = gl.load(audio_ptr + clip_base + j, mask=ok & (j < length), other=0).to(gl.float32)
+    if IS_PCM:
+        x = x * PCM_SCALE
+    return x * window
+
+
+@gluon.jit
+def _spectra(audio_ptr, window_ptr, operands_ptr, twiddles_ptr, power_s, exps_s, clip_base, length, N, F, first,
+             J: gl.constexpr, IS_PCM: gl.constexpr, INTERIOR: gl.constexpr):
+    """The power spectra of frames first + w * J + j (clamped to F - 1), warp w, j < J, into power_s
+    [(k2, warp), k1, frame j] times 2^exps_s[warp, j]."""
+    W: gl.constexpr = gl.num_warps()
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[W, 1, 1], instr_shape=[1, 16, 8])
+    a_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+    b_op: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
+    # The DFT tables, each [16, 16] (fp16 head, then the tails 4 * 256 elements on), and the twiddles. Every warp
+    # holds the same ones (index 0 * w: the batch dimension is the warp's frame).
+    LO: gl.constexpr = 4 * 256
+    wa, ka, na = _grid(W, 16, 16, a_op)
+    square_a = 0 * wa + ka * 16 + na  # C[k1, n1]: the stage-1 tables are symmetric
+    cos1_hi = gl.load(operands_ptr + square_a)
+    cos1_lo = gl.load(operands_ptr + LO + square_a)
+    sin1_hi = gl.load(operands_ptr + 256 + square_a)
+    sin1_lo = gl.load(operands_ptr + LO + 256 + square_a)
+    wb, kb, nb = _grid(W, 16, 16, b_op)
+    square_b = 0 * wb + kb * 16 + nb  # D[n2, k2]
+    cos2_hi = gl.load(operands_ptr + 512 + square_b)
+    cos2_lo = gl.load(operands_ptr + LO + 512 + square_b)
+    sin2_hi = gl.load(operands_ptr + 768 + square_b)
+    sin2_lo = gl.load(operands_ptr + LO + 768 + square_b)
+    wc, k1c, n2c = _grid(W, 16, 16, mma)
+    twiddle = twiddles_ptr + 0 * wc + n2c * 16 + k1c  # stored [n2, k1]; times 2^-5, the stage-2 inputs' scale
+    t_re = gl.load(twiddle) * (1.0 / 32)
+    t_im = gl.load(twiddle + 256) * (1.0 / 32)
+    # Stage 1's right operand S[n1, n2]: s[n1] at 16 n1 + n2, s[25 - n1] at 400 - 16 n1 + n2, n1 <= 12.
+    n_lo = 16 * kb + nb
+    n_hi = N_FFT - 16 * kb + nb
+    used_lo = kb < 13
+    used_hi = (kb >= 1) & used_lo
+    window_lo = gl.load(window_ptr + n_lo)
+    window_hi = gl.load(window_ptr + n_hi)
+    for j in gl.static_range(J):
+        frame = gl.minimum(first + wb * J + j, F - 1)
+        s_lo = _samples(audio_ptr, window_lo, clip_base, length, N, frame, n_lo, used_lo, IS_PCM, INTERIOR)
+        s_hi = _samples(audio_ptr, window_hi, clip_base, length, N, frame, n_hi, used_hi, IS_PCM, INTERIOR)
+        cosines = s_lo + s_hi
+        sines = s_lo - s_hi
+        amax = gl.max(gl.max(gl.maximum(gl.abs(cosines), gl.abs(sines)), axis=2), axis=1)
+        scale, s = _pow2_scale(amax)
+        scale = gl.expand_dims(gl.expand_dims(scale, 1), 2)
+        c_hi, c_lo = _split(cosines * scale, gl.float16)
+        s_hi16, s_lo16 = _split(sines * scale, gl.float16)
+        zero = gl.zeros([W, 16, 16], gl.float32, mma)
+        y_re = _mma3(cos1_hi, cos1_lo, c_hi, c_lo, zero)
+        y_im = _mma3(sin1_hi, sin1_lo, s_hi16, s_lo16, zero)
+        g_re = y_re * t_re - y_im * t_im
+        g_im = y_re * t_im + y_im * t_re
+        gr_hi, gr_lo = _split(g_re, gl.float16)
+        gi_hi, gi_lo = _split(g_im, gl.float16)
+        gr_hi = gl.convert_layout(gr_hi, a_op)
+        gr_lo = gl.convert_layout(gr_lo, a_op)
+        gi_hi = gl.convert_layout(gi_hi, a_op)
+        gi_lo = gl.convert_layout(gi_lo, a_op)
+        z_re = _mma3(gi_hi, gi_lo, sin2_hi, sin2_lo, _mma3(gr_hi, gr_lo, cos2_hi, cos2_lo, zero))
+        z_im = _mma3(-gr_hi, -gr_lo, sin2_hi, sin2_lo, _mma3(gi_hi, gi_lo, cos2_hi, cos2_lo, zero))
+        power = z_re * z_re + z_im * z_im  # [warp, k1, k2], times 2^(2 s - 10)
+        power_s.slice(j, 1, dim=2).store(gl.reshape(gl.permute(power, (2, 0, 1)), [16 * W, 16, 1]))
+        exps_s.slice(j, 1, dim=1).store(gl.expand_dims(2 * s - 10, 1))
+
+
+@gluon.jit
+def _waveform_gluon_kernel(audio_ptr, lengths_ptr, operands_ptr, twiddles_ptr, window_ptr, proj_ptr, plan_ptr,
+                           out_ptr, stats_ptr, N, F, NM, n_tiles, J: gl.constexpr, N_BLOCKS: gl.constexpr,
+                           IS_PCM: gl.constexpr, HAS_LENGTHS: gl.constexpr):
+    """One program per (clip, tile of num_warps * J frames), clip-major; warp w takes the tile's frames w * J + j."""
+    W: gl.constexpr = gl.num_warps()
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[W, 1, 1], instr_shape=[1, 16, 8])
+    a_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
+    b_op: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=2)
+    flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[2, 1, 0])
+    flat2: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
+
+    pid = gl.program_id(0)
+    clip = pid // n_tiles
+    first = (pid % n_tiles) * (W * J)
+    length = N
+    if HAS_LENGTHS:
+        length = gl.minimum(gl.load(lengths_ptr + clip), N).to(gl.int32)
+    clip_base = clip.to(gl.int64) * N
+
+    # Shared-memory views take static offsets: the frame loop and the projection's chunk loop are unrolled.
+    power_s = gl.allocate_shared_memory(gl.float32, [16 * W, 16, J], flat)  # [(k2, warp), k1, frame j]
+    exps_s = gl.allocate_shared_memory(gl.int32, [W, J], flat2)
+    # Samples 160 f - 200 .. 160 f + 199 of the tile's frames f: inside the clip, no reflection or length test.
+    last = gl.minimum(first + W * J, F) - 1
+    if (first * HOP >= N_FFT // 2) & (last * HOP + N_FFT // 2 <= length):
+        _spectra(audio_ptr, window_ptr, operands_ptr, twiddles_ptr, power_s, exps_s, clip_base, length, N, F, first,
+                 J, IS_PCM, True)
+    else:
+        _spectra(audio_ptr, window_ptr, operands_ptr, twiddles_ptr, power_s, exps_s, clip_base, length, N, F, first,
+                 J, IS_PCM, False)
+    barrier()
+
+    # The projection mel^T[band, frame] = W^T[band, bin] P^T[bin, frame], 16 bands at a time over the chunks (k2)
+    # the plan marks for the block.
+    wp, bp, jp = _grid(W, BANDS, J, mma)
+    ww, bw, kw = _grid(W, BANDS, 16, a_op)
+    frames = first + wp * J + jp
+    exps = gl.expand_dims(exps_s.load(gl.SliceLayout(1, mma)), 1)  # [warp, 1, frame j]
+    out_clip = out_ptr + clip.to(gl.int64) * NM * F
+    PROJ_LO: gl.constexpr = 256 * N_BLOCKS * BANDS
+    run_max = gl.full([W, BANDS, J], float("-inf"), gl.float32, mma)
+    run_min = gl.full([W, BANDS, J], float("inf"), gl.float32, mma)
+    for block in range(N_BLOCKS):
+        needed = gl.load(plan_ptr + block)
+        mel = gl.zeros([W, BANDS, J], gl.float32, mma)
+        for k2 in gl.static_range(16):
+            if (needed >> k2) & 1:
+                p_hi, p_lo = _split(power_s.slice(k2 * W, W, dim=0).load(b_op), gl.bfloat16)
+                weights = proj_ptr + 0 * ww + (block * BANDS + bw) * 256 + k2 * 16 + kw
+                mel = _mma3(gl.load(weights), gl.load(weights + PROJ_LO), p_hi, p_lo, mel)
+        log2 = gl.inline_asm_elementwise("lg2.approx.f32 $0, $1;", "=f,f", [mel], dtype=gl.float32,
+                                         is_pure=True, pack=1)
+        log_spec = (log2 - exps.to(gl.float32)) * LOG10_2
+        log_spec = gl.where(log_spec <= LOG10_CLAMP, LOG10_CLAMP, log_spec)
+        bands = block * BANDS + bp
+        gl.store(out_clip + bands * F + frames, ((log_spec + 4.0) * 0.25).to(out_ptr.dtype.element_ty),
+                 mask=(bands < NM) & (frames < F))
+        # Frames past F repeat frame F - 1; bands past NM (zero weights) must not lower the minimum.
+        run_max = gl.maximum(run_max, log_spec)
+        run_min = gl.minimum(run_min, gl.where(bands < NM, log_spec, float("inf")))
+    stats = stats_ptr + pid.to(gl.int64) * 2
+    gl.store(stats, gl.max(gl.max(gl.max(run_max, axis=2), axis=1), axis=0))
+    gl.store(stats + 1, gl.min(gl.min(gl.min(run_min, axis=2), axis=1), axis=0))
+
+
+def chunk_plan(mel_filters: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(plan, projection) for `mel_filters` (NM, 201): plan (blocks,) int32, per block of 16 bands a mask of the
+    k2 chunks (bit k2) on whose bins a weight of the block is non-zero (NaN included); projection
+    (2, blocks * 16, 256) bfloat16, the head and tail of the transposed weights, columns in the kernel's order
+    k2 * 16 + k1, zero on the unused stage-2 outputs and on the bands past NM."""
+    NM = mel_filters.shape[0]
+    n_blocks = triton.cdiv(NM, BANDS.value)
+    bins, used = stage2_bins()  # in the order k1 * 16 + k2
+    bins = bins.view(16, 16).t().reshape(-1)
+    used = used.view(16, 16).t().reshape(-1)
+    weights = torch.zeros(256, n_blocks * BANDS.value, dtype=torch.float64)
+    rows = torch.nonzero(used).flatten()
+    weights[rows, :NM] = mel_filters.t().double().cpu()[bins[rows]]
+    blocks = weights.view(16, 16, n_blocks, BANDS.value)  # [k2, k1, block, band]
+    needed = (blocks != 0).any(dim=3).any(dim=1).t()  # [block, k2]
+    plan = (needed.long() << torch.arange(16)).sum(dim=1).to(torch.int32)
+    weights = weights.t().contiguous()
+    head = weights.to(torch.bfloat16)
+    projection = torch.stack([head, (weights - head.double()).to(torch.bfloat16)])
+    return plan, projection
+
+
+_PLANS: dict = {}
+
+
+def _plan(n_mels: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    key = (n_mels, device)
+    if key not in _PLANS:
+        plan, projection = chunk_plan(whisper.mel_filters(n_mels))
+        _PLANS[key] = (plan.to(device), projection.to(device))
+    return _PLANS[key]
+
+
+def whisper_log_mel_gluon(audio: torch.Tensor, lengths: torch.Tensor | None, n_mels: int, out_dtype: torch.dtype,
+                          config: Config | None = None) -> torch.Tensor:
+    """(B, n_mels, N // 160) in `out_dtype` from validated, contiguous audio (B, N) and lengths (B,) int64 on its
+    device, or None, as `triton.waveform.whisper_log_mel_triton` computes it."""
+    config = config or DEFAULT_CONFIG
+    B, N = audio.shape
+    F = N // HOP.value
+    operands, twiddles, window = _dft_tables(audio.device)
+    plan, projection = _plan(n_mels, audio.device)
+    block_f = config.num_warps * config.frames
+    n_tiles = triton.cdiv(F, block_f)
+    n_groups = triton.cdiv(n_tiles, FLOOR_TILES)
+    stats = torch.empty(B, n_tiles, 2, dtype=torch.float32, device=audio.device)
+    out = torch.empty(B, n_mels, F, dtype=out_dtype, device=audio.device)
+    _waveform_gluon_kernel[(B * n_tiles,)](
+        audio, lengths, operands, twiddles, window, projection, plan, out, stats, N, F, n_mels, n_tiles,
+        J=config.frames, N_BLOCKS=projection.shape[1] // BANDS.value, IS_PCM=audio.dtype == torch.int16,
+        HAS_LENGTHS=lengths is not None, num_warps=config.num_warps, maxnreg=config.maxnreg)
+    _waveform_floor_kernel[(B * n_groups,)](out, stats, F, n_mels, n_tiles, n_groups, BLOCK_F=block_f,
+                                            BLOCK_M=32, STATS_CHUNK=STATS_CHUNK, FLOOR_TILES=FLOOR_TILES)
+    return out
