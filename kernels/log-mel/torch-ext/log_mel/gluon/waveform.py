@@ -36,8 +36,9 @@ from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 from .. import whisper
 from ..common.gluon_compat import barrier
-from ..triton.epilogue import LOG10_2, LOG10_CLAMP, STATS_CHUNK
-from ..triton.waveform import FLOOR_TILES, _dft_tables, _waveform_floor_kernel, stage2_bins
+from ..triton.epilogue import STATS_CHUNK
+from ..triton.waveform import (FLOOR_TILES, dft_tables, log10_scaled, pow2_scale, stage2_bins,
+                               waveform_floor_kernel)
 
 N_FFT = gl.constexpr(whisper.N_FFT)
 HOP = gl.constexpr(whisper.HOP_LENGTH)
@@ -89,14 +90,6 @@ def _mma3(a_hi, a_lo, b_hi, b_lo, acc):
     acc = mma_v2(a_lo, b_hi, acc)
     acc = mma_v2(a_hi, b_lo, acc)
     return mma_v2(a_hi, b_hi, acc)
-
-
-@gluon.jit
-def _pow2_scale(amax):
-    """(2^s, s) for the integer s that puts amax (>= 0) in [2^14, 2^15), within fp32's normal exponents."""
-    biased = 268 - ((amax.to(gl.int32, bitcast=True) >> 23) & 255)  # 127 + 14 - (exponent of amax)
-    biased = gl.minimum(gl.maximum(biased, 1), 254)
-    return (biased << 23).to(gl.float32, bitcast=True), biased - 127
 
 
 @gluon.jit
@@ -157,7 +150,7 @@ def _spectra(audio_ptr, window_ptr, operands_ptr, twiddles_ptr, power_s, exps_s,
         cosines = s_lo + s_hi
         sines = s_lo - s_hi
         amax = gl.max(gl.max(gl.maximum(gl.abs(cosines), gl.abs(sines)), axis=2), axis=1)
-        scale, s = _pow2_scale(amax)
+        scale, s = pow2_scale(amax)
         scale = gl.expand_dims(gl.expand_dims(scale, 1), 2)
         c_hi, c_lo = _split(cosines * scale, gl.float16)
         s_hi16, s_lo16 = _split(sines * scale, gl.float16)
@@ -230,10 +223,7 @@ def _waveform_gluon_kernel(audio_ptr, lengths_ptr, operands_ptr, twiddles_ptr, w
                 p_hi, p_lo = _split(power_s.slice(k2 * W, W, dim=0).load(b_op), gl.bfloat16)
                 weights = proj_ptr + 0 * ww + (block * BANDS + bw) * 256 + k2 * 16 + kw
                 mel = _mma3(gl.load(weights), gl.load(weights + PROJ_LO), p_hi, p_lo, mel)
-        log2 = gl.inline_asm_elementwise("lg2.approx.f32 $0, $1;", "=f,f", [mel], dtype=gl.float32,
-                                         is_pure=True, pack=1)
-        log_spec = (log2 - exps.to(gl.float32)) * LOG10_2
-        log_spec = gl.where(log_spec <= LOG10_CLAMP, LOG10_CLAMP, log_spec)
+        log_spec = log10_scaled(mel, exps, True)
         bands = block * BANDS + bp
         gl.store(out_clip + bands * F + frames, ((log_spec + 4.0) * 0.25).to(out_ptr.dtype.element_ty),
                  mask=(bands < NM) & (frames < F))
@@ -285,7 +275,7 @@ def whisper_log_mel_gluon(audio: torch.Tensor, lengths: torch.Tensor | None, n_m
     config = config or DEFAULT_CONFIG
     B, N = audio.shape
     F = N // HOP.value
-    operands, twiddles, window = _dft_tables(audio.device)
+    operands, twiddles, window = dft_tables(audio.device)
     plan, projection = _plan(n_mels, audio.device)
     block_f = config.num_warps * config.frames
     n_tiles = triton.cdiv(F, block_f)
@@ -296,6 +286,6 @@ def whisper_log_mel_gluon(audio: torch.Tensor, lengths: torch.Tensor | None, n_m
         audio, lengths, operands, twiddles, window, projection, plan, out, stats, N, F, n_mels, n_tiles,
         J=config.frames, N_BLOCKS=projection.shape[1] // BANDS.value, IS_PCM=audio.dtype == torch.int16,
         HAS_LENGTHS=lengths is not None, num_warps=config.num_warps, maxnreg=config.maxnreg)
-    _waveform_floor_kernel[(B * n_groups,)](out, stats, F, n_mels, n_tiles, n_groups, BLOCK_F=block_f,
+    waveform_floor_kernel[(B * n_groups,)](out, stats, F, n_mels, n_tiles, n_groups, BLOCK_F=block_f,
                                             BLOCK_M=32, STATS_CHUNK=STATS_CHUNK, FLOOR_TILES=FLOOR_TILES)
     return out

@@ -75,7 +75,7 @@ def split_operand(t: torch.Tensor) -> torch.Tensor:
 
 
 @functools.cache
-def _dft_tables(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def dft_tables(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(operands, twiddles, window) on `device`, from float64, once per device: the products'
     tables (stage-1 cos, stage-1 -sin, stage-2 cos, stage-2 sin; (4, 16, 16), split by `split_operand`), the
     twiddles W400^(n2 k1) ((2, 16, 16) float32: real, imaginary part) and the Hann window ((512,) float32)."""
@@ -144,7 +144,7 @@ def _product(a, b_ptr, offsets, acc, B_LO: tl.constexpr):
 
 
 @triton.jit
-def _pow2_scale(amax):
+def pow2_scale(amax):
     """(2^s, s) for the integer s that puts amax (>= 0) in [2^14, 2^15), within fp32's normal exponents (any s
     for 0). Multiplying by 2^s is exact."""
     biased = 268 - ((amax.to(tl.int32, bitcast=True) >> 23) & 255)  # 127 + 14 - (exponent of amax)
@@ -203,7 +203,7 @@ def _power_tile(audio_ptr, lengths_ptr, operands_ptr, twiddles_ptr, window_ptr, 
                           (cols[None, :] >= 1) & (cols[None, :] < HALF), IS_PCM)
     cosines = s_lo + s_hi
     sines = s_lo - s_hi
-    scale, s = _pow2_scale(tl.maximum(tl.max(tl.abs(cosines)), tl.max(tl.abs(sines))))
+    scale, s = pow2_scale(tl.maximum(tl.max(tl.abs(cosines)), tl.max(tl.abs(sines))))
     square = cols[:, None] * RADIX + cols[None, :]
     LO: tl.constexpr = 4 * RADIX * RADIX  # the operands' tails (`split_operand`)
     y_re = _product(cosines * scale, operands_ptr, square, None, LO)
@@ -241,7 +241,7 @@ def _waveform_tiles_kernel(audio_ptr, lengths_ptr, operands_ptr, twiddles_ptr, w
                            BLOCK_F, IS_PCM, HAS_LENGTHS)
     # The power into [2^14, 2^15) as well (the filterbank arrives times 2^MEL_SHIFT), so that
     # mel = product * 2^-(e + s + MEL_SHIFT).
-    scale, s = _pow2_scale(tl.max(power))
+    scale, s = pow2_scale(tl.max(power))
     e += s + MEL_SHIFT
     frames = tile * BLOCK_F + tl.arange(0, BLOCK_F)
     out_clip = out_ptr + clip.to(tl.int64) * NM * F
@@ -272,7 +272,7 @@ def _waveform_tiles_kernel(audio_ptr, lengths_ptr, operands_ptr, twiddles_ptr, w
 
 
 @triton.jit
-def _waveform_floor_kernel(out_ptr, stats_ptr, F, NM, n_tiles, n_groups, BLOCK_F: tl.constexpr,
+def waveform_floor_kernel(out_ptr, stats_ptr, F, NM, n_tiles, n_groups, BLOCK_F: tl.constexpr,
                            BLOCK_M: tl.constexpr, STATS_CHUNK: tl.constexpr, FLOOR_TILES: tl.constexpr):
     """Pass 2, one program per (clip, group of FLOOR_TILES frame tiles): out = max(out, (floor + 4) / 4) on
     the tiles whose minimum lies below the clip's floor; rounding to the output dtype is monotone, so
@@ -301,7 +301,7 @@ def whisper_log_mel_triton(audio: torch.Tensor, lengths: torch.Tensor | None, n_
     config = config or DEFAULT_CONFIG
     B, N = audio.shape
     F = N // HOP.value
-    operands, twiddles, window = _dft_tables(audio.device)
+    operands, twiddles, window = dft_tables(audio.device)
     proj = _projection(n_mels, audio.device, config.block_m)
     n_tiles = triton.cdiv(F, config.block_f)
     n_groups = triton.cdiv(n_tiles, FLOOR_TILES)
@@ -314,6 +314,6 @@ def whisper_log_mel_triton(audio: torch.Tensor, lengths: torch.Tensor | None, n_
         # The interpreter (CPU) cannot run inline PTX.
         HW_LOG2=not triton.knobs.runtime.interpret, num_warps=config.num_warps,
         num_stages=config.num_stages)
-    _waveform_floor_kernel[(B * n_groups,)](out, stats, F, n_mels, n_tiles, n_groups, BLOCK_F=config.block_f,
+    waveform_floor_kernel[(B * n_groups,)](out, stats, F, n_mels, n_tiles, n_groups, BLOCK_F=config.block_f,
                                             BLOCK_M=32, STATS_CHUNK=STATS_CHUNK, FLOOR_TILES=FLOOR_TILES)
     return out
