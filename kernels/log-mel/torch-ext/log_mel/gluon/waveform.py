@@ -26,6 +26,7 @@ splits the power and the filterbank into bfloat16 head and tail (three products,
 whose range needs no scaling.
 """
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -48,9 +49,9 @@ BANDS = gl.constexpr(16)  # mel bands a projection block (the projection's M)
 
 @dataclass(frozen=True)
 class Config:
-    """frames: the frames a warp transforms before projecting them (the projection's N: 8 or 16; the power of
-    num_warps * frames frames takes 4 KB of shared memory a frame of a warp); maxnreg: a register cap, for more
-    resident warps."""
+    """frames: the frames a warp transforms before projecting them (the projection's N, 8 or 16); their power
+    takes 4 KB of shared memory a frame and warp, 32 KB at 8 frames and 4 warps. maxnreg: a register cap, for
+    more resident warps."""
 
     frames: int = 8
     num_warps: int = 4
@@ -257,15 +258,11 @@ def chunk_plan(mel_filters: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return plan, projection
 
 
-_PLANS: dict = {}
-
-
+@functools.cache
 def _plan(n_mels: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    key = (n_mels, device)
-    if key not in _PLANS:
-        plan, projection = chunk_plan(whisper.mel_filters(n_mels))
-        _PLANS[key] = (plan.to(device), projection.to(device))
-    return _PLANS[key]
+    """`chunk_plan(mel_filters(n_mels))` on `device`, once per (n_mels, device)."""
+    plan, projection = chunk_plan(whisper.mel_filters(n_mels))
+    return plan.to(device), projection.to(device)
 
 
 def whisper_log_mel_gluon(audio: torch.Tensor, lengths: torch.Tensor | None, n_mels: int, out_dtype: torch.dtype,
@@ -287,5 +284,5 @@ def whisper_log_mel_gluon(audio: torch.Tensor, lengths: torch.Tensor | None, n_m
         J=config.frames, N_BLOCKS=projection.shape[1] // BANDS.value, IS_PCM=audio.dtype == torch.int16,
         HAS_LENGTHS=lengths is not None, num_warps=config.num_warps, maxnreg=config.maxnreg)
     waveform_floor_kernel[(B * n_groups,)](out, stats, F, n_mels, n_tiles, n_groups, BLOCK_F=block_f,
-                                            BLOCK_M=32, STATS_CHUNK=STATS_CHUNK, FLOOR_TILES=FLOOR_TILES)
+                                           BLOCK_M=32, STATS_CHUNK=STATS_CHUNK, FLOOR_TILES=FLOOR_TILES)
     return out

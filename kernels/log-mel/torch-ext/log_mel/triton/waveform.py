@@ -273,7 +273,7 @@ def _waveform_tiles_kernel(audio_ptr, lengths_ptr, operands_ptr, twiddles_ptr, w
 
 @triton.jit
 def waveform_floor_kernel(out_ptr, stats_ptr, F, NM, n_tiles, n_groups, BLOCK_F: tl.constexpr,
-                           BLOCK_M: tl.constexpr, STATS_CHUNK: tl.constexpr, FLOOR_TILES: tl.constexpr):
+                          BLOCK_M: tl.constexpr, STATS_CHUNK: tl.constexpr, FLOOR_TILES: tl.constexpr):
     """Pass 2, one program per (clip, group of FLOOR_TILES frame tiles): out = max(out, (floor + 4) / 4) on
     the tiles whose minimum lies below the clip's floor; rounding to the output dtype is monotone, so
     flooring the rounded value equals rounding the floored one."""
@@ -315,5 +315,5 @@ def whisper_log_mel_triton(audio: torch.Tensor, lengths: torch.Tensor | None, n_
         HW_LOG2=not triton.knobs.runtime.interpret, num_warps=config.num_warps,
         num_stages=config.num_stages)
     waveform_floor_kernel[(B * n_groups,)](out, stats, F, n_mels, n_tiles, n_groups, BLOCK_F=config.block_f,
-                                            BLOCK_M=32, STATS_CHUNK=STATS_CHUNK, FLOOR_TILES=FLOOR_TILES)
+                                           BLOCK_M=32, STATS_CHUNK=STATS_CHUNK, FLOOR_TILES=FLOOR_TILES)
     return out
