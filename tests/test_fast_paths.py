@@ -55,6 +55,17 @@ def test_cuda_devices_are_checked_against_the_table(fast_paths, monkeypatch):
         assert paths.runs("gluon", torch.device("cuda", 0)) == runs
 
 
+def test_compiles_for_takes_the_gpu_and_the_releases_it_compiles_under_verified_or_not(fast_paths, monkeypatch):
+    paths = table(fast_paths)
+    monkeypatch.setattr(fast_paths, "TRITON_RELEASE", "3.9")  # compiles there, not verified
+    for capability, takes in (((9, 0), True), ((8, 0), False), ((10, 0), False)):
+        monkeypatch.setattr(fast_paths, "capability", lambda device, c=capability: c)
+        assert paths.compiles_for("gluon", torch.device("cuda", 0)) == takes
+    monkeypatch.setattr(fast_paths, "TRITON_RELEASE", "3.8")
+    assert not paths.compiles_for("gluon", torch.device("cuda", 0))
+    assert not paths.compiles_for("gluon", torch.device("cpu"))
+
+
 def test_a_failure_switches_the_path_off_with_one_warning(fast_paths, monkeypatch):
     paths = table(fast_paths)
     monkeypatch.setattr(fast_paths, "TRITON_RELEASE", "3.6")

@@ -124,12 +124,11 @@ def results_table(kernel: Kernel, rows: list[dict]) -> str:
     if not rows:
         raise SystemExit(f"{kernel.name}: no rows of runs {runs} in bench/results.jsonl")
     # Each case's figures come from the last of the runs (in CURRENT's order) that measured it.
-    source = {}
-    for r in sorted(rows, key=lambda r: runs.index(r["run"])):
-        source[r["case"]] = r["run"]
+    rows = sorted(rows, key=lambda r: runs.index(r["run"]))
+    source = {r["case"]: r["run"] for r in rows}
     rows = [r for r in rows if source[r["case"]] == r["run"]]
     first: dict = {}
-    for r in sorted(rows, key=lambda r: runs.index(r["run"])):
+    for r in rows:
         first.setdefault(r["run"], r)
     if len({(f["device"], f["torch"], f["triton"]) for f in first.values()}) > 1:
         raise SystemExit(f"{kernel.name}: runs {runs} differ in device, torch or Triton")

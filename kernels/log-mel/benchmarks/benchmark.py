@@ -386,8 +386,7 @@ def waveform_rows(kernel, bench, batches=WAVEFORM_BATCHES, n_samples=30 * 16000)
     # The Gluon kernel on its own, wherever its GPU takes it (verified or not: these rows verify it).
     dispatch = importlib.import_module(f"{kernel.__name__}.dispatch")
     gluon = None
-    if device == "cuda" and dispatch.FAST_PATHS.compiles("waveform-gluon") and \
-            tuple(torch.cuda.get_device_capability()) in dispatch.FAST_PATHS.paths["waveform-gluon"].capabilities:
+    if dispatch.FAST_PATHS.compiles_for("waveform-gluon", torch.device(device)):
         gluon = importlib.import_module(f"{kernel.__name__}.gluon.waveform")
     rows = []
     for B in batches:

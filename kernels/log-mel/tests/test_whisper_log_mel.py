@@ -214,10 +214,7 @@ def test_chunk_plan_projects_like_the_filterbank(lm, n_mels):
 def gluon_waveform(lm):
     if not HAS_CUDA:
         pytest.skip("needs a CUDA device")
-    dispatch = submodule(lm, "dispatch")
-    capabilities = dispatch.FAST_PATHS.paths["waveform-gluon"].capabilities
-    if tuple(torch.cuda.get_device_capability()) not in capabilities or \
-            not dispatch.FAST_PATHS.compiles("waveform-gluon"):
+    if not submodule(lm, "dispatch").FAST_PATHS.compiles_for("waveform-gluon", torch.device("cuda")):
         pytest.skip("the Gluon waveform kernel does not run on this GPU or Triton")
     return submodule(lm, "gluon.waveform")
 

@@ -28,8 +28,6 @@ def waveform_path(audio: torch.Tensor) -> str:
 def whisper_log_mel_cuda(audio: torch.Tensor, lengths: torch.Tensor | None, n_mels: int,
                          out_dtype: torch.dtype) -> torch.Tensor:
     """`whisper_log_mel` on validated, contiguous CUDA (or meta) tensors, on the path `waveform_path` picks."""
-    from .triton.waveform import whisper_log_mel_triton
-
     if waveform_path(audio) == "waveform-gluon":
         from .gluon.waveform import whisper_log_mel_gluon
 
@@ -39,4 +37,6 @@ def whisper_log_mel_cuda(audio: torch.Tensor, lengths: torch.Tensor | None, n_me
             if not falls_back(error):
                 raise
             FAST_PATHS.failed("waveform-gluon", error)
+    from .triton.waveform import whisper_log_mel_triton
+
     return whisper_log_mel_triton(audio, lengths, n_mels, out_dtype)

@@ -68,6 +68,12 @@ class FastPaths:
         """Whether path `name` compiles under Triton `release` (default: the installed one)."""
         return (release or TRITON_RELEASE) in self.paths[name].compiles
 
+    def compiles_for(self, name: str, device: torch.device) -> bool:
+        """Whether path `name` compiles under the installed Triton for CUDA device `device`'s compute capability,
+        verified there or not: where a GPU run that verifies it tests and times it."""
+        return (device.type == "cuda" and tuple(capability(device)) in self.paths[name].capabilities
+                and self.compiles(name))
+
     def runs(self, name: str, device: torch.device) -> bool:
         """Whether path `name` runs for tensors on `device`: verified for its GPU and this Triton, and not switched
         off. Meta tensors (an offline compile for sm_90) take every path that compiles under this Triton."""
