@@ -9,8 +9,10 @@ product's columns). The tiles come in two groups with a barrier each, so that th
 the state group (S_n, dS'_n, Vn, X, dO), used by the products over V, and the key group (q, k, p), used by the
 products over the chunk. The next chunk's state group is copied once this chunk's products over V are done; a chunk's
 key group is copied as the chunk starts, once the previous chunk's dk and dp, stored from the key group's q and p
-buffers (shared memory holds no more at K = 128: 206 KB, one CTA an SM), have left. The [64, 64] A operands of the
-products over the chunk go through shared memory too: in registers each warpgroup would hold each whole.
+buffers (shared memory holds no more at K = 128: 222 KB, one CTA an SM), have left. The [64, 64] A operands of the
+products over the chunk go through shared memory too: in registers each warpgroup would hold each whole. So does
+dLE in fp32, which the chunk's last terms take after the products over the chunk: held in registers across them, it
+would make the kernel spill.
 
 The gates and dbeta's v parts, plain loads, come a chunk ahead: with one CTA an SM nothing else runs to hide their
 latency, which would sit on the chunk's path (at K = 64, two CTAs an SM, loading them with the chunk is faster).
@@ -52,7 +54,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from ..common import gluon_compat as compat
-from .chunk import BT, WARPS, chunk_gates, chunk_rows, gate_loads, scal_base, shared_layout, sms
+from .chunk import BT, FLOOR, WARPS, chunk_gates, chunk_rows, scal_base, shared_layout, sms
 from ..reference import CHUNK
 
 
@@ -99,12 +101,25 @@ def chunk_coords(c, step, N, H, K: gl.constexpr, V: gl.constexpr):
 
 @gluon.jit
 def chunk_loads(g, beta, dbeta_v, c, N, H, n_pos, NV: gl.constexpr, row: gl.constexpr):
-    """Chunk c's gates as loaded (`chunk.gate_loads`) and dbeta's v parts (`v_parts`, in the `row` layout),
-    which the kernel loads a chunk ahead, so that their latency is not on the chunk's path."""
+    """Chunk c's g and beta as loaded and dbeta's v parts (`v_parts`, in the `row` layout), which the kernel loads a
+    chunk ahead, so that their latency is not on the chunk's path. They are live across a whole chunk, so g comes one
+    element a thread, and `gate_cols` lays it out as `chunk.gate_loads` gives it when the chunk takes it: held in that
+    column slice, it would take 8 registers a thread, and the K = 128 kernel would spill. beta comes as `gate_loads`
+    gives it."""
+    one: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
+    sq: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
     b, h, t0, _, _, _, _, _ = _chunk_rows(c, N, H, BT, BT)  # K and V shape only the rows not taken here
     base = scal_base(b, h, N, H)
-    gj, beta_rows = gate_loads(g, beta, base, t0, H)
+    gj = gl.load(g + base + (t0 + gl.arange(0, BT, layout=one)) * H)
+    beta_rows = gl.load(beta + base + (t0 + gl.arange(0, BT, layout=gl.SliceLayout(1, sq))) * H)
     return gj, beta_rows, v_parts(dbeta_v, base + (t0 + gl.arange(0, BT, layout=row)) * H, n_pos, NV)
+
+
+@gluon.jit
+def gate_cols(gj):
+    """g of `chunk_loads` as `chunk.gate_loads` gives it: at least FLOOR, in the column slice of its layout."""
+    sq: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
+    return gl.maximum(gl.convert_layout(gj, gl.SliceLayout(0, sq)), FLOOR)
 
 
 @gluon.jit
@@ -188,6 +203,10 @@ def _grads_gluon_kernel(q_desc, k_desc, p_desc, do_desc, s_desc, ds_desc, vn_des
     # The [64, 64] A operands of the products over the chunk, in shared memory: in registers both warpgroups
     # would hold each whole (they split the product's columns).
     tt_b = gl.allocate_shared_memory(dtype, [3, BT, BT], tt_layout)   # bf16 dO Vn^T E, diag(beta) dLE, dLE
+    # dLE (fp32) from the products over V to the chunk's end: held in registers across the products over the chunk,
+    # it would make the kernel spill. 32-byte vectors swizzled by row: the accumulator layout's stores and loads of it
+    # take the fewest wavefronts.
+    dle_b = gl.allocate_shared_memory(gl.float32, [1, BT, BT], gl.SwizzledSharedLayout(8, 1, 8, [1, 0]))
 
     zero_tk = gl.zeros([BT, K], gl.float32, acc_tk)
     zero_tt = gl.zeros([BT, BT], gl.float32, acc_tt)
@@ -211,7 +230,7 @@ def _grads_gluon_kernel(q_desc, k_desc, p_desc, do_desc, s_desc, ds_desc, vn_des
         last_k = gl.arange(0, BT, layout=row_k) + zero == BT - 1
         # The gates and dbeta's v parts (from the reverse scan) come loaded a chunk ahead; this chunk's key group is
         # copied once the previous chunk's gradients have left q_s, p_s and dq_s.
-        gc, glast, bk = chunk_gates(gj, beta_rows)
+        gc, glast, bk = chunk_gates(gate_cols(gj), beta_rows)
         db = db_next
         gj, beta_rows, db_next = chunk_loads(g, beta, dbeta_v, gl.minimum(c + step, C - 1), N, H, n_pos, NV, row_t)
         rows_h = scal_base + (t0 + gl.arange(0, BT, layout=row_t)) * H
@@ -238,6 +257,7 @@ def _grads_gluon_kernel(q_desc, k_desc, p_desc, do_desc, s_desc, ds_desc, vn_des
         dle = gl.where(i_tt > j_tt, -a3 * e_low, 0.0)
         tt_b.index(zero + 1).store((bk_r[:, None] * dle).to(dtype))
         tt_b.index(zero + 2).store(dle.to(dtype))
+        dle_b.index(zero).store(dle)
         dq = warpgroup_mma(do_s, s_s.permute((1, 0)), zero_tk, is_async=True)
         dk = warpgroup_mma(vn_s, ds_s.permute((1, 0)), zero_tk, is_async=True)
         y = warpgroup_mma(x_s, s_s.permute((1, 0)), zero_tk, is_async=True)
@@ -275,6 +295,7 @@ def _grads_gluon_kernel(q_desc, k_desc, p_desc, do_desc, s_desc, ds_desc, vn_des
         compat.tma_store(dp_desc, [row, hk], p_s)
 
         # dbeta = p . Y + sum_j bf16(dLE)_ij (p_i . k_j) + the reverse scan's v parts, and the pb part's d gc.
+        dle = dle_b.index(zero).load(acc_tt)
         db += gl.convert_layout(p_y, row_t) + gl.sum(dle.to(dtype).to(gl.float32) * pk, 1)
         gl.store(dbeta + rows_h, db.to(dbeta.dtype.element_ty))
         dl_l = dle * pk * bk_r[:, None]
@@ -294,7 +315,7 @@ def launch(t, q, do, beta, g, dbeta_v, dq, dk, dp, dbeta, dg, scale: float):
     Tiles `t` (of the scans' S, dS', Vn and X among them) and dbeta's v parts (NV, B, T, H)."""
     B, T, H, K = q.shape
     V = do.shape[-1]
-    _grads_gluon_kernel[(min(B * H * (T // CHUNK), sms(q.device)),)](  # one CTA an SM (206 KB of shared memory)
+    _grads_gluon_kernel[(min(B * H * (T // CHUNK), sms(q.device)),)](  # one CTA an SM (222 KB of shared memory)
         t.q, t.k, t.p, t.do, t.S, t.dS, t.Vn, t.X, chunk_rows(dq), chunk_rows(dk), chunk_rows(dp), beta, g, dbeta_v,
         dbeta, dg, scale, T // CHUNK, H, B * T * H, K, V, dbeta_v.shape[0], shared_layout((CHUNK, CHUNK), q.dtype),
         num_warps=WARPS)
