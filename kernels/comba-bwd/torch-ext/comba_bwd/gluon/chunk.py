@@ -35,11 +35,19 @@ def gate_loads(g, beta, scal_base, t0, H):
     """The gates of the chunk from t0 as loaded (g at least FLOOR): g [BT] in the column slice and beta [BT] in the
     row slice of a [BT, BT] blocked layout over the kernel's warps. The forward scan loads them a chunk ahead
     (`chunk_gates` turns them into the chunk's gates), so that their latency is not on the chunk's path, as the
-    K = 128 gradient kernel does with g in a layout of fewer registers (`grads.chunk_loads`); the reverse scan and
+    K = 128 gradient kernel does with g in a layout of fewer registers (`gate_columns`); the reverse scan and
     the K = 64 gradient kernel, which are slower so, load them with the chunk (`gates`)."""
     sq: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
     gj = gl.maximum(gl.load(g + scal_base + (t0 + gl.arange(0, BT, layout=gl.SliceLayout(0, sq))) * H), FLOOR)
     return gj, gl.load(beta + scal_base + (t0 + gl.arange(0, BT, layout=gl.SliceLayout(1, sq))) * H)
+
+
+@gluon.jit
+def gate_columns(g_rows):
+    """g [BT] as `gate_loads` gives it (at least FLOOR, in the column slice of its layout) from g loaded in any
+    layout: a kernel that holds the next chunk's g a whole chunk keeps it in a layout of fewer registers."""
+    sq: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
+    return gl.maximum(gl.convert_layout(g_rows, gl.SliceLayout(0, sq)), FLOOR)
 
 
 @gluon.jit

@@ -54,7 +54,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from ..common import gluon_compat as compat
-from .chunk import BT, FLOOR, WARPS, chunk_gates, chunk_rows, scal_base, shared_layout, sms
+from .chunk import BT, WARPS, chunk_gates, chunk_rows, gate_columns, scal_base, shared_layout, sms
 from ..reference import CHUNK
 
 
@@ -101,25 +101,17 @@ def chunk_coords(c, step, N, H, K: gl.constexpr, V: gl.constexpr):
 
 @gluon.jit
 def chunk_loads(g, beta, dbeta_v, c, N, H, n_pos, NV: gl.constexpr, row: gl.constexpr):
-    """Chunk c's g and beta as loaded and dbeta's v parts (`v_parts`, in the `row` layout), which the kernel loads a
-    chunk ahead, so that their latency is not on the chunk's path. They are live across a whole chunk, so g comes one
-    element a thread, and `gate_cols` lays it out as `chunk.gate_loads` gives it when the chunk takes it: held in that
-    column slice, it would take 8 registers a thread, and the K = 128 kernel would spill. beta comes as `gate_loads`
-    gives it."""
+    """Chunk c's g (one element a thread), beta (as `chunk.gate_loads` gives it) and dbeta's v parts (`v_parts`, in
+    the `row` layout), which the kernel loads a chunk ahead, so that their latency is not on the chunk's path. They
+    are live across a whole chunk: g in `gate_loads`' column slice would take 8 registers a thread and make the
+    K = 128 kernel spill, so `chunk.gate_columns` lays it out so when the chunk takes it."""
     one: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
-    sq: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
+    sq: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])  # `gate_loads`' layout
     b, h, t0, _, _, _, _, _ = _chunk_rows(c, N, H, BT, BT)  # K and V shape only the rows not taken here
     base = scal_base(b, h, N, H)
     gj = gl.load(g + base + (t0 + gl.arange(0, BT, layout=one)) * H)
     beta_rows = gl.load(beta + base + (t0 + gl.arange(0, BT, layout=gl.SliceLayout(1, sq))) * H)
     return gj, beta_rows, v_parts(dbeta_v, base + (t0 + gl.arange(0, BT, layout=row)) * H, n_pos, NV)
-
-
-@gluon.jit
-def gate_cols(gj):
-    """g of `chunk_loads` as `chunk.gate_loads` gives it: at least FLOOR, in the column slice of its layout."""
-    sq: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
-    return gl.maximum(gl.convert_layout(gj, gl.SliceLayout(0, sq)), FLOOR)
 
 
 @gluon.jit
@@ -230,7 +222,7 @@ def _grads_gluon_kernel(q_desc, k_desc, p_desc, do_desc, s_desc, ds_desc, vn_des
         last_k = gl.arange(0, BT, layout=row_k) + zero == BT - 1
         # The gates and dbeta's v parts (from the reverse scan) come loaded a chunk ahead; this chunk's key group is
         # copied once the previous chunk's gradients have left q_s, p_s and dq_s.
-        gc, glast, bk = chunk_gates(gate_cols(gj), beta_rows)
+        gc, glast, bk = chunk_gates(gate_columns(gj), beta_rows)
         db = db_next
         gj, beta_rows, db_next = chunk_loads(g, beta, dbeta_v, gl.minimum(c + step, C - 1), N, H, n_pos, NV, row_t)
         rows_h = scal_base + (t0 + gl.arange(0, BT, layout=row_t)) * H
