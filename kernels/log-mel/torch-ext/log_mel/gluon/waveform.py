@@ -11,13 +11,15 @@ and twiddles) stay in registers for the whole tile, and whose intermediate never
 3. stage 2, Z[k1, k2] = G[k1, n2] D[n2, k2]: the 16-point complex DFT along n2. The accumulator of stage 1 is
    the left operand of stage 2 in the same registers (mma.sync's accumulator and left-operand layouts agree),
    so the transpose between the stages costs nothing;
-4. the power |Z|^2 goes to shared memory as [(k2, warp), k1, frame]: a run of 16 values at fixed k2 holds
-   13 consecutive DFT bins (k1 = 0..12 of X[k1 + 25 k2], or of its mirror 400 - k), so a block of 16 mel
-   bands, whose triangles span a few dozen bins, needs only the k2 chunks its mask in the `chunk_plan` marks
-   (20 of 80 at 80 mels, 23 of 128 at 128);
+4. the power |Z|^2 goes to shared memory as [(k2, warp), frame, k1], k1 innermost so that a warp's store of one
+   frame spreads over eight banks; a run of 16 values at fixed k2 holds 13 consecutive DFT bins (k1 = 0..12 of
+   X[k1 + 25 k2], or of its mirror 400 - k), so a block of 16 mel bands, whose triangles span a few dozen bins,
+   needs only the k2 chunks its mask in the `chunk_plan` marks (20 of 80 at 80 mels, 23 of 128 at 128);
 5. after `Config.frames` frames a warp, the projection mel^T = W^T P^T: [16 bands x 16 bins] x [16 bins x frames]
-   products over the block's chunks, then log10, (x + 4) / 4 and the store, and the tile's max and min of the
-   log for the floor pass (`triton.waveform`'s, shared with the Triton path).
+   products over the block's chunks, then log10, (x + 4) / 4 and the store, and the tile's max and min of the log;
+6. the clip's last program to finish (a count per clip) floors it: it takes the clip's maximum from the tiles'
+   statistics and raises the values below (max - 8 + 4) / 4, on the tiles whose minimum lies below, while the
+   clip's output is still in L2.
 
 Precision: the DFT products take fp16 operands split into head and tail (three products, fp32-accurate while
 the operand lies in fp16's normal range): each frame's folded samples are scaled by a power of two into
@@ -37,25 +39,24 @@ from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 from .. import whisper
 from ..common.gluon_compat import barrier
-from ..triton.epilogue import STATS_CHUNK
-from ..triton.waveform import (FLOOR_TILES, dft_tables, log10_scaled, pow2_scale, stage2_bins,
-                               waveform_floor_kernel)
+from ..triton.waveform import dft_tables, log10_scaled, pow2_scale, stage2_bins
 
 N_FFT = gl.constexpr(whisper.N_FFT)
 HOP = gl.constexpr(whisper.HOP_LENGTH)
 PCM_SCALE = gl.constexpr(whisper.PCM_SCALE)
 BANDS = gl.constexpr(16)  # mel bands a projection block (the projection's M)
+FLOOR_FRAMES = gl.constexpr(512)  # frames a step of the floor, [16 bands x 512 frames] (64 values a thread at 4 warps)
 
 
 @dataclass(frozen=True)
 class Config:
     """frames: the frames a warp transforms before projecting them (the projection's N, 8 or 16); their power
-    takes 4 KB of shared memory a frame and warp, 32 KB at 8 frames and 4 warps. maxnreg: a register cap, for
-    more resident warps."""
+    takes 1 KB of shared memory a frame and warp, 64 KB at 16 frames and 4 warps. maxnreg: a register cap, for
+    more resident warps: 168 registers a thread and 64 KB let three 4-warp programs share an SM."""
 
-    frames: int = 8
+    frames: int = 16
     num_warps: int = 4
-    maxnreg: int | None = None
+    maxnreg: int | None = 168
 
     @property
     def name(self) -> str:
@@ -64,7 +65,7 @@ class Config:
 
 DEFAULT_CONFIG = Config()
 # The default and the runners-up the benchmark times and the GPU tests run.
-SHIPPED_CONFIGS = (DEFAULT_CONFIG, Config(frames=16), Config(maxnreg=128))
+SHIPPED_CONFIGS = (DEFAULT_CONFIG, Config(maxnreg=None), Config(frames=8, maxnreg=None))
 
 
 @gluon.jit
@@ -113,7 +114,7 @@ def _samples(audio_ptr, window, clip_base, length, N, frame, n, ok, IS_PCM: gl.c
 def _spectra(audio_ptr, window_ptr, operands_ptr, twiddles_ptr, power_s, exps_s, clip_base, length, N, F, first,
              J: gl.constexpr, IS_PCM: gl.constexpr, INTERIOR: gl.constexpr):
     """The power spectra of frames first + w * J + j (clamped to F - 1), warp w, j < J, into power_s
-    [(k2, warp), k1, frame j] times 2^exps_s[warp, j]."""
+    [(k2, warp), frame j, k1] times 2^exps_s[warp, j]."""
     W: gl.constexpr = gl.num_warps()
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[W, 1, 1], instr_shape=[1, 16, 8])
     a_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
@@ -169,15 +170,48 @@ def _spectra(audio_ptr, window_ptr, operands_ptr, twiddles_ptr, power_s, exps_s,
         z_re = _mma3(gi_hi, gi_lo, sin2_hi, sin2_lo, _mma3(gr_hi, gr_lo, cos2_hi, cos2_lo, zero))
         z_im = _mma3(-gr_hi, -gr_lo, sin2_hi, sin2_lo, _mma3(gi_hi, gi_lo, cos2_hi, cos2_lo, zero))
         power = z_re * z_re + z_im * z_im  # [warp, k1, k2], times 2^(2 s - 10)
-        power_s.slice(j, 1, dim=2).store(gl.reshape(gl.permute(power, (2, 0, 1)), [16 * W, 16, 1]))
+        power_s.slice(j, 1, dim=1).store(gl.reshape(gl.permute(power, (2, 0, 1)), [16 * W, 1, 16]))
         exps_s.slice(j, 1, dim=1).store(gl.expand_dims(2 * s - 10, 1))
 
 
 @gluon.jit
+def _floor_clip(out_clip, stats_clip, F, NM, n_tiles, TILE_F: gl.constexpr):
+    """out = max(out, (floor + 4) / 4) over the clip at out_clip (NM, F), floor being the maximum of its tiles'
+    maxima in stats_clip ((max, min) per tile of TILE_F frames) less 8, on the tiles whose minimum lies below it.
+    Only values below it are written; rounding to the output dtype is monotone, so flooring the rounded value
+    equals rounding the floored one, and NaN stays NaN. The loads bypass L1, which other programs' stores do not
+    update."""
+    W: gl.constexpr = gl.num_warps()
+    tiles: gl.constexpr = gl.BlockedLayout([1], [32], [W], [0])
+    CHUNK: gl.constexpr = 32 * W
+    hi = gl.full([CHUNK], float("-inf"), gl.float32, tiles)
+    for t0 in range(0, n_tiles, CHUNK):
+        t = t0 + gl.arange(0, CHUNK, layout=tiles)
+        hi = gl.maximum(hi, gl.load(stats_clip + 2 * t, mask=t < n_tiles, other=float("-inf"), cache_modifier=".cg"))
+    floor = gl.max(hi, axis=0) - 8.0
+    floor_out = ((floor + 4.0) * 0.25).to(out_clip.dtype.element_ty)
+    block: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [1, W], [1, 0])
+    bands = gl.expand_dims(gl.arange(0, BANDS, layout=gl.SliceLayout(1, block)), 1)
+    steps = gl.arange(0, FLOOR_FRAMES, layout=gl.SliceLayout(0, block))
+    for f0 in range(0, F, FLOOR_FRAMES):
+        frames = f0 + steps
+        low = gl.load(stats_clip + 2 * (frames // TILE_F) + 1, mask=frames < F, other=float("inf"),
+                      cache_modifier=".cg") < floor
+        low = gl.expand_dims(low, 0)
+        frames = gl.expand_dims(frames, 0)
+        for m0 in range(0, NM, BANDS):
+            ptrs = out_clip + (m0 + bands) * F + frames
+            ok = low & (m0 + bands < NM)
+            x = gl.load(ptrs, mask=ok, other=floor_out, cache_modifier=".cg")
+            gl.store(ptrs, gl.maximum(x, floor_out), mask=ok & (x < floor_out))
+
+
+@gluon.jit
 def _waveform_gluon_kernel(audio_ptr, lengths_ptr, operands_ptr, twiddles_ptr, window_ptr, proj_ptr, plan_ptr,
-                           out_ptr, stats_ptr, N, F, NM, n_tiles, J: gl.constexpr, N_BLOCKS: gl.constexpr,
+                           out_ptr, stats_ptr, counts_ptr, N, F, NM, n_tiles, J: gl.constexpr, N_BLOCKS: gl.constexpr,
                            IS_PCM: gl.constexpr, HAS_LENGTHS: gl.constexpr):
-    """One program per (clip, tile of num_warps * J frames), clip-major; warp w takes the tile's frames w * J + j."""
+    """One program per (clip, tile of num_warps * J frames), clip-major; warp w takes the tile's frames w * J + j.
+    counts_ptr (B,) int32 zeros: the programs of each clip that are done."""
     W: gl.constexpr = gl.num_warps()
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[W, 1, 1], instr_shape=[1, 16, 8])
     a_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
@@ -194,7 +228,7 @@ def _waveform_gluon_kernel(audio_ptr, lengths_ptr, operands_ptr, twiddles_ptr, w
     clip_base = clip.to(gl.int64) * N
 
     # Shared-memory views take static offsets: the frame loop and the projection's chunk loop are unrolled.
-    power_s = gl.allocate_shared_memory(gl.float32, [16 * W, 16, J], flat)  # [(k2, warp), k1, frame j]
+    power_s = gl.allocate_shared_memory(gl.float32, [16 * W, J, 16], flat)  # [(k2, warp), frame j, k1]
     exps_s = gl.allocate_shared_memory(gl.int32, [W, J], flat2)
     # Samples 160 f - 200 .. 160 f + 199 of the tile's frames f: inside the clip, no reflection or length test.
     last = gl.minimum(first + W * J, F) - 1
@@ -221,7 +255,7 @@ def _waveform_gluon_kernel(audio_ptr, lengths_ptr, operands_ptr, twiddles_ptr, w
         mel = gl.zeros([W, BANDS, J], gl.float32, mma)
         for k2 in gl.static_range(16):
             if (needed >> k2) & 1:
-                p_hi, p_lo = _split(power_s.slice(k2 * W, W, dim=0).load(b_op), gl.bfloat16)
+                p_hi, p_lo = _split(power_s.slice(k2 * W, W, dim=0).permute((0, 2, 1)).load(b_op), gl.bfloat16)
                 weights = proj_ptr + 0 * ww + (block * BANDS + bw) * 256 + k2 * 16 + kw
                 mel = _mma3(gl.load(weights), gl.load(weights + PROJ_LO), p_hi, p_lo, mel)
         log_spec = log10_scaled(mel, exps, True)
@@ -234,6 +268,12 @@ def _waveform_gluon_kernel(audio_ptr, lengths_ptr, operands_ptr, twiddles_ptr, w
     stats = stats_ptr + pid.to(gl.int64) * 2
     gl.store(stats, gl.max(gl.max(gl.max(run_max, axis=2), axis=1), axis=0))
     gl.store(stats + 1, gl.min(gl.min(gl.min(run_min, axis=2), axis=1), axis=0))
+    # The count's add is acquire-release at GPU scope, behind a barrier after all of this program's stores, and the
+    # second barrier puts the floor's loads after it: the program that counts last sees every tile of the clip.
+    barrier()
+    if gl.atomic_add(counts_ptr + clip, 1) == n_tiles - 1:
+        barrier()
+        _floor_clip(out_clip, stats_ptr + clip.to(gl.int64) * n_tiles * 2, F, NM, n_tiles, W * J)
 
 
 def chunk_plan(mel_filters: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -274,15 +314,12 @@ def whisper_log_mel_gluon(audio: torch.Tensor, lengths: torch.Tensor | None, n_m
     F = N // HOP.value
     operands, twiddles, window = dft_tables(audio.device)
     plan, projection = _plan(n_mels, audio.device)
-    block_f = config.num_warps * config.frames
-    n_tiles = triton.cdiv(F, block_f)
-    n_groups = triton.cdiv(n_tiles, FLOOR_TILES)
+    n_tiles = triton.cdiv(F, config.num_warps * config.frames)
     stats = torch.empty(B, n_tiles, 2, dtype=torch.float32, device=audio.device)
+    counts = torch.zeros(B, dtype=torch.int32, device=audio.device)
     out = torch.empty(B, n_mels, F, dtype=out_dtype, device=audio.device)
     _waveform_gluon_kernel[(B * n_tiles,)](
-        audio, lengths, operands, twiddles, window, projection, plan, out, stats, N, F, n_mels, n_tiles,
+        audio, lengths, operands, twiddles, window, projection, plan, out, stats, counts, N, F, n_mels, n_tiles,
         J=config.frames, N_BLOCKS=projection.shape[1] // BANDS.value, IS_PCM=audio.dtype == torch.int16,
         HAS_LENGTHS=lengths is not None, num_warps=config.num_warps, maxnreg=config.maxnreg)
-    waveform_floor_kernel[(B * n_groups,)](out, stats, F, n_mels, n_tiles, n_groups, BLOCK_F=block_f,
-                                           BLOCK_M=32, STATS_CHUNK=STATS_CHUNK, FLOOR_TILES=FLOOR_TILES)
     return out
