@@ -176,6 +176,20 @@ def test_stage2_bins_cover_every_bin_once(waveform):
 
 @needs_triton
 @pytest.mark.kernels_ci
+def test_fragment_order_is_mma_sync_left_operand_layout(lm):
+    # PTX's m16n8k16 16-bit A fragment: lane l's registers a0..a7 hold rows l // 4 (+ 8 for a2, a3, a6, a7) and
+    # columns 2 (l % 4) + {0, 1} (+ 8 for a4..a7). Register pair p of every lane lies in 128 consecutive bytes.
+    order = submodule(lm, "gluon.waveform").fragment_order()
+    assert sorted(order.flatten().tolist()) == list(range(256))
+    for p in range(4):
+        for lane in range(32):
+            row = lane // 4 + 8 * (p % 2)
+            col = 2 * (lane % 4) + 8 * (p // 2)
+            assert order[row, col] == (32 * p + lane) * 2 and order[row, col + 1] == (32 * p + lane) * 2 + 1
+
+
+@needs_triton
+@pytest.mark.kernels_ci
 @pytest.mark.parametrize("n_mels", [80, 128, 20])
 def test_chunk_plan_projects_like_the_filterbank(lm, n_mels):
     # The Gluon kernel's projection: power in (k2, k1) order times the split weights, over each band block's
@@ -188,8 +202,10 @@ def test_chunk_plan_projects_like_the_filterbank(lm, n_mels):
     bins = bins.view(16, 16).t().reshape(-1)  # row k2 * 16 + k1
     power = torch.rand(7, 201, dtype=torch.float64) * 10.0 ** torch.randint(-8, 3, (7, 201))
     ordered = power[:, bins]  # unused rows meet zero weights
-    weights = projection.double().sum(dim=0).t()  # [k2 * 16 + k1, band]
-    blocks = weights.shape[1] // 16
+    order = gluon.fragment_order().flatten()  # [band, k1] -> offset in a chunk
+    packed = projection.double().sum(dim=0)  # [block, k2, offset]
+    blocks = packed.shape[0]
+    weights = packed[..., order].view(blocks, 16, 16, 16).permute(1, 3, 0, 2).reshape(256, blocks * 16)
     mel = torch.zeros(7, blocks * 16, dtype=torch.float64)
     for block in range(blocks):
         for k2 in range(16):

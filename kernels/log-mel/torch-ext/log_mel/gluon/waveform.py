@@ -95,6 +95,12 @@ def _mma3(a_hi, a_lo, b_hi, b_lo, acc):
 
 
 @gluon.jit
+def _fragment_offsets(row, k):
+    """`fragment_order`'s offsets of the elements [row, k] (index tensors, in the kernel or on the host)."""
+    return (row // 8 + 2 * (k // 8)) * 64 + (row % 8) * 8 + k % 8
+
+
+@gluon.jit
 def _samples(audio_ptr, window, clip_base, length, N, frame, n, ok, IS_PCM: gl.constexpr, INTERIOR: gl.constexpr):
     """Sample n of `frame` times its window value: reflected at the clip's ends and zero at or past `length`
     (INTERIOR: the program's frames lie inside both, and only `ok` masks), zero where `ok` is false."""
@@ -244,6 +250,7 @@ def _waveform_gluon_kernel(audio_ptr, lengths_ptr, operands_ptr, twiddles_ptr, w
     # the plan marks for the block.
     wp, bp, jp = _grid(W, BANDS, J, mma)
     ww, bw, kw = _grid(W, BANDS, 16, a_op)
+    fragments = 0 * ww + _fragment_offsets(bw, kw)
     frames = first + wp * J + jp
     exps = gl.expand_dims(exps_s.load(gl.SliceLayout(1, mma)), 1)  # [warp, 1, frame j]
     out_clip = out_ptr + clip.to(gl.int64) * NM * F
@@ -256,7 +263,7 @@ def _waveform_gluon_kernel(audio_ptr, lengths_ptr, operands_ptr, twiddles_ptr, w
         for k2 in gl.static_range(16):
             if (needed >> k2) & 1:
                 p_hi, p_lo = _split(power_s.slice(k2 * W, W, dim=0).permute((0, 2, 1)).load(b_op), gl.bfloat16)
-                weights = proj_ptr + 0 * ww + (block * BANDS + bw) * 256 + k2 * 16 + kw
+                weights = proj_ptr + (block * 16 + k2) * 256 + fragments
                 mel = _mma3(gl.load(weights), gl.load(weights + PROJ_LO), p_hi, p_lo, mel)
         log_spec = log10_scaled(mel, exps, True)
         bands = block * BANDS + bp
@@ -276,11 +283,19 @@ def _waveform_gluon_kernel(audio_ptr, lengths_ptr, operands_ptr, twiddles_ptr, w
         _floor_clip(out_clip, stats_ptr + clip.to(gl.int64) * n_tiles * 2, F, NM, n_tiles, W * J)
 
 
+def fragment_order() -> torch.Tensor:
+    """(16, 16) int64: the offset of element [row, k] of a [16 x 16] 16-bit left operand of mma.sync when stored in
+    the order a warp loads its fragments. Lane 4 (row % 8) + (k % 8) // 2 holds the element in its register pair
+    row // 8 + 2 (k // 8), at (32 pair + lane) * 2 + k % 2: the warp's load of one pair reads 128 consecutive
+    bytes, where [row, k] order spreads it over eight rows."""
+    return _fragment_offsets.fn(torch.arange(16)[:, None], torch.arange(16)[None, :])
+
+
 def chunk_plan(mel_filters: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(plan, projection) for `mel_filters` (NM, 201): plan (blocks,) int32, per block of 16 bands a mask of the
     k2 chunks (bit k2) on whose bins a weight of the block is non-zero (NaN included); projection
-    (2, blocks * 16, 256) bfloat16, the head and tail of the transposed weights, columns in the kernel's order
-    k2 * 16 + k1, zero on the unused stage-2 outputs and on the bands past NM."""
+    (2, blocks, 16, 256) bfloat16, the head and tail of the weights W^T[band, k1] of each (block, k2) chunk in
+    `fragment_order`, zero on the unused stage-2 outputs and on the bands past NM."""
     NM = mel_filters.shape[0]
     n_blocks = triton.cdiv(NM, BANDS.value)
     bins, used = stage2_bins()  # in the order k1 * 16 + k2
@@ -292,9 +307,11 @@ def chunk_plan(mel_filters: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     blocks = weights.view(16, 16, n_blocks, BANDS.value)  # [k2, k1, block, band]
     needed = (blocks != 0).any(dim=3).any(dim=1).t()  # [block, k2]
     plan = (needed.long() << torch.arange(16)).sum(dim=1).to(torch.int32)
-    weights = weights.t().contiguous()
-    head = weights.to(torch.bfloat16)
-    projection = torch.stack([head, (weights - head.double()).to(torch.bfloat16)])
+    chunks = blocks.permute(2, 0, 3, 1)  # [block, k2, band, k1]
+    packed = torch.zeros(n_blocks, 16, 256, dtype=torch.float64)
+    packed[..., fragment_order().flatten()] = chunks.flatten(2)
+    head = packed.to(torch.bfloat16)
+    projection = torch.stack([head, (packed - head.double()).to(torch.bfloat16)])
     return plan, projection
 
 
@@ -320,6 +337,6 @@ def whisper_log_mel_gluon(audio: torch.Tensor, lengths: torch.Tensor | None, n_m
     out = torch.empty(B, n_mels, F, dtype=out_dtype, device=audio.device)
     _waveform_gluon_kernel[(B * n_tiles,)](
         audio, lengths, operands, twiddles, window, projection, plan, out, stats, counts, N, F, n_mels, n_tiles,
-        J=config.frames, N_BLOCKS=projection.shape[1] // BANDS.value, IS_PCM=audio.dtype == torch.int16,
+        J=config.frames, N_BLOCKS=projection.shape[1], IS_PCM=audio.dtype == torch.int16,
         HAS_LENGTHS=lengths is not None, num_warps=config.num_warps, maxnreg=config.maxnreg)
     return out
