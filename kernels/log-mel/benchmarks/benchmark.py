@@ -288,7 +288,8 @@ def _stft_rows(kernel, bench, shapes, whisper_shape, sweep_shapes) -> list[dict]
 def compile_cases(kernel, spec):
     """(label, call) pairs for `python -m tools.compile_sm90`, on meta tensors: the STFT op's two designs with every
     shipped config at every measure shape of the spec, the waveform op's shipped configs at 30-s clips for every
-    audio and output dtype, with and without lengths, and the Gluon waveform kernel where it compiles."""
+    audio and output dtype, with and without lengths, and the Gluon waveform kernel where it compiles (also on clips
+    of one tile)."""
     fused = importlib.import_module(f"{kernel.__name__}.triton.stft")
     waveform = importlib.import_module(f"{kernel.__name__}.triton.waveform")
 
@@ -327,6 +328,10 @@ def compile_cases(kernel, spec):
             yield (f"waveform-gluon {n_mels} mels {str(audio_dtype)[6:]}->{str(out_dtype)[6:]}"
                    f"{' lengths' if with_lengths else ''}",
                    lambda a=audio, l=lengths, m=n_mels, o=out_dtype: gluon.whisper_log_mel_gluon(a, l, m, o))
+        # Half-second clips: one tile a clip.
+        short = torch.empty(3, 8000, dtype=torch.float32, device="meta")
+        yield ("waveform-gluon 80 mels float32->float32 one-tile clips",
+               lambda: gluon.whisper_log_mel_gluon(short, None, 80, torch.float32))
 
 
 def _transformers_torch_path(mel_filters_t):

@@ -16,10 +16,8 @@ and twiddles) stay in registers for the whole tile, and whose intermediate never
    X[k1 + 25 k2], or of its mirror 400 - k), so a block of 16 mel bands, whose triangles span a few dozen bins,
    needs only the k2 chunks its mask in the `chunk_plan` marks (20 of 80 at 80 mels, 23 of 128 at 128);
 5. after `Config.frames` frames a warp, the projection mel^T = W^T P^T: [16 bands x 16 bins] x [16 bins x frames]
-   products over the block's chunks, then log10, (x + 4) / 4 and the store, and the tile's max and min of the log;
-6. the clip's last program to finish (a count per clip) floors it: it takes the clip's maximum from the tiles'
-   statistics and raises the values below (max - 8 + 4) / 4, on the tiles whose minimum lies below, while the
-   clip's output is still in L2.
+   products over the block's chunks, then log10, (x + 4) / 4 and the store, and the tile's max and min of the
+   log for the floor pass (`triton.waveform`'s, shared with the Triton path).
 
 Precision: the DFT products take fp16 operands split into head and tail (three products, fp32-accurate while
 the operand lies in fp16's normal range): each frame's folded samples are scaled by a power of two into
@@ -39,13 +37,14 @@ from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 from .. import whisper
 from ..common.gluon_compat import barrier
-from ..triton.waveform import dft_tables, log10_scaled, pow2_scale, stage2_bins
+from ..triton.epilogue import STATS_CHUNK
+from ..triton.waveform import (FLOOR_TILES, dft_tables, log10_scaled, pow2_scale, stage2_bins,
+                               waveform_floor_kernel)
 
 N_FFT = gl.constexpr(whisper.N_FFT)
 HOP = gl.constexpr(whisper.HOP_LENGTH)
 PCM_SCALE = gl.constexpr(whisper.PCM_SCALE)
 BANDS = gl.constexpr(16)  # mel bands a projection block (the projection's M)
-FLOOR_FRAMES = gl.constexpr(512)  # frames a step of the floor, [16 bands x 512 frames] (64 values a thread at 4 warps)
 
 
 @dataclass(frozen=True)
@@ -180,44 +179,13 @@ def _spectra(audio_ptr, window_ptr, operands_ptr, twiddles_ptr, power_s, exps_s,
         exps_s.slice(j, 1, dim=1).store(gl.expand_dims(2 * s - 10, 1))
 
 
-@gluon.jit
-def _floor_clip(out_clip, stats_clip, F, NM, n_tiles, TILE_F: gl.constexpr):
-    """out = max(out, (floor + 4) / 4) over the clip at out_clip (NM, F), floor being the maximum of its tiles'
-    maxima in stats_clip ((max, min) per tile of TILE_F frames) less 8, on the tiles whose minimum lies below it.
-    Only values below it are written; rounding to the output dtype is monotone, so flooring the rounded value
-    equals rounding the floored one, and NaN stays NaN. The loads bypass L1, which other programs' stores do not
-    update."""
-    W: gl.constexpr = gl.num_warps()
-    tiles: gl.constexpr = gl.BlockedLayout([1], [32], [W], [0])
-    CHUNK: gl.constexpr = 32 * W
-    hi = gl.full([CHUNK], float("-inf"), gl.float32, tiles)
-    for t0 in range(0, n_tiles, CHUNK):
-        t = t0 + gl.arange(0, CHUNK, layout=tiles)
-        hi = gl.maximum(hi, gl.load(stats_clip + 2 * t, mask=t < n_tiles, other=float("-inf"), cache_modifier=".cg"))
-    floor = gl.max(hi, axis=0) - 8.0
-    floor_out = ((floor + 4.0) * 0.25).to(out_clip.dtype.element_ty)
-    block: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [1, W], [1, 0])
-    bands = gl.expand_dims(gl.arange(0, BANDS, layout=gl.SliceLayout(1, block)), 1)
-    steps = gl.arange(0, FLOOR_FRAMES, layout=gl.SliceLayout(0, block))
-    for f0 in range(0, F, FLOOR_FRAMES):
-        frames = f0 + steps
-        low = gl.load(stats_clip + 2 * (frames // TILE_F) + 1, mask=frames < F, other=float("inf"),
-                      cache_modifier=".cg") < floor
-        low = gl.expand_dims(low, 0)
-        frames = gl.expand_dims(frames, 0)
-        for m0 in range(0, NM, BANDS):
-            ptrs = out_clip + (m0 + bands) * F + frames
-            ok = low & (m0 + bands < NM)
-            x = gl.load(ptrs, mask=ok, other=floor_out, cache_modifier=".cg")
-            gl.store(ptrs, gl.maximum(x, floor_out), mask=ok & (x < floor_out))
-
-
-@gluon.jit
+# n_tiles stays a runtime value: specialized to 1 (a clip of one tile) it makes the frame indices constants, on
+# which Triton 3.6's lowering to LLVM fails an assertion.
+@gluon.jit(do_not_specialize=["n_tiles"])
 def _waveform_gluon_kernel(audio_ptr, lengths_ptr, operands_ptr, twiddles_ptr, window_ptr, proj_ptr, plan_ptr,
-                           out_ptr, stats_ptr, counts_ptr, N, F, NM, n_tiles, J: gl.constexpr, N_BLOCKS: gl.constexpr,
+                           out_ptr, stats_ptr, N, F, NM, n_tiles, J: gl.constexpr, N_BLOCKS: gl.constexpr,
                            IS_PCM: gl.constexpr, HAS_LENGTHS: gl.constexpr):
-    """One program per (clip, tile of num_warps * J frames), clip-major; warp w takes the tile's frames w * J + j.
-    counts_ptr (B,) int32 zeros: the programs of each clip that are done."""
+    """One program per (clip, tile of num_warps * J frames), clip-major; warp w takes the tile's frames w * J + j."""
     W: gl.constexpr = gl.num_warps()
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[W, 1, 1], instr_shape=[1, 16, 8])
     a_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
@@ -275,12 +243,6 @@ def _waveform_gluon_kernel(audio_ptr, lengths_ptr, operands_ptr, twiddles_ptr, w
     stats = stats_ptr + pid.to(gl.int64) * 2
     gl.store(stats, gl.max(gl.max(gl.max(run_max, axis=2), axis=1), axis=0))
     gl.store(stats + 1, gl.min(gl.min(gl.min(run_min, axis=2), axis=1), axis=0))
-    # The count's add is acquire-release at GPU scope, behind a barrier after all of this program's stores, and the
-    # second barrier puts the floor's loads after it: the program that counts last sees every tile of the clip.
-    barrier()
-    if gl.atomic_add(counts_ptr + clip, 1) == n_tiles - 1:
-        barrier()
-        _floor_clip(out_clip, stats_ptr + clip.to(gl.int64) * n_tiles * 2, F, NM, n_tiles, W * J)
 
 
 def fragment_order() -> torch.Tensor:
@@ -331,12 +293,15 @@ def whisper_log_mel_gluon(audio: torch.Tensor, lengths: torch.Tensor | None, n_m
     F = N // HOP.value
     operands, twiddles, window = dft_tables(audio.device)
     plan, projection = _plan(n_mels, audio.device)
-    n_tiles = triton.cdiv(F, config.num_warps * config.frames)
+    block_f = config.num_warps * config.frames
+    n_tiles = triton.cdiv(F, block_f)
+    n_groups = triton.cdiv(n_tiles, FLOOR_TILES)
     stats = torch.empty(B, n_tiles, 2, dtype=torch.float32, device=audio.device)
-    counts = torch.zeros(B, dtype=torch.int32, device=audio.device)
     out = torch.empty(B, n_mels, F, dtype=out_dtype, device=audio.device)
     _waveform_gluon_kernel[(B * n_tiles,)](
-        audio, lengths, operands, twiddles, window, projection, plan, out, stats, counts, N, F, n_mels, n_tiles,
+        audio, lengths, operands, twiddles, window, projection, plan, out, stats, N, F, n_mels, n_tiles,
         J=config.frames, N_BLOCKS=projection.shape[1], IS_PCM=audio.dtype == torch.int16,
         HAS_LENGTHS=lengths is not None, num_warps=config.num_warps, maxnreg=config.maxnreg)
+    waveform_floor_kernel[(B * n_groups,)](out, stats, F, n_mels, n_tiles, n_groups, BLOCK_F=block_f,
+                                           BLOCK_M=32, STATS_CHUNK=STATS_CHUNK, FLOOR_TILES=FLOOR_TILES)
     return out

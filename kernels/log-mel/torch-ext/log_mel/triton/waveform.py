@@ -275,8 +275,8 @@ def _waveform_tiles_kernel(audio_ptr, lengths_ptr, operands_ptr, twiddles_ptr, w
 def waveform_floor_kernel(out_ptr, stats_ptr, F, NM, n_tiles, n_groups, BLOCK_F: tl.constexpr,
                           BLOCK_M: tl.constexpr, STATS_CHUNK: tl.constexpr, FLOOR_TILES: tl.constexpr):
     """Pass 2, one program per (clip, group of FLOOR_TILES frame tiles): out = max(out, (floor + 4) / 4) on
-    the tiles whose minimum lies below the clip's floor; rounding to the output dtype is monotone, so
-    flooring the rounded value equals rounding the floored one."""
+    the tiles whose minimum lies below the clip's floor, writing only the values below it (NaN stays NaN);
+    rounding to the output dtype is monotone, so flooring the rounded value equals rounding the floored one."""
     pid = tl.program_id(0)
     clip = pid // n_groups
     first = (pid % n_groups) * FLOOR_TILES
@@ -291,7 +291,8 @@ def waveform_floor_kernel(out_ptr, stats_ptr, F, NM, n_tiles, n_groups, BLOCK_F:
                 bands = m0 + tl.arange(0, BLOCK_M)
                 ptrs = base + bands[:, None] * F + frames[None, :]
                 ok = (bands < NM)[:, None] & (frames < F)[None, :]
-                tl.store(ptrs, tl.maximum(tl.load(ptrs, mask=ok), floor_out), mask=ok)
+                x = tl.load(ptrs, mask=ok)
+                tl.store(ptrs, floor_out, mask=ok & (x < floor_out))
 
 
 def whisper_log_mel_triton(audio: torch.Tensor, lengths: torch.Tensor | None, n_mels: int, out_dtype: torch.dtype,
