@@ -57,6 +57,7 @@ TRITON_CASES = {
     "ldsa": ("ldsa triton", ("[64,3000] H=8 Dh=64 W=15 causal", "[32,1024] H=8 Dh=64 W=15 causal",
                              "[16,256] H=8 Dh=64 W=15 causal")),
     "comba-bwd": ("comba-bwd triton", None),
+    "log-mel": ("whisper_log_mel, fp32", ("waveform B=208 ",)),
 }
 
 
@@ -101,7 +102,7 @@ CURRENT = {
     "ldsa": (("ldsa-log-mel-1ef6b90",), ("ldsa triton", "ldsa triton backward"),
              ("eager reference (shift-mul-add)", "eager analytic backward (reference.py)", "torch.compile(reference)"),
              ("[16,256] H=8 Dh=64 W=15 causal", "[32,3000] H=8 Dh=64 W=15 causal", "[64,3000] H=8 Dh=64 W=15 causal")),
-    "log-mel": (("ldsa-log-mel-1ef6b90", "log-mel-f12b69b"), ("public op (pick)", "whisper_log_mel, fp32"),
+    "log-mel": (("ldsa-log-mel-1ef6b90", "log-mel-7958233"), ("public op (pick)", "whisper_log_mel, fp32"),
                 ("torch.compile(reference)", "flashmel 0.1.0 + torch log/floor, fp32",
                  "transformers torch path (device), fp32"),
                 ("whisper slaney filterbank", "waveform B=64 ", "waveform B=208 ")),
