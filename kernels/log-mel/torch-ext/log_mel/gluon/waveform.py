@@ -222,7 +222,7 @@ def _waveform_gluon_kernel(audio_ptr, lengths_ptr, operands_ptr, twiddles_ptr, w
     frames = first + wp * J + jp
     exps = gl.expand_dims(exps_s.load(gl.SliceLayout(1, mma)), 1)  # [warp, 1, frame j]
     out_clip = out_ptr + clip.to(gl.int64) * NM * F
-    PROJ_LO: gl.constexpr = 256 * N_BLOCKS * BANDS
+    PROJ_LO: gl.constexpr = N_BLOCKS * 16 * 256  # the heads: 16 chunks (k2) of 256 weights a block
     run_max = gl.full([W, BANDS, J], float("-inf"), gl.float32, mma)
     run_min = gl.full([W, BANDS, J], float("inf"), gl.float32, mma)
     for block in range(N_BLOCKS):
