@@ -82,7 +82,8 @@ def run_tests(out_dir: Path, names: list[str], all_tests: bool, timeout: float, 
     n_workers = 8 if importlib.util.find_spec("xdist") else 0
     # A worker serializes the warnings it captures for the controller, which re-imports each warning's module: a
     # kernel's (FastPathFallback) lives in a Hub-loaded module the controller cannot import, and the run would end
-    # in an INTERNALERROR. Without the warnings plugin they go to the log instead; pytest.warns is unaffected.
+    # in an INTERNALERROR. Without the warnings plugin pytest collects no warnings; pytest.warns and
+    # warnings.catch_warnings in the tests work as before.
     workers = ["-n", str(n_workers), "--dist", "load", "-p", "no:warnings"] if n_workers else []
     # Each worker would start one CPU thread a core for the float64 references, eight times the cores in all: two
     # comba-bwd Gluon tests were still in theirs when the 280 s test run ended (f4ff440). A worker's share of them.
