@@ -30,6 +30,12 @@ def scal_base(b, h, N, H):
     return b.to(gl.int64) * (N * BT) * H + h
 
 
+@gluon.constexpr_function
+def gate_layout(num_warps):
+    """The [BT, BT] blocked layout over the kernel's warps in whose slices the gates come (`gate_loads`)."""
+    return gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
+
+
 @gluon.jit
 def gate_loads(g, beta, scal_base, t0, H):
     """The gates of the chunk from t0 as loaded (g at least FLOOR): g [BT] in the column slice and beta [BT] in the
@@ -37,7 +43,7 @@ def gate_loads(g, beta, scal_base, t0, H):
     (`chunk_gates` turns them into the chunk's gates), so that their latency is not on the chunk's path, as the
     K = 128 gradient kernel does with g in a layout of fewer registers (`gate_columns`); the reverse scan and
     the K = 64 gradient kernel, which are slower so, load them with the chunk (`gates`)."""
-    sq: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
+    sq: gl.constexpr = gate_layout(gl.num_warps())
     gj = gl.maximum(gl.load(g + scal_base + (t0 + gl.arange(0, BT, layout=gl.SliceLayout(0, sq))) * H), FLOOR)
     return gj, gl.load(beta + scal_base + (t0 + gl.arange(0, BT, layout=gl.SliceLayout(1, sq))) * H)
 
@@ -46,7 +52,7 @@ def gate_loads(g, beta, scal_base, t0, H):
 def gate_columns(g_rows):
     """g [BT] as `gate_loads` gives it (at least FLOOR, in the column slice of its layout) from g loaded in any
     layout: a kernel that holds the next chunk's g a whole chunk keeps it in a layout of fewer registers."""
-    sq: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
+    sq: gl.constexpr = gate_layout(gl.num_warps())
     return gl.maximum(gl.convert_layout(g_rows, gl.SliceLayout(0, sq)), FLOOR)
 
 
@@ -54,7 +60,7 @@ def gate_columns(g_rows):
 def chunk_gates(gj, beta_rows):
     """gc (the inclusive cumsum of g in the chunk, as a masked row sum: a scan does not lower in these layouts), glast
     and beta, fp32, gc and beta [BT] in the row slice of the [BT, BT] blocked layout, from `gate_loads`."""
-    sq: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])
+    sq: gl.constexpr = gate_layout(gl.num_warps())
     ri = gl.arange(0, BT, layout=gl.SliceLayout(1, sq))
     rj = gl.arange(0, BT, layout=gl.SliceLayout(0, sq))
     gc = gl.sum(gl.where(rj[None, :] <= ri[:, None], gj[None, :], 0.0), 1)

@@ -54,7 +54,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from ..common import gluon_compat as compat
-from .chunk import BT, WARPS, chunk_gates, chunk_rows, gate_columns, scal_base, shared_layout, sms
+from .chunk import BT, WARPS, chunk_gates, chunk_rows, gate_columns, gate_layout, scal_base, shared_layout, sms
 from ..reference import CHUNK
 
 
@@ -106,7 +106,7 @@ def chunk_loads(g, beta, dbeta_v, c, N, H, n_pos, NV: gl.constexpr, row: gl.cons
     are live across a whole chunk: g in `gate_loads`' column slice would take 8 registers a thread and make the
     K = 128 kernel spill, so `chunk.gate_columns` lays it out so when the chunk takes it."""
     one: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
-    sq: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [gl.num_warps(), 1], [1, 0])  # `gate_loads`' layout
+    sq: gl.constexpr = gate_layout(gl.num_warps())
     b, h, t0, _, _, _, _, _ = _chunk_rows(c, N, H, BT, BT)  # K and V shape only the rows not taken here
     base = scal_base(b, h, N, H)
     gj = gl.load(g + base + (t0 + gl.arange(0, BT, layout=one)) * H)
