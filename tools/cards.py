@@ -57,7 +57,7 @@ TRITON_CASES = {
     "ldsa": ("ldsa triton", ("[64,3000] H=8 Dh=64 W=15 causal", "[32,1024] H=8 Dh=64 W=15 causal",
                              "[16,256] H=8 Dh=64 W=15 causal")),
     "comba-bwd": ("comba-bwd triton", None),
-    "log-mel": ("whisper_log_mel, fp32", ("waveform B=208 ",)),
+    "log-mel": ("waveform-gluon kernel j8 w4 fenced, fp32", ("waveform B=208 ",)),
 }
 
 
@@ -79,7 +79,7 @@ def by_triton(kernel: Kernel, rows: list[dict]) -> str:
             runs.setdefault(release, {})[run] = None
     releases = sorted(set(failed) | set(runs))
     out = ["On the H200 (`bench/results.jsonl`), by Triton release: the last GPU test run, and each case's time in",
-           "the last run that measured it:", "",
+           f"the last run that measured it{f' (`{impl}`)' if impl else ''}:", "",
            "| | " + " | ".join(f"Triton {v}" for v in releases) + " |", "|---" * (len(releases) + 1) + "|"]
     out.append("| GPU tests failed | " + " | ".join(
         f"{failed[v][0]} at `{failed[v][1]}`" if v in failed else "not run" for v in releases) + " |")
