@@ -57,7 +57,7 @@ TRITON_CASES = {
     "ldsa": ("ldsa triton", ("[64,3000] H=8 Dh=64 W=15 causal", "[32,1024] H=8 Dh=64 W=15 causal",
                              "[16,256] H=8 Dh=64 W=15 causal")),
     "comba-bwd": ("comba-bwd triton", None),
-    "log-mel": ("waveform-gluon kernel j8 w4 fenced, fp32", ("waveform B=208 ",)),
+    "log-mel": ("waveform-gluon kernel j8 w4 r128, fp32", ("waveform B=208 ",)),
 }
 
 

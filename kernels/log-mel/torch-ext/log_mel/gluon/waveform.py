@@ -5,8 +5,8 @@ one frame at a time through both stages as [16 x 16] mma.sync products whose con
 and twiddles) stay in registers for the whole tile, and whose intermediate never leaves them:
 
 1. stage 1, Y[k1, n2] = C[k1, n1] S[n1, n2]: the 25-point real DFT along n1, the table C as the left operand and
-   the folded samples (s[n1] +- s[25 - n1], n1 <= 12) loaded straight into the right operand's registers; a
-   program whose frames lie inside the clip loads them without the reflection and length tests;
+   the folded samples (s[n1] +- s[25 - n1], n1 <= 12) loaded straight into the right operand's registers, a frame
+   ahead; a program whose frames lie inside the clip loads them without the reflection and length tests;
 2. the twiddles W400^(n2 k1), elementwise on the accumulator;
 3. stage 2, Z[k1, k2] = G[k1, n2] D[n2, k2]: the 16-point complex DFT along n2. The accumulator of stage 1 is
    the left operand of stage 2 in the same registers (mma.sync's accumulator and left-operand layouts agree),
@@ -51,28 +51,21 @@ BANDS = gl.constexpr(16)  # mel bands a projection block (the projection's M)
 class Config:
     """frames: the frames a warp transforms before projecting them (the projection's N, 8 or 16); their power
     takes 1 KB of shared memory a frame and warp, 32 KB at 8 frames and 4 warps. maxnreg: a register cap, for more
-    resident warps (at 16 frames, 168 registers a thread and 64 KB let three 4-warp programs share an SM). fenced: a
-    CTA barrier after each frame, which keeps ptxas from hoisting the next frames' loads and products above the
-    frame's: it bounds the registers live at once, so that the frame loop fits without spilling."""
+    resident warps (128 registers a thread and 33 KB let four 4-warp programs share an SM at 8 frames; 168 and 64 KB
+    three at 16)."""
 
     frames: int = 8
     num_warps: int = 4
-    maxnreg: int | None = None
-    fenced: bool = True
-    prefetch: bool = False
-    fused_floor: bool = False
+    maxnreg: int | None = 128
 
     @property
     def name(self) -> str:
-        return (f"j{self.frames} w{self.num_warps}" + (f" r{self.maxnreg}" if self.maxnreg else "")
-                + (" fenced" if self.fenced else "") + (" prefetch" if self.prefetch else "")
-                + (" fused-floor" if self.fused_floor else ""))
+        return f"j{self.frames} w{self.num_warps}" + (f" r{self.maxnreg}" if self.maxnreg else "")
 
 
 DEFAULT_CONFIG = Config()
 # The default and the runners-up the benchmark times and the GPU tests run.
-SHIPPED_CONFIGS = (DEFAULT_CONFIG, Config(fenced=False), Config(frames=16, maxnreg=168),
-                   Config(frames=16, maxnreg=168, fenced=False))
+SHIPPED_CONFIGS = (DEFAULT_CONFIG, Config(maxnreg=None), Config(frames=16, maxnreg=168))
 
 
 @gluon.jit
@@ -108,9 +101,9 @@ def _fragment_offsets(row, k):
 
 
 @gluon.jit
-def _load_samples(audio_ptr, clip_base, length, N, frame, n, ok, INTERIOR: gl.constexpr):
-    """Sample n of `frame` as stored: reflected at the clip's ends and zero at or past `length` (INTERIOR: the
-    program's frames lie inside both, and only `ok` masks), zero where `ok` is false."""
+def _load_samples(audio_ptr, clip_base, length, N, frame, n, ok, IS_PCM: gl.constexpr, INTERIOR: gl.constexpr):
+    """Sample n of `frame` in fp32 (int16 PCM scaled to [-1, 1)): reflected at the clip's ends and zero at or past
+    `length` (INTERIOR: the program's frames lie inside both, and only `ok` masks), zero where `ok` is false."""
     j = frame * HOP - N_FFT // 2 + n
     if INTERIOR:
         x = gl.load(audio_ptr + clip_base + j, mask=ok, other=0)
@@ -118,51 +111,15 @@ def _load_samples(audio_ptr, clip_base, length, N, frame, n, ok, INTERIOR: gl.co
         j = gl.where(j < 0, -j, j)
         j = gl.where(j >= N, 2 * N - 2 - j, j)
         x = gl.load(audio_ptr + clip_base + j, mask=ok & (j < length), other=0)
+    x = x.to(gl.float32)
+    if IS_PCM:
+        x = x * PCM_SCALE
     return x
 
 
 @gluon.jit
-def _windowed(x, window, IS_PCM: gl.constexpr):
-    """Loaded samples `x` in fp32 (int16 PCM scaled to [-1, 1)) times their window values."""
-    x = x.to(gl.float32)
-    if IS_PCM:
-        x = x * PCM_SCALE
-    return x * window
-
-
-@gluon.jit
-def _floor_clip(out_clip, stats_clip, F, NM, n_tiles, TILE_F: gl.constexpr):
-    """out = max(out, (floor + 4) / 4) over one clip's (NM, F) features, floor being the max of its tiles'
-    maxima - 8, on the frames of the tiles whose minimum lies below it, writing only the values below it (NaN stays
-    NaN; rounding to the output dtype is monotone, so flooring the rounded value equals rounding the floored
-    one)."""
-    W: gl.constexpr = gl.num_warps()
-    CHUNK_F: gl.constexpr = 512
-    rows: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [W, 1], [1, 0])  # [bands, frames], 16-byte accesses
-    flat: gl.constexpr = gl.BlockedLayout([4], [32], [W], [0])
-    hi = gl.max(gl.full([CHUNK_F], float("-inf"), gl.float32, flat), axis=0)
-    for t0 in range(0, n_tiles, CHUNK_F):
-        t = t0 + gl.arange(0, CHUNK_F, layout=flat)
-        hi = gl.maximum(hi, gl.max(gl.load(stats_clip + 2 * t, mask=t < n_tiles, other=float("-inf")), axis=0))
-    floor = hi - 8.0
-    floor_out = ((floor + 4.0) * 0.25).to(out_clip.dtype.element_ty)
-    for f0 in range(0, F, CHUNK_F):
-        frame = f0 + gl.arange(0, CHUNK_F, layout=gl.SliceLayout(0, rows))
-        tile_min = gl.load(stats_clip + 2 * (frame // TILE_F) + 1, mask=frame < F, other=float("inf"))
-        if gl.max((tile_min < floor).to(gl.int32), axis=0) > 0:
-            for m0 in range(0, NM, BANDS):
-                bands = gl.expand_dims(m0 + gl.arange(0, BANDS, layout=gl.SliceLayout(1, rows)), 1)
-                ptrs = out_clip + bands * F + gl.expand_dims(frame, 0)
-                ok = gl.expand_dims(tile_min < floor, 0) & (bands < NM)
-                x = gl.load(ptrs, mask=ok)
-                gl.store(ptrs, gl.full([BANDS, CHUNK_F], floor_out, out_clip.dtype.element_ty, rows),
-                         mask=ok & (x < floor_out))
-
-
-@gluon.jit
 def _spectra(audio_ptr, window_ptr, operands_ptr, twiddles_ptr, power_s, exps_s, clip_base, length, N, F, first,
-             J: gl.constexpr, IS_PCM: gl.constexpr, INTERIOR: gl.constexpr, FENCED: gl.constexpr,
-             PREFETCH: gl.constexpr):
+             J: gl.constexpr, IS_PCM: gl.constexpr, INTERIOR: gl.constexpr):
     """The power spectra of frames first + w * J + j (clamped to F - 1), warp w, j < J, into power_s
     [(k2, warp), frame j, k1] times 2^exps_s[warp, j]."""
     W: gl.constexpr = gl.num_warps()
@@ -195,21 +152,17 @@ def _spectra(audio_ptr, window_ptr, operands_ptr, twiddles_ptr, power_s, exps_s,
     used_hi = (kb >= 1) & used_lo
     window_lo = gl.load(window_ptr + n_lo)
     window_hi = gl.load(window_ptr + n_hi)
-    # Frame j + 1's samples load while frame j is transformed (with FENCED, the only loads ahead of the barrier).
+    # Frame j + 1's samples load while frame j is transformed: the only loads ahead of the frame's barrier below.
     frame = gl.minimum(first + wb * J, F - 1)
-    x_lo = _load_samples(audio_ptr, clip_base, length, N, frame, n_lo, used_lo, INTERIOR)
-    x_hi = _load_samples(audio_ptr, clip_base, length, N, frame, n_hi, used_hi, INTERIOR)
+    x_lo = _load_samples(audio_ptr, clip_base, length, N, frame, n_lo, used_lo, IS_PCM, INTERIOR)
+    x_hi = _load_samples(audio_ptr, clip_base, length, N, frame, n_hi, used_hi, IS_PCM, INTERIOR)
     for j in gl.static_range(J):
-        if not PREFETCH:
-            frame = gl.minimum(first + wb * J + j, F - 1)
-            x_lo = _load_samples(audio_ptr, clip_base, length, N, frame, n_lo, used_lo, INTERIOR)
-            x_hi = _load_samples(audio_ptr, clip_base, length, N, frame, n_hi, used_hi, INTERIOR)
-        s_lo = _windowed(x_lo, window_lo, IS_PCM)
-        s_hi = _windowed(x_hi, window_hi, IS_PCM)
-        if PREFETCH and j + 1 < J:
+        s_lo = x_lo * window_lo
+        s_hi = x_hi * window_hi
+        if j + 1 < J:
             frame = gl.minimum(first + wb * J + j + 1, F - 1)
-            x_lo = _load_samples(audio_ptr, clip_base, length, N, frame, n_lo, used_lo, INTERIOR)
-            x_hi = _load_samples(audio_ptr, clip_base, length, N, frame, n_hi, used_hi, INTERIOR)
+            x_lo = _load_samples(audio_ptr, clip_base, length, N, frame, n_lo, used_lo, IS_PCM, INTERIOR)
+            x_hi = _load_samples(audio_ptr, clip_base, length, N, frame, n_hi, used_hi, IS_PCM, INTERIOR)
         cosines = s_lo + s_hi
         sines = s_lo - s_hi
         amax = gl.max(gl.max(gl.maximum(gl.abs(cosines), gl.abs(sines)), axis=2), axis=1)
@@ -233,17 +186,17 @@ def _spectra(audio_ptr, window_ptr, operands_ptr, twiddles_ptr, power_s, exps_s,
         power = z_re * z_re + z_im * z_im  # [warp, k1, k2], times 2^(2 s - 10)
         power_s.slice(j, 1, dim=1).store(gl.reshape(gl.permute(power, (2, 0, 1)), [16 * W, 1, 16]))
         exps_s.slice(j, 1, dim=1).store(gl.expand_dims(2 * s - 10, 1))
-        if FENCED:
-            barrier()
+        # A CTA barrier after each frame keeps ptxas from hoisting the next frames' loads and products above this
+        # frame's: it bounds the registers live at once, so that the frame loop fits the cap without spilling.
+        barrier()
 
 
 # n_tiles stays a runtime value: specialized to 1 (a clip of one tile) it makes the frame indices constants, on
 # which Triton 3.6's lowering to LLVM fails an assertion.
 @gluon.jit(do_not_specialize=["n_tiles"])
 def _waveform_gluon_kernel(audio_ptr, lengths_ptr, operands_ptr, twiddles_ptr, window_ptr, proj_ptr, plan_ptr,
-                           out_ptr, stats_ptr, counts_ptr, N, F, NM, n_tiles, J: gl.constexpr, N_BLOCKS: gl.constexpr,
-                           IS_PCM: gl.constexpr, HAS_LENGTHS: gl.constexpr, FENCED: gl.constexpr,
-                           PREFETCH: gl.constexpr, FUSED_FLOOR: gl.constexpr):
+                           out_ptr, stats_ptr, N, F, NM, n_tiles, J: gl.constexpr, N_BLOCKS: gl.constexpr,
+                           IS_PCM: gl.constexpr, HAS_LENGTHS: gl.constexpr):
     """One program per (clip, tile of num_warps * J frames), clip-major; warp w takes the tile's frames w * J + j."""
     W: gl.constexpr = gl.num_warps()
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[W, 1, 1], instr_shape=[1, 16, 8])
@@ -267,10 +220,10 @@ def _waveform_gluon_kernel(audio_ptr, lengths_ptr, operands_ptr, twiddles_ptr, w
     last = gl.minimum(first + W * J, F) - 1
     if (first * HOP >= N_FFT // 2) & (last * HOP + N_FFT // 2 <= length):
         _spectra(audio_ptr, window_ptr, operands_ptr, twiddles_ptr, power_s, exps_s, clip_base, length, N, F, first,
-                 J, IS_PCM, True, FENCED, PREFETCH)
+                 J, IS_PCM, True)
     else:
         _spectra(audio_ptr, window_ptr, operands_ptr, twiddles_ptr, power_s, exps_s, clip_base, length, N, F, first,
-                 J, IS_PCM, False, FENCED, PREFETCH)
+                 J, IS_PCM, False)
     barrier()
 
     # The projection mel^T[band, frame] = W^T[band, bin] P^T[bin, frame], 16 bands at a time over the chunks (k2)
@@ -302,13 +255,6 @@ def _waveform_gluon_kernel(audio_ptr, lengths_ptr, operands_ptr, twiddles_ptr, w
     stats = stats_ptr + pid.to(gl.int64) * 2
     gl.store(stats, gl.max(gl.max(gl.max(run_max, axis=2), axis=1), axis=0))
     gl.store(stats + 1, gl.min(gl.min(gl.min(run_min, axis=2), axis=1), axis=0))
-    if FUSED_FLOOR:
-        # The clip's last program to finish floors the clip. The barrier orders the CTA's stores before the count,
-        # whose release and acquire (GPU scope) order every program's stores before the last one's loads.
-        barrier()
-        done = gl.atomic_add(counts_ptr + clip, 1, sem="acq_rel", scope="gpu")
-        if done == n_tiles - 1:
-            _floor_clip(out_clip, stats_ptr + clip.to(gl.int64) * n_tiles * 2, F, NM, n_tiles, W * J)
 
 
 def fragment_order() -> torch.Tensor:
@@ -363,14 +309,11 @@ def whisper_log_mel_gluon(audio: torch.Tensor, lengths: torch.Tensor | None, n_m
     n_tiles = triton.cdiv(F, block_f)
     n_groups = triton.cdiv(n_tiles, FLOOR_TILES)
     stats = torch.empty(B, n_tiles, 2, dtype=torch.float32, device=audio.device)
-    counts = torch.zeros(B if config.fused_floor else 1, dtype=torch.int32, device=audio.device)
     out = torch.empty(B, n_mels, F, dtype=out_dtype, device=audio.device)
     _waveform_gluon_kernel[(B * n_tiles,)](
-        audio, lengths, operands, twiddles, window, projection, plan, out, stats, counts, N, F, n_mels, n_tiles,
+        audio, lengths, operands, twiddles, window, projection, plan, out, stats, N, F, n_mels, n_tiles,
         J=config.frames, N_BLOCKS=projection.shape[1], IS_PCM=audio.dtype == torch.int16,
-        HAS_LENGTHS=lengths is not None, FENCED=config.fenced, PREFETCH=config.prefetch,
-        FUSED_FLOOR=config.fused_floor, num_warps=config.num_warps, maxnreg=config.maxnreg)
-    if not config.fused_floor:
-        waveform_floor_kernel[(B * n_groups,)](out, stats, F, n_mels, n_tiles, n_groups, BLOCK_F=block_f,
-                                               BLOCK_M=32, STATS_CHUNK=STATS_CHUNK, FLOOR_TILES=FLOOR_TILES)
+        HAS_LENGTHS=lengths is not None, num_warps=config.num_warps, maxnreg=config.maxnreg)
+    waveform_floor_kernel[(B * n_groups,)](out, stats, F, n_mels, n_tiles, n_groups, BLOCK_F=block_f,
+                                           BLOCK_M=32, STATS_CHUNK=STATS_CHUNK, FLOOR_TILES=FLOOR_TILES)
     return out
