@@ -315,5 +315,6 @@ def whisper_log_mel_gluon(audio: torch.Tensor, lengths: torch.Tensor | None, n_m
         J=config.frames, N_BLOCKS=projection.shape[1], IS_PCM=audio.dtype == torch.int16,
         HAS_LENGTHS=lengths is not None, num_warps=config.num_warps, maxnreg=config.maxnreg)
     waveform_floor_kernel[(B * n_groups,)](out, stats, F, n_mels, n_tiles, n_groups, BLOCK_F=block_f,
-                                           BLOCK_M=32, STATS_CHUNK=STATS_CHUNK, FLOOR_TILES=FLOOR_TILES)
+                                           BLOCK_M=triton.next_power_of_2(n_mels), STATS_CHUNK=STATS_CHUNK,
+                                           FLOOR_TILES=FLOOR_TILES)
     return out

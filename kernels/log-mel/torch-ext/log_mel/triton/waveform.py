@@ -42,7 +42,7 @@ PCM_SCALE = tl.constexpr(whisper.PCM_SCALE)
 # The projection's operand: the filterbank (weights below 0.05) times 2^6, closer to the top of fp16's range.
 MEL_SHIFT = tl.constexpr(6)
 WINDOW_PAD = 512  # the Hann window, zero past 400 (the masked lanes of the framing read there)
-FLOOR_TILES = 8  # frame tiles a floor-pass program checks
+FLOOR_TILES = 2  # frame tiles a floor-pass program checks
 
 
 @dataclass(frozen=True)
@@ -316,5 +316,6 @@ def whisper_log_mel_triton(audio: torch.Tensor, lengths: torch.Tensor | None, n_
         HW_LOG2=not triton.knobs.runtime.interpret, num_warps=config.num_warps,
         num_stages=config.num_stages)
     waveform_floor_kernel[(B * n_groups,)](out, stats, F, n_mels, n_tiles, n_groups, BLOCK_F=config.block_f,
-                                           BLOCK_M=32, STATS_CHUNK=STATS_CHUNK, FLOOR_TILES=FLOOR_TILES)
+                                           BLOCK_M=triton.next_power_of_2(n_mels), STATS_CHUNK=STATS_CHUNK,
+                                           FLOOR_TILES=FLOOR_TILES)
     return out
