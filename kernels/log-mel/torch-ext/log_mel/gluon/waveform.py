@@ -37,9 +37,7 @@ from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 from .. import whisper
 from ..common.gluon_compat import barrier
-from ..triton.epilogue import STATS_CHUNK
-from ..triton.waveform import (FLOOR_TILES, dft_tables, log10_scaled, pow2_scale, stage2_bins,
-                               waveform_floor_kernel)
+from ..triton.waveform import dft_tables, floor_pass, log10_scaled, pow2_scale, stage2_bins
 
 N_FFT = gl.constexpr(whisper.N_FFT)
 HOP = gl.constexpr(whisper.HOP_LENGTH)
@@ -307,14 +305,11 @@ def whisper_log_mel_gluon(audio: torch.Tensor, lengths: torch.Tensor | None, n_m
     plan, projection = _plan(n_mels, audio.device)
     block_f = config.num_warps * config.frames
     n_tiles = triton.cdiv(F, block_f)
-    n_groups = triton.cdiv(n_tiles, FLOOR_TILES)
     stats = torch.empty(B, n_tiles, 2, dtype=torch.float32, device=audio.device)
     out = torch.empty(B, n_mels, F, dtype=out_dtype, device=audio.device)
     _waveform_gluon_kernel[(B * n_tiles,)](
         audio, lengths, operands, twiddles, window, projection, plan, out, stats, N, F, n_mels, n_tiles,
         J=config.frames, N_BLOCKS=projection.shape[1], IS_PCM=audio.dtype == torch.int16,
         HAS_LENGTHS=lengths is not None, num_warps=config.num_warps, maxnreg=config.maxnreg)
-    waveform_floor_kernel[(B * n_groups,)](out, stats, F, n_mels, n_tiles, n_groups, BLOCK_F=block_f,
-                                           BLOCK_M=triton.next_power_of_2(n_mels), STATS_CHUNK=STATS_CHUNK,
-                                           FLOOR_TILES=FLOOR_TILES)
+    floor_pass(out, stats, block_f)
     return out

@@ -43,6 +43,7 @@ PCM_SCALE = tl.constexpr(whisper.PCM_SCALE)
 MEL_SHIFT = tl.constexpr(6)
 WINDOW_PAD = 512  # the Hann window, zero past 400 (the masked lanes of the framing read there)
 FLOOR_TILES = 2  # frame tiles a floor-pass program checks
+FLOOR_BANDS = 128  # the most mel bands a floor-pass step covers (all of them, up to large-v3's 128)
 
 
 @dataclass(frozen=True)
@@ -295,6 +296,17 @@ def waveform_floor_kernel(out_ptr, stats_ptr, F, NM, n_tiles, n_groups, BLOCK_F:
                 tl.store(ptrs, floor_out, mask=ok & (x < floor_out))
 
 
+def floor_pass(out: torch.Tensor, stats: torch.Tensor, block_f: int) -> None:
+    """Pass 2 in place on out (B, NM, F), from the main pass's statistics (B, n_tiles, 2) of its tiles of block_f
+    frames."""
+    B, NM, F = out.shape
+    n_tiles = stats.shape[1]
+    n_groups = triton.cdiv(n_tiles, FLOOR_TILES)
+    waveform_floor_kernel[(B * n_groups,)](out, stats, F, NM, n_tiles, n_groups, BLOCK_F=block_f,
+                                           BLOCK_M=min(triton.next_power_of_2(NM), FLOOR_BANDS),
+                                           STATS_CHUNK=STATS_CHUNK, FLOOR_TILES=FLOOR_TILES)
+
+
 def whisper_log_mel_triton(audio: torch.Tensor, lengths: torch.Tensor | None, n_mels: int, out_dtype: torch.dtype,
                            config: Config | None = None) -> torch.Tensor:
     """(B, n_mels, N // 160) in `out_dtype` from validated, contiguous audio (B, N) (float32, float16,
@@ -305,7 +317,6 @@ def whisper_log_mel_triton(audio: torch.Tensor, lengths: torch.Tensor | None, n_
     operands, twiddles, window = dft_tables(audio.device)
     proj = _projection(n_mels, audio.device, config.block_m)
     n_tiles = triton.cdiv(F, config.block_f)
-    n_groups = triton.cdiv(n_tiles, FLOOR_TILES)
     stats = torch.empty(B, n_tiles, 2, dtype=torch.float32, device=audio.device)
     out = torch.empty(B, n_mels, F, dtype=out_dtype, device=audio.device)
     _waveform_tiles_kernel[(B * n_tiles,)](
@@ -315,7 +326,5 @@ def whisper_log_mel_triton(audio: torch.Tensor, lengths: torch.Tensor | None, n_
         # The interpreter (CPU) cannot run inline PTX.
         HW_LOG2=not triton.knobs.runtime.interpret, num_warps=config.num_warps,
         num_stages=config.num_stages)
-    waveform_floor_kernel[(B * n_groups,)](out, stats, F, n_mels, n_tiles, n_groups, BLOCK_F=config.block_f,
-                                           BLOCK_M=triton.next_power_of_2(n_mels), STATS_CHUNK=STATS_CHUNK,
-                                           FLOOR_TILES=FLOOR_TILES)
+    floor_pass(out, stats, config.block_f)
     return out
