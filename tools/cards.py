@@ -158,13 +158,13 @@ def results_table(kernel: Kernel, rows: list[dict]) -> str:
         for impl in ours + anchors:
             if impl not in impls:
                 continue
-            own = _own_ms(impls, ours, impl)
             f = impls[impl]
             rate = next(((m, v) for m, v in f.items() if m not in ("ms", "err", "pct_copy")), None)
             rate = f"{fmt(rate[1])} {rate[0]}" if rate else ""
             if "pct_copy" in f:
                 rate += f" ({f['pct_copy']:.1f}% of copy)"
-            speedup = f"{f['ms'] / own:.3g}" if own and impl not in ours else ""
+            own = None if impl in ours else _own_ms(impls, ours, impl)
+            speedup = f"{f['ms'] / own:.3g}" if own else ""
             err = fmt(f["err"]) if "err" in f else ""
             out.append(f"| {case} | {impl} | {fmt(f['ms'])} | {rate} | {err} | {speedup} |")
     return "\n".join(out)

@@ -116,6 +116,15 @@ def _load_samples(audio_ptr, clip_base, length, N, frame, n, ok, IS_PCM: gl.cons
 
 
 @gluon.jit
+def _frame_samples(audio_ptr, clip_base, length, N, F, frame, n_lo, n_hi, used_lo, used_hi, IS_PCM: gl.constexpr,
+                   INTERIOR: gl.constexpr):
+    """(s[n_lo], s[n_hi]) of `frame` clamped to F - 1 (`_load_samples`): stage 1's samples and their mirrors."""
+    frame = gl.minimum(frame, F - 1)
+    return (_load_samples(audio_ptr, clip_base, length, N, frame, n_lo, used_lo, IS_PCM, INTERIOR),
+            _load_samples(audio_ptr, clip_base, length, N, frame, n_hi, used_hi, IS_PCM, INTERIOR))
+
+
+@gluon.jit
 def _spectra(audio_ptr, window_ptr, operands_ptr, twiddles_ptr, power_s, exps_s, clip_base, length, N, F, first,
              J: gl.constexpr, IS_PCM: gl.constexpr, INTERIOR: gl.constexpr):
     """The power spectra of frames first + w * J + j (clamped to F - 1), warp w, j < J, into power_s
@@ -151,16 +160,15 @@ def _spectra(audio_ptr, window_ptr, operands_ptr, twiddles_ptr, power_s, exps_s,
     window_lo = gl.load(window_ptr + n_lo)
     window_hi = gl.load(window_ptr + n_hi)
     # Frame j + 1's samples load while frame j is transformed: the only loads ahead of the frame's barrier below.
-    frame = gl.minimum(first + wb * J, F - 1)
-    x_lo = _load_samples(audio_ptr, clip_base, length, N, frame, n_lo, used_lo, IS_PCM, INTERIOR)
-    x_hi = _load_samples(audio_ptr, clip_base, length, N, frame, n_hi, used_hi, IS_PCM, INTERIOR)
+    frame = first + wb * J
+    x_lo, x_hi = _frame_samples(audio_ptr, clip_base, length, N, F, frame, n_lo, n_hi, used_lo, used_hi, IS_PCM,
+                                INTERIOR)
     for j in gl.static_range(J):
         s_lo = x_lo * window_lo
         s_hi = x_hi * window_hi
         if j + 1 < J:
-            frame = gl.minimum(first + wb * J + j + 1, F - 1)
-            x_lo = _load_samples(audio_ptr, clip_base, length, N, frame, n_lo, used_lo, IS_PCM, INTERIOR)
-            x_hi = _load_samples(audio_ptr, clip_base, length, N, frame, n_hi, used_hi, IS_PCM, INTERIOR)
+            x_lo, x_hi = _frame_samples(audio_ptr, clip_base, length, N, F, frame + j + 1, n_lo, n_hi, used_lo,
+                                        used_hi, IS_PCM, INTERIOR)
         cosines = s_lo + s_hi
         sines = s_lo - s_hi
         amax = gl.max(gl.max(gl.maximum(gl.abs(cosines), gl.abs(sines)), axis=2), axis=1)
