@@ -102,7 +102,7 @@ CURRENT = {
     "ldsa": (("ldsa-log-mel-1ef6b90",), ("ldsa triton", "ldsa triton backward"),
              ("eager reference (shift-mul-add)", "eager analytic backward (reference.py)", "torch.compile(reference)"),
              ("[16,256] H=8 Dh=64 W=15 causal", "[32,3000] H=8 Dh=64 W=15 causal", "[64,3000] H=8 Dh=64 W=15 causal")),
-    "log-mel": (("ldsa-log-mel-1ef6b90", "triton-3.6-10a901a"),
+    "log-mel": (("ldsa-log-mel-1ef6b90", "triton-3.6-e3e9599"),
                 ("public op (pick)", "whisper_log_mel, fp32", "whisper_log_mel, int16 -> bf16"),
                 ("torch.compile(reference)", "flashmel 0.1.0 + torch log/floor, fp32",
                  "flashmel 0.1.0 + torch log/floor, int16 -> bf16", "transformers torch path (device), fp32"),
