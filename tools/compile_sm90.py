@@ -146,6 +146,12 @@ def main(argv: list[str] | None = None) -> int:
     import triton
     from triton.runtime.jit import JITFunction
 
+    def spec(spec_name: str):
+        # testkit.spec skips a pytest test where the specs are absent; a command line run says so and stops.
+        if not (testkit.SPECS / f"{spec_name}.py").is_file():
+            raise SystemExit(f"spec {spec_name} not found in {testkit.SPECS}: set TESSERA_SPECS to the specs folder")
+        return testkit.spec(spec_name)
+
     compiler = Compiler()
     by_design = {}  # kernel name -> the spill bytes its design accepts (the benchmarks' SPILLS_BY_DESIGN)
     original_run = JITFunction.run
@@ -154,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
         for name in names:
             module, package = load_benchmark(name)
             by_design.update(getattr(module, "SPILLS_BY_DESIGN", {}))
-            for label, call in module.compile_cases(package, testkit.spec):
+            for label, call in module.compile_cases(package, spec):
                 if args.match and args.match not in label:
                     continue
                 compiler.label = f"{name} {label}"
