@@ -45,13 +45,18 @@ def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
     return ((x - ref).norm() / ref.norm().clamp_min(1e-300)).item()
 
 
+def has_spec(name: str) -> bool:
+    """Whether spec `name` is in SPECS (the shared specs need not be beside a checkout)."""
+    return (SPECS / f"{name}.py").is_file()
+
+
 @functools.cache
 def spec(name: str):
     """A spec of ../shared/specs as callables on the CPU: `.ref`, `.make` and the shape lists.
 
     Skips the calling test when the specs are not beside the checkout."""
     path = SPECS / f"{name}.py"
-    if not path.is_file():
+    if not has_spec(name):
         pytest.skip(f"spec {path} not found")
     import sys
     import types

@@ -148,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def spec(spec_name: str):
         # testkit.spec skips a pytest test where the specs are absent; a command line run says so and stops.
-        if not (testkit.SPECS / f"{spec_name}.py").is_file():
+        if not testkit.has_spec(spec_name):
             raise SystemExit(f"spec {spec_name} not found in {testkit.SPECS}: set TESSERA_SPECS to the specs folder")
         return testkit.spec(spec_name)
 

@@ -55,7 +55,7 @@ class Bench:
         """A shared spec on CUDA (reference, input maker, canonical work), or None where specs are absent."""
         import testkit  # reads TESSERA_SPECS, which main() sets first
 
-        return testkit.spec(name) if (testkit.SPECS / f"{name}.py").is_file() else None
+        return testkit.spec(name) if testkit.has_spec(name) else None
 
     @staticmethod
     def optional(module: str):
