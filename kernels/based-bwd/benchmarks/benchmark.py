@@ -127,7 +127,7 @@ def _timed_row(bench, case, impl, fn, ref, flops, **extra):
     return row
 
 
-def _forward_rows(bench, kernel, forward, fla_based, case, q, k, v, o_ref, flops, K, scale, sweep):
+def _forward_rows(bench, kernel, dispatch, fla_based, case, q, k, v, o_ref, flops, K, scale, sweep):
     """The forward alone (no autograd graph): ours, its other launch plans (with `sweep`), and fla's two
     forwards; ours gets its speed-up over the faster fla forward."""
     rows = []
@@ -140,11 +140,11 @@ def _forward_rows(bench, kernel, forward, fla_based, case, q, k, v, o_ref, flops
         return run
 
     ours = _timed_row(bench, case, "based-bwd triton forward", fwd(lambda: kernel.based_attention(q, k, v)),
-                      [o_ref], flops, config=str(forward.DEFAULT_CONFIG[K]))
+                      [o_ref], flops, config=str(dispatch.DEFAULT_FORWARD_CONFIG[K]))
     rows.append(ours)
     if sweep:
-        for config in forward.CONFIG_CHOICES:
-            run = fwd(lambda: forward.based_forward_triton(q, k, v, scale, config))  # noqa: B023
+        for config in dispatch.FORWARD_CONFIG_CHOICES:
+            run = fwd(lambda: dispatch.portable_forward(q, k, v, scale, config))  # noqa: B023
             rows.append(_timed_row(bench, case, "based-bwd triton forward, other config", run, [o_ref], flops,
                                    config=str(config)))
     if fla_based is not None:
@@ -176,8 +176,7 @@ def side_by_side(kernel, bench) -> list[dict]:
     if spec is None:
         return []
     fla_based = importlib.import_module("fla.ops.based") if bench.optional("fla") is not None else None
-    fused = importlib.import_module(f"{kernel.__name__}.triton.backward")
-    forward = importlib.import_module(f"{kernel.__name__}.triton.forward")
+    dispatch = importlib.import_module(f"{kernel.__name__}.dispatch")
     spec_forward = spec.ref.__globals__["_based_forward"]
     rows = []
     for shape in spec.measure_shapes:
@@ -191,12 +190,12 @@ def side_by_side(kernel, bench) -> list[dict]:
         first_of_k = shape == next(s for s in spec.measure_shapes if s[3] == K)
 
         ours = _timed_row(bench, case, "based-bwd triton", lambda: kernel.based_backward(q, k, v, do), ref,
-                          flops, path=kernel.kernel_path(q), config=str(fused.DEFAULT_CONFIG[K]))
+                          flops, path=kernel.kernel_path(q), config=str(dispatch.DEFAULT_BACKWARD_CONFIG[K]))
         rows.append(ours)
         # the launch configurations the default could take, at the first shape of each K (compile time)
         if bench.sweep and first_of_k:
-            for config in fused.CONFIG_CHOICES:
-                run = lambda: fused.based_backward_triton(q, k, v, do, scale, config)  # noqa: E731
+            for config in dispatch.BACKWARD_CONFIG_CHOICES:
+                run = lambda: dispatch.portable_backward(q, k, v, do, scale, config)  # noqa: E731
                 rows.append(_timed_row(bench, case, "based-bwd triton, other config", run, ref, flops,
                                        config=str(config)))
         # the training step, in a case of its own beside fla's forward + backward (the same contract; its rows
@@ -223,7 +222,7 @@ def side_by_side(kernel, bench) -> list[dict]:
                     own["x_vs_fla"] = own["x_vs_fla_parallel_based"]
         rows += step_rows
 
-        rows += _forward_rows(bench, kernel, forward, fla_based, f"{case} forward", q, k, v, o_ref, flops / 2, K,
+        rows += _forward_rows(bench, kernel, dispatch, fla_based, f"{case} forward", q, k, v, o_ref, flops / 2, K,
                               scale, sweep=bench.sweep and first_of_k)
         rows.append(_timed_row(bench, case, "spec seed reference (fp32 autograd)",
                                lambda: spec.ref(q, k, v, do), ref, flops))
@@ -238,8 +237,7 @@ def compile_cases(kernel, spec):
     backward's fp32 path (IEEE matmuls, the interpreter tests' exact mode) with each K's default plan. The
     forward's fp32 mode is the interpreter's alone (CUDA fp32 calls take the reference), and fp16 calls run the
     bf16 kernels."""
-    fused = importlib.import_module(f"{kernel.__name__}.triton.backward")
-    forward = importlib.import_module(f"{kernel.__name__}.triton.forward")
+    dispatch = importlib.import_module(f"{kernel.__name__}.dispatch")
     shapes = spec("based_backward").measure_shapes
 
     def tensors(shape, dtype):
@@ -251,19 +249,19 @@ def compile_cases(kernel, spec):
     def case(shape, dtype, config):
         q, k, v, do = tensors(shape, dtype)
         label = f"backward (B,T,H,K,V)={shape} {str(dtype)[6:]} {config}"
-        return label, lambda: fused.based_backward_triton(q, k, v, do, shape[3] ** -0.5, config)
+        return label, lambda: dispatch.portable_backward(q, k, v, do, shape[3] ** -0.5, config)
 
     def forward_case(shape, dtype, config):
         q, k, v, _ = tensors(shape, dtype)
         label = f"forward (B,T,H,K,V)={shape} {str(dtype)[6:]} {config}"
-        return label, lambda: forward.based_forward_triton(q, k, v, shape[3] ** -0.5, config)
+        return label, lambda: dispatch.portable_forward(q, k, v, shape[3] ** -0.5, config)
 
     for shape in shapes:
         K = shape[3]
-        for config in sorted(set(fused.CONFIG_CHOICES) | {fused.DEFAULT_CONFIG[K]}, key=str):
+        for config in sorted(set(dispatch.BACKWARD_CONFIG_CHOICES) | {dispatch.DEFAULT_BACKWARD_CONFIG[K]}, key=str):
             yield case(shape, torch.bfloat16, config)
-        for config in sorted(set(forward.CONFIG_CHOICES) | {forward.DEFAULT_CONFIG[K]}, key=str):
+        for config in sorted(set(dispatch.FORWARD_CONFIG_CHOICES) | {dispatch.DEFAULT_FORWARD_CONFIG[K]}, key=str):
             yield forward_case(shape, torch.bfloat16, config)
     for K in sorted({shape[3] for shape in shapes}):
         first = next(s for s in shapes if s[3] == K)
-        yield case(first, torch.float32, fused.DEFAULT_CONFIG[K])
+        yield case(first, torch.float32, dispatch.DEFAULT_BACKWARD_CONFIG[K])

@@ -1,36 +1,130 @@
-"""Each call's path, in one place: bf16 and fp16 CUDA tensors take the fused Triton kernels (`triton/`), fp32
-tensors and the CPU the eager reference, and a backward with a value size V above its kernels' bound the
-reference as well. The package has no Hopper-only fast paths."""
+"""Each call's path and plan, in one place: bf16 and fp16 CUDA tensors take the portable Triton kernels
+(`portable/`), fp32 tensors and the CPU the eager reference, and a backward with a value size V above its
+kernels' bound the reference as well. The package has no Hopper-only fast paths.
+
+The portable forward is two stages (`states`: the forward scan, then `output`), the backward four (the forward
+scan, `grads`' dq, the reverse scan, `grads`' dk and dv); `portable_forward` and `portable_backward` launch
+them in order, with the launch plan of `DEFAULT_FORWARD_CONFIG` and `DEFAULT_BACKWARD_CONFIG`. fp16 inputs run
+the bf16 kernels, converted in and out.
+"""
+
+from typing import NamedTuple
 
 import torch
 
+from .common.devices import on_device
 from .reference import based_backward_reference, based_forward_reference
+
+
+class BackwardConfig(NamedTuple):
+    """The backward's launch plan: the chunk C, the chunk kernels' warps and the registers a thread of theirs
+    may use (ptxas' maxnreg; None: as many as it wants); the scans' feature rows and V columns per program and
+    their warps."""
+
+    chunk: int = 64
+    warps: int = 4
+    chunk_registers: int | None = 168  # three 4-warp CTAs an SM
+    scan_rows: int = 64
+    scan_bv: int = 64
+    scan_warps: int = 8
+
+
+class ForwardConfig(NamedTuple):
+    """The forward's launch plan: the chunk C; the output kernel's V columns a program and warps; the scan's
+    feature rows and V columns a program and warps."""
+
+    chunk: int = 64
+    bv: int = 128
+    warps: int = 4
+    scan_rows: int = 64
+    scan_bv: int = 64
+    scan_warps: int = 8
+
+
+# The launches the public ops use, per feature size K, and the alternatives the benchmark times beside them;
+# the benchmark's H200 timings choose among them. Backward: the chunk kernels on 4 warps capped at 168
+# registers a thread (three CTAs an SM instead of two uncapped), the scans 64 V columns a program. Forward: at
+# K = 16 a 64-column tile on 4 warps fits two CTAs an SM (186 registers); at K = 8 the whole of V = 128 fits
+# three. Every launch runs num_stages=1.
+DEFAULT_BACKWARD_CONFIG = {8: BackwardConfig(), 16: BackwardConfig()}
+BACKWARD_CONFIG_CHOICES = [BackwardConfig(chunk_registers=None), BackwardConfig(warps=8, chunk_registers=None)]
+DEFAULT_FORWARD_CONFIG = {8: ForwardConfig(), 16: ForwardConfig(bv=64)}
+FORWARD_CONFIG_CHOICES = [ForwardConfig(), ForwardConfig(bv=64), ForwardConfig(warps=8),
+                          ForwardConfig(bv=64, warps=8)]
 
 
 def kernel_path(x: torch.Tensor) -> str:
     """Which implementation a call on `x` takes by device and dtype: "triton" for bf16/fp16 CUDA tensors,
-    "reference" otherwise. A backward with a value size V above triton.backward.MAX_V takes the reference
-    whatever this names (`cuda_backward`)."""
+    "reference" otherwise. A backward with a value size V above portable.grads.MAX_V takes the reference
+    whatever this names (`based_backward_cuda`)."""
     # The backward's fp32 mode (IEEE fp32 matmuls) fails its float64 check at K=8 on the H200, and the
     # forward's spills, so fp32 inputs take the eager reference on CUDA too.
     return "triton" if x.is_cuda and x.dtype != torch.float32 else "reference"
 
 
-def cuda_backward(q, k, v, do, scale: float):
+def based_backward_cuda(q, k, v, do, scale: float):
     """(dq, dk, dv) on the path `kernel_path` names for CUDA tensors."""
     if kernel_path(q) == "reference":
         return based_backward_reference(q, k, v, do, scale)
-    from .triton.backward import MAX_V, based_backward_triton  # triton is imported only on the CUDA path
+    from .portable.grads import MAX_V  # triton is imported only on the CUDA path
 
     if v.shape[-1] > MAX_V:
         return based_backward_reference(q, k, v, do, scale)
-    return based_backward_triton(q, k, v, do, scale)
+    return portable_backward(q, k, v, do, scale)
 
 
-def cuda_forward(q, k, v, scale: float):
-    """o on the path `kernel_path` names for CUDA tensors (the Triton forward takes any V)."""
+def based_forward_cuda(q, k, v, scale: float):
+    """o on the path `kernel_path` names for CUDA tensors (the portable forward takes any V)."""
     if kernel_path(q) == "reference":
         return based_forward_reference(q, k, v, scale)
-    from .triton.forward import based_forward_triton  # triton is imported only on the CUDA path
+    return portable_forward(q, k, v, scale)
 
-    return based_forward_triton(q, k, v, scale)
+
+def portable_backward(q, k, v, do, scale: float, config: BackwardConfig | None = None):
+    """(dq, dk, dv) from the portable kernels for contiguous (B, T, H, K) q, k and (B, T, H, V) v, do with K in
+    {8, 16}, any T >= 1, 1 <= V <= portable.grads.MAX_V; outputs in the inputs' dtype. `config` overrides
+    DEFAULT_BACKWARD_CONFIG[K]. CPU tensors run the kernels in the Triton interpreter."""
+    from .portable import grads, states  # triton is imported only where the kernels run
+
+    if q.dtype == torch.float16:
+        # Run as bf16, which the matmul operands are in either way: launched on fp16 tensors the kernels give
+        # a wrong dq on the H200, where bf16 is right.
+        got = portable_backward(*(x.to(torch.bfloat16) for x in (q, k, v, do)), scale, config)
+        return tuple(x.to(torch.float16) for x in got)
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    if V > grads.MAX_V:
+        raise ValueError(f"the fused backward holds V whole in a program: V <= {grads.MAX_V}, got V={V}")
+    cfg = config or DEFAULT_BACKWARD_CONFIG[K]
+    S, Z = states.state_buffers(q, V, cfg.chunk)
+    h = torch.empty(B * H, T, device=q.device, dtype=torch.float32)
+    g = torch.empty_like(do)  # r do, rounded to the matmul operand type (the inputs')
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    scan = dict(chunk=cfg.chunk, rows=cfg.scan_rows, bv=cfg.scan_bv, warps=cfg.scan_warps)
+    chunk = dict(chunk=cfg.chunk, warps=cfg.warps, registers=cfg.chunk_registers)
+    with on_device(q):
+        states.launch(k, v, h, S, Z, scale, reverse=False, **scan)  # h is not read (unweighted)
+        grads.launch_dq(q, k, v, do, S, Z, h, g, dq, scale, **chunk)
+        states.launch(q, g, h, S, Z, scale, reverse=True, **scan)  # overwrites S_n with dS_n
+        grads.launch_dkdv(q, k, v, g, S, Z, h, dk, dv, scale, **chunk)
+    return dq, dk, dv
+
+
+def portable_forward(q, k, v, scale: float, config: ForwardConfig | None = None) -> torch.Tensor:
+    """o (B, T, H, V) from the portable kernels, in the inputs' dtype, for contiguous (B, T, H, K) q, k and
+    (B, T, H, V) v with K in {8, 16}, any T, V >= 1. `config` overrides DEFAULT_FORWARD_CONFIG[K]. CPU tensors
+    run the kernels in the Triton interpreter."""
+    from .portable import output, states  # triton is imported only where the kernels run
+
+    if q.dtype == torch.float16:
+        # the states outgrow fp16's range over long sequences
+        return portable_forward(*(x.to(torch.bfloat16) for x in (q, k, v)), scale, config).to(torch.float16)
+    cfg = config or DEFAULT_FORWARD_CONFIG[q.shape[-1]]
+    S, Z = states.state_buffers(q, v.shape[-1], cfg.chunk)
+    o = torch.empty_like(v)
+    with on_device(q):
+        # the scan's weights are not read forward (unweighted)
+        states.launch(k, v, Z, S, Z, scale, chunk=cfg.chunk, reverse=False, rows=cfg.scan_rows, bv=cfg.scan_bv,
+                      warps=cfg.scan_warps)
+        output.launch(q, k, v, S, Z, o, scale, chunk=cfg.chunk, bv=cfg.bv, warps=cfg.warps)
+    return o

@@ -9,7 +9,7 @@ this kernel can be loaded side by side.
 import torch
 
 from ._ops import add_op_namespace_prefix
-from .dispatch import cuda_backward, cuda_forward
+from .dispatch import based_backward_cuda, based_forward_cuda
 from .reference import based_backward_reference, based_forward_reference, default_scale
 from .validation import check_based_args
 
@@ -18,7 +18,7 @@ from .validation import check_based_args
 def based_backward_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return cuda_backward(q, k, v, do, scale)
+    return based_backward_cuda(q, k, v, do, scale)
 
 
 @torch.library.register_kernel(add_op_namespace_prefix("based_backward"), "cpu")
@@ -33,7 +33,7 @@ def _(q, k, v, do, scale):
 
 @torch.library.custom_op(add_op_namespace_prefix("based_forward"), mutates_args=(), device_types="cuda")
 def based_forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    return cuda_forward(q, k, v, scale)
+    return based_forward_cuda(q, k, v, scale)
 
 
 @torch.library.register_kernel(add_op_namespace_prefix("based_forward"), "cpu")

@@ -7,7 +7,7 @@ MLP), a final norm and an output head. Attention runs on bf16 q, k, v (the fused
 attention rounds the same way). The data: sequences of a fixed random Markov chain (four successors a token),
 whose entropy, about 1.3 nats a token, is the loss a trained model approaches from log(64) = 4.2.
 
-    python -m pytest kernels/based-bwd/tests/test_training.py     # the GPU part runs where CUDA is
+    python -m pytest kernels/based-bwd/tests/test_based_attention.py     # the GPU part runs where CUDA is
 """
 
 import copy

@@ -6,8 +6,8 @@ one row per unordered pair: P = 1 + K + K (K + 1) / 2 rows, row 0 the constant, 
 then the pairs a <= b row by row (`_pair_row`); 153 rows at K = 16 instead of 273. A (B H, N, P, V) buffer holds
 chunk n's state at rows `_chunk_state(bh, n)`; an fp32 (B H, N, P) buffer its normaliser.
 
-`_state_scan` forward stores S_n = sum over earlier chunks of phi_k(K)^T V and z_n = sum of phi_k(k) (the
-forward's read-out and dq read them); reverse, dS_n = sum over later chunks of phi_q(Q~)^T G and dz_n = sum of
+`_state_scan_kernel` forward stores S_n = sum over earlier chunks of phi_k(K)^T V and z_n = sum of phi_k(k) (the
+forward's output and dq read them); reverse, dS_n = sum over later chunks of phi_q(Q~)^T G and dz_n = sum of
 phi_q(q~) h (dk and dv read them). Each program owns a block of feature rows and of V columns, so the scan is
 parallel over (features, V, b h); only the running sum is serial, and it is fp32 in registers.
 """
@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .tiles import _dot, _sequence_row
+from .tiles import _dot, _sequence_row, operand_type
 
 
 @triton.jit
@@ -54,7 +54,7 @@ def _scan_loads(x, y, w_in, n, ia, ib, linear, quad, cols, T, H, V, K: tl.conste
 
 
 @triton.jit
-def _state_scan(
+def _state_scan_kernel(
     x, y, w_in, states, norms,
     T, H, V, scale, N,
     K: tl.constexpr, P: tl.constexpr, R: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, REVERSE: tl.constexpr,
@@ -114,9 +114,24 @@ def n_features(K: int) -> int:
     return 1 + K + K * (K + 1) // 2
 
 
-def state_buffers(BH: int, N: int, P: int, V: int, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Uninitialised (B H, N, P, V) states (fp32 for fp32 inputs `x`, bf16 otherwise) and fp32 (B H, N, P)
-    normalisers on x's device."""
+def state_buffers(x: torch.Tensor, V: int, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Uninitialised (B H, N, P, V) states for x (B, T, H, K) cut in N = ceil(T / chunk) chunks (fp32 for fp32
+    inputs, bf16 otherwise) and fp32 (B H, N, P) normalisers, on x's device."""
+    B, T, H, K = x.shape
+    BH, N, P = B * H, triton.cdiv(T, chunk), n_features(K)
     dtype = torch.float32 if x.dtype == torch.float32 else torch.bfloat16
     states = torch.empty(BH, N, P, V, device=x.device, dtype=dtype)
     return states, torch.empty(BH, N, P, device=x.device, dtype=torch.float32)
+
+
+def launch(x, y, weights, states, norms, scale: float, *, chunk: int, reverse: bool, rows: int, bv: int,
+           warps: int) -> None:
+    """The scan over chunks of `chunk` positions of x (B, T, H, K) and y (B, T, H, V) into the `state_buffers`
+    states and norms: forward (reverse False) x = k, y = v, weights not read; reverse x = q, y = g, weights the
+    fp32 (B H, T) h. A program takes `rows` feature rows and up to `bv` V columns, on `warps` warps."""
+    B, T, H, K = x.shape
+    BH, N, P, V = states.shape
+    BV = min(bv, max(16, triton.next_power_of_2(V)))
+    _state_scan_kernel[(triton.cdiv(P, rows), triton.cdiv(V, BV), BH)](
+        x, y, weights, states, norms, T, H, V, scale, N,
+        K=K, P=P, R=rows, BV=BV, C=chunk, REVERSE=reverse, DOT=operand_type(x.dtype), num_warps=warps, num_stages=1)

@@ -1,10 +1,9 @@
-"""The fused Based forward in Triton, chunk-parallel: the forward state scan, then one program per (chunk, V
-tile, b h) for the output.
+"""The forward's output: one program per (chunk, V tile, b h), after the forward state scan (`states`).
 
 Notation as in reference.py: q~ = scale q, s_ij = q~_i . k_j, A_ij = 1 + s_ij + s_ij^2 / 2 (j <= i). The scan
-(`states._state_scan`) stores each chunk's start state S_n = sum over earlier chunks of phi_k(K)^T V and its
-normaliser z_n, in the packed layout of `states`. A chunk's rows i read it out through the query side of the
-feature map, [1, q~_i, q~_i (x) q~_i / 2], and the C x C quadratic form A gives the rest:
+stores each chunk's start state S_n = sum over earlier chunks of phi_k(K)^T V and its normaliser z_n, in the
+packed layout of `states`. A chunk's rows i read it out through the query side of the feature map,
+[1, q~_i, q~_i (x) q~_i / 2], and the C x C quadratic form A gives the rest:
 
     num_i = S0 + q~_i S1 + (q~_i (x) q~_i / 2) S2 + sum_{j <= i in chunk} A_ij v_j,
     den_i = z0 + q~_i . z1 + q~_i^T Z2 q~_i / 2 + sum_{j <= i in chunk} A_ij,
@@ -17,18 +16,13 @@ gathered from the packed state by the load.
 
 Precision: matmuls take bf16 operands (the inputs', the state's and the features' rounding) with fp32
 accumulation, IEEE fp32 for fp32 inputs; s^2 and the normaliser are fp32: den's read-out takes Z2 as a bf16
-head plus a bf16 tail against q (exact for bf16 inputs). fp16 inputs run the bf16 kernels, converted in and
-out (the states outgrow fp16's range over long sequences).
+head plus a bf16 tail against q (exact for bf16 inputs).
 """
 
-from typing import NamedTuple
-
-import torch
 import triton
 import triton.language as tl
 
-from ..common.devices import on_device
-from .states import _chunk_state, _pair_row, _state_scan, n_features, state_buffers
+from .states import _chunk_state, _pair_row
 from .tiles import _EPS, _dot, _load_rows, _sequence_row, _store_rows, operand_type
 
 
@@ -50,7 +44,7 @@ def _split_dot(DOT: tl.constexpr, x, Z):
 
 
 @triton.jit
-def _chunk_output(
+def _output_kernel(
     q, k, v, states, norms, o,
     T, H, V, scale, N,
     K: tl.constexpr, P: tl.constexpr, BK: tl.constexpr, KK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
@@ -103,54 +97,12 @@ def _chunk_output(
     _store_rows(o, num / (den + _EPS)[:, None], t0, T, H * V, nv, C, BV)
 
 
-class ForwardConfig(NamedTuple):
-    """One launch plan: the chunk C; the output kernel's V columns a program and warps; the scan's feature rows
-    and V columns a program and warps."""
-
-    chunk: int = 64
-    bv: int = 128
-    warps: int = 4
-    scan_rows: int = 64
-    scan_bv: int = 64
-    scan_warps: int = 8
-
-
-# The launch the public op uses, per feature size K, and the alternatives the benchmark times beside it.
-# At K = 16 a 64-column tile on 4 warps fits two CTAs an SM (186 registers); at K = 8 the whole of V = 128 fits
-# three.
-DEFAULT_CONFIG = {8: ForwardConfig(), 16: ForwardConfig(bv=64)}
-CONFIG_CHOICES = [ForwardConfig(), ForwardConfig(bv=64), ForwardConfig(warps=8), ForwardConfig(bv=64, warps=8)]
-
-
-def launch_plan(K: int, V: int, dtype: torch.dtype, config: ForwardConfig | None = None) -> dict:
-    """{kernel name: (jit function, constexpr arguments, num_warps)} for the two launches."""
-    cfg = config or DEFAULT_CONFIG[K]
-    DOT = operand_type(dtype)
-    BV = max(16, triton.next_power_of_2(V))
-    P = n_features(K)
-    scan = dict(K=K, P=P, R=cfg.scan_rows, BV=min(cfg.scan_bv, BV), C=cfg.chunk, DOT=DOT, REVERSE=False)
-    out = dict(K=K, P=P, BK=max(16, K), KK=K * K, BV=min(cfg.bv, BV), C=cfg.chunk, DOT=DOT)
-    return {"scan": (_state_scan, scan, cfg.scan_warps), "output": (_chunk_output, out, cfg.warps)}
-
-
-def based_forward_triton(q, k, v, scale: float, config: ForwardConfig | None = None) -> torch.Tensor:
-    """o (B, T, H, V) in the inputs' dtype for contiguous (B, T, H, K) q, k and (B, T, H, V) v with K in {8, 16},
-    any T, V >= 1. `config` overrides DEFAULT_CONFIG[K]."""
-    if q.dtype == torch.float16:
-        return based_forward_triton(*(x.to(torch.bfloat16) for x in (q, k, v)), scale, config).to(torch.float16)
+def launch(q, k, v, states, norms, o, scale: float, *, chunk: int, bv: int, warps: int) -> None:
+    """o (B, T, H, V) for q, k (B, T, H, K) and v from the forward scan's states and norms (`states.launch`,
+    chunks of `chunk` positions): a program takes up to `bv` V columns of one chunk, on `warps` warps."""
     B, T, H, K = q.shape
-    V = v.shape[-1]
-    plan = launch_plan(K, V, q.dtype, config)
-    scan, out = plan["scan"][1], plan["output"][1]
-    C, P, BH = out["C"], out["P"], B * H
-    N = triton.cdiv(T, C)
-    states, norms = state_buffers(BH, N, P, V, q)
-    o = torch.empty_like(v)
-    common = (T, H, V, scale, N)
-    with on_device(q):
-        # the scan's weights pointer is not read forward (unweighted)
-        _state_scan[(triton.cdiv(P, scan["R"]), triton.cdiv(V, scan["BV"]), BH)](
-            k, v, norms, states, norms, *common, **scan, num_warps=plan["scan"][2], num_stages=1)
-        _chunk_output[(N, triton.cdiv(V, out["BV"]), BH)](
-            q, k, v, states, norms, o, *common, **out, num_warps=plan["output"][2], num_stages=1)
-    return o
+    BH, N, P, V = states.shape
+    BV = min(bv, max(16, triton.next_power_of_2(V)))
+    _output_kernel[(N, triton.cdiv(V, BV), BH)](
+        q, k, v, states, norms, o, T, H, V, scale, N,
+        K=K, P=P, BK=max(16, K), KK=K * K, BV=BV, C=chunk, DOT=operand_type(q.dtype), num_warps=warps, num_stages=1)

@@ -1,4 +1,4 @@
-"""The fused Based backward in Triton, chunk-parallel: two state scans and two per-chunk kernels.
+"""The backward's gradients: two per-chunk kernels around the reverse state scan.
 
 Notation as in reference.py: q~ = scale q, s_ij = q~_i . k_j, A_ij = 1 + s_ij + s_ij^2 / 2 (j <= i),
 r_i = 1 / (den_i + 1e-6), delta_i = do_i . o_i, g_i = r_i do_i, h_i = -r_i delta_i. With the feature maps
@@ -6,18 +6,19 @@ phi_k(k) = [1, k, k (x) k] and phi_q(q~) = [1, q~, q~ (x) q~ / 2] (the Taylor te
 A_ij = phi_q(q~_i) . phi_k(k_j); the states keep one row per unordered pair of a product, in the packed layout
 of `states` (P rows).
 
-The sequence is cut in chunks of C positions. Per (b, h) and chunk n the launches below exchange, through
-one HBM buffer of N x P x V states (bf16 for 16-bit inputs) and an fp32 N x P normaliser buffer:
+The sequence is cut in chunks of C positions. Per (b, h) and chunk n the backward's four launches exchange,
+through one HBM buffer of N x P x V states (bf16 for 16-bit inputs) and an fp32 N x P normaliser buffer:
 
-1. `states._state_scan` (forward): S_n = sum over earlier chunks of phi_k(K)^T V and z_n = sum of phi_k(k).
-2. `_chunk_forward_dq`, one program per chunk, all of V: recomputes num and den from S_n, z_n and the
-   chunk's quadratic form, hence r and delta, and then the complete dq; it writes g = r do (in the matmul
-   operand type, which every later use rounds it to) and h (one float a position) for the launches after it:
+1. `states._state_scan_kernel` (forward): S_n = sum over earlier chunks of phi_k(K)^T V and z_n = sum of
+   phi_k(k).
+2. `_dq_kernel`, one program per chunk, all of V: recomputes num and den from S_n, z_n and the chunk's
+   quadratic form, hence r and delta, and then the complete dq; it writes g = r do (in the matmul operand
+   type, which every later use rounds it to) and h (one float a position) for the launches after it:
        dq~_i = sum_{j <= i in chunk} ds_ij k_j + S1 g_i + z1 h_i + M_i q~_i,
        M_i[a, b] = S2[ab] . g_i + Z2[ab] h_i,   ds_ij = (g_i . v_j + h_i)(1 + s_ij).
-3. `_state_scan` (reverse) overwrites the state buffer with dS_n = sum over later chunks of phi_q(Q~)^T G
-   and dz_n = sum of phi_q(q~) h: the forward scan's loop with q, g and the weights h.
-4. `_chunk_dkdv`, one program per chunk: dv_j = sum_{i >= j in chunk} A_ij g_i + phi_k(k_j)^T dS_n and
+3. `states._state_scan_kernel` (reverse) overwrites the state buffer with dS_n = sum over later chunks of
+   phi_q(Q~)^T G and dz_n = sum of phi_q(q~) h: the forward scan's loop with q, g and the weights h.
+4. `_dkdv_kernel`, one program per chunk: dv_j = sum_{i >= j in chunk} A_ij g_i + phi_k(k_j)^T dS_n and
        dk_j = sum_{i >= j in chunk} ds_ij q~_i + dS1 v_j + dz1 + 2 M'_j k_j,   M'_j[a, b] = dS2[ab] . v_j + dZ2[ab].
 
 The quadratic features are never stored: num and dv are sum_a (x_a X) S2[a .], one product per a over the
@@ -29,15 +30,14 @@ type. Where a product wants the other orientation of an operand, it takes tl.tra
 of a dot result (the wgmma miscompile of fla #640).
 """
 
-from typing import NamedTuple
-
-import torch
 import triton
 import triton.language as tl
 
-from ..common.devices import on_device
-from .states import _chunk_state, _pair_row, _state_scan, n_features, state_buffers
+from .states import _chunk_state, _pair_row
 from .tiles import _EPS, _dot, _load_rows, _sequence_row, _store_rows, operand_type
+
+# V is held whole by a chunk program (delta_i = do_i . o_i needs all of it); wider V takes the reference.
+MAX_V = 256
 
 
 @triton.jit
@@ -116,7 +116,7 @@ def _chunk_program(T, H, N, P: tl.constexpr, C: tl.constexpr):
 
 
 @triton.jit
-def _chunk_forward_dq(
+def _dq_kernel(
     q, k, v, do, states, norms, h_out, g_out, dq,
     T, H, V, scale, N,
     K: tl.constexpr, P: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
@@ -165,7 +165,7 @@ def _chunk_forward_dq(
 
 
 @triton.jit
-def _chunk_dkdv(
+def _dkdv_kernel(
     q, k, v, g_in, states, norms, h_in, dk, dv,
     T, H, V, scale, N,
     K: tl.constexpr, P: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
@@ -205,74 +205,29 @@ def _chunk_dkdv(
     _store_rows(dv, dv_c, t0, T, H * V, V, C, BV)
 
 
-class Config(NamedTuple):
-    """One launch plan: the chunk C, the chunk kernels' warps and the registers a thread of theirs may use
-    (ptxas' maxnreg; None: as many as it wants); the scans' feature rows and V columns per program and their
-    warps."""
-
-    chunk: int = 64
-    warps: int = 4
-    chunk_registers: int | None = 168  # three 4-warp CTAs an SM
-    scan_rows: int = 64
-    scan_bv: int = 64
-    scan_warps: int = 8
+def _chunk_meta(q, states, chunk: int) -> dict:
+    """The constexpr arguments of both chunk kernels for q (B, T, H, K) and the (B H, N, P, V) states, V at most
+    MAX_V."""
+    K = q.shape[-1]
+    P, V = states.shape[2:]
+    return dict(K=K, P=P, BK=max(16, K), BV=max(16, triton.next_power_of_2(V)), C=chunk, DOT=operand_type(q.dtype))
 
 
-# The launch the public op uses, per feature size K, and the alternatives the benchmark times beside it: the
-# chunk kernels on 4 warps capped at 168 registers a thread (three CTAs an SM instead of two uncapped), the
-# scans 64 V columns a program, every launch num_stages=1; the benchmark's H200 timings choose among them.
-DEFAULT_CONFIG = {8: Config(), 16: Config()}
-CONFIG_CHOICES = [Config(chunk_registers=None), Config(warps=8, chunk_registers=None)]
-# V is held whole by a chunk program (delta_i = do_i . o_i needs all of it); wider V takes the reference.
-MAX_V = 256
-
-
-def launch_plan(K: int, V: int, dtype: torch.dtype, config: Config | None = None) -> dict:
-    """{kernel name: (jit function, constexpr arguments, num_warps, maxnreg)} for the four launches."""
-    cfg = config or DEFAULT_CONFIG[K]
-    DOT = operand_type(dtype)
-    BV = max(16, triton.next_power_of_2(V))
-    P = n_features(K)
-    scan = dict(K=K, P=P, R=cfg.scan_rows, BV=min(cfg.scan_bv, BV), C=cfg.chunk, DOT=DOT)
-    chunk = dict(K=K, P=P, BK=max(16, K), BV=BV, C=cfg.chunk, DOT=DOT)
-    return {
-        "forward_scan": (_state_scan, dict(scan, REVERSE=False), cfg.scan_warps, None),
-        "forward_dq": (_chunk_forward_dq, chunk, cfg.warps, cfg.chunk_registers),
-        "reverse_scan": (_state_scan, dict(scan, REVERSE=True), cfg.scan_warps, None),
-        "dkdv": (_chunk_dkdv, chunk, cfg.warps, cfg.chunk_registers),
-    }
-
-
-def based_backward_triton(q, k, v, do, scale: float, config: Config | None = None):
-    """(dq, dk, dv) for contiguous (B, T, H, K) q, k and (B, T, H, V) v, do with K in {8, 16}, any T >= 1,
-    1 <= V <= MAX_V. Outputs in the inputs' dtype. `config` overrides DEFAULT_CONFIG[K]."""
-    if q.dtype == torch.float16:
-        # Run as bf16, which the matmul operands are in either way: launched on fp16 tensors the kernels give
-        # a wrong dq on the H200, where bf16 is right.
-        grads = based_backward_triton(*(x.to(torch.bfloat16) for x in (q, k, v, do)), scale, config)
-        return tuple(g.to(torch.float16) for g in grads)
+def launch_dq(q, k, v, do, states, norms, h, g, dq, scale: float, *, chunk: int, warps: int,
+              registers: int | None) -> None:
+    """dq, and g = r do and the fp32 (B H, T) h for the launches after it, from the forward scan's states and
+    norms: one program per (chunk of `chunk` positions, b h) on `warps` warps, ptxas capped at `registers` a
+    thread (None: as many as it wants)."""
     B, T, H, K = q.shape
-    V = v.shape[-1]
-    if V > MAX_V:
-        raise ValueError(f"the fused backward holds V whole in a program: V <= {MAX_V}, got V={V}")
-    plan = launch_plan(K, V, q.dtype, config)
-    C = plan["forward_dq"][1]["C"]
-    N, BH, P = triton.cdiv(T, C), B * H, plan["forward_dq"][1]["P"]
-    states, norms = state_buffers(BH, N, P, V, q)
-    h = torch.empty(BH, T, device=q.device, dtype=torch.float32)
-    g = torch.empty_like(do)  # r do, rounded to the matmul operand type (the inputs')
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    scan = plan["forward_scan"][1]
-    scan_grid = (triton.cdiv(P, scan["R"]), triton.cdiv(V, scan["BV"]), BH)
-    common = (T, H, V, scale, N)
+    BH, N, P, V = states.shape
+    _dq_kernel[(N, BH)](q, k, v, do, states, norms, h, g, dq, T, H, V, scale, N, **_chunk_meta(q, states, chunk),
+                        num_warps=warps, num_stages=1, maxnreg=registers)
 
-    def launch(name, grid, *args):
-        fn, meta, warps, maxnreg = plan[name]
-        fn[grid](*args, *common, **meta, num_warps=warps, num_stages=1, maxnreg=maxnreg)
 
-    with on_device(q):
-        launch("forward_scan", scan_grid, k, v, h, states, norms)  # h is not read (unweighted)
-        launch("forward_dq", (N, BH), q, k, v, do, states, norms, h, g, dq)
-        launch("reverse_scan", scan_grid, q, g, h, states, norms)  # overwrites S_n with dS_n
-        launch("dkdv", (N, BH), q, k, v, g, states, norms, h, dk, dv)
-    return dq, dk, dv
+def launch_dkdv(q, k, v, g, states, norms, h, dk, dv, scale: float, *, chunk: int, warps: int,
+                registers: int | None) -> None:
+    """dk and dv from the reverse scan's states and norms and `launch_dq`'s g and h, launched as `launch_dq`."""
+    B, T, H, K = q.shape
+    BH, N, P, V = states.shape
+    _dkdv_kernel[(N, BH)](q, k, v, g, states, norms, h, dk, dv, T, H, V, scale, N, **_chunk_meta(q, states, chunk),
+                          num_warps=warps, num_stages=1, maxnreg=registers)

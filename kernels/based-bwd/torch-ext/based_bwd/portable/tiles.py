@@ -1,6 +1,6 @@
-"""Tile helpers the forward and the backward kernels share: row-tile loads and stores of (B, T, H, D) tensors,
-the sequence offset of a (b, h) program, the matmul in the kernels' operand type (and that type for an input
-dtype), the normaliser's epsilon, and the device a launch runs on."""
+"""Tile helpers the stage kernels share: row-tile loads and stores of (B, T, H, D) tensors, the sequence offset
+of a (b, h) program, the matmul in the kernels' operand type (and that type for an input dtype) and the
+normaliser's epsilon."""
 
 
 import torch

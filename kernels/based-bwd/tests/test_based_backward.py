@@ -248,17 +248,17 @@ TRITON_CASES = [
 
 
 @pytest.fixture(scope="module")
-def fused(based):
-    return submodule(based, "triton.backward")
+def dispatch(based):
+    return submodule(based, "dispatch")
 
 
 @pytest.mark.skipif(not INTERPRETED, reason="the fp32 mode checks the kernel's algebra in the interpreter; on CUDA "
                     "fp32 inputs take the reference (this check failed at K=8 on the H200, run 86c310e)")
 @pytest.mark.parametrize("B,T,H,K,V,config", TRITON_CASES)
-def test_fused_exact_arithmetic_matches_float64(fused, B, T, H, K, V, config):
+def test_fused_exact_arithmetic_matches_float64(dispatch, B, T, H, K, V, config):
     """fp32 inputs take IEEE fp32 matmuls: the kernel's algebra against float64 autograd, to fp32 accuracy."""
     q, k, v, do = make(B, T, H, K, V, device=TRITON_DEVICE)
-    got = fused.based_backward_triton(q, k, v, do, 0.3, fused.Config(**config))
+    got = dispatch.portable_backward(q, k, v, do, 0.3, dispatch.BackwardConfig(**config))
     for name, x, g, ref in zip("qkv", (q, k, v), got, grads_float64(q, k, v, do, 0.3)):
         assert g.dtype == torch.float32 and g.shape == x.shape
         assert rel_err(g, ref) < 1e-5, f"d{name}"
@@ -266,19 +266,19 @@ def test_fused_exact_arithmetic_matches_float64(fused, B, T, H, K, V, config):
 
 @needs_triton
 @pytest.mark.parametrize("B,T,H,K,V,config", TRITON_CASES[:3])
-def test_fused_bf16_matches_float64(fused, B, T, H, K, V, config):
+def test_fused_bf16_matches_float64(dispatch, B, T, H, K, V, config):
     q, k, v, do = make(B, T, H, K, V, torch.bfloat16, TRITON_DEVICE)
-    got = fused.based_backward_triton(q, k, v, do, K**-0.5, fused.Config(**config))
+    got = dispatch.portable_backward(q, k, v, do, K**-0.5, dispatch.BackwardConfig(**config))
     for name, g, ref in zip("qkv", got, grads_float64(q, k, v, do)):
         assert g.dtype == torch.bfloat16
         assert rel_err(g, ref) < BF16_TOL, f"d{name}"
 
 
 @needs_triton
-def test_fused_fp16_runs_as_bf16(fused):
+def test_fused_fp16_runs_as_bf16(dispatch):
     """fp16 inputs go through the bf16 kernels (converted in and out): fp16 outputs, bf16-level errors."""
     q, k, v, do = make(1, 100, 2, 16, 32, torch.float16, TRITON_DEVICE)
-    got = fused.based_backward_triton(q, k, v, do, 16**-0.5)
+    got = dispatch.portable_backward(q, k, v, do, 16**-0.5)
     for name, g, ref in zip("qkv", got, grads_float64(q, k, v, do)):
         assert g.dtype == torch.float16
         assert rel_err(g, ref) < BF16_TOL, f"d{name}"
@@ -322,23 +322,24 @@ def test_fused_long_sequence_on_cuda(based):
 
 
 @needs_cuda
-def test_cuda_wide_values_take_the_reference(based, fused):
+def test_cuda_wide_values_take_the_reference(based, dispatch):
     """A chunk program holds V whole: above MAX_V the public op runs the eager backward, and says so."""
-    q, k, v, do = make(1, 70, 2, 16, fused.MAX_V + 8, torch.bfloat16, "cuda")
+    q, k, v, do = make(1, 70, 2, 16, submodule(based, "portable.grads").MAX_V + 8, torch.bfloat16, "cuda")
     with pytest.raises(ValueError, match="V <="):
-        fused.based_backward_triton(q, k, v, do, 0.25)
+        dispatch.portable_backward(q, k, v, do, 0.25)
     for name, g, ref in zip("qkv", based.based_backward(q, k, v, do), grads_float64(q, k, v, do)):
         assert rel_err(g, ref) < BF16_TOL, f"d{name}"
 
 
 @needs_cuda
-def test_every_benchmarked_config_on_cuda(based, fused):
+def test_every_benchmarked_config_on_cuda(based, dispatch):
     """Every launch configuration the benchmark may pick, on both K, against the fp32 spec."""
     s = spec("based_backward")
-    for config in sorted(set(fused.CONFIG_CHOICES) | set(fused.DEFAULT_CONFIG.values()), key=str):
+    configs = set(dispatch.BACKWARD_CONFIG_CHOICES) | set(dispatch.DEFAULT_BACKWARD_CONFIG.values())
+    for config in sorted(configs, key=str):
         for shape in [(2, 1024, 8, 8, 64), (1, 1024, 6, 16, 128)]:
             (q, k, v, do), ref = spec_fp32_grads(s, shape)
-            got = fused.based_backward_triton(q, k, v, do, shape[3] ** -0.5, config)
+            got = dispatch.portable_backward(q, k, v, do, shape[3] ** -0.5, config)
             for name, g, r in zip("qkv", got, ref):
                 assert rel_err(g, r) < SPEC_TOL, f"d{name} at {shape}, config {config}"
 
@@ -356,16 +357,11 @@ FORWARD_CASES = [
 ]
 
 
-@pytest.fixture(scope="module")
-def fused_forward(based):
-    return submodule(based, "triton.forward")
-
-
 @pytest.mark.skipif(not INTERPRETED, reason="IEEE fp32 matmuls check the forward's algebra in the interpreter")
 @pytest.mark.parametrize("B,T,H,K,V,config", FORWARD_CASES)
-def test_fused_forward_exact_arithmetic_matches_float64(fused_forward, B, T, H, K, V, config):
+def test_fused_forward_exact_arithmetic_matches_float64(dispatch, B, T, H, K, V, config):
     q, k, v, _ = make(B, T, H, K, V, device=TRITON_DEVICE)
-    o = fused_forward.based_forward_triton(q, k, v, 0.3, fused_forward.ForwardConfig(**config))
+    o = dispatch.portable_forward(q, k, v, 0.3, dispatch.ForwardConfig(**config))
     assert o.dtype == torch.float32 and o.shape == v.shape
     assert rel_err(o, based_float64(q, k, v, 0.3)) < 1e-5
 
@@ -373,9 +369,9 @@ def test_fused_forward_exact_arithmetic_matches_float64(fused_forward, B, T, H, 
 @needs_triton
 @pytest.mark.parametrize("B,T,H,K,V,config", FORWARD_CASES[:3])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_fused_forward_16bit_matches_float64(fused_forward, B, T, H, K, V, config, dtype):
+def test_fused_forward_16bit_matches_float64(dispatch, B, T, H, K, V, config, dtype):
     q, k, v, _ = make(B, T, H, K, V, dtype, TRITON_DEVICE)
-    o = fused_forward.based_forward_triton(q, k, v, K**-0.5, fused_forward.ForwardConfig(**config))
+    o = dispatch.portable_forward(q, k, v, K**-0.5, dispatch.ForwardConfig(**config))
     assert o.dtype == dtype
     assert rel_err(o, based_float64(q, k, v)) < BF16_TOL
 
@@ -404,23 +400,24 @@ def test_fused_forward_matches_spec_on_cuda(based):
 
 
 @needs_cuda
-def test_every_benchmarked_forward_config_on_cuda(based, fused_forward):
+def test_every_benchmarked_forward_config_on_cuda(based, dispatch):
     s = spec("based_backward")
-    for config in sorted(set(fused_forward.CONFIG_CHOICES) | set(fused_forward.DEFAULT_CONFIG.values()), key=str):
+    configs = set(dispatch.FORWARD_CONFIG_CHOICES) | set(dispatch.DEFAULT_FORWARD_CONFIG.values())
+    for config in sorted(configs, key=str):
         for shape in [(2, 1000, 8, 8, 64), (1, 1024, 6, 16, 128), (1, 300, 2, 16, 200)]:
             q, k, v, _ = s.make(*shape, 0)
-            o = fused_forward.based_forward_triton(q, k, v, shape[3] ** -0.5, config)
+            o = dispatch.portable_forward(q, k, v, shape[3] ** -0.5, config)
             assert rel_err(o, based_float64(q, k, v)) < FORWARD_TOL, f"o at {shape}, config {config}"
 
 
 @needs_cuda
-def test_inference_takes_the_fused_forward(based, fused_forward):
+def test_inference_takes_the_fused_forward(based, dispatch):
     """Under no_grad the public forward is the Triton forward, bit for bit (fp16 through bf16 as well)."""
     for dtype in (torch.bfloat16, torch.float16):
         q, k, v, _ = make(2, 200, 3, 16, 64, dtype, "cuda")
         with torch.no_grad():
             o = based.based_attention(q, k, v)
-        assert torch.equal(o, fused_forward.based_forward_triton(q, k, v, 0.25))
+        assert torch.equal(o, dispatch.portable_forward(q, k, v, 0.25))
 
 
 @needs_cuda
