@@ -161,21 +161,21 @@ def _error_row(case, impl, e):
 def _stage_sweep(bench, pipeline, case, tflop, inputs, ref, scale):
     """The whole backward and each of its stages alone (`ms_<stage>`), at one shape."""
     stages, grads = pipeline.backward_stages(*inputs, scale)
-    run = lambda: [launch() for launch in stages.values()]  # noqa: E731
+    run = lambda: [stage.run() for stage in stages]  # noqa: E731
     run()
     errs = _errors(bench, [x[:, : inputs[0].shape[1]] for x in grads], ref)   # grads are padded in time
     t_all = bench.time(run)
-    return _row(case, "sweep stages", t_all, tflop, errs, **{f"ms_{n}": bench.time(f) for n, f in stages.items()})
+    return _row(case, "sweep stages", t_all, tflop, errs, **{f"ms_{s.name}": bench.time(s.run) for s in stages})
 
 
 def _forward_stage_sweep(bench, pipeline, case, tflop, inputs, ref_o, scale):
     """The whole forward and each of its stages alone (`ms_<stage>`), at one shape (T a multiple of the chunk)."""
     stages, o = pipeline.forward_stages(*inputs, scale)
-    run = lambda: [launch() for launch in stages.values()]  # noqa: E731
+    run = lambda: [stage.run() for stage in stages]  # noqa: E731
     run()
     t_all = bench.time(run)
     return _row(case, "sweep forward stages", t_all, tflop, _output_error(bench, o, ref_o),
-                **{f"ms_{n}": bench.time(f) for n, f in stages.items()})
+                **{f"ms_{s.name}": bench.time(s.run) for s in stages})
 
 
 def _measured(bench, case, impl, fn, args, ref, tflop, errors, **extra):
@@ -203,8 +203,7 @@ def side_by_side(kernel, bench, shapes=None, sweep_shapes=None, seed_shapes=None
     device = "cuda" if torch.cuda.is_available() else "cpu"
     fla = _fla(bench)
     spec_forward = _spec_forward(s)
-    pipeline = importlib.import_module(f"{kernel.__name__}.backward")
-    forward_pipeline = importlib.import_module(f"{kernel.__name__}.forward")
+    pipeline = importlib.import_module(f"{kernel.__name__}.pipeline")
     shapes = [tuple(x) for x in (shapes or s.measure_shapes)]
     sweep_shapes = [tuple(x) for x in (sweep_shapes or SWEEP_SHAPES)] if bench.sweep else []
     seed_shapes = [tuple(x) for x in (SEED_SHAPES if seed_shapes is None else seed_shapes)]
@@ -216,7 +215,7 @@ def side_by_side(kernel, bench, shapes=None, sweep_shapes=None, seed_shapes=None
         if shape in shapes or shape in sweep_shapes:
             ref_o = spec_forward(*(x.float() for x in inputs[:6]))
         if shape in sweep_shapes:
-            rows.append(_forward_stage_sweep(bench, forward_pipeline, case + " forward", tflop / 2, inputs[:6], ref_o,
+            rows.append(_forward_stage_sweep(bench, pipeline, case + " forward", tflop / 2, inputs[:6], ref_o,
                                              shape[3] ** -0.5))
         if shape in shapes:
             ours = _measured(bench, case + " forward", "comba-bwd forward", _inference(kernel), inputs[:6], ref_o,
@@ -257,8 +256,7 @@ def compile_cases(kernel, spec):
     """(label, call) pairs for `python -m tools.compile_sm90`: the forward and the backward at every measure shape,
     on meta tensors (bf16, g in float32), and the backward's portable Triton stages at the first measure shape of each
     K (what runs where the Gluon path does not: other GPUs, Triton releases it is not verified under)."""
-    pipeline = importlib.import_module(f"{kernel.__name__}.backward")
-    forward_pipeline = importlib.import_module(f"{kernel.__name__}.forward")
+    pipeline = importlib.import_module(f"{kernel.__name__}.pipeline")
     dispatch = importlib.import_module(f"{kernel.__name__}.dispatch")
 
     def meta_inputs(B, T, H, K, V):
@@ -273,8 +271,8 @@ def compile_cases(kernel, spec):
         K = shape[3]
 
         def both():
-            forward_pipeline.fused_forward(q, k, v, p, beta, g, K**-0.5)
-            pipeline.fused_backward(q, k, v, p, beta, g, do, K**-0.5)
+            dispatch.comba_forward_cuda(q, k, v, p, beta, g, K**-0.5)
+            dispatch.comba_backward_cuda(q, k, v, p, beta, g, do, K**-0.5)
 
         return f"(B,T,H,K,V)={shape}", both
 
@@ -283,8 +281,8 @@ def compile_cases(kernel, spec):
         portable = dispatch.Plan(gluon=(), v_adjoint_in_grads=False, pieces=1)
 
         def stages():
-            for launch in pipeline.backward_stages(*inputs, shape[3] ** -0.5, plan=portable)[0].values():
-                launch()
+            for stage in pipeline.backward_stages(*inputs, shape[3] ** -0.5, plan=portable)[0]:
+                stage.run()
 
         return f"(B,T,H,K,V)={shape} portable backward", stages
 

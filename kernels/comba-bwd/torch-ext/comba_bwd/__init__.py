@@ -2,7 +2,8 @@
 and backward as fused ops: `comba_attention` (differentiable) and `comba_backward` (the six gradients)."""
 
 from . import layers
-from .op import comba_attention, comba_backward, kernel_path
+from .dispatch import kernel_path
+from .op import comba_attention, comba_backward
 from .reference import comba_backward_reference, comba_forward_reference
 
 __all__ = [

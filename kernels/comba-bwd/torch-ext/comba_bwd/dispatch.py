@@ -1,11 +1,13 @@
-"""Where comba's forward and backward run, planned in one place: the fast-path table, which stages Gluon kernels
-take, how the batch is cut, and the fall-back from Gluon to Triton.
+"""The plan and the path of a comba call, in one place: kernel_path, the fast-path table, which stages Gluon kernels
+take, how the batch is cut, the fall-back from Gluon to Triton, and the CUDA entry points `comba_forward_cuda` and
+`comba_backward_cuda`, which run the stages of `pipeline` in order on the plan.
 
-The portable path (Triton kernels, `triton/`: the chunk transform, the two state scans, the forward's output, the
-gradient parts and dg) runs on every CUDA GPU the metadata accepts under every supported Triton; the Gluon kernels
-(`gluon/`) run only where their row of FAST_PATHS says they were verified, and the call takes the Triton kernels
+The portable path (Triton kernels, `portable/`: the chunk transform, the two state scans, the forward's output, the
+gradients and dg) runs on every CUDA GPU the metadata accepts under every supported Triton; the Gluon kernels
+(`hopper/`) run only where their row of FAST_PATHS says they were verified, and the call takes the Triton kernels
 everywhere else. The forward takes the stages it shares with the backward (the transform, the forward scan) from the
-same plan.
+same plan. The stages (`pipeline`, which imports the kernels) are imported on a CUDA call's first use: they need
+triton.
 """
 
 from typing import NamedTuple
@@ -36,6 +38,12 @@ GLUON_STAGES = {128: ("forward_scan", "reverse_scan", "grads"), 64: ("transform"
 # run, the batch stays whole: launching one piece's Gluon stages takes the host almost as long as the GPU takes to run
 # them, so in two pieces the call would be bound by the host (at K = 64 as at K = 128).
 BATCH_PIECES = 2
+
+
+def kernel_path(x: torch.Tensor) -> str:
+    """Which implementation `comba_attention` and `comba_backward` take for tensors on `x`'s device: "triton" or
+    "reference"."""
+    return "triton" if x.is_cuda else "reference"
 
 
 class Plan(NamedTuple):
@@ -83,3 +91,20 @@ def with_fallback(call, q: torch.Tensor, V: int):
         if q.is_cuda and not torch.cuda.is_current_stream_capturing():
             torch.cuda.synchronize(q.device)
         return call(plan(q, V))
+
+
+def comba_forward_cuda(q, k, v, p, beta, g, scale: float):
+    """o (B, T, H, V) in v's dtype; inputs contiguous, K and V in {64, 128}, any T >= 1. A Gluon kernel that fails to
+    compile switches the Gluon path off and the call runs the Triton kernels (`with_fallback`)."""
+    from . import pipeline  # the kernels need triton: imported on a CUDA call's first use
+
+    return with_fallback(lambda plan: pipeline.run_forward(q, k, v, p, beta, g, scale, plan), q, v.shape[-1])
+
+
+def comba_backward_cuda(q, k, v, p, beta, g, do, scale: float):
+    """(dq, dk, dv, dp, dbeta, dg) in their inputs' dtypes (dg float32); inputs contiguous, K, V in {64, 128}, any
+    T >= 1. A Gluon kernel that fails to compile switches the Gluon path off and the call runs the Triton kernels
+    (`with_fallback`)."""
+    from . import pipeline  # the kernels need triton: imported on a CUDA call's first use
+
+    return with_fallback(lambda plan: pipeline.run_backward(q, k, v, p, beta, g, do, scale, plan), q, v.shape[-1])

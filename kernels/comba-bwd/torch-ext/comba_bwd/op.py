@@ -1,24 +1,20 @@
 """The registered ops (backward, forward, autograd link) and the public functions.
 
-`comba_forward_op` runs the fused forward on CUDA tensors and the eager chunked reference on CPU tensors;
-`comba_backward_op` runs the fused backward on CUDA tensors and the eager analytic backward on CPU tensors. The
-autograd link saves the forward's inputs and calls `comba_backward_op`, which makes the chunk transform and the states
-again. Every op name goes through `add_op_namespace_prefix`, so two versions of this kernel can be loaded side by side.
+`comba_forward_op` runs the fused forward on CUDA tensors (`dispatch.comba_forward_cuda`) and the eager chunked
+reference on CPU tensors; `comba_backward_op` runs the fused backward on CUDA tensors (`dispatch.comba_backward_cuda`)
+and the eager analytic backward on CPU tensors. The autograd link saves the forward's inputs and calls
+`comba_backward_op`, which makes the chunk transform and the states again. Every op name goes through
+`add_op_namespace_prefix`, so two versions of this kernel can be loaded side by side.
 """
 
 import torch
 
 from ._ops import add_op_namespace_prefix
+from .dispatch import comba_backward_cuda, comba_forward_cuda
 from .reference import comba_backward_reference, comba_forward_reference
 from .validation import check_comba_args
 
 Grads = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
-
-
-def kernel_path(x: torch.Tensor) -> str:
-    """Which implementation `comba_attention` and `comba_backward` take for tensors on `x`'s device: "triton" or
-    "reference"."""
-    return "triton" if x.is_cuda else "reference"
 
 
 def _as_input_dtypes(grads, q, beta):
@@ -32,9 +28,7 @@ def comba_backward_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: torch.Tensor, beta: torch.Tensor, g: torch.Tensor,
     do: torch.Tensor, scale: float,
 ) -> Grads:
-    from .backward import fused_backward  # imported here: the package must import without triton
-
-    return fused_backward(q, k, v, p, beta, g, do, scale)
+    return comba_backward_cuda(q, k, v, p, beta, g, do, scale)
 
 
 @torch.library.register_kernel(add_op_namespace_prefix("comba_backward"), "cpu")
@@ -53,9 +47,7 @@ def comba_forward_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: torch.Tensor, beta: torch.Tensor, g: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    from .forward import fused_forward  # imported here: the package must import without triton
-
-    return fused_forward(q, k, v, p, beta, g, scale)
+    return comba_forward_cuda(q, k, v, p, beta, g, scale)
 
 
 @torch.library.register_kernel(add_op_namespace_prefix("comba_forward"), "cpu")

@@ -352,9 +352,15 @@ def test_layer_kernelize_training(comba, device):
 
 
 @pytest.fixture(scope="module")
-def backward(comba):
+def pipeline(comba):
     pytest.importorskip("triton")
-    return submodule(comba, "backward")
+    return submodule(comba, "pipeline")
+
+
+@pytest.fixture(scope="module")
+def portable(comba):
+    pytest.importorskip("triton")
+    return submodule(comba, "portable")
 
 
 @pytest.fixture(scope="module")
@@ -369,13 +375,13 @@ TRITON_DEVICE = "cuda" if HAS_CUDA else "cpu"
 @pytest.mark.kernels_ci
 @pytest.mark.parametrize("shape", [(1, 128, 1, 64, 64), (1, 100, 2, 64, 128), (1, 64, 1, 128, 64), (3, 128, 3, 64, 64),
                                    (1, 128, 1, 128, 128)])
-def test_triton_backward_matches_float64(backward, shape):
+def test_triton_backward_matches_float64(dispatch, shape):
     """Tiny shapes (the interpreter runs them on the CPU); T=100 exercises the time padding, and with K = 64,
     V = 128 one scan program taking all of V and two V steps in each gradient part a (b, h); B = 3 is cut into
     batch pieces of 1 and 2, so with H = 3 the second piece checks the (b, t, h) offsets of every kernel;
     K = V = 128 cuts V in two scan blocks (the reverse scan then updates dS from X, and dbeta has two v parts)."""
     inputs = make_inputs(*shape, torch.bfloat16, TRITON_DEVICE, seed=9)
-    grads = backward.fused_backward(*inputs, 0.9 * shape[3] ** -0.5)
+    grads = dispatch.comba_backward_cuda(*inputs, 0.9 * shape[3] ** -0.5)
     assert [gr.dtype for gr in grads] == [torch.bfloat16] * 5 + [torch.float32]
     assert all(gr.is_contiguous() and gr.shape == x.shape for gr, x in zip(grads, inputs))
     assert_grads_close(grads, float64_grads(inputs, 0.9 * shape[3] ** -0.5), 1e-2)
@@ -394,19 +400,19 @@ def chunk_inverse_float64(k, p, beta, g, chunk=64):
 
 
 @needs_triton
-def test_transform_kernel_inverts_the_chunk_system(backward):
+def test_transform_kernel_inverts_the_chunk_system(portable):
     """The chunk transform (fp32 A) against a float64 inverse of the same (bf16) inputs, every entry of A: it
     assembles its off-diagonal 16 x 16 blocks from products, so a wrong block shows here."""
     B, T, H, K = 1, 128, 2, 64
     q, k, v, p, beta, g, do = make_inputs(B, T, H, K, 64, torch.bfloat16, TRITON_DEVICE, seed=3)
     A = torch.full((B * H, T // 64, 64, 64), float("nan"), device=TRITON_DEVICE)
-    backward.triton_kernels.transform.launch(k, p, beta, g, A)
+    portable.transform.launch(k, p, beta, g, A)
     expected = chunk_inverse_float64(k.cpu(), p.cpu(), beta.cpu(), g.cpu())
     assert rel_err(A, expected) < 1e-5
 
 
 @needs_cuda
-def test_cuda_gluon_transform_inverts_the_chunk_system(backward, dispatch):
+def test_cuda_gluon_transform_inverts_the_chunk_system(comba, dispatch):
     """The Gluon transform (fp32 A), which takes its products' operands from accumulators by relabelling them, against a
     float64 inverse, every entry of A: a wrong relabelling or orientation of a block shows here. B * H = 6 chunks of
     T = 128 a (b, h), so that the (b, t, h) offsets are checked too."""
@@ -415,16 +421,16 @@ def test_cuda_gluon_transform_inverts_the_chunk_system(backward, dispatch):
     B, T, H, K = 2, 128, 3, 64
     q, k, v, p, beta, g, do = make_inputs(B, T, H, K, 128, torch.bfloat16, "cuda", seed=3)
     A = torch.full((B * H, T // 64, 64, 64), float("nan"), device="cuda")
-    backward.gluon_kernels.transform.launch(k, p, beta, g, A)
+    submodule(comba, "hopper.transform").launch(k, p, beta, g, A)
     assert rel_err(A.cpu(), chunk_inverse_float64(k.cpu(), p.cpu(), beta.cpu(), g.cpu())) < 1e-5
 
 
 @needs_triton
 @pytest.mark.kernels_ci
-def test_scans_pipeline_only_where_shared_memory_allows(backward, monkeypatch):
+def test_scans_pipeline_only_where_shared_memory_allows(portable, monkeypatch):
     """The pipelined reverse scan takes 115 KB of shared memory a block at K = 128: GPUs with 99 KB (sm_86,
     sm_89) run the scans unpipelined; the A100's 163 KB and the H200's 227 KB pipeline them."""
-    scan_stages = backward.triton_kernels.chunk.scan_stages
+    scan_stages = portable.chunk.scan_stages
 
     def with_shared_memory(optin):
         monkeypatch.setattr(torch.cuda, "get_device_properties",
@@ -439,21 +445,21 @@ def test_scans_pipeline_only_where_shared_memory_allows(backward, monkeypatch):
 
 
 @needs_triton
-def test_stages_rerun_alone_give_the_same_gradients(backward):
+def test_stages_rerun_alone_give_the_same_gradients(pipeline):
     """The benchmark times each stage alone after one full pass: re-running a stage must not change anything."""
     inputs = make_inputs(1, 128, 1, 64, 64, torch.bfloat16, TRITON_DEVICE, seed=11)
-    stages, grads = backward.backward_stages(*inputs, 0.125)
-    assert tuple(stages) == ("transform", "forward_scan", "reverse_scan", "grads", "dg")
-    for launch in stages.values():
-        launch()
+    stages, grads = pipeline.backward_stages(*inputs, 0.125)
+    assert [stage.name for stage in stages] == ["transform", "forward_scan", "reverse_scan", "grads", "dg"]
+    for stage in stages:
+        stage.run()
     first = [x.clone() for x in grads]
-    for name in reversed(tuple(stages)):
-        stages[name]()
+    for stage in reversed(stages):
+        stage.run()
     assert all(torch.equal(a, b) for a, b in zip(first, grads))
 
 
 @needs_triton
-def test_gluon_path_that_fails_to_compile_falls_back_once(comba, backward, dispatch, monkeypatch):
+def test_gluon_path_that_fails_to_compile_falls_back_once(comba, pipeline, dispatch, monkeypatch):
     """Where the Gluon kernels' first launch raises, the Gluon path is switched off with one warning and the call (and
     later ones) run the Triton kernels: the Gluon stages stood in for by a backward that fails while they run."""
     fast_paths = submodule(comba, "common.fast_paths")
@@ -462,21 +468,21 @@ def test_gluon_path_that_fails_to_compile_falls_back_once(comba, backward, dispa
     triton_plan = dispatch.plan
     monkeypatch.setattr(dispatch, "plan",
                         lambda q, V: triton_plan(q, V)._replace(gluon=("grads",) if gluon_on() else ()))
-    triton_backward = backward._backward
+    triton_backward = pipeline.run_backward
 
     def failing_backward(*args):
         if gluon_on():
             raise RuntimeError("error encountered during parsing")
         return triton_backward(*args)
 
-    monkeypatch.setattr(backward, "_backward", failing_backward)
+    monkeypatch.setattr(pipeline, "run_backward", failing_backward)
     inputs = make_inputs(1, 64, 1, 64, 64, device=TRITON_DEVICE)
     with pytest.warns(fast_paths.FastPathFallback, match="comba-bwd: the gluon path failed to compile"):
-        grads = backward.fused_backward(*inputs, 0.125)
+        grads = dispatch.comba_backward_cuda(*inputs, 0.125)
     assert_grads_close(grads, float64_grads(inputs, 0.125), 1e-2)  # bf16 scratch (A, S_n, Vn, X)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        again = backward.fused_backward(*inputs, 0.125)
+        again = dispatch.comba_backward_cuda(*inputs, 0.125)
     assert all(torch.equal(a, b) for a, b in zip(grads, again))
 
 
@@ -542,7 +548,7 @@ def test_cuda_backward_matches_spec_measure_shapes(comba, shape):
 @needs_cuda
 @pytest.mark.parametrize("shape", [(3, 100, 3, 128, 128), (1, 768, 12, 128, 128), (1, 64, 1, 128, 128),
                                    (3, 100, 3, 64, 128), (1, 1536, 12, 64, 128), (1, 64, 1, 64, 128)])
-def test_cuda_gluon_kernels_match_the_triton_kernels(backward, dispatch, shape, monkeypatch):
+def test_cuda_gluon_kernels_match_the_triton_kernels(dispatch, shape, monkeypatch):
     """Where Gluon kernels run (bf16, V = 128, Hopper), the backward with them against the backward with the Triton
     kernels, all six gradients, and both against float64. T = 100 is padded; (1, 768, 12) at K = 128 has 144 chunks,
     more than an H200's 132 persistent CTAs of the gradient kernel, and (1, 1536, 12) at K = 64 has 288, more than
@@ -551,9 +557,9 @@ def test_cuda_gluon_kernels_match_the_triton_kernels(backward, dispatch, shape, 
     if not dispatch.gluon_stages(torch.device("cuda", 0), torch.bfloat16, shape[3], shape[4]):
         pytest.skip("the Gluon kernels run on Hopper only")
     inputs = make_inputs(*shape, torch.bfloat16, "cuda", seed=13)
-    with_gluon = backward.fused_backward(*inputs, 0.1)
+    with_gluon = dispatch.comba_backward_cuda(*inputs, 0.1)
     take_the_triton_kernels(dispatch, monkeypatch)
-    with_triton = backward.fused_backward(*inputs, 0.1)
+    with_triton = dispatch.comba_backward_cuda(*inputs, 0.1)
     ref = float64_grads(inputs, 0.1)
     assert_grads_close(with_gluon, ref, 1e-2)
     assert_grads_close(with_triton, ref, 1e-2)

@@ -1,5 +1,5 @@
-"""The reverse scan in Gluon for K = V = 128 on Hopper: one CTA of 8 warps a (b, h) over all of V, where the Triton
-scan (`triton.reverse._reverse_scan_kernel`) runs two V blocks of 4 warps. Same outputs as that scan with one V block:
+"""The reverse scan in Gluon for K = V = 128 on Hopper: one CTA of 8 warps a (b, h) over all of V, where the Triton scan
+(`portable.reverse_scan._reverse_scan_kernel`) runs two V blocks of 4 warps. Same outputs as that scan with one V block:
 dS'_n (bf16), X = A^T dVn, dv = beta X and sum_v(v X) (dbeta's v part).
 
 Per chunk n (reversed), dS' (fp32 [K, V]) in registers:

@@ -1,4 +1,4 @@
-"""What the Gluon kernels (`transform`, `states`, `reverse`, `grads`, `grads64`) share: the chunk, their operand type,
+"""What the Gluon kernels (`transform`, `forward_scan`, `reverse_scan`, `grads`) share: the chunk, their operand type,
 their warps at K = 128, the SMs of a persistent grid, the gates of a chunk and the TMA descriptors of their tensors."""
 
 import functools

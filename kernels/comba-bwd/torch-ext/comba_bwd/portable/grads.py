@@ -1,6 +1,6 @@
 """The gradients in Triton, chunk-parallel: dq, dk, dp and dbeta by three parts (`_q_part`, `_k_part`, `_pb_part`)
-that run side by side as three programs a chunk, each with its terms of d gc (fp32 scratch), then dg from those terms
-(`_dg_kernel`). The parts loop over V in blocks, accumulating their products over V in fp32, so that no whole (K, V)
+that run side by side as three programs a chunk, each with its terms of d gc (fp32 scratch), from which the next stage
+(`dg`) makes dg. The parts loop over V in blocks, accumulating their products over V in fp32, so that no whole (K, V)
 state or [64, V] tile is live at once."""
 
 import triton
@@ -90,12 +90,6 @@ def _k_part(q, k, p, do, dS_in, Vn_in, X_in, dk, gc, glast, bk, scal_base, t0, c
 
 
 @triton.jit
-def _reverse_cumsum(x):
-    """dg from d gc: the sum over the chunk's later rows, each row included (gc is an inclusive cumsum)."""
-    return tl.sum(x, 0) - tl.cumsum(x, 0) + x
-
-
-@triton.jit
 def _store_dp_dbeta(x_s, dLE, kk, pk, pk_kt, gc, bk, dbeta_v, dp_rows, dbeta, rows_h, n_pos, NV: tl.constexpr):
     """The transform's P side: dp = beta (gam Y + dLE K) with Y = A^T dW = -X S^T (x_s = X S^T, fp32) and
     dLE = dL * E (bf16), and dbeta = p . (gam Y + dLE K) plus the scans' V-block parts (dbeta_v, NV of them,
@@ -149,7 +143,7 @@ def _grads_kernel(q, k, p, beta, g, do, S_in, dS_in, Vn_in, X_in, dbeta_v, dq, d
     dO and the chunk's q, k, p) comes from HBM once and from L2 after, while each program holds the registers of
     one part only: faster than three kernels one after the other, whose inputs come from HBM each time, and than
     the three parts in turn in one program, which spills. Their terms of d gc go to dgc_parts, one row of it a
-    part, summed by _dg_kernel. Each part loads the gates and stores its terms itself: loaded once before the
+    part, summed by `dg._dg_kernel`. Each part loads the gates and stores its terms itself: loaded once before the
     branches, the gates would stay live across all three and the kernel would spill more."""
     part = tl.program_id(0) % 3
     scal_base, t0, chunk, rows = chunk_offsets(N, H, 3)
@@ -170,16 +164,6 @@ def _grads_kernel(q, k, p, beta, g, do, S_in, dS_in, Vn_in, X_in, dbeta_v, dq, d
         tl.store(dgc_parts + 2 * n_pos + rows, dgc)
 
 
-@triton.jit
-def _dg_kernel(dgc_parts, dg, N, H):
-    """dg of one chunk from the three parts' terms of d gc. dgc_parts is (3, B * H, T), so that a chunk's rows
-    are contiguous for the loads (in a (B, T, H) tensor they lie H apart)."""
-    scal_base, t0, _, rows = chunk_offsets(N, H)
-    n_pos = part_stride(N * BT, H)
-    dgc = tl.load(dgc_parts + rows) + tl.load(dgc_parts + n_pos + rows) + tl.load(dgc_parts + 2 * n_pos + rows)
-    tl.store(dg + scal_base + (t0 + tl.arange(0, BT)) * H, _reverse_cumsum(dgc))
-
-
 def launch(q, k, p, beta, g, do, S, dS, Vn, X, dbeta_v, dq, dk, dp, dbeta, dgc_parts, scale: float):
     """dq, dk, dp and dbeta (written in place), and the three parts' terms of d gc in dgc_parts (3, BH, T), from the
     inputs (B, T, H, *) with T a multiple of the chunk, the scans' S, dS' (BH, N, K, V), Vn and X (BH, T, V), and
@@ -190,10 +174,3 @@ def launch(q, k, p, beta, g, do, S, dS, Vn, X, dbeta_v, dq, dk, dp, dbeta, dgc_p
     _grads_kernel[(3 * N, B * H)](q, k, p, beta, g, do, S, dS, Vn, X, dbeta_v, dq, dk, dp, dbeta, dgc_parts, scale,
                                   N, H, K=K, V=V, BV=min(V_BLOCK, V), NV=dbeta_v.shape[0], num_warps=GRADS_WARPS,
                                   num_stages=1, maxnreg=GRADS_MAXNREG[K])
-
-
-def launch_dg(dgc_parts, dg):
-    """dg (B, T, H), T a multiple of the chunk, from the gradient parts' terms of d gc (3, BH, T)."""
-    B, T, H = dg.shape
-    N = T // CHUNK
-    _dg_kernel[(N, B * H)](dgc_parts, dg, N, H, num_warps=1, num_stages=1)

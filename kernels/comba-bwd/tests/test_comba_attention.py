@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from test_comba_bwd import (
+from test_comba_backward import (
     CORRECT_SHAPES,
     MEASURE_SHAPES,
     assert_grads_close,
@@ -29,12 +29,6 @@ EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train_causal_lm.py
 @pytest.fixture(scope="module")
 def comba():
     return load("comba-bwd")
-
-
-@pytest.fixture(scope="module")
-def forward(comba):
-    pytest.importorskip("triton")
-    return submodule(comba, "forward")
 
 
 @pytest.fixture(scope="module")
@@ -68,25 +62,25 @@ def strong_decay(inputs, g_min, seed, resets=()):
 @pytest.mark.kernels_ci
 @pytest.mark.parametrize("shape", [(1, 128, 1, 64, 64), (1, 100, 2, 64, 128), (1, 64, 1, 128, 128),
                                    (3, 128, 3, 64, 64), (1, 192, 1, 128, 64)])
-def test_fused_forward_matches_float64(forward, shape):
+def test_fused_forward_matches_float64(dispatch, shape):
     """Tiny shapes (the interpreter runs them on the CPU): T = 100 is padded to two chunks; B = H = 3 checks the
     (b, t, h) offsets of every stage; K = 128 with V = 64 and V = 128 with K = 64 the state's two orientations."""
     B, T, H, K, V = shape
     *x, _ = make_inputs(*shape, torch.bfloat16, TRITON_DEVICE, seed=21)
-    o = forward.fused_forward(*x, 0.9 * K**-0.5)
+    o = dispatch.comba_forward_cuda(*x, 0.9 * K**-0.5)
     assert o.shape == (B, T, H, V) and o.dtype == torch.bfloat16 and o.is_contiguous()
     assert rel_err(o, comba_recurrence(*[t.double().cpu() for t in x], scale=0.9 * K**-0.5)) < 1e-2
 
 
 @needs_triton
 @pytest.mark.parametrize("K,V", [(64, 64), (128, 128)])
-def test_fused_forward_under_strong_decay_and_resets(forward, K, V):
+def test_fused_forward_under_strong_decay_and_resets(dispatch, K, V):
     """g down to -20 a step (a chunk's summed log-decay far below fp32's exp range), beta near 1, and hard resets
     (g = -inf) at the first step, inside a chunk and at a chunk's last step: finite, and as right as at mild decay."""
     inputs = strong_decay(make_inputs(1, 192, 2, K, V, torch.bfloat16, TRITON_DEVICE, seed=22), -20.0, 1,
                           resets=(0, 70, 127))
     *x, _ = inputs
-    o = forward.fused_forward(*x, K**-0.5)
+    o = dispatch.comba_forward_cuda(*x, K**-0.5)
     assert o.isfinite().all()
     assert rel_err(o, comba_recurrence(*[t.double().cpu() for t in x])) < 1e-2
 
@@ -94,15 +88,15 @@ def test_fused_forward_under_strong_decay_and_resets(forward, K, V):
 @needs_cuda
 @pytest.mark.parametrize("shape", [(3, 100, 3, 128, 128), (1, 64, 1, 128, 128), (3, 100, 3, 64, 128),
                                    (1, 64, 1, 64, 128)])
-def test_cuda_gluon_forward_matches_the_triton_forward(forward, dispatch, shape, monkeypatch):
+def test_cuda_gluon_forward_matches_the_triton_forward(dispatch, shape, monkeypatch):
     """Where Gluon kernels run (bf16, V = 128, Hopper), the forward with them against the forward with the Triton
     kernels, and both against float64: T = 100 is padded, T = 64 is one chunk."""
     if not dispatch.gluon_stages(torch.device("cuda", 0), torch.bfloat16, shape[3], shape[4]):
         pytest.skip("the Gluon kernels run on Hopper only")
     *x, _ = make_inputs(*shape, torch.bfloat16, "cuda", seed=30)
-    with_gluon = forward.fused_forward(*x, 0.1)
+    with_gluon = dispatch.comba_forward_cuda(*x, 0.1)
     take_the_triton_kernels(dispatch, monkeypatch)
-    with_triton = forward.fused_forward(*x, 0.1)
+    with_triton = dispatch.comba_forward_cuda(*x, 0.1)
     ref = comba_recurrence(*[t.double().cpu() for t in x], scale=0.1)
     assert rel_err(with_gluon, ref) < 1e-2 and rel_err(with_triton, ref) < 1e-2
     assert rel_err(with_gluon, with_triton) < 5e-3
@@ -162,12 +156,12 @@ def test_cuda_step_under_strong_decay(comba, K, V):
 
 
 @needs_cuda
-def test_cuda_inference_takes_the_fused_forward(comba, forward):
+def test_cuda_inference_takes_the_fused_forward(comba, dispatch):
     """Under no_grad comba_attention runs the fused forward, and its output is the training forward's."""
     *x, _ = make_inputs(2, 256, 3, 128, 128, torch.bfloat16, "cuda", seed=25)
     with torch.no_grad():
         o = comba.comba_attention(*x)
-    assert torch.equal(o, forward.fused_forward(*x, 128**-0.5))
+    assert torch.equal(o, dispatch.comba_forward_cuda(*x, 128**-0.5))
     assert torch.equal(o, comba.comba_attention(*[t.clone().requires_grad_() for t in x]).detach())
 
 

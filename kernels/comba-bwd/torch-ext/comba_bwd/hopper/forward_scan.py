@@ -1,6 +1,6 @@
-"""The forward scan in Gluon on Hopper, V = 128 and K = 128 or 64: one CTA a (b, h) over all of V, of one warpgroup
-for each 64 of K, where the Triton scan (`triton.states._forward_scan_kernel`) runs V blocks of 4 warps. Same outputs
-as that scan with one V block: S_n (bf16, the state before chunk n) and Vn.
+"""The forward scan in Gluon on Hopper, V = 128 and K = 128 or 64: one CTA a (b, h) over all of V, of one warpgroup for
+each 64 of K, where the Triton scan (`portable.forward_scan._forward_scan_kernel`) runs V blocks of 4 warps. Same
+outputs as that scan with one V block: S_n (bf16, the state before chunk n) and Vn.
 
 Per chunk n, S (fp32 [K, V]) in registers:
   U = (A diag(beta)) V,  -W = (A diag(-beta gam)) P           [64, V], [64, K]  (A scaled by column in registers)

@@ -1,7 +1,7 @@
-"""The forward's output in Triton, chunk-parallel: per (b, h, chunk),
-O = scale [(gam Q) S_n + (lower(Q K^T) * E) Vn], from the chunk-start states S_n and the corrected values Vn that the
-forward scan (`states`) leaves in HBM. Both products accumulate into one fp32 [64, V] tile; Q K^T's scale and decay
-are applied in fp32 ahead of its rounding to bf16."""
+"""The forward's output in Triton, chunk-parallel: per (b, h, chunk), O = scale [(gam Q) S_n + (lower(Q K^T) * E) Vn],
+from the chunk-start states S_n and the corrected values Vn that the forward scan (`forward_scan`) leaves in HBM. Both
+products accumulate into one fp32 [64, V] tile; Q K^T's scale and decay are applied in fp32 ahead of its rounding to
+bf16."""
 
 import triton
 import triton.language as tl

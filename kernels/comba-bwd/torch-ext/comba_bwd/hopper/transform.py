@@ -1,6 +1,6 @@
-"""The chunk transform in Gluon: A = (I + L)^-1 of each chunk, as `triton.transform._transform_kernel` computes it (one
-warp a chunk, 16 x 16 blocks, the diagonal blocks' inverses as (I - L)(I + L^2)(I + L^4)(I + L^8) and the off-diagonal
-blocks from them, every product fp32-accurate by three TF32 products), with no data moved between threads.
+"""The chunk transform in Gluon: A = (I + L)^-1 of each chunk, as `portable.transform._transform_kernel` computes it
+(one warp a chunk, 16 x 16 blocks, the diagonal blocks' inverses as (I - L)(I + L^2)(I + L^4)(I + L^8) and the
+off-diagonal blocks from them, every product fp32-accurate by three TF32 products), with no data moved between threads.
 
 The Triton kernel converts each product's result from the MMA accumulator layout to an operand layout before the next
 product, and those shuffles and selects are nearly half of its instructions. Here no operand is converted; it is
@@ -52,7 +52,7 @@ def _tf32_dot(x, z, acc):
 
 @gluon.jit
 def mm(x, z, acc):
-    """acc + x z^T in fp32 (x, z, acc [16, 16] accumulators) by three TF32 products, as `triton.transform._mm`."""
+    """acc + x z^T in fp32 (x, z, acc [16, 16] accumulators) by three TF32 products, as `portable.transform._mm`."""
     x_hi = tf32_high(x)
     z_hi = tf32_high(z)
     acc = _tf32_dot(x - x_hi, z_hi, acc)
@@ -245,6 +245,6 @@ def _transform_gluon_kernel(k, p, beta, g, A, N, H, K: gl.constexpr):
 
 def launch(k, p, beta, g, A):
     """A (BH, N, 64, 64) of inputs k, p (B, T, H, 64) with T a multiple of the chunk, beta and g (B, T, H), in A's
-    dtype, as `triton.transform._transform_kernel`."""
+    dtype, as `portable.transform._transform_kernel`."""
     B, T, H, K = k.shape
     _transform_gluon_kernel[(T // CHUNK, B * H)](k, p, beta, g, A, T // CHUNK, H, K, num_warps=1)

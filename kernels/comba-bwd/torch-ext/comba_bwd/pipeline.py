@@ -1,0 +1,209 @@
+"""The fused forward and backward as ordered lists of named stages on chunks of 64 steps, no autograd: the one place
+that sequences the stage modules' launches (`portable/`, `hopper/`), by the plan `dispatch.plan` makes.
+
+Notation as in reference.py: per (b, h) and chunk n, gc the inclusive cumsum of g inside the chunk,
+gam = exp(gc), Gam = exp(gc[-1]), E_ij = exp(gc_i - gc_j) (j <= i), L = strict_lower((beta P) K^T * E),
+A = (I + L)^-1, Vn = A (beta V) - A (beta gam P) S, X = A^T dVn.
+
+The forward:
+  1. transform     (chunk-parallel)  A of each chunk in fp32 by 16 x 16 blocks -> HBM in bf16.
+  2. forward_scan  (serial over chunks)  S_n, the state before chunk n, and Vn, both bf16 -> HBM.
+  3. output        (chunk-parallel)  O = scale [(gam Q) S_n + (lower(Q K^T) * E) Vn].
+The backward makes the forward's stages 1 and 2 again (`state_stages`: the same kernels, picked the same way), then:
+  3. reverse_scan  (serial over chunks, reversed, dS in fp32)  dS'_n (bf16) and X = A^T dVn (bf16) -> HBM, with
+     dv = beta X and dbeta's v part sum_v(v X) where the gradient kernel does not make them.
+  4. grads         (chunk-parallel)  dq, dk, dp and dbeta, and the terms of d gc.
+  5. dg            (chunk-parallel)  dg from the terms of d gc (fused into stage 4 where a Gluon kernel runs it).
+The scans depend only on the transform, so in the backward they run side by side on two streams; the gradients wait
+on both. The scratch between the stages (A, S_n, dS'_n, Vn, X, dbeta's v parts, d gc's terms) is allocated here, once
+a call. A and the states are materialised in HBM: the solve would sit on the serial path of the scans, and the
+chunk-parallel kernels need the states of their chunk without a scan of their own. A, S_n and Vn are scratch of the
+call: the backward of a training step makes them again.
+
+This module imports the kernels, so triton: `dispatch` imports it on a CUDA call's first use.
+"""
+
+import functools
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+
+from . import dispatch, portable
+from .common.devices import on_device
+from .reference import CHUNK, pad_time
+
+try:  # Gluon, Triton's explicit-layout dialect; dispatch plans Gluon stages only under releases that have it
+    from . import hopper
+except ImportError:
+    hopper = None
+
+
+class Stage(NamedTuple):
+    """One stage of a call: its name (the benchmark's `ms_<name>` column), the launch of its stage module and the
+    arguments that launch takes."""
+
+    name: str
+    launch: Callable
+    args: tuple
+
+    def run(self) -> None:
+        self.launch(*self.args)
+
+
+def state_scratch(q: torch.Tensor, V: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Uninitialised (A, S, Vn), what the transform and the forward scan write for inputs q (B, T, H, K) with T a
+    multiple of the chunk: A (BH, N, 64, 64), S (BH, N, K, V), Vn (BH, T, V), bf16 whatever the inputs' dtype (the
+    tensor-core operands of the later stages)."""
+    B, T, H, K = q.shape
+    N = T // CHUNK
+    empty = lambda *shape: torch.empty(*shape, device=q.device, dtype=torch.bfloat16)  # noqa: E731
+    return empty(B * H, N, CHUNK, CHUNK), empty(B * H, N, K, V), empty(B * H, T, V)
+
+
+def state_stages(k, v, p, beta, g, scratch, plan, tiles=None) -> list[Stage]:
+    """[transform, forward_scan]: the stages that fill `scratch` = (A, S, Vn) (`state_scratch`) for inputs padded to
+    whole chunks, by the kernels `plan` (`dispatch.plan`) picks; `tiles` are the Gluon descriptors
+    (`hopper.chunk.tiles`) where the Gluon forward scan runs. The forward's first two stages, and the backward's where
+    it makes them again."""
+    A, S, Vn = scratch
+    if "transform" in plan.gluon:
+        transform = Stage("transform", hopper.transform.launch, (k, p, beta, g, A))
+    else:
+        transform = Stage("transform", portable.transform.launch, (k, p, beta, g, A))
+    if "forward_scan" in plan.gluon:
+        forward_scan = Stage("forward_scan", hopper.forward_scan.launch, (tiles, k, v, beta, g))
+    else:
+        forward_scan = Stage("forward_scan", portable.forward_scan.launch, (k, v, p, beta, g, A, S, Vn))
+    return [transform, forward_scan]
+
+
+def forward_stages(q, k, v, p, beta, g, scale: float, plan=None) -> tuple[list[Stage], torch.Tensor]:
+    """The forward's stages in order, [transform, forward_scan, output], and o, which they fill.
+
+    Inputs contiguous with T a multiple of the chunk, K and V in {64, 128}; `plan` is `dispatch.plan`'s for the call.
+    Each stage reads only what earlier stages wrote, so after one full pass any stage can be run (timed) again
+    alone."""
+    V = v.shape[-1]
+    plan = plan or dispatch.plan(q, V)
+    A, S, Vn = scratch = state_scratch(q, V)
+    o = torch.empty_like(v)
+    t = hopper.chunk.tiles(q, k, p, v, None, A, S, None, Vn, None) if "forward_scan" in plan.gluon else None
+    stages = state_stages(k, v, p, beta, g, scratch, plan, t)
+    stages.append(Stage("output", portable.output.launch, (q, k, beta, g, S, Vn, o, scale)))
+    return stages, o
+
+
+def run_forward(q, k, v, p, beta, g, scale: float, plan):
+    """o (B, T, H, V) in v's dtype by the forward's stages on `plan`; inputs contiguous, any T >= 1."""
+    T = q.shape[1]
+    inputs = [pad_time(x) for x in (q, k, v, p, beta, g)]
+    stages, o = forward_stages(*inputs, scale, plan)
+    with on_device(q):
+        for stage in stages:
+            stage.run()
+    return o if o.shape[1] == T else o[:, :T].contiguous()
+
+
+def backward_stages(q, k, v, p, beta, g, do, scale: float, grads=None, plan=None) -> tuple[list[Stage], tuple]:
+    """The backward's stages in order, [transform, forward_scan, reverse_scan, grads] and dg where the Triton gradient
+    kernel runs, and the six gradients, which they fill.
+
+    Each stage reads only what earlier stages wrote, so after one full pass any stage can be run (timed) again alone.
+    Inputs contiguous, K and V in {64, 128}; the gradients are (dq, dk, dv, dp, dbeta, dg) with dg in float32, padded
+    in time to a multiple of the chunk (run_backward trims them); `grads`, when given, are contiguous tensors of those
+    shapes and dtypes to write them into; `plan` is `dispatch.plan`'s for the call.
+    """
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    plan = plan or dispatch.plan(q, V)
+    q, k, v, p, beta, g, do = (pad_time(x) for x in (q, k, v, p, beta, g, do))
+    Tp = q.shape[1]
+    BH = B * H
+    dev = q.device
+    gluon = plan.gluon
+    # dbeta's v parts: none where the gradient kernel makes it, one from a Gluon reverse scan, else one per V block of
+    # the Triton reverse scan.
+    NV = 0 if plan.v_adjoint_in_grads else 1 if "reverse_scan" in gluon else V // portable.chunk.scan_block(K, V)
+    A, S, Vn = state_scratch(q, V)
+    dS = torch.empty_like(S)
+    X = torch.empty_like(Vn)
+    dbeta_v = torch.empty(NV, *beta.shape, device=dev, dtype=torch.float32)
+    dq, dk, dv, dp, dbeta, dg = _gradients_like(q, k, v, p, beta, g) if grads is None else grads
+    t = hopper.chunk.tiles(q, k, p, v, do, A, S, dS, Vn, X) if gluon else None
+    stages = state_stages(k, v, p, beta, g, (A, S, Vn), plan, t)
+    if "reverse_scan" in gluon:
+        stages.append(Stage("reverse_scan", hopper.reverse_scan.launch, (t, q, v, beta, g, dv, dbeta_v, scale)))
+    else:
+        v_adjoint = not plan.v_adjoint_in_grads
+        stages.append(Stage("reverse_scan", portable.reverse_scan.launch,
+                            (q, k, v, p, beta, g, do, A, dS, X, dv, dbeta_v, scale, v_adjoint)))
+    if plan.v_adjoint_in_grads:
+        stages.append(Stage("grads", hopper.grads.launch_with_dv, (t, q, beta, g, dq, dk, dv, dp, dbeta, dg, scale)))
+    elif "grads" in gluon:
+        stages.append(Stage("grads", hopper.grads.launch, (t, q, do, beta, g, dbeta_v, dq, dk, dp, dbeta, dg, scale)))
+    else:
+        dgc_parts = torch.empty(3, BH, Tp, device=dev, dtype=torch.float32)  # d gc terms, per gradient part
+        stages.append(Stage("grads", portable.grads.launch,
+                            (q, k, p, beta, g, do, S, dS, Vn, X, dbeta_v, dq, dk, dp, dbeta, dgc_parts, scale)))
+        stages.append(Stage("dg", portable.dg.launch, (dgc_parts, dg)))
+    return stages, (dq, dk, dv, dp, dbeta, dg)
+
+
+def _gradients_like(q, k, v, p, beta, g):
+    """Uninitialised (dq, dk, dv, dp, dbeta, dg): each like its input, dg in float32."""
+    return (*(torch.empty_like(x) for x in (q, k, v, p, beta)), torch.empty_like(g, dtype=torch.float32))
+
+
+@functools.cache
+def _side_streams(device: torch.device, n: int) -> tuple:
+    """n streams of `device`, made once and reused by every call."""
+    return tuple(torch.cuda.Stream(device) for _ in range(n))
+
+
+def _launch_on_streams(pieces: list[list[Stage]], device: torch.device):
+    """Run each piece's backward stages (`backward_stages`) on a pair of streams of `device`, the first piece's pair
+    starting with its current stream, the others forked from it, and join them back into it: the transform, then the
+    reverse scan on the side stream beside the forward scan, then the gradient stages once both scans are done.
+    `device` is made the current device meanwhile: a Triton or Gluon kernel launches on the current device, whatever
+    its tensors' device."""
+    main = torch.cuda.current_stream(device)
+    streams = (main, *_side_streams(device, 2 * len(pieces) - 1))
+    with torch.cuda.device(device):
+        for own in streams[2::2]:
+            own.wait_stream(main)
+        for stages, own, side in zip(pieces, streams[0::2], streams[1::2]):
+            transform, forward_scan, reverse_scan, *gradients = stages
+            with torch.cuda.stream(own):
+                transform.run()
+                side.wait_stream(own)
+                with torch.cuda.stream(side):
+                    reverse_scan.run()
+                forward_scan.run()
+                own.wait_stream(side)
+                for stage in gradients:
+                    stage.run()
+        for own in streams[2::2]:
+            main.wait_stream(own)
+
+
+def run_backward(q, k, v, p, beta, g, do, scale: float, plan):
+    """(dq, dk, dv, dp, dbeta, dg) in their inputs' dtypes (dg float32) by the backward's stages on `plan`, the batch
+    cut in plan.pieces; inputs contiguous, any T >= 1."""
+    B, T = q.shape[:2]
+    inputs = [pad_time(x) for x in (q, k, v, p, beta, g, do)]
+    grads = _gradients_like(*inputs[:6])
+    cuts = [B * i // plan.pieces for i in range(plan.pieces + 1)]
+    # Every piece's scratch is allocated before the launches and referenced until the streams are joined, so the
+    # allocator cannot hand one piece's freed scratch to another piece's stream while it still runs.
+    pieces = [backward_stages(*(x[a:b] for x in inputs), scale, tuple(x[a:b] for x in grads), plan)[0]
+              for a, b in zip(cuts, cuts[1:])]
+    if q.is_cuda:
+        _launch_on_streams(pieces, q.device)
+    else:
+        for stages in pieces:
+            for stage in stages:
+                stage.run()
+    if grads[0].shape[1] == T:
+        return grads
+    return tuple(x[:, :T].contiguous() for x in grads)

@@ -1,0 +1,31 @@
+"""dg in Triton, chunk-parallel: the reverse cumsum inside each chunk of the d gc terms that the three gradient parts
+(`grads`) leave in fp32 scratch."""
+
+import triton
+import triton.language as tl
+
+from ..reference import CHUNK
+from .chunk import BT, chunk_offsets, part_stride
+
+
+@triton.jit
+def _reverse_cumsum(x):
+    """dg from d gc: the sum over the chunk's later rows, each row included (gc is an inclusive cumsum)."""
+    return tl.sum(x, 0) - tl.cumsum(x, 0) + x
+
+
+@triton.jit
+def _dg_kernel(dgc_parts, dg, N, H):
+    """dg of one chunk from the three parts' terms of d gc. dgc_parts is (3, B * H, T), so that a chunk's rows
+    are contiguous for the loads (in a (B, T, H) tensor they lie H apart)."""
+    scal_base, t0, _, rows = chunk_offsets(N, H)
+    n_pos = part_stride(N * BT, H)
+    dgc = tl.load(dgc_parts + rows) + tl.load(dgc_parts + n_pos + rows) + tl.load(dgc_parts + 2 * n_pos + rows)
+    tl.store(dg + scal_base + (t0 + tl.arange(0, BT)) * H, _reverse_cumsum(dgc))
+
+
+def launch(dgc_parts, dg):
+    """dg (B, T, H), T a multiple of the chunk, from the gradient parts' terms of d gc (3, BH, T)."""
+    B, T, H = dg.shape
+    N = T // CHUNK
+    _dg_kernel[(N, B * H)](dgc_parts, dg, N, H, num_warps=1, num_stages=1)
