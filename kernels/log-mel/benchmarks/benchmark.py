@@ -8,8 +8,8 @@ from kernels.benchmark import Benchmark
 
 
 def speech_like(n_samples: int, seed: int) -> torch.Tensor:
-    """A float32 clip on the CPU that a speech front end sees (no recording needed): a sequence of 80-330 ms
-    segments, each voiced (a pulse train at 100-180 Hz with vibrato through three formant resonances and a
+    """A float32 clip on the CPU that a speech front end sees (no recording needed): a sequence of segments of 0.08
+    to 0.33 s, each voiced (a pulse train at 100-180 Hz with vibrato through three formant resonances and a
     -6 dB/kHz tilt), fricative (noise above 3 kHz), near-silent (noise at -80 dB) or digital silence, each under
     a smooth envelope; peak 0.5."""
     g = torch.Generator().manual_seed(seed)
