@@ -12,11 +12,10 @@ import importlib.util
 import sys
 import time
 import traceback
-from pathlib import Path
 
 import torch
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+from tools.common import REPO_ROOT
 
 
 def hub_benchmark(name: str):
