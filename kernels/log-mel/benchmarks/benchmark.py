@@ -55,7 +55,6 @@ def whisper_batch(B: int, n_samples: int, device, seed: int = 0) -> torch.Tensor
     return audio.to(device)
 
 
-
 # The `kernels benchmark` workloads, (B, N, n_mels) by device: on CUDA batches of 30-s clips; on the CPU (the eager
 # reference) sizes that take milliseconds.
 WORKLOADS = {
