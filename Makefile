@@ -8,14 +8,15 @@ VENV_STAMP := .venv/.installed-$(shell sha1sum pyproject.toml | cut -c1-12)
 TRITONS := 3.7.1 3.8.0 3.9.0
 NEWEST_TRITON := 3.9.0
 
-.PHONY: help venv build hub demo test compile-matrix test-newest-triton ci lock publish-dry-run gpu-bench clean
+.PHONY: help venv build hub demo test lint compile-matrix test-newest-triton ci lock publish-dry-run gpu-bench clean
 
 help:
 	@echo "make demo             set up, build, lay the Hub cache, load every kernel offline and run it"
 	@echo "make test             set up, build, lay the Hub cache, run the whole test suite"
 	@echo "make compile-matrix   compile every shipped kernel for sm_90a under Triton 3.6.0 and each of $(TRITONS)"
 	@echo "make test-newest-triton  the kernels' CPU (interpreter) tests under Triton $(NEWEST_TRITON)"
-	@echo "make ci               test, compile-matrix and test-newest-triton: what CI's .ci/run calls"
+	@echo "make lint             the house rules the build does not check (python -m tools.lint)"
+	@echo "make ci               lint, test, compile-matrix and test-newest-triton: what CI's .ci/run calls"
 	@echo "make build            build kernels/<name>/build/torch-{cuda,cpu} for every kernel"
 	@echo "make hub              lay the builds into .hub/ (HF_HUB_CACHE layout, refs/v<N>)"
 	@echo "make lock             write kernels.lock from [tool.kernels.dependencies] and .hub/"
@@ -42,6 +43,9 @@ demo: hub
 test: hub
 	$(PY) -m pytest -q -p no:cacheprovider
 
+lint: venv
+	$(PY) -m tools.lint
+
 .triton/%/.installed:
 	$(PY) -m pip install -q --no-deps --target .triton/$* triton==$*
 	touch $@
@@ -53,7 +57,7 @@ compile-matrix: hub $(TRITONS:%=.triton/%/.installed)
 test-newest-triton: hub .triton/$(NEWEST_TRITON)/.installed
 	PYTHONPATH=.triton/$(NEWEST_TRITON) $(PY) -m pytest -q -p no:cacheprovider kernels
 
-ci: test compile-matrix test-newest-triton
+ci: lint test compile-matrix test-newest-triton
 
 lock: hub
 	$(PY) -m tools.lock

@@ -1,4 +1,5 @@
-"""Helpers shared by every test: loading kernels the way model code does, the specs, error metrics.
+"""Helpers shared by every test: loading kernels the way model code does, the specs, the error metric (the last
+two from tools.specs, where the tools find them too).
 
 Tests never `import <pkg>`: they load the built kernel through `kernels.get_kernel` from the local Hub
 cache (`make hub`), or from `LOCAL_KERNELS` when that is set, exactly as a user would.
@@ -11,8 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from tools import specs
+from tools.specs import has_spec, rel_err  # noqa: F401 - the tests take them from here
+
 REPO_ROOT = Path(__file__).resolve().parent
-SPECS = Path(os.environ.get("TESSERA_SPECS", REPO_ROOT.parent / "shared" / "specs"))
 ORG = os.environ.get("TESSERA_HUB_ORG", "tessera")
 HAS_CUDA = torch.cuda.is_available()
 # The variant the kernels loader picks follows the torch build, not the presence of a GPU.
@@ -38,48 +41,12 @@ def submodule(kernel, name: str):
     return importlib.import_module(f"{kernel.__name__}.{name}")
 
 
-def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
-    """Relative Frobenius error ||x - ref|| / ||ref||, in float64 on x's device (a CPU copy of a GPU-sized
-    tensor would cost more than the kernel under test)."""
-    x, ref = x.double(), ref.to(x.device).double()
-    return ((x - ref).norm() / ref.norm().clamp_min(1e-300)).item()
-
-
-def has_spec(name: str) -> bool:
-    """Whether spec `name` is in SPECS (the shared specs need not be beside a checkout)."""
-    return (SPECS / f"{name}.py").is_file()
-
-
-@functools.cache
 def spec(name: str):
-    """A spec of ../shared/specs as callables on the CPU: `.ref`, `.make` and the shape lists.
-
-    Skips the calling test when the specs are not beside the checkout."""
-    path = SPECS / f"{name}.py"
+    """A spec of the specs folder as callables (`tools.specs.spec`); skips the calling test where the specs are
+    not beside the checkout."""
     if not has_spec(name):
-        pytest.skip(f"spec {path} not found")
-    import sys
-    import types
-
-    # The spec files import `spec.TaskSpec` from their parent directory; give them a stand-in.
-    sys.modules.setdefault("spec", types.SimpleNamespace(TaskSpec=_TaskSpec))
-    ns = {"__file__": str(path)}
-    exec(compile(path.read_text(), str(path), "exec"), ns)
-    s = ns["SPEC"]
-    env = {}
-    exec(s.reference_imports, env)
-    device = "cuda" if HAS_CUDA else "cpu"
-    exec((s.reference_src + s.make_inputs_src + s.flops_src).replace('device="cuda"', f'device="{device}"'), env)
-    s.ref, s.make, s.work = env[s.func], env["_mk"], env["canonical_work"]
-    return s
-
-
-class _TaskSpec:
-    def __init__(self, **fields):
-        self.__dict__.update(fields)
-
-    def validate(self):
-        return self
+        pytest.skip(f"spec {name} not found in {specs.folder()}")
+    return specs.spec(name)
 
 
 def patch_interpreter() -> None:

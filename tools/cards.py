@@ -1,6 +1,6 @@
 """Render the generated part of each kernel's card (README.md), between the markers below: which GPUs and Triton
 releases the package runs on and which path a call takes there (the package's `dispatch.FAST_PATHS`, where it has
-fast paths), and the input policy every package shares. `tests/test_cards.py` fails when a card is stale.
+fast paths), and the input policy every package shares. `tests/tools/test_cards.py` fails when a card is stale.
 
     .venv/bin/python -m tools.cards          # rewrite the generated parts
     .venv/bin/python -m tools.cards --check  # exit 1 if a card is stale

@@ -3,7 +3,7 @@ benchmark's shapes and configurations, and print what ptxas reports: registers, 
 the CTAs an SM can hold.
 
 Why: the Triton interpreter (the CPU tests) accepts code the compiler rejects, and spills and occupancy show
-only at compile time. Each kernel's `benchmarks/benchmark.py` provides `compile_cases(kernel, spec)`, which
+only at compile time. Each kernel's harness, `bench/<package>.py`, provides `compile_cases(kernel, spec)`, which
 yields (label, call) pairs: each call makes the CUDA path's launches for one shape, configuration and dtype
 on meta tensors (shapes and dtypes, no memory). While they run, this tool stands in for `JITFunction.run`:
 instead of launching, it specializes the arguments with Triton's own binder for an sm_90a target (so
@@ -19,7 +19,7 @@ Exit status 1 when a kernel fails to compile, or when it spills more than --max-
 leaves the register count to ptxas; a launch that caps it (maxnreg) trades spills for occupancy on purpose,
 on the strength of a GPU measurement, and shows as "capped". A kernel whose spills are such a trade made by its
 design rather than a cap (one warpgroup of 255 registers, say, so that two CTAs share an SM) is named, with the bytes
-it may spill, in its benchmark module's SPILLS_BY_DESIGN, and shows as "by design" within them.
+it may spill, in its harness's SPILLS_BY_DESIGN, and shows as "by design" within them.
 """
 
 import argparse
@@ -30,8 +30,9 @@ import sys
 import tempfile
 from pathlib import Path
 
+from . import specs
 from .common import resolve
-from .gpu_bench import build_into_hub, load_benchmark, use_hub_cache
+from .gpu_bench import build_into_hub, load_harness, load_kernel, use_hub_cache
 
 TARGET_ARCH = 90
 # An H100/H200 SM: 64K 32-bit registers (allocated per warp in units of 256), 228 KiB of shared memory of
@@ -142,25 +143,24 @@ def main(argv: list[str] | None = None) -> int:
         use_hub_cache()
     else:
         build_into_hub(names)
-    import testkit  # the specs loader (gpu_bench put the repo on sys.path)
     import triton
     from triton.runtime.jit import JITFunction
 
     def spec(spec_name: str):
-        # testkit.spec skips a pytest test where the specs are absent; a command line run says so and stops.
-        if not testkit.has_spec(spec_name):
-            raise SystemExit(f"spec {spec_name} not found in {testkit.SPECS}: set TESSERA_SPECS to the specs folder")
-        return testkit.spec(spec_name)
+        try:
+            return specs.spec(spec_name)
+        except FileNotFoundError as e:
+            raise SystemExit(str(e)) from None
 
     compiler = Compiler()
-    by_design = {}  # kernel name -> the spill bytes its design accepts (the benchmarks' SPILLS_BY_DESIGN)
+    by_design = {}  # kernel name -> the spill bytes its design accepts (the harnesses' SPILLS_BY_DESIGN)
     original_run = JITFunction.run
     JITFunction.run = lambda fn, *a, **kw: compiler.run(fn, *a, **kw)
     try:
         for name in names:
-            module, package = load_benchmark(name)
-            by_design.update(getattr(module, "SPILLS_BY_DESIGN", {}))
-            for label, call in module.compile_cases(package, spec):
+            harness, package = load_harness(name), load_kernel(name)
+            by_design.update(getattr(harness, "SPILLS_BY_DESIGN", {}))
+            for label, call in harness.compile_cases(package, spec):
                 if args.match and args.match not in label:
                     continue
                 compiler.label = f"{name} {label}"

@@ -3,7 +3,7 @@ against the anchors of ANCHORS.md, all in one process so the ratios hold; result
 `bench/runs/<date>-<sha>.{json,md}` (to `$OUT` when set, for the device tool to bring back); `python -m tools.results
 add RUN <report>.json` appends its rows to the one results table, bench/results.jsonl, which the cards render.
 
-Each kernel's `benchmarks/benchmark.py` provides `side_by_side(kernel, bench) -> list[dict]`; `Bench` below
+Each kernel's harness, `bench/<package>.py`, provides `side_by_side(kernel, bench) -> list[dict]`; `Bench` below
 is what it gets: a timer, the copy bandwidth measured in this run, the specs, and optional packages.
 """
 
@@ -19,10 +19,11 @@ import time
 import traceback
 from pathlib import Path
 
-from .common import HUB_CACHE, HUB_ORG, REPO_ROOT, git, resolve
+from . import specs
+from .common import HUB_CACHE, HUB_ORG, REPO_ROOT, git, read_kernel, resolve
 
 RUNS = REPO_ROOT / "bench" / "runs"
-sys.path.insert(0, str(REPO_ROOT))  # testkit: the specs loader and the error metric the tests use
+sys.path.insert(0, str(REPO_ROOT))  # bench/, the harnesses, beside tools/ wherever the tools run from
 
 
 class Bench:
@@ -51,11 +52,10 @@ class Bench:
         torch.cuda.empty_cache()
         return 2 * 2**31 / ms / 1e6
 
-    def spec(self, name: str):
+    @staticmethod
+    def spec(name: str):
         """A shared spec on CUDA (reference, input maker, canonical work), or None where specs are absent."""
-        import testkit  # reads TESSERA_SPECS, which main() sets first
-
-        return testkit.spec(name) if testkit.has_spec(name) else None
+        return specs.spec(name) if specs.has_spec(name) else None
 
     @staticmethod
     def optional(module: str):
@@ -64,11 +64,7 @@ class Bench:
             return None
         return importlib.import_module(module)
 
-    @staticmethod
-    def rel_err(x, ref) -> float:
-        from testkit import rel_err
-
-        return rel_err(x, ref)
+    rel_err = staticmethod(specs.rel_err)
 
 
 def run_tests(out_dir: Path, names: list[str], all_tests: bool, timeout: float, keyword: str | None) -> dict:
@@ -139,15 +135,16 @@ def prepare_run(names: list[str]) -> tuple[str, Path]:
     return sha, out_dir / f"{stamp}-{sha[:12]}"
 
 
-def load_benchmark(name: str):
-    """(kernels/<name>/benchmarks/benchmark.py as a module, the kernel loaded from the Hub cache)."""
+def load_kernel(name: str):
+    """The kernel `name`, loaded from the Hub cache as model code loads it."""
     from kernels import get_kernel
 
-    path = REPO_ROOT / "kernels" / name / "benchmarks" / "benchmark.py"
-    module_spec = importlib.util.spec_from_file_location(f"tessera_bench_{name.replace('-', '_')}", path)
-    module = importlib.util.module_from_spec(module_spec)
-    module_spec.loader.exec_module(module)
-    return module, get_kernel(f"{HUB_ORG}/{name}", version=1, trust_remote_code=True)
+    return get_kernel(f"{HUB_ORG}/{name}", version=1, trust_remote_code=True)
+
+
+def load_harness(name: str):
+    """The side-by-side harness of kernel `name`: the module bench/<package>.py."""
+    return importlib.import_module(f"bench.{read_kernel(REPO_ROOT / 'kernels' / name).package}")
 
 
 def side_by_side_kwargs(items: list[str], names: list[str]) -> dict[str, dict]:
@@ -173,9 +170,9 @@ def run_benchmarks(names: list[str], bench: Bench, results: dict, save, kwargs: 
     kernel so a cut-off run keeps them."""
     for name in names:
         try:
-            module, kernel = load_benchmark(name)
+            harness, kernel = load_harness(name), load_kernel(name)
             start = time.time()
-            rows = module.side_by_side(kernel, bench, **kwargs.get(name, {}))
+            rows = harness.side_by_side(kernel, bench, **kwargs.get(name, {}))
             results[name] = {"rows": rows, "seconds": round(time.time() - start, 1)}
         except Exception:
             results[name] = {"rows": [], "error": traceback.format_exc()}
@@ -227,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bench-kwargs", action="append", default=[], metavar="KERNEL=JSON",
                         help="keyword arguments for KERNEL's side_by_side, e.g. 'comba-bwd={\"shapes\": "
                              "[[8, 4096, 16, 128, 128]]}' (a run cut to what one device call holds); repeatable")
-    parser.add_argument("--specs", type=Path, default=Path(os.environ.get("TESSERA_SPECS", REPO_ROOT.parent / "shared" / "specs")))
+    parser.add_argument("--specs", type=Path, default=specs.folder())
     args = parser.parse_args(argv)
     names = [k.name for k in resolve(args.kernels)]
     bench_kwargs = side_by_side_kwargs(args.bench_kwargs, names)  # a bad one fails here, on any machine

@@ -15,7 +15,7 @@ import subprocess
 import sys
 
 from .common import REPO_ROOT, resolve
-from .gpu_bench import load_benchmark, prepare_run
+from .gpu_bench import load_kernel, prepare_run
 
 # SourceCounters names the instructions where warps stall most and the shared-memory and branch counts:
 # where a latency-bound loop (the ldsa TMA forward's) spends its cycles.
@@ -37,9 +37,10 @@ def profiled_call(name: str) -> None:
     """The process ncu watches: one kernel's benchmark case, warmed up, then one call profiled."""
     import torch
 
-    module, kernel = load_benchmark(name)
-    bench = benchmark_case(module)()
-    bench.kernel, bench.device = kernel, "cuda"
+    from bench.harness import hub_benchmark
+
+    bench = benchmark_case(hub_benchmark(name))()
+    bench.kernel, bench.device = load_kernel(name), "cuda"
     if bench.seed is not None:
         torch.manual_seed(bench.seed)
     # Each workload as `kernels benchmark` runs it (its own setup_<workload> where it has one, else setup()),

@@ -1,7 +1,7 @@
 """Copy the helpers written once in `common/` into the kernel packages that use them, as `<pkg>/common/`.
 
 kernel-builder uploads `torch-ext/<pkg>/` alone, so a helper shared by packages lives in each package as a
-committed copy, generated from its one source here and marked so at its top; `tests/test_vendor.py` fails when a
+committed copy, generated from its one source here and marked so at its top; `tests/tools/test_vendor.py` fails when a
 copy differs from what this tool writes.
 
     .venv/bin/python -m tools.vendor          # write the copies

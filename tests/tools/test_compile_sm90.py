@@ -7,8 +7,9 @@ import sys
 import pytest
 
 import testkit
-from tools.common import REPO_ROOT
+from tools.common import REPO_ROOT, all_kernels
 from tools.compile_sm90 import ctas_per_sm
+from tools.gpu_bench import load_harness, load_kernel
 
 
 def test_ctas_per_sm_limits():
@@ -33,3 +34,12 @@ def test_one_log_mel_case_compiles():
     assert len(rows) == 1
     registers, ctas = int(rows[0][6]), int(rows[0][9])
     assert 0 < registers <= 255 and ctas >= 1
+
+
+@pytest.mark.parametrize("name", [k.name for k in all_kernels()])
+def test_every_harness_has_cases_to_compile(name):
+    """tools.compile_sm90 compiles each harness's compile_cases (bench/<package>.py): labelled calls, none run
+    here."""
+    cases = list(load_harness(name).compile_cases(load_kernel(name), testkit.spec))
+    assert cases and all(isinstance(label, str) and callable(call) for label, call in cases)
+    assert len({label for label, _ in cases}) == len(cases)

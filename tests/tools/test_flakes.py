@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 CHECKER = REPO / "tools" / "check_flakes.py"
 KERNELS = ["ldsa", "log-mel", "based-bwd", "comba-bwd"]
 

@@ -1,0 +1,288 @@
+"""log-mel side by side with its anchors, for the GPU run, and the launches compiled offline.
+
+`side_by_side` times, at every measure shape of the spec and in one run: the public op (the design and
+config `pick` chooses), the same config clip-resident, the eager reference and torch.compile(reference);
+GB/s on the spec's canonical bytes, % of the copy bandwidth measured in the same run, speed-up over
+torch.compile, and the relative Frobenius error against the spec's fp32 reference. Then a sweep of every
+shipped tile config (two-pass, plus one clip-resident row) at the first measure shape of each (NF, NM):
+(208, 3000, 201, 128), (104, 3000, 401, 80) and (208, 3000, 201, 80); a batch with silent clips (the floor
+pass has real work) and batches with Whisper's Slaney filterbank (NM 80 and 128). Then `waveform_rows`:
+`whisper_log_mel` on 30-s clips beside flashmel and transformers' torch path, and every shipped waveform config.
+"""
+
+import torch
+
+from .harness import device, free, gbps_row, hub_benchmark, max_abs_err, submodule
+
+SPEC = "audio_mel_spectrogram_fused"
+WHISPER_SHAPE = (208, 3000, 201)  # 30 s clips, n_fft 400
+WAVEFORM_BATCHES = (16, 64, 208)  # 30-s clips a call of the waveform rows
+whisper_batch = hub_benchmark("log-mel").whisper_batch
+
+
+def _fused_variants(kernel, fused, stft, w):
+    """The public op (the design and config `pick` chooses) and the same config in the other design."""
+    _, config = fused.pick(*stft.shape, w.shape[0])
+    return {
+        "public op (pick)": lambda: kernel.log_mel_spectrogram(stft, w),
+        f"fused clip_resident {config.name}": lambda: fused.log_mel_triton(stft, w, "clip_resident", config),
+    }
+
+
+def _sweep(fused, stft, w):
+    """Every shipped config with the two-pass design, and the default config once clip-resident (it lost
+    every comparison of the first H200 run)."""
+    impls = {f"two_pass {c.name}": (lambda c=c: fused.log_mel_triton(stft, w, "two_pass", c))
+             for c in fused.SHIPPED_CONFIGS}
+    impls[f"clip_resident {fused.DEFAULT_CONFIG.name}"] = lambda: fused.log_mel_triton(
+        stft, w, "clip_resident", fused.DEFAULT_CONFIG)
+    return impls
+
+
+def _rows(case, impls, ref, work, bench, compile_ms=None):
+    """Time each impl, then one row each: GB/s on canonical bytes, % of copy, x vs compile, error."""
+    rows = []
+    for name, fn in impls.items():
+        err = None if name == "eager reference" else bench.rel_err(fn(), ref)
+        row = gbps_row(case, name, bench.time(fn), work, bench, err)
+        if name == "torch.compile(reference)":
+            compile_ms = row["ms"]
+        if compile_ms is not None:
+            row["x_vs_compile"] = compile_ms / row["ms"]
+        rows.append(row)
+    return rows
+
+
+def side_by_side(kernel, bench, shapes=None, whisper_shape=WHISPER_SHAPE, sweep_shapes=None,
+                 waveform_batches=WAVEFORM_BATCHES, n_samples=30 * 16000) -> list[dict]:
+    rows = _stft_rows(kernel, bench, shapes, whisper_shape, sweep_shapes)
+    return rows + waveform_rows(kernel, bench, waveform_batches, n_samples)
+
+
+def _stft_rows(kernel, bench, shapes, whisper_shape, sweep_shapes) -> list[dict]:
+    s = bench.spec(SPEC)
+    if s is None:
+        return []
+    fused = submodule(kernel, "triton.stft")
+    shapes = shapes or s.measure_shapes
+    # The first measure shape of each (NF, NM): the band layouts the chunk loop sees differ only in those.
+    sweep_shapes = sweep_shapes or [x for i, x in enumerate(shapes) if x[2:] not in [y[2:] for y in shapes[:i]]]
+    compiled_ref = torch.compile(s.ref)
+    rows = []
+
+    # 1. Every measure shape: the anchors first (the compile time sets x_vs_compile), then our variants.
+    for shape in shapes:
+        stft, w = s.make(*shape, 0)
+        ref = s.ref(stft, w)
+        anchors = {"torch.compile(reference)": lambda: compiled_ref(stft, w), "eager reference": lambda: s.ref(stft, w)}
+        anchor_rows = _rows(f"{shape}", anchors, ref, s.work(*shape), bench)
+        compile_ms = anchor_rows[0]["ms"]
+        rows += anchor_rows + _rows(f"{shape}", _fused_variants(kernel, fused, stft, w), ref, s.work(*shape),
+                                    bench, compile_ms)
+        del stft, w, ref
+        free()
+
+    # 2. Every shipped tile config (the table `pick` is set from), at each (NF, NM).
+    for shape in sweep_shapes if bench.sweep else []:
+        stft, w = s.make(*shape, 0)
+        ref = s.ref(stft, w)
+        rows += _rows(f"{shape} config sweep", _sweep(fused, stft, w), ref, s.work(*shape), bench)
+        del stft, w, ref
+        free()
+
+    # 3. Silent clips (every 8th all zero, every 8th from 4 silent from a third on) and Whisper's filterbank.
+    B, F, NF = whisper_shape
+    for NM in (80, 128):
+        stft, _ = s.make(B, F, NF, NM, 0)
+        w = kernel.mel_filters(NM).to(stft.device)
+        extra = {"torch.compile(reference)": lambda: compiled_ref(stft, w),
+                 "public op (pick)": lambda: kernel.log_mel_spectrogram(stft, w)}
+        ref = s.ref(stft, w)
+        rows += _rows(f"{(B, F, NF, NM)} whisper slaney filterbank", extra, ref, s.work(B, F, NF, NM), bench)
+        if NM == 128:
+            stft[::8] = 0
+            stft[4::8, F // 3 :] = 0
+            ref = s.ref(stft, w)
+            rows += _rows(f"{(B, F, NF, NM)} whisper filterbank, silent clips", extra, ref, s.work(B, F, NF, NM), bench)
+        del stft, w, ref
+        free()
+    return rows
+
+
+def compile_cases(kernel, spec):
+    """(label, call) pairs for `python -m tools.compile_sm90`, on meta tensors: the STFT op's two designs with every
+    shipped config at every measure shape of the spec, the waveform op's shipped configs at 30-s clips for every
+    audio and output dtype, with and without lengths, and the Gluon waveform kernel where it compiles (also on clips
+    of one tile)."""
+    fused = submodule(kernel, "triton.stft")
+    waveform = submodule(kernel, "triton.waveform")
+
+    def case(shape, design, config):
+        B, F, NF, NM = shape
+        stft = torch.empty(B, F, NF, dtype=torch.complex64, device="meta")
+        mel_filters = torch.empty(NM, NF, dtype=torch.float32, device="meta")
+        return f"{shape} {design} {config.name}", lambda: fused.log_mel_triton(stft, mel_filters, design, config)
+
+    for shape in spec(SPEC).measure_shapes:
+        for design in fused.DESIGNS:
+            for config in fused.SHIPPED_CONFIGS:
+                yield case(shape, design, config)
+
+    def waveform_case(n_mels, audio_dtype, out_dtype, with_lengths, config):
+        audio = torch.empty(208, 480000, dtype=audio_dtype, device="meta")
+        lengths = torch.empty(208, dtype=torch.int64, device="meta") if with_lengths else None
+        label = (f"waveform {n_mels} mels {str(audio_dtype)[6:]}->{str(out_dtype)[6:]}"
+                 f"{' lengths' if with_lengths else ''} {config.name}")
+        return label, lambda: waveform.whisper_log_mel_triton(audio, lengths, n_mels, out_dtype, config)
+
+    for config in waveform.SHIPPED_CONFIGS:
+        for n_mels in (80, 128):
+            yield waveform_case(n_mels, torch.float32, torch.float32, False, config)
+        yield waveform_case(80, torch.int16, torch.bfloat16, True, config)
+        yield waveform_case(128, torch.bfloat16, torch.float16, True, config)
+    dispatch = submodule(kernel, "dispatch")
+    if dispatch.FAST_PATHS.compiles("waveform-gluon"):
+        gluon = submodule(kernel, "gluon.waveform")
+        for n_mels, audio_dtype, out_dtype, with_lengths in ((80, torch.float32, torch.float32, False),
+                                                             (128, torch.float32, torch.float32, False),
+                                                             (80, torch.int16, torch.bfloat16, True),
+                                                             (128, torch.bfloat16, torch.float16, True)):
+            audio = torch.empty(208, 480000, dtype=audio_dtype, device="meta")
+            lengths = torch.empty(208, dtype=torch.int64, device="meta") if with_lengths else None
+            yield (f"waveform-gluon {n_mels} mels {str(audio_dtype)[6:]}->{str(out_dtype)[6:]}"
+                   f"{' lengths' if with_lengths else ''}",
+                   lambda a=audio, l=lengths, m=n_mels, o=out_dtype: gluon.whisper_log_mel_gluon(a, l, m, o))
+        audio = torch.empty(208, 480000, dtype=torch.float32, device="meta")
+        for config in gluon.SHIPPED_CONFIGS[1:]:  # the runners-up, at one case
+            yield (f"waveform-gluon 80 mels float32->float32 {config.name}",
+                   lambda a=audio, c=config: gluon.whisper_log_mel_gluon(a, None, 80, torch.float32, c))
+        # Half-second clips: one tile a clip.
+        short = torch.empty(3, 8000, dtype=torch.float32, device="meta")
+        yield ("waveform-gluon 80 mels float32->float32 one-tile clips",
+               lambda: gluon.whisper_log_mel_gluon(short, None, 80, torch.float32))
+
+
+def _transformers_torch_path(mel_filters_t):
+    """transformers' WhisperFeatureExtractor._torch_extract_fbank_features on a device tensor (its ops, without the
+    numpy round trip): torch.stft, |.|^2 of all but the last frame, filters @, log10, per-clip floor."""
+
+    def run(audio):
+        window = torch.hann_window(400, device=audio.device)
+        stft = torch.stft(audio, 400, 160, window=window, return_complex=True)
+        magnitudes = (stft[..., :-1].abs() ** 2).contiguous()
+        log_spec = torch.clamp(mel_filters_t @ magnitudes, min=1e-10).log10()
+        max_val = log_spec.max(dim=2, keepdim=True)[0].max(dim=1, keepdim=True)[0]
+        return (torch.maximum(log_spec, max_val - 8.0) + 4.0) / 4.0
+
+    return run
+
+
+def _flashmel_log(flashmel, n_mels, device, out_dtype=torch.float32):
+    """flashmel's fused mel spectrogram with Whisper's filterbank, then the log, the per-clip floor and the rescale
+    in torch (flashmel's power spectrogram has one frame more than Whisper keeps)."""
+    mel = flashmel.MelSpectrogram(sample_rate=16000, n_fft=400, hop_length=160, n_mels=n_mels, norm="slaney",
+                                  mel_scale="slaney").to(device)
+
+    def mel_only(audio):
+        return mel(audio)
+
+    def with_log(audio):
+        log_spec = mel(audio)[..., :-1].clamp(min=1e-10).log10()
+        hi = log_spec.amax(dim=(1, 2), keepdim=True)
+        return ((torch.maximum(log_spec, hi - 8.0) + 4.0) / 4.0).to(out_dtype)
+
+    return mel_only, with_log
+
+
+def _float64_features(audio, n_mels, mel_filters):
+    """The front end in float64 on the audio's device, clip by clip (torch.stft in float64, the same maths)."""
+    out = []
+    window = torch.hann_window(400, dtype=torch.float64, device=audio.device)
+    w = mel_filters.double().to(audio.device)
+    for clip in audio.double():
+        stft = torch.stft(clip, 400, 160, window=window, return_complex=True)[..., :-1]
+        log_spec = (w @ stft.abs() ** 2).clamp(min=1e-10).log10()
+        out.append((torch.maximum(log_spec, log_spec.max() - 8.0) + 4.0) / 4.0)
+    return torch.stack(out)
+
+
+def waveform_rows(kernel, bench, batches=WAVEFORM_BATCHES, n_samples=30 * 16000) -> list[dict]:
+    """`whisper_log_mel` from 30-s clips at each batch size and 80 and 128 mels, in fp32 and int16-in / bf16-out,
+    beside flashmel (mel only, and with the log and floor in torch: the bar), and transformers' torch path on
+    the device. GB/s on the essential bytes (the audio read once, the features written once), % of the copy rate
+    in this run, x over flashmel + log, and the max abs error against float64 (fp32 rows) or against the float64
+    features rounded to bf16 (bf16 rows). The Gluon and Triton waveform kernels on their own where the GPU takes
+    the Gluon one, then every shipped config of both at the largest batch and 80 mels."""
+    waveform = submodule(kernel, "triton.waveform")
+    flashmel = bench.optional("flashmel")
+    run_on = device()
+    # The Gluon kernel on its own, wherever its GPU takes it (verified or not: these rows verify it).
+    dispatch = submodule(kernel, "dispatch")
+    gluon = None
+    if dispatch.FAST_PATHS.compiles_for("waveform-gluon", torch.device(run_on)):
+        gluon = submodule(kernel, "gluon.waveform")
+    rows = []
+    for B in batches:
+        audio = whisper_batch(B, n_samples, run_on)
+        pcm = (audio * 32768).round().clamp(-32768, 32767).to(torch.int16)
+        pcm_audio = pcm.float() / 32768
+        for n_mels in (80, 128):
+            filters = kernel.mel_filters(n_mels).to(run_on)
+            ref64 = _float64_features(audio, n_mels, filters)
+            pcm_ref64 = _float64_features(pcm_audio, n_mels, filters)
+            F = n_samples // 160
+            fp32_bytes = B * n_samples * 4 + B * n_mels * F * 4
+            pcm_bytes = B * n_samples * 2 + B * n_mels * F * 2
+            impls = {}
+            if flashmel is not None:
+                mel_only, with_log = _flashmel_log(flashmel, n_mels, run_on)
+                _, with_log_bf16 = _flashmel_log(flashmel, n_mels, run_on, torch.bfloat16)
+                impls["flashmel 0.1.0 + torch log/floor, fp32"] = (lambda: with_log(audio), ref64, fp32_bytes)
+                impls["flashmel 0.1.0 mel only (no log), fp32"] = (lambda: mel_only(audio), None, fp32_bytes)
+                impls["flashmel 0.1.0 + torch log/floor, int16 -> bf16"] = (lambda: with_log_bf16(pcm), pcm_ref64,
+                                                                            pcm_bytes)
+            impls["transformers torch path (device), fp32"] = (
+                lambda: _transformers_torch_path(filters)(audio), ref64, fp32_bytes)
+            impls["whisper_log_mel, fp32"] = (lambda: kernel.whisper_log_mel(audio, n_mels), ref64, fp32_bytes)
+            impls["whisper_log_mel, int16 -> bf16"] = (
+                lambda: kernel.whisper_log_mel(pcm, n_mels, out_dtype=torch.bfloat16), pcm_ref64, pcm_bytes)
+            if gluon is not None:
+                impls["waveform-gluon kernel, fp32"] = (
+                    lambda: gluon.whisper_log_mel_gluon(audio, None, n_mels, torch.float32), ref64, fp32_bytes)
+                impls["waveform-gluon kernel, int16 -> bf16"] = (
+                    lambda: gluon.whisper_log_mel_gluon(pcm, None, n_mels, torch.bfloat16), pcm_ref64, pcm_bytes)
+                impls["waveform triton kernel, fp32"] = (
+                    lambda: waveform.whisper_log_mel_triton(audio, None, n_mels, torch.float32), ref64, fp32_bytes)
+            if B == batches[-1] and n_mels == 80 and gluon is not None:
+                for config in gluon.SHIPPED_CONFIGS:
+                    impls[f"waveform-gluon kernel {config.name}, fp32"] = (
+                        lambda c=config: gluon.whisper_log_mel_gluon(audio, None, n_mels, torch.float32, c),
+                        ref64, fp32_bytes)
+            if B == batches[-1] and n_mels == 80:
+                for config in waveform.SHIPPED_CONFIGS:
+                    impls[f"waveform kernel {config.name}, fp32"] = (
+                        lambda c=config: waveform.whisper_log_mel_triton(audio, None, n_mels, torch.float32, c),
+                        ref64, fp32_bytes)
+            case = f"waveform B={B} N={n_samples} mels={n_mels}"
+            timed = {}
+            for name, (fn, ref, work) in impls.items():
+                row = gbps_row(case, name, bench.time(fn), work, bench)
+                timed[name] = row["ms"]
+                if ref is not None:  # the max abs error, against the float64 features in the output's dtype
+                    out = fn()
+                    row["err"] = max_abs_err(out, ref.to(out.dtype) if out.dtype != torch.float32 else ref)
+                    if name.startswith("whisper_log_mel") or name.startswith("waveform kernel"):
+                        row["silent_clip_exact"] = bool((out[2] == -1.5).all()) if B >= 4 else None
+                    del out
+                rows.append(row)
+            for row in rows[-len(impls):]:
+                anchor = ("flashmel 0.1.0 + torch log/floor, int16 -> bf16" if "int16" in row["impl"]
+                          else "flashmel 0.1.0 + torch log/floor, fp32")
+                if anchor in timed:
+                    row["x_vs_flashmel_log"] = timed[anchor] / row["ms"]
+            del ref64, pcm_ref64
+            free()
+        del audio, pcm, pcm_audio
+        free()
+    return rows
+
