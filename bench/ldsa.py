@@ -32,8 +32,8 @@ SWEEP_CASES = [
     ((32, 1024), "centered", torch.float32),
 ]
 # Windows of 2 to 8 taps, which share the band kernels' smallest logits tile (BLOCK_W = 8), padded from 2 and 4 rows
-# because such tiles fail to compile for sm_90: compiled offline in CI (tests/test_ldsa.py), so that the whole
-# window range stays compilable without a GPU.
+# because such tiles fail to compile for sm_90: compiled offline in CI (tests/test_ldsa_local_attention.py), so
+# that the whole window range stays compilable without a GPU.
 SMALL_WINDOWS = [(1, 0), (1, 1), (3, 4)]
 
 
@@ -90,9 +90,9 @@ def _backward_rows(kernel, bench, B, T, window, dtype, device):
     nbytes = B * H * T * (2 * W + 3 * DH) * elt
     case = f"bwd [B,T]=[{B},{T}] H={H} Dh={DH} W={W} {window} {str(dtype)[6:]}"
     ref_dl, ref_dv = kernel.ldsa_backward_reference(a, v, go, left, right)
-    dl, dv = kernel.op.ldsa_backward(a, v, go, left, right)
+    dl, dv = kernel.op.ldsa_backward_op(a, v, go, left, right)
     errs = _backward_errors(bench, dl, dv, ref_dl, ref_dv)
-    t_ours = bench.time(lambda: kernel.op.ldsa_backward(a, v, go, left, right))
+    t_ours = bench.time(lambda: kernel.op.ldsa_backward_op(a, v, go, left, right))
     # Eager autograd through the reference: the graph is built once, only the backward is timed.
     a_req, v_req = a.clone().requires_grad_(), v.clone().requires_grad_()
     out = kernel.ldsa_forward_reference(a_req, v_req, left, right)
@@ -122,7 +122,7 @@ def _latency_rows(kernel, bench, B, T, device):
     nbytes = B * H * T * (left + right + 1 + 2 * DH) * 2
     calls = {
         "public op, no grad (direct launch)": lambda: kernel.ldsa_local_attention(a, v, left, right),
-        "registered custom op": lambda: kernel.op.ldsa_forward(a, v, left, right),
+        "registered custom op": lambda: kernel.op.ldsa_forward_op(a, v, left, right),
     }
     rows = []
     for impl, fn in calls.items():
@@ -143,24 +143,24 @@ def _sweep_rows(kernel, bench, B, T, window, dtype, device):
     shape = f"[B,T]=[{B},{T}] H={H} Dh={DH} W={W} {window} {str(dtype)[6:]}"
     ref = kernel.ldsa_forward_reference(a, v, left, right)
     rows = []
-    default = kernels.forward_launch(a, v, left, right).config
+    default = kernels.plan("forward", (a, v), left, right).config
     for config in kernels.FORWARD_CONFIGS:
-        if kernels.forward_launch(a, v, left, right, config).config != config:
+        if kernels.plan("forward", (a, v), left, right, config).config != config:
             continue
-        out = kernels.ldsa_forward(a, v, left, right, config=config)
-        ms = bench.time(lambda: kernels.ldsa_forward(a, v, left, right, config=config))
+        out = kernels.ldsa_forward_cuda(a, v, left, right, config=config)
+        ms = bench.time(lambda: kernels.ldsa_forward_cuda(a, v, left, right, config=config))
         rows.append(gbps_row(f"sweep fwd {shape}", f"fwd {config}", ms, B * H * T * (W + 2 * DH) * elt, bench,
                              **_errors(bench, out, ref), default=config == default))
         del out
     del ref
     ref_dl, ref_dv = kernel.ldsa_backward_reference(a, v, go, left, right)
-    default = kernels.backward_launch(a, v, go, left, right).config
+    default = kernels.plan("backward", (a, v, go), left, right).config
     for config in kernels.BACKWARD_CONFIGS:
-        if kernels.backward_launch(a, v, go, left, right, config).config != config:
+        if kernels.plan("backward", (a, v, go), left, right, config).config != config:
             continue
-        dl, dv = kernels.ldsa_backward(a, v, go, left, right, config=config)
+        dl, dv = kernels.ldsa_backward_cuda(a, v, go, left, right, config=config)
         err = max(bench.rel_err(dl, ref_dl), bench.rel_err(dv, ref_dv))
-        ms = bench.time(lambda: kernels.ldsa_backward(a, v, go, left, right, config=config))
+        ms = bench.time(lambda: kernels.ldsa_backward_cuda(a, v, go, left, right, config=config))
         rows.append(gbps_row(f"sweep bwd {shape}", f"bwd {config}", ms, B * H * T * (2 * W + 3 * DH) * elt, bench,
                              err, default=config == default))
     return rows
@@ -190,9 +190,9 @@ def _design_latency_rows(kernel, bench, B, T, device):
     rows = []
     for config in kernels.FORWARD_CONFIGS:
         calls = {
-            "launcher": lambda: kernels.ldsa_forward(a, v, left, right, config=config),
+            "launcher": lambda: kernels.ldsa_forward_cuda(a, v, left, right, config=config),
             "public op, no grad": lambda: kernel.ldsa_local_attention(a, v, left, right),
-            "custom op": lambda: kernel.op.ldsa_forward(a, v, left, right),
+            "custom op": lambda: kernel.op.ldsa_forward_op(a, v, left, right),
         }
         with _forward_default(kernels, config), torch.no_grad():
             for path, fn in calls.items():
@@ -245,8 +245,8 @@ def compile_cases(kernel, spec):
                 a, v, torch.empty_like(v))
             return label, lambda: kernels.launch(launch, tensors)
         if backward:
-            return label, lambda: kernels.ldsa_backward(a, v, torch.empty_like(v), left, right, config=config)
-        return label, lambda: kernels.ldsa_forward(a, v, left, right, config=config)
+            return label, lambda: kernels.ldsa_backward_cuda(a, v, torch.empty_like(v), left, right, config=config)
+        return label, lambda: kernels.ldsa_forward_cuda(a, v, left, right, config=config)
 
     windows = [(shape, side, name) for shape in [(64, 3000), (32, 1024), (16, 256)] for name, side in WINDOWS.items()]
     windows += [((2, 3008), side, f"{sum(side) + 1} taps {side}") for side in SMALL_WINDOWS]

@@ -2,7 +2,8 @@
 windowed weighted sum of values) for the Hugging Face kernels hub."""
 
 from . import layers
-from .op import kernel_path, ldsa_local_attention
+from .dispatch import kernel_path
+from .op import ldsa_local_attention
 from .reference import ldsa_backward_reference, ldsa_forward_reference
 
 __all__ = [

@@ -1,65 +1,22 @@
 """The registered ops (forward, backward, autograd link) and the public function.
 
-CUDA tensors run the fused kernels that `dispatch` plans and picks (imported on first use, so the package imports
-without triton); CPU tensors, CUDA machines without triton, one-tap windows and windows wider than 113 taps
-run the eager reference. Every op name goes through `add_op_namespace_prefix`, so two versions of this kernel can be
-loaded side by side.
+Every CUDA call runs `dispatch`'s entry points (`ldsa_forward_cuda`, `ldsa_backward_cuda`), which pick the fused
+kernels or the eager reference; CPU tensors run the reference. The public function decides whether a call needs the
+registered op at all (`_launch_directly`). Every op name goes through `add_op_namespace_prefix`, so two versions of
+this kernel can be loaded side by side.
 """
-
-import functools
-import importlib.util
 
 import torch
 
 from ._ops import add_op_namespace_prefix
+from .dispatch import ldsa_backward_cuda, ldsa_forward_cuda
 from .reference import ldsa_backward_reference, ldsa_forward_reference
 from .validation import check_grad_out, check_ldsa_args
 
 
-@functools.cache
-def _dispatch():
-    """The dispatcher of the fused kernels, or None where triton is not installed."""
-    if importlib.util.find_spec("triton") is None:
-        return None
-    from . import dispatch
-
-    return dispatch
-
-
-def kernel_path(x: torch.Tensor) -> str:
-    """Which implementation a call on `x`'s device takes: "triton" or "reference" (windows of 2 to 113
-    taps; other windows run the reference on every device)."""
-    return "triton" if x.is_cuda and _dispatch() is not None else "reference"
-
-
-def _fused(left: int, right: int):
-    """The dispatcher when the fused kernels take this window (2 to 113 taps), else None."""
-    kernels = _dispatch()
-    return kernels if kernels is not None and kernels.supports_window(left + right + 1) else None
-
-
-def _cuda_forward(a_logits, v, left, right, signature: tuple | None = None):
-    """The forward on CUDA tensors; `signature`, the public op's call signature where it has one (its direct
-    launch), finds the launch by it."""
-    kernels = _fused(left, right)
-    if kernels is None:
-        return ldsa_forward_reference(a_logits, v, left, right)
-    if signature is None:
-        return kernels.ldsa_forward(a_logits, v, left, right)
-    return kernels.ldsa_forward_of_signature(signature, a_logits, v, left, right)
-
-
-def _cuda_backward(a_logits, v, grad_out, left, right):
-    check_grad_out(grad_out, v)  # the registered backward is callable directly: a bad grad_out must not launch
-    kernels = _fused(left, right)
-    if kernels is None:
-        return ldsa_backward_reference(a_logits, v, grad_out, left, right)
-    return kernels.ldsa_backward(a_logits, v, grad_out, left, right)
-
-
 @torch.library.custom_op(add_op_namespace_prefix("ldsa_forward"), mutates_args=(), device_types="cuda")
-def ldsa_forward(a_logits: torch.Tensor, v: torch.Tensor, left: int, right: int) -> torch.Tensor:
-    return _cuda_forward(a_logits, v, left, right)
+def ldsa_forward_op(a_logits: torch.Tensor, v: torch.Tensor, left: int, right: int) -> torch.Tensor:
+    return ldsa_forward_cuda(a_logits, v, left, right)
 
 
 @torch.library.register_kernel(add_op_namespace_prefix("ldsa_forward"), "cpu")
@@ -73,10 +30,11 @@ def _(a_logits, v, left, right):
 
 
 @torch.library.custom_op(add_op_namespace_prefix("ldsa_backward"), mutates_args=(), device_types="cuda")
-def ldsa_backward(
+def ldsa_backward_op(
     a_logits: torch.Tensor, v: torch.Tensor, grad_out: torch.Tensor, left: int, right: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return _cuda_backward(a_logits, v, grad_out, left, right)
+    check_grad_out(grad_out, v)  # the registered backward is callable directly: a bad grad_out must not launch
+    return ldsa_backward_cuda(a_logits, v, grad_out, left, right)
 
 
 @torch.library.register_kernel(add_op_namespace_prefix("ldsa_backward"), "cpu")
@@ -98,7 +56,7 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, grad_out):
     a_logits, v = ctx.saved_tensors
-    dlogits, dv = ldsa_backward(a_logits, v, grad_out.contiguous(), *ctx.window)
+    dlogits, dv = ldsa_backward_op(a_logits, v, grad_out.contiguous(), *ctx.window)
     return dlogits, dv, None, None
 
 
@@ -119,8 +77,8 @@ def ldsa_local_attention(a_logits: torch.Tensor, v: torch.Tensor, left: int, rig
     signature = _check_args_once(a_logits, v, left, right)
     a_logits, v = a_logits.contiguous(), v.contiguous()
     if _launch_directly(a_logits, v):
-        return _cuda_forward(a_logits, v, left, right, signature)
-    return ldsa_forward(a_logits, v, left, right)
+        return ldsa_forward_cuda(a_logits, v, left, right, signature=signature)
+    return ldsa_forward_op(a_logits, v, left, right)
 
 
 # Call signatures (shapes, dtypes and devices of two plain tensors, the window sides and their types) that
@@ -132,7 +90,7 @@ MAX_CHECKED_SIGNATURES = 4096  # a bound for callers with ever-new shapes; past 
 
 def _check_args_once(a_logits, v, left, right) -> tuple | None:
     """check_ldsa_args, skipped for a call signature that passed it before; the signature (None for tensor
-    subclasses), by which the direct launch looks up its plan too (`dispatch.ldsa_forward_of_signature`)."""
+    subclasses), by which the direct launch looks up its plan too (`dispatch.ldsa_forward_cuda`)."""
     if type(a_logits) is not torch.Tensor or type(v) is not torch.Tensor:
         check_ldsa_args(a_logits, v, left, right)  # raises for a non-tensor; subclasses are checked every call
         return None
@@ -147,11 +105,12 @@ def _check_args_once(a_logits, v, left, right) -> tuple | None:
 
 
 def _launch_directly(a_logits: torch.Tensor, v: torch.Tensor) -> bool:
-    """Inference fast path: plain CUDA tensors, no autograd record, no tracing.
+    """Whether a call skips the registered op for its CUDA entry point: plain CUDA tensors, no autograd record, no
+    tracing.
 
     The custom op's dispatch costs several microseconds per call, which matters at launch-bound sizes;
     when nothing needs the registered op (no graph to record, no compiler or fake tensors looking), the
-    same launcher is called directly."""
+    entry point it would run is called directly."""
     return (
         not torch.compiler.is_compiling()
         and v.is_cuda

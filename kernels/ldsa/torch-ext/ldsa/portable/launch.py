@@ -1,7 +1,7 @@
 """How a planned launch runs: the compiled kernel called without Triton's per-call argument binding, its TMA
 descriptors built on the host each call, on the tensors' CUDA device. Every kernel of the package (Triton's and
-Gluon's) launches through `launch`; the dispatcher (`dispatch`) plans the launches and decides what a fast path's
-compile failure does."""
+Gluon's) launches through `launch`; the stage modules build their launches, and the dispatcher (`dispatch`) picks
+one for a call and decides what a fast path's compile failure does."""
 
 import functools
 import math
@@ -22,8 +22,9 @@ except ImportError:  # a Triton without Gluon plans no Gluon launch
 
 class Launch:
     """One kernel launch of a call shape: the kernel, its grid (programs), its integer arguments (they follow
-    its tensor arguments), meta-parameters and warps. Built once per shape by the dispatcher's cached plans and
-    compared by identity, so the compiled-kernel cache keys on the object itself (and keeps it alive)."""
+    its tensor arguments), meta-parameters and warps. Built by a stage module's launch once per shape (the
+    dispatcher caches the launch of a call) and compared by identity, so the compiled-kernel cache keys on the
+    object itself (and keeps it alive)."""
 
     __slots__ = ("kernel", "programs", "ints", "meta", "num_warps", "config", "arguments", "fast_path")
 

@@ -1,4 +1,5 @@
-"""The portable band kernels of the LDSA window op, forward and backward, fed by pointer loads, and their launches.
+"""The portable band kernels of the LDSA window op, forward and backward, fed by pointer loads: their tiles, their
+plan for a call and their launches.
 
 The op is a banded matrix product per (b, h): out[:, t] = sum_s v[:, s] * Y[s, t], where the band Y holds
 the window softmax, Y[t - left + k, t] = a[k, t]. A program owns one (b, h) and a run of frames, walked in
@@ -13,9 +14,13 @@ da[k, t] from its band and applies the softmax Jacobian; for the chunk's value p
 weights of the frames whose windows reach them and forms dv = G Y^T like the forward. Each input is read
 from HBM about once and each gradient written once: the minimal bytes.
 
-The tiles (N, K, BLOCK_W, BLOCK_D, chunks a program) are the dispatcher's plan (`dispatch._band_plan`).
+The tiles of a window (N, K, BLOCK_W: `tiles`) bound the windows the kernels take (`supports_window`); the plan of
+a call (`plan`) adds the channel tile, the chunks a program and the value spans' alignment (`span_leads`).
 """
 
+import functools
+
+import torch
 import triton
 import triton.language as tl
 
@@ -52,7 +57,7 @@ def _band_weights(logits, tap_ok, band_tap, in_band):
 
 
 @triton.jit
-def _ldsa_forward_kernel(
+def _band_forward_kernel(
     a_ptr, v_ptr, out_ptr,
     T, Dh, W, left, lead, n_ttiles,
     N: tl.constexpr, K: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -113,7 +118,7 @@ def _ldsa_forward_kernel(
 
 
 @triton.jit
-def _ldsa_backward_kernel(
+def _band_backward_kernel(
     a_ptr, v_ptr, go_ptr, dlogits_ptr, dv_ptr,
     T, Dh, W, left, lead, lead_right, n_ttiles,
     N: tl.constexpr, K: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -180,15 +185,105 @@ def _ldsa_backward_kernel(
         tl.store(dl_base + tap_row[:, None] + t[None, :], dlogits.to(dlogits_ptr.dtype.element_ty), mask=tap_ok & t_ok)
 
 
-def forward_launch(plan, W: int, left: int, Dh: int, T: int, BH: int, prefetch: bool, config: str) -> Launch:
-    """The forward's launch on the `dispatch._band_plan` `plan`: one program a (b, h) and run of frames; `prefetch`
-    loads the next chunk ahead where there is one channel tile."""
-    n_ttiles, (lead, _), meta, num_warps = plan
+# ---- Tiles and plan ----
+
+# Frames per program: at most this many (faster than 256 or 512 in both dtypes), to amortize the per-program setup
+# over several chunks ...
+FRAMES_PER_PROGRAM = 128
+# ... but fewer when the grid would drop below this many programs (about 8 per SM on an H200's 132), so
+# that small, launch-bound shapes run their chunks side by side rather than one after another.
+MIN_PROGRAMS = 1024
+# The backward gathers from a [K, BLOCK_W] float32 tile through shared memory; 128 x 128 (64 KiB) is the
+# largest it takes. That admits every window up to W = 113 taps; wider windows run the eager reference.
+MAX_GATHER_TILE = 128 * 128
+
+
+def pow2(n: int) -> int:
+    """The smallest power of two >= n (1 for n <= 1)."""
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+def round_up(x: int, multiple: int) -> int:
+    return -(-x // multiple) * multiple
+
+
+def t_align(T: int) -> int:
+    """The largest power of two up to 16 dividing T: the kernels' T_ALIGN."""
+    return min(16, T & -T)
+
+
+@functools.cache
+def tiles(W: int) -> tuple[int, int, int]:
+    """(N frames per chunk, K band rows, BLOCK_W padded taps) for a window of W taps.
+
+    N is the smallest power of two >= W - 1 in [16, 64], so the band K >= N + W - 1 wastes at most about
+    half of the MMA; N shrinks while the [K, N] band tile would pass 8192 elements or the backward's
+    [K, BLOCK_W] gather tile would pass MAX_GATHER_TILE. BLOCK_W is at least 8: logits tiles of 2 or 4 rows
+    (W = 2 to 4) fail Triton 3.6's thread-locality pass for sm_90 in the band kernels and the TMA forward."""
+    block_w = max(8, pow2(W))
+    N = min(max(16, pow2(W - 1)), 64)
+    K = pow2(N + W - 1)
+    while N > 16 and (K * N > 8192 or K * block_w > MAX_GATHER_TILE):
+        N //= 2
+        K = pow2(N + W - 1)
+    return N, K, block_w
+
+
+@functools.cache
+def supports_window(W: int) -> bool:
+    """Windows of 2 to 113 taps. A one-tap window (its softmax is 1, the op a copy) fails its float64 check
+    on the H200, forward and backward, while passing in the interpreter, so it runs the reference."""
+    _, K, block_w = tiles(W)
+    return W >= 2 and K * block_w <= MAX_GATHER_TILE
+
+
+@functools.cache
+def span_leads(W: int, left: int, T: int, itemsize: int) -> tuple[int, int, int]:
+    """(SPAN_ALIGN, lead, lead_right): a chunk's value span starts `lead` >= left positions before its first
+    frame (the backward's second span, of the frames reading the chunk's values, `lead_right` >= right),
+    rounded up to SPAN_ALIGN so that every row of a span is whole aligned vectors. Triton vectorizes only
+    what it can prove aligned: spans starting at t0 - left compile to a 2-byte load per bf16 value and a
+    2-byte store per output, aligned ones to pipelined 16-byte cp.async loads. SPAN_ALIGN is the largest power
+    of two up to 16 bytes that divides T and keeps the shifted band within the window's K rows."""
+    N, K, _ = tiles(W)
+    right = W - 1 - left
+    align = min(t_align(T), 16 // itemsize)
+    while align > 1 and N + W - 1 + max(round_up(left, align) - left, round_up(right, align) - right) > K:
+        align //= 2
+    return align, round_up(left, align), round_up(right, align)
+
+
+@functools.cache
+def plan(W: int, left: int, Dh: int, T: int, BH: int, itemsize: int) -> tuple[int, tuple, dict, int]:
+    """(programs per (b, h), the span leads, meta-parameters, num_warps) for W taps of which `left` before
+    the frame, Dh channels, T frames, B*H sequences and values of `itemsize` bytes."""
+    if not supports_window(W):
+        raise ValueError(f"the band design does not take a {W}-tap window (see supports_window)")
+    N, K, block_w = tiles(W)
+    span_align, *leads = span_leads(W, left, T, itemsize)
+    block_d = max(16, min(pow2(Dh), 128, 16384 // K))  # a [BLOCK_D, K] value tile stays in registers
+    all_chunks = BH * triton.cdiv(T, N)
+    chunks = max(1, min(FRAMES_PER_PROGRAM // N, triton.cdiv(T, N), all_chunks // MIN_PROGRAMS))
+    n_ttiles = triton.cdiv(T, chunks * N)
+    num_warps = 4 if K * max(block_d, block_w, N) <= 4096 else 8
+    meta = dict(N=N, K=K, BLOCK_W=block_w, BLOCK_D=block_d, D_TILES=triton.cdiv(Dh, block_d), CHUNKS=chunks,
+                T_ALIGN=t_align(T), SPAN_ALIGN=span_align)
+    return n_ttiles, tuple(leads), meta, num_warps
+
+
+# ---- Launches ----
+
+
+def launch_forward(W: int, left: int, Dh: int, T: int, BH: int, dtype: torch.dtype, prefetch: bool,
+                   config: str) -> Launch:  # fmt: skip
+    """The forward's launch on the call's `plan`: one program a (b, h) and run of frames; `prefetch` loads the next
+    chunk ahead where there is one channel tile."""
+    n_ttiles, (lead, _), meta, num_warps = plan(W, left, Dh, T, BH, dtype.itemsize)
     meta = dict(meta, PREFETCH=prefetch and meta["D_TILES"] == 1)
-    return Launch(_ldsa_forward_kernel, BH * n_ttiles, (T, Dh, W, left, lead, n_ttiles), meta, num_warps, config)
+    return Launch(_band_forward_kernel, BH * n_ttiles, (T, Dh, W, left, lead, n_ttiles), meta, num_warps, config)
 
 
-def backward_launch(plan, W: int, left: int, Dh: int, T: int, BH: int, config: str) -> Launch:
-    """The backward's launch on the `dispatch._band_plan` `plan`, the forward's grid."""
-    n_ttiles, leads, meta, num_warps = plan
-    return Launch(_ldsa_backward_kernel, BH * n_ttiles, (T, Dh, W, left, *leads, n_ttiles), meta, num_warps, config)
+def launch_backward(W: int, left: int, Dh: int, T: int, BH: int, dtype: torch.dtype, config: str) -> Launch:
+    """The backward's launch on the call's `plan`, the forward's grid."""
+    n_ttiles, leads, meta, num_warps = plan(W, left, Dh, T, BH, dtype.itemsize)
+    return Launch(_band_backward_kernel, BH * n_ttiles, (T, Dh, W, left, *leads, n_ttiles), meta, num_warps, config)

@@ -1,7 +1,7 @@
 """The window weights of a frame and the operand splits of the tensor-core products, shared by the Triton kernels
-(`band`, `band_tma`) and the Gluon kernels (`gluon.forward`, `gluon.backward`), whose Gluon code calls these Triton
-functions: the softmax over the window and its split into high and low halves in a 16-bit dtype (the TF32 split of
-float32 operands is `common.tf32.tf32_high`)."""
+(`band`, `hopper.band_tma`) and the Gluon kernels (`hopper.band_forward`, `hopper.band_backward`), whose Gluon code
+calls these Triton functions: the softmax over the window and its split into high and low halves in a 16-bit dtype
+(the TF32 split of float32 operands is `common.tf32.tf32_high`)."""
 
 import triton
 import triton.language as tl

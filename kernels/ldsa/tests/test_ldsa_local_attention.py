@@ -95,9 +95,9 @@ def test_autograd_through_public_op(ldsa, device, dtype, tol):
 @pytest.mark.kernels_ci
 def test_opcheck(ldsa):
     a, v = make(2, 2, 8, 23, 2, 3, requires_grad=True)
-    torch.library.opcheck(ldsa.op.ldsa_forward, (a, v, 2, 3))
+    torch.library.opcheck(ldsa.op.ldsa_forward_op, (a, v, 2, 3))
     go = torch.randn_like(v)
-    torch.library.opcheck(ldsa.op.ldsa_backward, (a.detach(), v.detach(), go, 2, 3))
+    torch.library.opcheck(ldsa.op.ldsa_backward_op, (a.detach(), v.detach(), go, 2, 3))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -168,12 +168,12 @@ def test_inputs_on_different_devices_raise(ldsa):
 def test_registered_backward_refuses_a_bad_grad_out(ldsa, device):
     a, v = make(1, 2, 16, 64, 2, 1, device=device)
     with pytest.raises(ValueError, match="grad_out must have the shape"):
-        ldsa.op.ldsa_backward(a, v, v[..., :-1], 2, 1)
+        ldsa.op.ldsa_backward_op(a, v, v[..., :-1], 2, 1)
     with pytest.raises(TypeError, match="grad_out must be"):
-        ldsa.op.ldsa_backward(a, v, v.double(), 2, 1)
+        ldsa.op.ldsa_backward_op(a, v, v.double(), 2, 1)
     if device == "cuda":
         with pytest.raises(ValueError, match="grad_out must be on"):
-            ldsa.op.ldsa_backward(a, v, v.cpu(), 2, 1)
+            ldsa.op.ldsa_backward_op(a, v, v.cpu(), 2, 1)
 
 
 @needs_cuda
@@ -191,8 +191,8 @@ def test_cuda_every_path_runs_on_its_inputs_device(ldsa, config):
     backward = config if config in kernels.BACKWARD_CONFIGS else kernels.BAND
     with torch.cuda.device(0):
         ad, vd, god = a.to(device), v.to(device), go.to(device)
-        out = kernels.ldsa_forward(ad, vd, 14, 0, config=config)
-        dlogits, dv = kernels.ldsa_backward(ad, vd, god, 14, 0, config=backward)
+        out = kernels.ldsa_forward_cuda(ad, vd, 14, 0, config=config)
+        dlogits, dv = kernels.ldsa_backward_cuda(ad, vd, god, 14, 0, config=backward)
         public = ldsa.ldsa_local_attention(ad.requires_grad_(), vd, 14, 0)
         public.backward(god)
     assert out.device == dlogits.device == dv.device == public.device == device
@@ -252,8 +252,8 @@ def ldsa_float64_grads(a, v, go, left, right):
 def assert_backward_repeats_and_matches_float64(kernels, a, v, go, left, right, config):
     """The launcher's backward in `config`: a second call (the cached launch) gives the same bits, and both
     gradients match float64 autograd."""
-    dlogits, dv = kernels.ldsa_backward(a, v, go, left, right, config=config)
-    again = kernels.ldsa_backward(a, v, go, left, right, config=config)
+    dlogits, dv = kernels.ldsa_backward_cuda(a, v, go, left, right, config=config)
+    again = kernels.ldsa_backward_cuda(a, v, go, left, right, config=config)
     assert torch.equal(again[0], dlogits) and torch.equal(again[1], dv)
     ga, gv = ldsa_float64_grads(a, v, go, left, right)
     assert rel_err(dlogits, ga) < TOL[v.dtype] and rel_err(dv, gv) < TOL[v.dtype]
@@ -265,9 +265,9 @@ def test_triton_interpreted_matches_float64(ldsa, poisoned_outputs, left, right,
     kernels = submodule(ldsa, "dispatch")
     a, v = make(2, 2, Dh, T, left, right, dtype)
     go = grad_like(v)
-    out = kernels.ldsa_forward(a, v, left, right)
+    out = kernels.ldsa_forward_cuda(a, v, left, right)
     assert out.dtype == dtype and rel_err(out, ldsa_float64(a, v, left, right)) < TOL[dtype]
-    dlogits, dv = kernels.ldsa_backward(a, v, go, left, right)
+    dlogits, dv = kernels.ldsa_backward_cuda(a, v, go, left, right)
     ga, gv = ldsa_float64_grads(a, v, go, left, right)
     assert dlogits.dtype == dtype and dv.dtype == dtype
     assert rel_err(dlogits, ga) < TOL[dtype] and rel_err(dv, gv) < TOL[dtype]
@@ -283,9 +283,9 @@ def test_triton_interpreted_every_config(ldsa, poisoned_outputs, case):
     backward = kernels.BACKWARD_CONFIGS[(case // 2 + 1) % len(kernels.BACKWARD_CONFIGS)]
     a, v = make(1, 2, Dh, T, left, right, dtype)
     go = grad_like(v)
-    out = kernels.ldsa_forward(a, v, left, right, config=forward)
+    out = kernels.ldsa_forward_cuda(a, v, left, right, config=forward)
     assert out.dtype == dtype and rel_err(out, ldsa_float64(a, v, left, right)) < TOL[dtype]
-    dlogits, dv = kernels.ldsa_backward(a, v, go, left, right, config=backward)
+    dlogits, dv = kernels.ldsa_backward_cuda(a, v, go, left, right, config=backward)
     ga, gv = ldsa_float64_grads(a, v, go, left, right)
     assert rel_err(dlogits, ga) < TOL[dtype] and rel_err(dv, gv) < TOL[dtype]
 
@@ -296,17 +296,21 @@ def test_band_design_refuses_windows_it_does_not_take(ldsa, config):
     """A one-tap window runs the reference (supports_window); asked for the band design by name, it raises."""
     kernels = submodule(ldsa, "dispatch")
     a, v = make(1, 2, 16, 40, 0, 0, torch.float32)
+    assert torch.equal(kernels.ldsa_forward_cuda(a, v, 0, 0), ldsa.ldsa_forward_reference(a, v, 0, 0))
+    go = torch.randn_like(v)
+    for got, expected in zip(kernels.ldsa_backward_cuda(a, v, go, 0, 0), ldsa.ldsa_backward_reference(a, v, go, 0, 0)):
+        assert torch.equal(got, expected)
     with pytest.raises(ValueError, match="1-tap window"):
-        kernels.ldsa_forward(a, v, 0, 0, config=config)
+        kernels.ldsa_forward_cuda(a, v, 0, 0, config=config)
     if config == kernels.BAND:
         with pytest.raises(ValueError, match="1-tap window"):
-            kernels.ldsa_backward(a, v, torch.ones_like(v), 0, 0, config=config)
+            kernels.ldsa_backward_cuda(a, v, torch.ones_like(v), 0, 0, config=config)
 
 
 @needs_interpreter
 def test_launches_by_call_signature_follow_the_tunables(ldsa, monkeypatch):
-    """The public op's direct launch keeps its launch by call signature (`ldsa_forward_of_signature`): the one
-    forward_launch gives, computing the forward; `clear_plans`, which tests and benchmarks call after changing
+    """The public op's direct launch keeps its launch by call signature (`ldsa_forward_cuda` with the signature):
+    the one `plan` gives, computing the forward; `clear_plans`, which tests and benchmarks call after changing
     a tunable, forgets it, so the next call takes the changed default."""
     kernels, op = submodule(ldsa, "dispatch"), submodule(ldsa, "op")
     a, v = make(1, 2, 16, 40, 3, 2, torch.bfloat16)
@@ -314,14 +318,14 @@ def test_launches_by_call_signature_follow_the_tunables(ldsa, monkeypatch):
     key = (signature, a.data_ptr() % 16 == 0 and v.data_ptr() % 16 == 0)
     kernels.clear_plans()
     try:
-        out = kernels.ldsa_forward_of_signature(signature, a, v, 3, 2)
+        out = kernels.ldsa_forward_cuda(a, v, 3, 2, signature=signature)
         assert rel_err(out, ldsa_float64(a, v, 3, 2)) < TOL[torch.bfloat16]
-        assert kernels._signature_launches[key] is kernels.forward_launch(a, v, 3, 2)
+        assert kernels._signature_launches[key] is kernels.plan("forward", (a, v), 3, 2)
         assert kernels._signature_launches[key].config == kernels.BAND_PREFETCH
         monkeypatch.setitem(kernels.DEFAULT_CONFIG, ("forward", True, False), kernels.BAND)
         kernels.clear_plans()
         assert key not in kernels._signature_launches
-        kernels.ldsa_forward_of_signature(signature, a, v, 3, 2)
+        kernels.ldsa_forward_cuda(a, v, 3, 2, signature=signature)
         assert kernels._signature_launches[key].config == kernels.BAND
     finally:
         monkeypatch.undo()
@@ -334,17 +338,17 @@ def test_triton_interpreted_several_chunks_per_program(ldsa, poisoned_outputs, m
     """Small shapes get one chunk a program (MIN_PROGRAMS); with that floor lifted a program walks several
     chunks (T = 75: five, the last ragged; T = 200: two programs of eight and five), which is the loop the
     large shapes run, the prefetching forward's carried loads included."""
-    kernels = submodule(ldsa, "dispatch")
-    monkeypatch.setattr(kernels, "MIN_PROGRAMS", 1)
+    kernels, band = submodule(ldsa, "dispatch"), submodule(ldsa, "portable.band")
+    monkeypatch.setattr(band, "MIN_PROGRAMS", 1)
     kernels.clear_plans()
     try:
-        assert kernels._band_plan(left + right + 1, left, 24, T, 2, dtype.itemsize)[2]["CHUNKS"] > 1
+        assert band.plan(left + right + 1, left, 24, T, 2, dtype.itemsize)[2]["CHUNKS"] > 1
         a, v = make(1, 2, 24, T, left, right, dtype)
         go = grad_like(v)
         expected = ldsa_float64(a, v, left, right)
         for config in (kernels.BAND, kernels.BAND_PREFETCH):
-            assert rel_err(kernels.ldsa_forward(a, v, left, right, config=config), expected) < TOL[dtype], config
-        dlogits, dv = kernels.ldsa_backward(a, v, go, left, right, config=kernels.BAND)
+            assert rel_err(kernels.ldsa_forward_cuda(a, v, left, right, config=config), expected) < TOL[dtype], config
+        dlogits, dv = kernels.ldsa_backward_cuda(a, v, go, left, right, config=kernels.BAND)
         ga, gv = ldsa_float64_grads(a, v, go, left, right)
         assert rel_err(dlogits, ga) < TOL[dtype] and rel_err(dv, gv) < TOL[dtype]
     finally:
@@ -357,9 +361,9 @@ def test_triton_interpreted_two_channel_tiles_and_mixed_dtypes(ldsa, poisoned_ou
     kernels = submodule(ldsa, "dispatch")
     a, v = make(1, 1, 136, 40, 3, 2, torch.float32)
     a = a.bfloat16()
-    assert rel_err(kernels.ldsa_forward(a, v, 3, 2), ldsa_float64(a, v, 3, 2)) < 1e-5
+    assert rel_err(kernels.ldsa_forward_cuda(a, v, 3, 2), ldsa_float64(a, v, 3, 2)) < 1e-5
     go = torch.randn_like(v)
-    dlogits, dv = kernels.ldsa_backward(a, v.bfloat16(), go, 3, 2)
+    dlogits, dv = kernels.ldsa_backward_cuda(a, v.bfloat16(), go, 3, 2)
     ga, gv = ldsa_float64_grads(a, v.bfloat16(), go, 3, 2)
     assert dlogits.dtype == torch.bfloat16 and dv.dtype == torch.bfloat16
     assert rel_err(dlogits, ga) < 1e-2 and rel_err(dv, gv) < 1e-2
@@ -378,10 +382,11 @@ INTERP_TMA_CASES = [
 ]
 
 
-def backward_takes_tma(kernels, left, right, Dh, T, BH, dtype):
-    """The backward's TMA rule, stated again: `_tma_tiles`' K = 64 tiles, Dh <= 64 (larger ones passed the
+def backward_takes_tma(ldsa, left, right, Dh, T, BH, dtype):
+    """The backward's TMA rule, stated again: `band_tma.tiles`' K = 64 tiles, Dh <= 64 (larger ones passed the
     H200's shared memory) and 16-bit values."""
-    tiles = kernels._tma_tiles("forward", left + right + 1, left, Dh, T, BH, torch.bfloat16)  # the geometry
+    tiles = submodule(ldsa, "hopper.band_tma").tiles(
+        "forward", left + right + 1, left, Dh, T, BH, torch.bfloat16)  # the geometry
     return tiles is not None and tiles[1] == 64 and Dh <= 64 and dtype != torch.float32
 
 
@@ -391,14 +396,14 @@ def test_triton_interpreted_tma_kernels(ldsa, poisoned_outputs, left, right, T, 
     kernels = submodule(ldsa, "dispatch")
     a, v = make(1, BH, Dh, T, left, right, dtype)
     go = grad_like(v)
-    launches = [kernels.forward_launch(a, v, left, right, kernels.BAND_TMA)]
-    if backward_takes_tma(kernels, left, right, Dh, T, BH, dtype):
-        launches.append(kernels.backward_launch(a, v, v, left, right, kernels.BAND_TMA))
+    launches = [kernels.plan("forward", (a, v), left, right, kernels.BAND_TMA)]
+    if backward_takes_tma(ldsa, left, right, Dh, T, BH, dtype):
+        launches.append(kernels.plan("backward", (a, v, v), left, right, kernels.BAND_TMA))
     for launch in launches:
         assert launch.config == kernels.BAND_TMA and launch.programs < launch.ints[-1]  # programs < chunks
-    out = kernels.ldsa_forward(a, v, left, right, config=kernels.BAND_TMA)
+    out = kernels.ldsa_forward_cuda(a, v, left, right, config=kernels.BAND_TMA)
     assert out.dtype == dtype and rel_err(out, ldsa_float64(a, v, left, right)) < TOL[dtype]
-    dlogits, dv = kernels.ldsa_backward(a, v, go, left, right, config=kernels.BAND_TMA)
+    dlogits, dv = kernels.ldsa_backward_cuda(a, v, go, left, right, config=kernels.BAND_TMA)
     ga, gv = ldsa_float64_grads(a, v, go, left, right)
     assert rel_err(dlogits, ga) < TOL[dtype] and rel_err(dv, gv) < TOL[dtype]
 
@@ -414,20 +419,20 @@ def test_a_fast_path_that_fails_to_compile_falls_back_once(ldsa, monkeypatch):
         def __getitem__(self, grid):
             raise RuntimeError("error encountered during parsing")
 
-    monkeypatch.setattr(submodule(ldsa, "triton.band_tma"), "_ldsa_forward_tma_kernel", Failing())
+    monkeypatch.setattr(submodule(ldsa, "hopper.band_tma"), "_band_forward_tma_kernel", Failing())
     monkeypatch.setattr(kernels.FAST_PATHS, "switched_off", {})
     kernels.clear_plans()
     a, v = make(1, 4, 16, 64, 14, 0)
     try:
-        assert kernels.forward_launch(a, v, 14, 0, kernels.BAND_TMA).config == kernels.BAND_TMA
+        assert kernels.plan("forward", (a, v), 14, 0, kernels.BAND_TMA).config == kernels.BAND_TMA
         with pytest.warns(fast_paths.FastPathFallback, match="band-tma forward.*error encountered during parsing"):
-            out = kernels.ldsa_forward(a, v, 14, 0, config=kernels.BAND_TMA)
+            out = kernels.ldsa_forward_cuda(a, v, 14, 0, config=kernels.BAND_TMA)
         assert rel_err(out, ldsa_float64(a, v, 14, 0)) < TOL[torch.float32]
-        assert kernels.forward_launch(a, v, 14, 0, kernels.BAND_TMA).config == kernels.BAND_PREFETCH
+        assert kernels.plan("forward", (a, v), 14, 0, kernels.BAND_TMA).config == kernels.BAND_PREFETCH
         assert list(kernels.FAST_PATHS.switched_off) == ["band-tma forward"]
         with warnings.catch_warnings():
             warnings.simplefilter("error")
-            assert torch.equal(kernels.ldsa_forward(a, v, 14, 0, config=kernels.BAND_TMA), out)
+            assert torch.equal(kernels.ldsa_forward_cuda(a, v, 14, 0, config=kernels.BAND_TMA), out)
     finally:
         kernels.clear_plans()
 
@@ -438,11 +443,10 @@ def test_tma_kernels_take_only_what_tma_can_address(ldsa, direction):
     """band-tma runs as band-prefetch (forward) or band (backward) where TMA cannot take the call, and the
     default takes it only for large calls it can take (float32 forwards only with small value tiles)."""
     kernels = submodule(ldsa, "dispatch")
-    plan = kernels._forward_launch if direction == "forward" else kernels._backward_launch
     fallback = kernels.BAND_PREFETCH if direction == "forward" else kernels.BAND
 
     def config(T=3000, Dh=64, W=15, left=14, BH=512, dtype=torch.bfloat16, aligned=True, asked=kernels.BAND_TMA):
-        return plan(asked, W, left, Dh, T, BH, dtype, aligned, -1).config
+        return kernels._plan(direction, asked, W, left, Dh, T, BH, dtype, aligned, -1).config
 
     assert config() == kernels.BAND_TMA and config(dtype=torch.float16) == kernels.BAND_TMA
     assert config(dtype=torch.float32) == (kernels.BAND_TMA if direction == "forward" else fallback)
@@ -476,7 +480,7 @@ def test_tma_forward_chunk_parts(ldsa):
     kernels = submodule(ldsa, "dispatch")
 
     def meta(W=15, left=14, Dh=64, dtype=torch.bfloat16):
-        return kernels._forward_launch(kernels.BAND_TMA, W, left, Dh, 3000 - 3000 % 8, 512, dtype, True, -1).meta
+        return kernels._plan("forward", kernels.BAND_TMA, W, left, Dh, 3000 - 3000 % 8, 512, dtype, True, -1).meta
 
     assert meta()["PARTS"] == 2 and meta(dtype=torch.float16)["PARTS"] == 2 and meta(Dh=16)["PARTS"] == 2
     for one_part in (dict(dtype=torch.float32), dict(Dh=128), dict(W=63, left=62), dict(W=65, left=0)):
@@ -495,31 +499,32 @@ def test_small_windows_compile_for_sm90(ldsa):
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     kernels = {line.split("|")[2].strip() for line in out.stdout.splitlines() if "taps" in line}
     gluon_backward = submodule(ldsa, "dispatch").FAST_PATHS.compiles("band-gluon backward")
-    assert kernels == {"_ldsa_forward_kernel", "_ldsa_backward_kernel", "_ldsa_forward_tma_kernel",
-                       "_ldsa_backward_tma_kernel", "_ldsa_forward_gluon_kernel"} | (
-                          {"_ldsa_backward_gluon_kernel"} if gluon_backward else set())
+    assert kernels == {"_band_forward_kernel", "_band_backward_kernel", "_band_forward_tma_kernel",
+                       "_band_backward_tma_kernel", "_band_forward_gluon_kernel"} | (
+                          {"_band_backward_gluon_kernel"} if gluon_backward else set())
 
 
 def test_gluon_forward_takes_the_windows_its_blocks_reach(ldsa):
     """band-gluon's rule: 16-bit or float32 values, 2 to 15 taps whose reach from a block's span start (W - 1 plus
     left's rounding up to 8) stays within 16 positions past the block, T a multiple of 8, Dh 16 to 64. What it does
     not take, and every call off Hopper or under the interpreter (device -1), runs as band-tma."""
-    kernels = submodule(ldsa, "dispatch")
+    kernels, gluon_forward = submodule(ldsa, "dispatch"), submodule(ldsa, "hopper.band_forward")
 
-    def lead(W=15, left=14, Dh=64, T=3000, BH=512, dtype=torch.bfloat16):
-        return kernels._gluon_lead(W, left, Dh, T, BH, dtype)
+    def rule(W=15, left=14, Dh=64, T=3000, BH=512, dtype=torch.bfloat16):
+        return gluon_forward.takes(W, left, Dh, T, BH, dtype)
 
-    assert lead() == 16 and lead(left=7) == 8 and lead(left=0) == 0 and lead(left=8) == 8  # causal, centered
-    assert lead(dtype=torch.float16) == lead(dtype=torch.float32) == 16
-    assert lead(Dh=16) == 16 and lead(Dh=32) == 16 and lead(T=8) == 16
-    assert lead(W=2, left=1) == 8 and lead(W=10, left=3) == 8  # reach 1 + 7 and 9 + 5
+    assert [gluon_forward._lead(left) for left in (14, 7, 0, 8, 1, 3)] == [16, 8, 0, 8, 8, 8]
+    assert rule() and rule(left=7) and rule(left=0) and rule(left=8)  # causal, centered
+    assert rule(dtype=torch.float16) and rule(dtype=torch.float32)
+    assert rule(Dh=16) and rule(Dh=32) and rule(T=8)
+    assert rule(W=2, left=1) and rule(W=10, left=3)  # reach 1 + 7 and 9 + 5
     for refused in (dict(left=13), dict(left=1), dict(W=16, left=15), dict(W=1, left=0), dict(dtype=torch.float64),
                     dict(T=3001), dict(Dh=128), dict(Dh=80), dict(BH=2**26)):
-        assert lead(**refused) is None, refused
+        assert not rule(**refused), refused
 
     def config(asked=kernels.BAND_GLUON, **call):
         shape = dict(W=15, left=14, Dh=64, T=3000, BH=512, dtype=torch.bfloat16, aligned=True, device=-1) | call
-        return kernels._forward_launch(asked, *shape.values()).config
+        return kernels._plan("forward", asked, *shape.values()).config
 
     assert config() == kernels.BAND_TMA and config(asked=None) == kernels.BAND_TMA
     assert config(W=65, left=64, Dh=128, dtype=torch.float32) == kernels.BAND_PREFETCH  # where band-tma cannot
@@ -531,7 +536,7 @@ def test_gluon_backward_takes_the_windows_its_blocks_reach(ldsa):
     multiple of 8, Dh 16 to 64. What it does not take, and every call off Hopper or under the interpreter
     (device -1), runs as band-tma or band."""
     kernels = submodule(ldsa, "dispatch")
-    takes = submodule(ldsa, "gluon.backward").takes
+    takes = submodule(ldsa, "hopper.band_backward").takes
 
     def rule(W=15, left=14, Dh=64, T=3000, BH=512, dtype=torch.bfloat16):
         return takes(W, left, Dh, T, BH, dtype)
@@ -545,7 +550,7 @@ def test_gluon_backward_takes_the_windows_its_blocks_reach(ldsa):
 
     def config(asked=kernels.BAND_GLUON, **call):
         shape = dict(W=15, left=14, Dh=64, T=3000, BH=512, dtype=torch.bfloat16, aligned=True, device=-1) | call
-        return kernels._backward_launch(asked, *shape.values()).config
+        return kernels._plan("backward", asked, *shape.values()).config
 
     assert config() == kernels.BAND_TMA and config(asked=None) == kernels.BAND_TMA
     assert config(dtype=torch.float32) == kernels.BAND  # where band-tma cannot
@@ -577,7 +582,7 @@ def test_gluon_backward_float32_operand_reads_are_conflict_free(ldsa, monkeypatc
     release = submodule(ldsa, "common.fast_paths").TRITON_RELEASE
     if release not in ("3.6", "3.7"):  # the count reads Triton's layout internals, which crash from 3.8 on
         pytest.skip(f"gl.bank_conflicts outside a kernel is not usable under Triton {release}")
-    g = submodule(ldsa, "gluon.backward")
+    g = submodule(ldsa, "hopper.band_backward")
     mma = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[2, 2], instr_shape=[16, 8])
     a_operand, b_operand = (gl.DotOperandLayout(operand_index=i, parent=mma, k_width=1) for i in (0, 1))
 
@@ -600,7 +605,7 @@ def test_gluon_backward_float32_operand_reads_are_conflict_free(ldsa, monkeypatc
 
 # ---- The fused path on CUDA (the lead's GPU run) ----
 
-# Every band configuration `_plan` picks: N = 16, 32, 64 frames per chunk; K = 16 to 128; 4 and 8 warps;
+# Every band configuration `band.plan` picks: N = 16, 32, 64 frames per chunk; K = 16 to 128; 4 and 8 warps;
 # (1, 0), (1, 1) and (3, 4) the smallest logits tile (BLOCK_W = 8); (100, 12) is the widest fused window
 # (113 taps), (100, 28) runs the reference.
 CUDA_WINDOWS = [(0, 0), (1, 0), (1, 1), (3, 4), (14, 0), (7, 7), (0, 9), (3, 11), (20, 0), (31, 31), (64, 0), (48, 48),
@@ -611,13 +616,13 @@ CUDA_WINDOWS = [(0, 0), (1, 0), (1, 1), (3, 4), (14, 0), (7, 7), (0, 9), (3, 11)
 def test_cuda_takes_the_triton_path(ldsa):
     assert ldsa.kernel_path(torch.empty(1, device="cuda")) == "triton"
     assert ldsa.kernel_path(torch.empty(1)) == "reference"
-    kernels = submodule(ldsa, "dispatch")
-    assert kernels.supports_window(113) and not kernels.supports_window(114)
-    assert kernels.supports_window(2) and not kernels.supports_window(1)
+    band = submodule(ldsa, "portable.band")
+    assert band.supports_window(113) and not band.supports_window(114)
+    assert band.supports_window(2) and not band.supports_window(1)
 
 
 # Every window in every dtype; the channel count and T rotate so each pairing occurs. T = 3008 and 136 are
-# multiples of 8, where the band design aligns its value spans (_span_leads); 3001, 97 and 1 are not.
+# multiples of 8, where the band design aligns its value spans (`band.span_leads`); 3001, 97 and 1 are not.
 FWD_TOL = {torch.float32: 1e-6, torch.bfloat16: 1e-2, torch.float16: 2e-3}
 CUDA_FWD_CASES = [
     (left, right, dtype, (32, 64, 128, 80)[i % 4], (3001, 3008)[i % 2])
@@ -664,11 +669,11 @@ def test_cuda_every_config_matches_float64(ldsa, case):
     _, _, _, Dh_b, T_b = CUDA_BWD_CASES[case]
     backward = kernels.BACKWARD_CONFIGS[case % len(kernels.BACKWARD_CONFIGS)]
     a, v = make(2, 3, Dh, T, left, right, dtype, "cuda")
-    out = kernels.ldsa_forward(a, v, left, right, config=forward)
+    out = kernels.ldsa_forward_cuda(a, v, left, right, config=forward)
     assert out.dtype == dtype and rel_err(out, ldsa_float64(a, v, left, right)) < FWD_TOL[dtype], forward
     a, v = make(2, 2, Dh_b, T_b, left, right, dtype, "cuda")
     go = grad_like(v)
-    dlogits, dv = kernels.ldsa_backward(a, v, go, left, right, config=backward)
+    dlogits, dv = kernels.ldsa_backward_cuda(a, v, go, left, right, config=backward)
     ga, gv = ldsa_float64_grads(a, v, go, left, right)
     assert rel_err(dlogits, ga) < TOL[dtype] and rel_err(dv, gv) < TOL[dtype], backward
 
@@ -690,14 +695,15 @@ CUDA_GLUON_CASES = [
 def test_cuda_gluon_forward_matches_float64(ldsa, left, right, dtype, Dh, T, B):
     kernels = submodule(ldsa, "dispatch")
     a, v = make(B, 8, Dh, T, left, right, dtype, "cuda")
-    takes = kernels._gluon_lead(left + right + 1, left, Dh, T, B * 8, dtype) is not None
+    takes = submodule(ldsa, "hopper.band_forward").takes(left + right + 1, left, Dh, T, B * 8, dtype)
     assert takes == ((left, right) not in [(13, 1), (15, 0)])
     gluon_here = kernels.FAST_PATHS.runs("band-gluon forward", a.device)
     elsewhere = kernels.BAND_TMA if kernels.FAST_PATHS.runs("band-tma forward", a.device) else kernels.BAND_PREFETCH
-    assert kernels.forward_launch(a, v, left, right, kernels.BAND_GLUON).config == (
+    assert kernels.plan("forward", (a, v), left, right, kernels.BAND_GLUON).config == (
         kernels.BAND_GLUON if takes and gluon_here else elsewhere)
-    out = kernels.ldsa_forward(a, v, left, right, config=kernels.BAND_GLUON)
-    assert torch.equal(kernels.ldsa_forward(a, v, left, right, config=kernels.BAND_GLUON), out)  # the cached launch
+    out = kernels.ldsa_forward_cuda(a, v, left, right, config=kernels.BAND_GLUON)
+    again = kernels.ldsa_forward_cuda(a, v, left, right, config=kernels.BAND_GLUON)  # the cached launch
+    assert torch.equal(again, out)
     assert rel_err(out, ldsa_float64(a, v, left, right)) < FWD_TOL[dtype]
 
 
@@ -708,20 +714,20 @@ def test_cuda_large_calls_take_band_gluon(ldsa):
     kernels = submodule(ldsa, "dispatch")
     device = torch.cuda.current_device()
 
-    def config(plan, **call):
+    def config(direction, **call):
         shape = dict(W=15, left=14, Dh=64, T=3000, BH=512, dtype=torch.bfloat16, aligned=True, device=device) | call
-        return plan(None, *shape.values()).config
+        return kernels._plan(direction, None, *shape.values()).config
 
-    for plan, direction in ((kernels._forward_launch, "forward"), (kernels._backward_launch, "backward")):
+    for direction in ("forward", "backward"):
         tma = kernels.FAST_PATHS.runs(f"band-tma {direction}", torch.device("cuda", device))
         gluon = (kernels.BAND_GLUON if kernels.FAST_PATHS.runs(f"band-gluon {direction}", torch.device("cuda", device))
                  else kernels.BAND_TMA if tma else kernels.default_config(direction, 15, torch.bfloat16))
-        assert config(plan) == config(plan, left=7) == gluon
-        assert config(plan, dtype=torch.float16) == gluon
+        assert config(direction) == config(direction, left=7) == gluon
+        assert config(direction, dtype=torch.float16) == gluon
         if gluon == kernels.BAND_GLUON:
-            assert config(plan, dtype=torch.float32) == gluon
-        assert config(plan, BH=8) != kernels.BAND_GLUON
-        assert config(plan, W=31, left=30) == (kernels.BAND_TMA if tma else kernels.default_config(direction, 31,
+            assert config(direction, dtype=torch.float32) == gluon
+        assert config(direction, BH=8) != kernels.BAND_GLUON
+        assert config(direction, W=31, left=30) == (kernels.BAND_TMA if tma else kernels.default_config(direction, 31,
                                                                                                    torch.bfloat16))
 
 
@@ -743,13 +749,13 @@ def test_cuda_gluon_backward_matches_float64_autograd(ldsa, left, right, dtype, 
     kernels = submodule(ldsa, "dispatch")
     a, v = make(B, 8, Dh, T, left, right, dtype, "cuda")
     go = grad_like(v)
-    takes = submodule(ldsa, "gluon.backward").takes(left + right + 1, left, Dh, T, B * 8, dtype)
+    takes = submodule(ldsa, "hopper.band_backward").takes(left + right + 1, left, Dh, T, B * 8, dtype)
     assert takes == ((left, right) not in [(13, 1), (1, 13), (15, 0)])
     gluon_here = kernels.FAST_PATHS.runs("band-gluon backward", a.device)
-    tma = backward_takes_tma(kernels, left, right, Dh, T, B * 8, dtype) and kernels.FAST_PATHS.runs(
+    tma = backward_takes_tma(ldsa, left, right, Dh, T, B * 8, dtype) and kernels.FAST_PATHS.runs(
         "band-tma backward", a.device)
     elsewhere = kernels.BAND_TMA if tma else kernels.BAND
-    assert kernels.backward_launch(a, v, go, left, right, kernels.BAND_GLUON).config == (
+    assert kernels.plan("backward", (a, v, go), left, right, kernels.BAND_GLUON).config == (
         kernels.BAND_GLUON if takes and gluon_here else elsewhere)
     assert_backward_repeats_and_matches_float64(kernels, a, v, go, left, right, kernels.BAND_GLUON)
 
@@ -773,12 +779,12 @@ def test_cuda_tma_kernels_match_float64(ldsa, left, right, dtype, Dh, T, B):
     go = grad_like(v)
     if not kernels.FAST_PATHS.runs("band-tma forward", a.device):
         pytest.skip(f"band-tma is not verified under Triton {submodule(ldsa, 'common.fast_paths').TRITON_RELEASE} here")
-    assert kernels.forward_launch(a, v, left, right, kernels.BAND_TMA).config == kernels.BAND_TMA
-    takes = backward_takes_tma(kernels, left, right, Dh, T, B * 8, dtype)
-    assert kernels.backward_launch(a, v, go, left, right, kernels.BAND_TMA).config == (
+    assert kernels.plan("forward", (a, v), left, right, kernels.BAND_TMA).config == kernels.BAND_TMA
+    takes = backward_takes_tma(ldsa, left, right, Dh, T, B * 8, dtype)
+    assert kernels.plan("backward", (a, v, go), left, right, kernels.BAND_TMA).config == (
         kernels.BAND_TMA if takes else kernels.BAND)
-    out = kernels.ldsa_forward(a, v, left, right, config=kernels.BAND_TMA)
-    assert torch.equal(kernels.ldsa_forward(a, v, left, right, config=kernels.BAND_TMA), out)  # the cached launch
+    out = kernels.ldsa_forward_cuda(a, v, left, right, config=kernels.BAND_TMA)
+    assert torch.equal(kernels.ldsa_forward_cuda(a, v, left, right, config=kernels.BAND_TMA), out)  # the cached launch
     assert rel_err(out, ldsa_float64(a, v, left, right)) < FWD_TOL[dtype]
     assert_backward_repeats_and_matches_float64(kernels, a, v, go, left, right, kernels.BAND_TMA)
 
@@ -796,9 +802,9 @@ def test_cuda_sweep_configs_match_reference(ldsa, T, left, right, dtype):
     ref_dl, ref_dv = ldsa.ldsa_backward_reference(a, v, go, left, right)
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     for config in kernels.FORWARD_CONFIGS:
-        assert rel_err(kernels.ldsa_forward(a, v, left, right, config=config), ref) < tol, config
+        assert rel_err(kernels.ldsa_forward_cuda(a, v, left, right, config=config), ref) < tol, config
     for config in kernels.BACKWARD_CONFIGS:
-        dl, dv = kernels.ldsa_backward(a, v, go, left, right, config=config)
+        dl, dv = kernels.ldsa_backward_cuda(a, v, go, left, right, config=config)
         assert rel_err(dl, ref_dl) < tol and rel_err(dv, ref_dv) < tol, config
 
 
@@ -810,12 +816,12 @@ def test_cuda_cached_launch_separates_specializations(ldsa):
     a, v = make(2, 8, 64, 3000, 14, 0, torch.bfloat16, "cuda")
     ref = ldsa_float64(a, v, 14, 0)
     for config in kernels.FORWARD_CONFIGS:
-        first = kernels.ldsa_forward(a, v, 14, 0, config=config)
-        assert torch.equal(kernels.ldsa_forward(a, v, 14, 0, config=config), first), config
+        first = kernels.ldsa_forward_cuda(a, v, 14, 0, config=config)
+        assert torch.equal(kernels.ldsa_forward_cuda(a, v, 14, 0, config=config), first), config
         shifted = torch.empty(v.numel() + 1, dtype=v.dtype, device="cuda")[1:].view(v.shape).copy_(v)
         assert shifted.data_ptr() % 16 != 0
-        assert rel_err(kernels.ldsa_forward(a, shifted, 14, 0, config=config), ref) < 1e-2, config
-    assert submodule(ldsa, "triton.launch")._compiled
+        assert rel_err(kernels.ldsa_forward_cuda(a, shifted, 14, 0, config=config), ref) < 1e-2, config
+    assert submodule(ldsa, "portable.launch")._compiled
 
 
 @needs_cuda
@@ -826,7 +832,7 @@ def test_cuda_card_shapes_match_reference(ldsa, B, T, left, right):
     a, v = make(B, 8, 64, T, left, right, torch.bfloat16, "cuda")
     assert rel_err(ldsa.ldsa_local_attention(a, v, left, right), ldsa.ldsa_forward_reference(a, v, left, right)) < 1e-2
     go = torch.randn_like(v)
-    dlogits, dv = ldsa.op.ldsa_backward(a, v, go, left, right)
+    dlogits, dv = ldsa.op.ldsa_backward_op(a, v, go, left, right)
     rdlogits, rdv = ldsa.ldsa_backward_reference(a, v, go, left, right)
     assert rel_err(dlogits, rdlogits) < 1e-2 and rel_err(dv, rdv) < 1e-2
 
@@ -857,7 +863,7 @@ def test_cuda_direct_launch_equals_the_registered_op(ldsa):
     a, v = make(4, 8, 64, 500, 14, 0, torch.bfloat16, "cuda")
     with torch.no_grad():
         fast = ldsa.ldsa_local_attention(a, v, 14, 0)
-    assert torch.equal(fast, ldsa.op.ldsa_forward(a, v, 14, 0))
+    assert torch.equal(fast, ldsa.op.ldsa_forward_op(a, v, 14, 0))
     a.requires_grad_()
     assert torch.equal(fast, ldsa.ldsa_local_attention(a, v, 14, 0).detach())
 

@@ -1,15 +1,26 @@
-"""The band kernels fed by the tensor memory accelerator on a persistent, pipelined grid (band-tma, Hopper), and
-their launches: the band products of `band`, their tiles copied into shared memory by TMA while the previous chunk
-is computed. The forward's value spans start `lead` >= left positions before their chunk, the backward's second
-span `lead_right` >= right, both multiples of 8 (TMA's 16-byte column offsets); the tiles and the grid are the
-dispatcher's plan (`dispatch._tma_tiles`, `dispatch._tma_plan`)."""
+"""The band kernels fed by the tensor memory accelerator on a persistent, pipelined grid (band-tma, Hopper): their
+tiles (`tiles`, None for a call TMA cannot take), their grid and their launches. The band products of
+`portable.band`, their tiles copied into shared memory by TMA while the previous chunk is computed. The forward's
+value spans start `lead` >= left positions before their chunk, the backward's second span `lead_right` >= right,
+both multiples of 8 (TMA's 16-byte column offsets)."""
 
+import functools
+
+import torch
 import triton
 import triton.language as tl
 
-from .launch import Launch
-from .products import dot_float32_weights, dot_hi_lo_pairs, dot_values
-from .window_weights import hi_lo_pairs, window_softmax
+from ..portable.band import pow2, round_up
+from ..portable.band import tiles as band_tiles
+from ..portable.launch import Launch, sm_count
+from ..portable.products import dot_float32_weights, dot_hi_lo_pairs, dot_values
+from ..portable.window_weights import hi_lo_pairs, window_softmax
+
+# Persistent programs an SM, and pipeline depth (chunks in flight a program, the one computed included): the
+# best measured on the H200. Deeper pipelines leave shared memory for fewer programs: 4 forward programs of
+# 3 stages, or 3 backward programs (five tiles a stage) of 3 stages, do not fit an SM.
+PROGRAMS_PER_SM = {"forward": 3, "backward": 3}
+STAGES = {"forward": 3, "backward": 2}
 
 
 @triton.jit
@@ -34,7 +45,7 @@ def _band_product(vals, band):
 
 
 @triton.jit
-def _ldsa_forward_tma_kernel(
+def _band_forward_tma_kernel(
     a_desc, v_desc, out_desc, W, left, lead, n_chunks, all_chunks,
     N: tl.constexpr, K: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_D: tl.constexpr, PARTS: tl.constexpr,
     STAGES: tl.constexpr,
@@ -79,11 +90,11 @@ def _ldsa_forward_tma_kernel(
 
 
 @triton.jit
-def _ldsa_backward_tma_kernel(
+def _band_backward_tma_kernel(
     a_n, a_k, v_k, g_k, g_n, dv_n, dlogits_ptr, T, W, left, lead, lead_right, n_chunks, all_chunks,
     N: tl.constexpr, K: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_D: tl.constexpr, STAGES: tl.constexpr,
 ):  # fmt: skip
-    """The backward of `band._ldsa_backward_kernel` (one channel tile) fed by TMA on a persistent grid, as the
+    """The backward of `portable.band._band_backward_kernel` (one channel tile) fed by TMA on a persistent grid, as the
     TMA forward. Descriptors over a_logits ([B*H*W, T]: blocks of N and K frames), v ([B*H*Dh, T]: K
     positions), grad_out (K and N positions) and dv (N); dlogits is stored through a pointer, since a block
     of BLOCK_W rows would overwrite the next head's taps."""
@@ -93,7 +104,7 @@ def _ldsa_backward_tma_kernel(
     span = tl.arange(0, K)
     tap_ok = taps[:, None] < W
     tap_ok_u = taps[None, :] < W
-    da_row = tl.minimum(frames[None, :] + taps[:, None] + (lead - left), K - 1)  # as in band._ldsa_backward_kernel
+    da_row = tl.minimum(frames[None, :] + taps[:, None] + (lead - left), K - 1)  # as in _band_backward_kernel
     dv_tap = frames[None, :] - span[:, None] + (lead_right - right) + (W - 1)
     in_band = (dv_tap >= 0) & (dv_tap < W)
     dv_tap = tl.minimum(tl.maximum(dv_tap, 0), BLOCK_W - 1)
@@ -116,26 +127,85 @@ def _ldsa_backward_tma_kernel(
                  mask=tap_ok & (t[None, :] < T))
 
 
-def forward_launch(tiles: tuple, plan: tuple, W: int, left: int, Dh: int, T: int, BH: int, config: str,
-                   fast_path: str) -> Launch:  # fmt: skip
-    """The forward's launch for the `dispatch._tma_tiles` `tiles` and `dispatch._tma_plan` `plan`: descriptors of
-    a_logits as [B*H*W, T] (a chunk's taps and frames a box) and of v and out as [B*H*Dh, T] (a span, a chunk)."""
+# ---- Tiles, grid and launches ----
+
+
+@functools.cache
+def tiles(
+    direction: str, W: int, left: int, Dh: int, T: int, BH: int, dtype: torch.dtype
+) -> tuple[int, int, int, int] | None:
+    """(N frames per chunk, K span positions, lead, lead_right) of the `direction` TMA kernel for values of
+    `dtype`, or None where it cannot take the call.
+
+    TMA reads rows whose byte stride is a multiple of 16 (T a multiple of 8, for every dtype) at int32
+    coordinates, from column offsets that are multiples of 16 bytes: spans start at multiples of 8 frames,
+    `lead` (left rounded up to 8) before the chunk for the values its frames read, `lead_right` (right rounded
+    up) before it for the frames that read its values, so K >= N + W - 1 plus the larger rounding. Chunks are
+    32 frames with K = 64, the fastest on the H200; windows too wide for that take 64 and 128, wider ones none.
+    One channel tile: Dh a power of two from 16 (the MMA's least rows) to 128.
+
+    Shared memory (227 KB a program) bounds each direction further. The forward's value tiles stay within
+    32 KB (three stages of float32 values at Dh = K = 128 would not fit). The backward holds five tiles a stage,
+    so it takes K = 64, Dh <= 64 and only 16-bit values: float32 ones run slower than band with TF32 products
+    and spill registers with IEEE ones."""
+    right = W - 1 - left
+    lead, lead_right = round_up(left, 8), round_up(right, 8)
+    if T % 8 or Dh not in (16, 32, 64, 128) or BH * max(Dh, pow2(W)) >= 2**31:
+        return None
+    fitting = [(N, K) for N, K in ((32, 64), (64, 128)) if N + W - 1 + max(lead - left, lead_right - right) <= K]
+    if not fitting:
+        return None
+    N, K = fitting[0]
+    if direction == "forward" and Dh * K * dtype.itemsize > 32768:
+        return None
+    if direction == "backward" and (K > 64 or Dh > 64 or dtype == torch.float32):
+        return None
+    return N, K, lead, lead_right
+
+
+def _grid(
+    direction: str, N: int, K: int, W: int, Dh: int, T: int, BH: int, dtype: torch.dtype, device: int
+) -> tuple:  # fmt: skip
+    """(programs, (chunks a head, all chunks), meta-parameters, num_warps) of a TMA kernel with N-frame parts
+    and K-position spans: a persistent grid of PROGRAMS_PER_SM programs an SM, or one a chunk when there
+    are fewer chunks.
+
+    The forward's chunks are two parts where the tiles are N = 32, K = 64 with Dh <= 64 and 16-bit values
+    (larger value tiles, two a stage, would leave shared memory for one program an SM), one part otherwise;
+    its logits tiles have a row of zero weight past the window (BLOCK_W > W) for the band's out-of-band
+    positions. The backward's chunks are one part, its logits tiles the band kernels'."""
+    if direction == "forward":
+        parts = 2 if (N, K) == (32, 64) and Dh <= 64 and dtype != torch.float32 else 1
+        meta = dict(N=N, K=K, BLOCK_W=max(8, pow2(W + 1)), BLOCK_D=Dh, PARTS=parts)
+    else:
+        parts = 1
+        meta = dict(N=N, K=K, BLOCK_W=band_tiles(W)[2], BLOCK_D=Dh)
+    n_chunks = triton.cdiv(T, parts * N)
+    programs = min(BH * n_chunks, sm_count(device) * PROGRAMS_PER_SM[direction])
+    meta["STAGES"] = STAGES[direction]
+    return programs, (n_chunks, BH * n_chunks), meta, 4 if K * N <= 2048 else 8
+
+
+def launch_forward(tiles: tuple, W: int, left: int, Dh: int, T: int, BH: int, dtype: torch.dtype, device: int,
+                   config: str, fast_path: str) -> Launch:  # fmt: skip
+    """The forward's launch on the call's `tiles` and `_grid`: descriptors of a_logits as [B*H*W, T] (a chunk's taps
+    and frames a box) and of v and out as [B*H*Dh, T] (a span, a chunk)."""
     N, K, lead, _ = tiles
-    programs, ints, meta, num_warps = plan
+    programs, ints, meta, num_warps = _grid("forward", N, K, W, Dh, T, BH, dtype, device)
     rows, values = (BH * W, T), (BH * Dh, T)
     chunk = meta["PARTS"] * N
     arguments = ((0, rows, (meta["BLOCK_W"], chunk)), (1, values, (Dh, K)), (2, values, (Dh, chunk)))
-    return Launch(_ldsa_forward_tma_kernel, programs, (W, left, lead, *ints), meta, num_warps, config, arguments,
+    return Launch(_band_forward_tma_kernel, programs, (W, left, lead, *ints), meta, num_warps, config, arguments,
                   fast_path)
 
 
-def backward_launch(tiles: tuple, plan: tuple, W: int, left: int, Dh: int, T: int, BH: int, config: str,
-                    fast_path: str) -> Launch:  # fmt: skip
-    """The backward's launch, as `forward_launch`: a_logits 0, values 1, grad_out 2, dlogits 3 (a pointer), dv 4."""
+def launch_backward(tiles: tuple, W: int, left: int, Dh: int, T: int, BH: int, dtype: torch.dtype, device: int,
+                    config: str, fast_path: str) -> Launch:  # fmt: skip
+    """The backward's launch, as `launch_forward`: a_logits 0, values 1, grad_out 2, dlogits 3 (a pointer), dv 4."""
     N, K, lead, lead_right = tiles
-    programs, ints, meta, num_warps = plan
+    programs, ints, meta, num_warps = _grid("backward", N, K, W, Dh, T, BH, dtype, device)
     rows, values, block_w = (BH * W, T), (BH * Dh, T), meta["BLOCK_W"]
     arguments = ((0, rows, (block_w, N)), (0, rows, (block_w, K)), (1, values, (Dh, K)), (2, values, (Dh, K)),
                  (2, values, (Dh, N)), (4, values, (Dh, N)), 3)  # fmt: skip
-    return Launch(_ldsa_backward_tma_kernel, programs, (T, W, left, lead, lead_right, *ints), meta, num_warps,
+    return Launch(_band_backward_tma_kernel, programs, (T, W, left, lead, lead_right, *ints), meta, num_warps,
                   config, arguments, fast_path)  # fmt: skip

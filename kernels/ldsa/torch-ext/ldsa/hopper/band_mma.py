@@ -1,5 +1,6 @@
-"""What the Gluon forward and backward (`forward`, `backward`) share: the chunk geometry, the TMA box width, the
-dtypes they take, the 32-bit words the band is built of and the band products, as accurate as float32 products."""
+"""What the Gluon band forward and backward (`band_forward`, `band_backward`) share: the chunk geometry, the TMA box
+width, the dtypes they take, the 32-bit words the band is built of and the band products on mma.sync, as accurate as
+float32 products."""
 
 import torch
 from triton.experimental import gluon
@@ -7,7 +8,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 from ..common.tf32 import tf32_high
-from ..triton.window_weights import hi_lo_pairs
+from ..portable.window_weights import hi_lo_pairs
 
 # Tile sizes, constexprs for the kernels (the host reads their .value).
 CHUNK = gl.constexpr(64)  # frames a chunk (the logits, value and output tiles)

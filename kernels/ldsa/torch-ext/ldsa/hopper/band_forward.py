@@ -1,7 +1,7 @@
 """The LDSA forward for windows of up to 15 taps on Hopper, written in Gluon (Triton's explicit-layout dialect),
 so that the band never passes through shared memory. 16-bit and float32 values.
 
-The Triton TMA forward (`triton.band_tma`) stores its gathered band in shared memory as an MMA operand and reads it
+The Triton TMA forward (`band_tma`) stores its gathered band in shared memory as an MMA operand and reads it
 back each chunk, which leaves it bound by shared memory. Here the band is the B operand of `mma.sync`, held in
 registers and built where the MMA wants it:
 
@@ -14,12 +14,12 @@ registers and built where the MMA wants it:
   span position f + k + lead - left) lies in them for windows with 32 + W - 1 + lead - left <= 48.
 - A warp loads its frames' logits from shared memory straight into the B-operand layout, in which a frame's 16
   taps lie on the four lanes of a quad, four taps a lane (`_split_slots`), and takes the window softmax there
-  (`triton.window_weights.window_softmax`). For 16-bit values the weights are split into hi + lo halves in the
-  values' dtype, packed in one 32-bit word (`band.weight_words`); float32 weights stay whole.
+  (`portable.window_weights.window_softmax`). For 16-bit values the weights are split into hi + lo halves in the
+  values' dtype, packed in one 32-bit word (`band_mma.weight_words`); float32 weights stay whole.
 - Band element (row r, frame f) is the weight of tap r - f - (lead - left): a register of another lane of the
   same quad. One shuffle moves it, the sending lane choosing which of its four words the receiving lane needs
   (`_band_slot`), where a gather would shuffle all four and select.
-- The products keep float32's accuracy (`band.band_product`): two MMAs (hi, lo) for 16-bit values, three TF32 MMAs
+- The products keep float32's accuracy (`band_mma.band_product`): two MMAs (hi, lo) for 16-bit values, three TF32 MMAs
   of split operands for float32.
 """
 
@@ -32,9 +32,10 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 
 from ..common import gluon_compat as compat
-from ..triton.launch import Launch, sm_count
-from ..triton.window_weights import window_softmax
-from .band import BLOCK, CHUNK, GL_DTYPES, HALO, WARPS, band_product, box_frames, weight_words
+from ..portable.band import round_up
+from ..portable.launch import Launch, sm_count
+from ..portable.window_weights import window_softmax
+from .band_mma import BLOCK, CHUNK, GL_DTYPES, HALO, WARPS, band_product, box_frames, weight_words
 
 TAPS = gl.constexpr(16)  # logits rows a chunk: windows of up to TAPS - 1 taps; the padded taps weigh 0
 # Programs an SM by the values' bytes an element, and pipeline stages (one output tile): the best measured on the
@@ -118,7 +119,7 @@ def _band_slot(w0, w1, w2, w3, q, f, d, K: gl.constexpr, S: gl.constexpr, KW: gl
 
 
 @gluon.jit
-def _ldsa_forward_gluon_kernel(a_desc, v_desc, halo_desc, out_desc, W, left, lead, n_chunks, all_chunks,
+def _band_forward_gluon_kernel(a_desc, v_desc, halo_desc, out_desc, W, left, lead, n_chunks, all_chunks,
                                DH: gl.constexpr, STAGES: gl.constexpr):  # fmt: skip
     """The forward on a persistent grid: chunks i = pid, pid + programs, ... of all (b, h, chunk). The descriptors
     view a_logits as [B*H*W, T] (TAPS rows a box) and v, out as [B*H*DH, T]."""
@@ -196,11 +197,18 @@ def _ldsa_forward_gluon_kernel(a_desc, v_desc, halo_desc, out_desc, W, left, lea
         mbarrier.invalidate(bars.index(st))
 
 
-def takes(W: int, shift: int, Dh: int, T: int, BH: int, dtype: torch.dtype) -> bool:
-    """Whether this kernel takes a call whose value spans start `shift` = lead - left positions before the window:
-    16-bit or float32 values, windows of 2 to TAPS - 1 taps whose reach W - 1 + shift fits a block's three
+def _lead(left: int) -> int:
+    """How far a chunk's value span starts before its first frame: left rounded up to 8 frames, TMA's 16-byte
+    column offsets (as band-tma's spans)."""
+    return round_up(left, 8)
+
+
+def takes(W: int, left: int, Dh: int, T: int, BH: int, dtype: torch.dtype) -> bool:
+    """Whether this kernel takes a call, its value spans starting shift = `_lead(left)` - left positions before the
+    window: 16-bit or float32 values, windows of 2 to TAPS - 1 taps whose reach W - 1 + shift fits a block's three
     k-steps (16 past the block), T a multiple of 8 (TMA row strides), Dh 16 to 64 (a power of two; 128 would
     leave shared memory for fewer programs than PROGRAMS_PER_SM) and int32 row coordinates."""
+    shift = _lead(left) - left
     return (2 <= W < TAPS.value and W - 1 + shift <= 16 and dtype in GL_DTYPES and T % 8 == 0
             and Dh in (16, 32, 64) and BH * max(Dh, TAPS.value) < 2**31)
 
@@ -213,9 +221,9 @@ def layouts(dtype: torch.dtype, Dh: int) -> tuple:
     return tuple(gl.NVMMASharedLayout.get_default_for(shape, GL_DTYPES[dtype]) for shape in boxes)
 
 
-def launch(W: int, left: int, lead: int, Dh: int, T: int, BH: int, dtype: torch.dtype, device: int, config: str,
+def launch(W: int, left: int, Dh: int, T: int, BH: int, dtype: torch.dtype, device: int, config: str,
            fast_path: str) -> Launch:  # fmt: skip
-    """The forward's launch for a call `takes` takes, its value spans `lead` positions before their chunks: a
+    """The forward's launch for a call `takes` takes, its value spans `_lead(left)` positions before their chunks: a
     persistent grid of PROGRAMS_PER_SM programs an SM for the dtype's size (one a chunk when there are fewer
     chunks), descriptors of a_logits as [B*H*W, T] (TAPS rows a box) and of v and out as [B*H*Dh, T]."""
     box = box_frames(dtype)
@@ -225,5 +233,5 @@ def launch(W: int, left: int, lead: int, Dh: int, T: int, BH: int, dtype: torch.
     a_layout, v_layout, halo_layout, out_layout = layouts(dtype, Dh)
     arguments = ((0, rows, (TAPS.value, box), a_layout), (1, values, (Dh, box), v_layout),
                  (1, values, (Dh, HALO.value), halo_layout), (2, values, (Dh, box), out_layout))
-    return Launch(_ldsa_forward_gluon_kernel, programs, (W, left, lead, n_chunks, BH * n_chunks),
+    return Launch(_band_forward_gluon_kernel, programs, (W, left, _lead(left), n_chunks, BH * n_chunks),
                   dict(DH=Dh, STAGES=STAGES), WARPS.value, config, arguments, fast_path)

@@ -1,7 +1,7 @@
-"""The tensor-core products of the band kernels (`band`, `band_tma`), as accurate as float32 products whatever the
-values' dtype: 16-bit values take the float32 weights as a high and a low part in their dtype (`dot_hi_lo`, or two
-MMAs in the backward), float32 values three TF32 products of split operands (`dot_3xtf32`), except in the
-backward's V^T G product (IEEE, `dot_values`)."""
+"""The tensor-core products of the Triton band kernels (`band`, `hopper.band_tma`), as accurate as float32 products
+whatever the values' dtype: 16-bit values take the float32 weights as a high and a low part in their dtype
+(`dot_hi_lo`, or two MMAs in the backward), float32 values three TF32 products of split operands (`dot_3xtf32`),
+except in the backward's V^T G product (IEEE, `dot_values`)."""
 
 import triton
 import triton.language as tl

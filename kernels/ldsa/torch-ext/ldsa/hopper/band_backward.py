@@ -1,5 +1,5 @@
 """The LDSA backward for windows of up to 15 taps on Hopper, 16-bit and float32 values, written in Gluon like the
-forward (`forward`): no band is gathered through shared memory; skewed shared-memory views do the band work.
+forward (`band_forward`): no band is gathered through shared memory; skewed shared-memory views do the band work.
 
 A chunk is 64 frames of one (b, h), on a persistent grid, in two parts. Each part has its own TMA boxes (zero fill
 outside the tensors; 128-byte rows as in the forward, one box a chunk in 16-bit and two in float32, and a 16-frame
@@ -13,8 +13,8 @@ halo) and its own barrier, so the next chunk's boxes for one part load while the
   k at column 16 - W + k, at row stride 69 (73 in float32) from cell e_s, and read back one stride lower from
   cell e_r (e_r - e_s = c2 - W): rows 16 + u and columns [32, 64) of that view are the band (the buffer's other
   cells stay zero), loaded straight into the MMA's B-operand layout; hi|lo words and two MMAs for 16-bit values,
-  as in the forward (`band.band_product`).
-Float32 operands take three TF32 MMAs of split operands in both products (`band.precise_product`); the P
+  as in the forward (`band_mma.band_product`).
+Float32 operands take three TF32 MMAs of split operands in both products (`band_mma.precise_product`); the P
 product reads their Dh rows in `K_ORDER` and the dv product's warps split Dh, which keeps the operand reads cheap.
 
 From Triton 3.8 a padded buffer is reinterpreted only as a layout of its own padding pattern, so there the skewed
@@ -36,9 +36,10 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 
 from ..common import gluon_compat as compat
-from ..triton.launch import Launch, sm_count
-from ..triton.window_weights import window_softmax
-from .band import BLOCK, CHUNK, GL_DTYPES, HALO, WARPS, band_product, box_frames, precise_product, weight_words
+from ..portable.band import round_up
+from ..portable.launch import Launch, sm_count
+from ..portable.window_weights import window_softmax
+from .band_mma import BLOCK, CHUNK, GL_DTYPES, HALO, WARPS, band_product, box_frames, precise_product, weight_words
 
 ROWS = gl.constexpr(16)  # logits rows a box: the taps
 # Programs an SM by the values' bytes an element: three in 16-bit (69 KB of shared memory each at Dh = 64), two
@@ -115,12 +116,12 @@ def _at_cell(buf, offset, dtype: gl.constexpr, shape: gl.constexpr, layout: gl.c
 
 
 @gluon.jit
-def _ldsa_backward_gluon_kernel(lg_desc, lgh_desc, v_desc, vh_desc, g_desc, gh_desc, dv_desc, dl_ptr, T, W, left,
+def _band_backward_gluon_kernel(lg_desc, lgh_desc, v_desc, vh_desc, g_desc, gh_desc, dv_desc, dl_ptr, T, W, left,
                                 lead, lead_r, n_chunks, all_chunks, DH: gl.constexpr, BOX_VIEW: gl.constexpr,
                                 HALO_VIEW: gl.constexpr):
     """The backward on a persistent grid: chunks i = pid, pid + programs, ... of all (b, h, chunk). The logits
     descriptors view a_logits as [B*H, W, T]; the others view v, grad_out and dv as [B*H*DH, T]. Boxes are
-    BOX = 128 bytes of frames wide (`band.box_frames`), CHUNK // BOX of them a chunk. BOX_VIEW and HALO_VIEW
+    BOX = 128 bytes of frames wide (`band_mma.box_frames`), CHUNK // BOX of them a chunk. BOX_VIEW and HALO_VIEW
     (`p_operand_views`) are the layouts through which the P product reads the grad_out and value boxes."""
     dtype: gl.constexpr = v_desc.dtype
     KW: gl.constexpr = 32 // dtype.primitive_bitwidth  # the MMA operands' k_width: elements in 32 bits
@@ -285,7 +286,7 @@ def _ldsa_backward_gluon_kernel(lg_desc, lgh_desc, v_desc, vh_desc, g_desc, gh_d
 
 def _leads(W: int, left: int) -> tuple[int, int]:
     """(lead, lead_r): left and right = W - 1 - left rounded up to 8 frames, the spans' TMA column offsets."""
-    return -(-left // 8) * 8, -(-(W - 1 - left) // 8) * 8
+    return round_up(left, 8), round_up(W - 1 - left, 8)
 
 
 def takes(W: int, left: int, Dh: int, T: int, BH: int, dtype: torch.dtype) -> bool:
@@ -365,5 +366,5 @@ def launch(W: int, left: int, Dh: int, T: int, BH: int, dtype: torch.dtype, devi
                  (2, values, (Dh, halo), box_halo), (4, values, (Dh, frames), box), 3)
     lead, lead_r = _leads(W, left)
     box_view, halo_view = p_operand_views(dtype, Dh)
-    return Launch(_ldsa_backward_gluon_kernel, programs, (T, W, left, lead, lead_r, n_chunks, BH * n_chunks),
+    return Launch(_band_backward_gluon_kernel, programs, (T, W, left, lead, lead_r, n_chunks, BH * n_chunks),
                   dict(DH=Dh, BOX_VIEW=box_view, HALO_VIEW=halo_view), WARPS.value, config, arguments, fast_path)
