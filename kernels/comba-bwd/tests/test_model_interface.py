@@ -91,6 +91,30 @@ def test_every_argument_matches_float64(comba, T, H, HV, order, l2norm, with_sta
 
 
 @pytest.mark.kernels_ci
+def test_flas_layer_sizes_on_the_cpu(comba):
+    """K = 256, V = 512 (fla's head_dim 256, expand_v 2), value heads grouped 3 to 1."""
+    x, state = model_inputs(1, 70, 1, 3, 256, 512, seed=16, unit_keys=False)
+    o, final = comba.comba_attention(*x, initial_state=state, output_final_state=True, use_qk_l2norm=True,
+                                     read_order="fla")
+    o64, final64 = recurrence64(*x, None, state, "fla", True)
+    assert rel_err(o, o64) < 1e-5 and rel_err(final, final64) < 1e-5
+
+
+@pytest.mark.kernels_ci
+@pytest.mark.parametrize("model_call", [False, True])
+def test_float32_under_cpu_autocast(comba, model_call):
+    """Under bf16 autocast, float32 inputs are computed in float32 (the spec's call through the registered op, and
+    the model interface) and o stays float32."""
+    x, state = model_inputs(1, 70, 2, 2, 16, 8, seed=17)
+    kwargs = {"initial_state": state, "read_order": "fla"} if model_call else {}
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        o = comba.comba_attention(*x, **kwargs)
+    assert o.dtype == torch.float32
+    ref = recurrence64(*x, None, state, "fla")[0] if model_call else recurrence64(*x)[0]
+    assert rel_err(o, ref) < 1e-5
+
+
+@pytest.mark.kernels_ci
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_inputs_return_v_dtype_and_a_float32_state(comba, dtype):
     x, state = model_inputs(1, 70, 2, 4, 16, 8, seed=1)
