@@ -190,6 +190,5 @@ def test_comba_causal_lm_trains_and_generates_alike(comba):
     with comba.fla.use_in_fla():
         ours = run(copy.deepcopy(base))
     assert (ours[0] - theirs[0]).abs().max() < 0.05 * theirs[0][0], (ours[0], theirs[0])
-    assert theirs[0][-1] < 0.5 * theirs[0][0]
     assert torch.equal(ours[1], theirs[1])
 
