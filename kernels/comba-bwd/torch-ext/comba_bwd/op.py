@@ -5,14 +5,19 @@ reference on CPU tensors; `comba_backward_op` runs the fused backward on CUDA te
 and the eager analytic backward on CPU tensors. The autograd link saves the forward's inputs and calls
 `comba_backward_op`, which makes the chunk transform and the states again. Every op name goes through
 `add_op_namespace_prefix`, so two versions of this kernel can be loaded side by side.
+A `comba_attention` call with a model's arguments (a state in or out, packed sequences, grouped value heads, q/k/p
+normalisation, fla's read order) and `comba_decode` run the eager references (reference.py, recurrent.py) on every
+device, differentiated by autograd.
 """
 
 import torch
 
 from ._ops import add_op_namespace_prefix
 from .dispatch import comba_backward_cuda, comba_forward_cuda
-from .reference import comba_backward_reference, comba_forward_reference
-from .validation import check_comba_args
+from .model_args import check_model_args
+from .recurrent import DECODE_MAX_TOKENS, comba_recurrent_reference
+from .reference import comba_backward_reference, comba_forward_reference, sequence_bounds
+from .validation import FUSED_SIZES, check_comba_args
 
 Grads = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
@@ -92,12 +97,59 @@ def comba_backward(q, k, v, p, beta, g, do, scale=None):
     return comba_backward_op(*tensors, scale)
 
 
-def comba_attention(q, k, v, p, beta, g, scale=None) -> torch.Tensor:
-    """Comba forward o (B, T, H, V) in v's dtype, differentiable in q, k, v, p, beta and g.
+def _is_spec_call(q, v, initial_state, output_final_state, cu_seqlens, use_qk_l2norm, read_order) -> bool:
+    """Whether a comba_attention call is the spec's, which the registered op takes: no state in or out, no packed
+    sequences, no normalisation, the spec's read order, as many value heads as query heads and, on CUDA, K and V the
+    fused kernels are compiled for. Shapes and arguments only (values are never read)."""
+    if (initial_state is not None or output_final_state is not False or cu_seqlens is not None
+            or use_qk_l2norm is not False or read_order != "decay_first"):
+        return False
+    if not (isinstance(q, torch.Tensor) and isinstance(v, torch.Tensor) and q.dim() == v.dim() == 4):
+        return True  # check_comba_args names the bad argument
+    return q.shape[2] == v.shape[2] and (not q.is_cuda or (q.shape[-1] in FUSED_SIZES and v.shape[-1] in FUSED_SIZES))
 
-    Same arguments as `comba_backward` without `do`. On CUDA the forward and the backward are the fused kernels; on
-    the CPU both run the eager chunked reference (float32 inside).
+
+def comba_attention(q, k, v, p, beta, g, scale=None, *, initial_state=None, output_final_state=False,
+                    cu_seqlens=None, use_qk_l2norm=False, read_order="decay_first"):
+    """Comba forward o (B, T, HV, V) in v's dtype, differentiable in q, k, v, p, beta, g and initial_state.
+
+    q, k, p: (B, T, H, K); v: (B, T, HV, V) with HV a multiple of H (value head hv reads q, k, p of head
+    hv // (HV / H)), bfloat16, float16 or float32 of one dtype; beta: (B, T, HV) of any of those dtypes; g: (B, T, HV)
+    float32 log-decay, <= 0. scale: float or None (K ** -0.5).
+    initial_state: (N, HV, K, V) float32 state to start from (None: zeros); N = B, or the sequences of cu_seqlens.
+    output_final_state: also return the (N, HV, K, V) float32 state after the last step: (o, final_state).
+    cu_seqlens: (N + 1,) int32/int64 offsets of N sequences packed along T of a batch of one (B = 1).
+    use_qk_l2norm: L2-normalise q, k and p first (x / sqrt(sum(x^2) + 1e-6), as fla's use_qk_l2norm_in_kernel).
+    read_order: "decay_first" (the spec's: decay, read, write) or "fla" (read, decay, write).
+
+    The spec's call (none of the keyword arguments, H = HV, and on CUDA K, V in {64, 128}) runs the fused kernels on
+    CUDA, forward and backward, and the eager chunked reference on the CPU. Every other call runs the eager chunked
+    reference (`comba_forward_reference`) on every device, its backward by autograd through it.
     """
-    check_comba_args(q, k, v, p, beta, g, scale)
-    tensors, scale = _prepare((q, k, v, p, beta, g), scale, q.shape[-1])
-    return comba_forward_op(*tensors, scale)
+    if _is_spec_call(q, v, initial_state, output_final_state, cu_seqlens, use_qk_l2norm, read_order):
+        check_comba_args(q, k, v, p, beta, g, scale)
+        tensors, scale = _prepare((q, k, v, p, beta, g), scale, q.shape[-1])
+        return comba_forward_op(*tensors, scale)
+    check_model_args(q, k, v, p, beta, g, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm,
+                     read_order)
+    return comba_forward_reference(q, k, v, p, beta, g, scale, initial_state=initial_state,
+                                   output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+                                   use_qk_l2norm=use_qk_l2norm, read_order=read_order)
+
+
+def comba_decode(q, k, v, p, beta, g, state=None, scale=None, *, cu_seqlens=None, use_qk_l2norm=False,
+                 read_order="decay_first"):
+    """A decode step: 1 to DECODE_MAX_TOKENS (64) new tokens per sequence after a carried state, in recurrent form.
+
+    Arguments as `comba_attention`'s, with `state` its `initial_state` ((N, HV, K, V) float32, None: zeros).
+    Returns (o (B, T, HV, V) in v's dtype, new_state (N, HV, K, V) float32); `state` is not modified. Runs the
+    recurrent reference (`comba_recurrent_reference`) on every device, differentiable by autograd.
+    """
+    check_model_args(q, k, v, p, beta, g, scale, state, True, cu_seqlens, use_qk_l2norm, read_order, "state")
+    lengths = ([q.shape[1]] if cu_seqlens is None
+               else [b - a for a, b in sequence_bounds(cu_seqlens, q.shape[1])])
+    if max(lengths) > DECODE_MAX_TOKENS:
+        raise ValueError(f"comba_decode takes 1 to {DECODE_MAX_TOKENS} new tokens per sequence, got a sequence of "
+                         f"{max(lengths)} (comba_attention takes any length)")
+    return comba_recurrent_reference(q, k, v, p, beta, g, scale, initial_state=state, cu_seqlens=cu_seqlens,
+                                     use_qk_l2norm=use_qk_l2norm, read_order=read_order)

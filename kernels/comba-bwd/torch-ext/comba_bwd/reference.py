@@ -35,8 +35,34 @@ g = -inf included, is a hard reset of the state, and the recurrence cannot meet 
 those steps, as exp(g) is: g_t enters the loss only through exp(g_t) S_{t-1}.
 
 Any T is accepted: the sequence is zero-padded to a multiple of C. Padding at the end is exact, because the
-recurrence is causal and a zero `do` on the padded steps adds nothing to the loss.
+recurrence is causal and a zero `do` on the padded steps adds nothing to the loss, and it leaves the final state
+as it is (a padded step has beta = 0 and g = 0).
+
+The forward takes what a model's layer needs (`comba_forward_reference`'s keyword arguments): a carried state in
+and out, packed sequences (`cu_seqlens`), value heads grouped over the query heads (HV a multiple of H: value head
+hv reads q, k and p of head hv // (HV / H)), q, k and p L2-normalised inside, and fla's read order, where the read
+sees the state before the step's decay:
+
+    u_t = beta_t (v_t - S^T p_t)        # read before the decay ("fla")
+    S   = exp(g_t) S + k_t u_t^T
+    o_t = S^T (scale q_t)
+
+which is the chunked form above with the read's decay exp(gr_i - gc_j), gr the exclusive cumsum (gr_i = gc_{i-1}),
+in L and W: every factor stays <= 1, where emulating it through the spec's order (p / exp(g_t)) overflows.
+
+Two rules on values hold on every reference forward (this module's and recurrent.py's), the first in the analytic
+backward too:
+- g is a log-decay, g <= 0: a call with g > 0 anywhere raises ValueError. The chunked form, whose factors are all
+  <= 1 only for g <= 0, overflows to inf - inf at growing decays where the recurrence stays finite.
+- A non-finite input (q, k, v, p, beta or g NaN or inf; g = -inf is a reset, not an error) at step t of one
+  sequence and value head changes no output before t and nothing of another sequence or head: o from t on and
+  that sequence's final state are NaN. The chunked products mix a chunk's steps (a zero weight times NaN is NaN),
+  so the inputs are zeroed there, the call computed, and the NaN put back from t on.
+
+Every reference computes in float32 whatever autocast is on (`float32_inside` switches it off for the call).
 """
+
+import functools
 
 import torch
 
@@ -46,11 +72,37 @@ CHUNK = 64
 # is 0 in fp32 whatever the value, so the floor changes no result beyond fp32 rounding, and it keeps |gc|, and
 # with it the rounding of the gc differences later in the chunk, as small as a reset allows.
 G_FLOOR = -104.0
+# The read orders: the spec's (decay, then read) and fla's (read, then decay).
+READ_ORDERS = ("decay_first", "fla")
+# q, k and p L2-normalised inside: x / sqrt(sum(x^2) + L2NORM_EPS), fla's `use_qk_l2norm_in_kernel`.
+L2NORM_EPS = 1e-6
 
 
 def floor_log_decay(g: torch.Tensor) -> torch.Tensor:
     """g with every step below G_FLOOR (-inf included) set to G_FLOOR: a hard reset, exp(G_FLOOR) = 0 in fp32."""
     return g.clamp_min(G_FLOOR)
+
+
+def float32_inside(reference):
+    """`reference` run with autocast off on its inputs' device, so that its float32 arithmetic stays float32."""
+
+    @functools.wraps(reference)
+    def run(q, *args, **kwargs):
+        with torch.autocast(q.device.type, enabled=False):
+            return reference(q, *args, **kwargs)
+
+    return run
+
+
+def check_log_decay(g: torch.Tensor) -> None:
+    """Raise ValueError if any g > 0 (the module docstring says why); reads g's values."""
+    if bool((g > 0).any()):
+        raise ValueError(f"g must be a log-decay <= 0 (-inf a hard reset), got a largest value of {g.max().item()}")
+
+
+def check_read_order(read_order) -> None:
+    if read_order not in READ_ORDERS:
+        raise ValueError(f"read_order must be one of {READ_ORDERS}, got {read_order!r}")
 
 
 def pad_time(x: torch.Tensor, multiple: int = CHUNK) -> torch.Tensor:
@@ -59,6 +111,67 @@ def pad_time(x: torch.Tensor, multiple: int = CHUNK) -> torch.Tensor:
     if extra == 0:
         return x
     return torch.cat([x, x.new_zeros(x.shape[0], extra, *x.shape[2:])], dim=1)
+
+
+def sequence_bounds(cu_seqlens: torch.Tensor, T: int) -> list[tuple[int, int]]:
+    """The (start, end) of every packed sequence of `cu_seqlens` (N + 1 offsets, 0 first, T last, non-decreasing);
+    reads its values."""
+    offsets = cu_seqlens.tolist()
+    if len(offsets) < 2 or offsets[0] != 0 or offsets[-1] != T:
+        raise ValueError(f"cu_seqlens must start at 0 and end at T = {T}, got {offsets[:1]} ... {offsets[-1:]}")
+    if any(b < a for a, b in zip(offsets, offsets[1:])):
+        raise ValueError("cu_seqlens must be non-decreasing")
+    return list(zip(offsets, offsets[1:]))
+
+
+class Sequences:
+    """A call's inputs as the recurrence takes them: float32, q, k and p L2-normalised if asked and repeated to the
+    HV value heads, one row per sequence (packed sequences unpacked) zero-padded in time to `multiple`, g floored,
+    and every non-finite input zeroed; `poisoned` (N, Tp, HV) marks the steps at and after a sequence and value
+    head's first non-finite input, whose outputs are NaN (the module docstring)."""
+
+    def __init__(self, q, k, v, p, beta, g, cu_seqlens=None, use_qk_l2norm=False, multiple=CHUNK):
+        self.T = q.shape[1]
+        q, k, v, p, beta, g = (x.float() for x in (q, k, v, p, beta, g))
+        if use_qk_l2norm:
+            q, k, p = (x * torch.rsqrt((x * x).sum(-1, keepdim=True) + L2NORM_EPS) for x in (q, k, p))
+        group = v.shape[2] // q.shape[2]
+        if group > 1:
+            q, k, p = (x.repeat_interleave(group, dim=2) for x in (q, k, p))
+        self.bounds = None if cu_seqlens is None else sequence_bounds(cu_seqlens, self.T)
+        q, k, v, p, beta, g = (pad_time(self._unpack(x), multiple) for x in (q, k, v, p, beta, g))
+        g = floor_log_decay(g)
+        finite = [x.isfinite() for x in (q, k, v, p, beta, g)]
+        bad = ~(finite[4] & finite[5])
+        for f in finite[:4]:
+            bad |= ~f.all(-1)
+        self.poisoned = bad.cumsum(1) > 0
+        self.q, self.k, self.v, self.p, self.beta, self.g = (
+            torch.where(f, x, 0.0) for f, x in zip(finite, (q, k, v, p, beta, g)))
+
+    def _unpack(self, x: torch.Tensor) -> torch.Tensor:
+        """(1, T, ...) packed sequences -> (N, longest, ...) zero-padded; x itself without cu_seqlens."""
+        if self.bounds is None:
+            return x
+        longest = max(b - a for a, b in self.bounds)
+        return torch.stack([torch.cat([x[0, a:b], x.new_zeros(longest - (b - a), *x.shape[2:])])
+                            for a, b in self.bounds])
+
+    def outputs(self, o: torch.Tensor, state: torch.Tensor):
+        """o (N, Tp, HV, V) -> (B, T, HV, V) with NaN from each first non-finite input on, and the final states
+        (N, HV, K, V), NaN where their sequence had one."""
+        o = torch.where(self.poisoned[..., None], float("nan"), o)
+        state = torch.where(self.poisoned[:, -1, :, None, None], float("nan"), state)
+        if self.bounds is None:
+            return o[:, :self.T], state
+        return torch.cat([o[i, :b - a] for i, (a, b) in enumerate(self.bounds)])[None], state
+
+
+def initial_states(initial_state, N: int, HV: int, K: int, V: int, device) -> torch.Tensor:
+    """The (N, HV, K, V) float32 state each sequence starts from: `initial_state`, or zeros."""
+    if initial_state is None:
+        return torch.zeros(N, HV, K, V, device=device)
+    return initial_state.float()
 
 
 def _to_chunks(x: torch.Tensor) -> torch.Tensor:
@@ -73,16 +186,22 @@ def _from_chunks(x: torch.Tensor, T: int) -> torch.Tensor:
     return x.movedim(1, 3).reshape(B, N * C, H, *x.shape[4:])[:, :T].contiguous()
 
 
-def _chunk_transform(k, p, v, beta, g):
-    """gc, E, L, U, W of every chunk (all (B, H, N, ...) float32)."""
+def _chunk_transform(k, p, v, beta, g, read_first=False):
+    """gc, E, L, U, W of every chunk (all (B, H, N, ...) float32). read_first: fla's order, the read's decay
+    exp(gr_i - gc_j) with gr the exclusive cumsum, in L and W."""
     gc = g.cumsum(-1)
     C = gc.shape[-1]
     lower = torch.ones(C, C, dtype=torch.bool, device=gc.device).tril()
     # Mask the exponent, not the result: above the diagonal gc_i - gc_j >= 0 and could overflow.
     E = (gc[..., :, None] - gc[..., None, :]).masked_fill(~lower, float("-inf")).exp()
-    L = (((beta[..., None] * p) @ k.mT) * E).tril(-1)
+    if read_first:
+        gr = torch.cat([torch.zeros_like(gc[..., :1]), gc[..., :-1]], dim=-1)
+        E_read = (gr[..., :, None] - gc[..., None, :]).masked_fill(~lower.tril(-1), float("-inf")).exp()
+    else:
+        gr, E_read = gc, E
+    L = (((beta[..., None] * p) @ k.mT) * E_read).tril(-1)
     IL = L + torch.eye(C, dtype=L.dtype, device=L.device)
-    rhs = torch.cat([beta[..., None] * v, (beta * gc.exp())[..., None] * p], dim=-1)
+    rhs = torch.cat([beta[..., None] * v, (beta * gr.exp())[..., None] * p], dim=-1)
     UW = torch.linalg.solve_triangular(IL, rhs, upper=False, unitriangular=True)
     U, W = UW.split([v.shape[-1], p.shape[-1]], dim=-1)
     return gc, E, L, IL, U, W
@@ -93,10 +212,12 @@ def _to_end(gc):
     return (gc[..., -1:] - gc).exp()
 
 
-def _forward_scan(k, gc, U, W):
-    """Chunk-start states S_n (B, H, N, K, V) and corrected values Vn (B, H, N, C, V)."""
+def _forward_scan(k, gc, U, W, S=None):
+    """Chunk-start states S_n (B, H, N, K, V), corrected values Vn (B, H, N, C, V) and the state after the last
+    chunk (B, H, K, V), from the state S (zeros if None)."""
     B, H, N, C, K = k.shape
-    S = k.new_zeros(B, H, K, U.shape[-1])
+    if S is None:
+        S = k.new_zeros(B, H, K, U.shape[-1])
     gam_last = gc[..., -1].exp()
     k_to_end = k * _to_end(gc)[..., None]                    # K * Gam / gam: decay from step j to chunk end
     states, vns = [], []
@@ -105,39 +226,56 @@ def _forward_scan(k, gc, U, W):
         Vn = U[:, :, n] - W[:, :, n] @ S
         vns.append(Vn)
         S = gam_last[:, :, n, None, None] * S + k_to_end[:, :, n].mT @ Vn
-    return torch.stack(states, 2), torch.stack(vns, 2)
+    return torch.stack(states, 2), torch.stack(vns, 2), S
 
 
-def _resolve_scale(scale, K: int) -> float:
+def resolve_scale(scale, K: int) -> float:
     return K**-0.5 if scale is None else float(scale)
 
 
-def comba_forward_reference(q, k, v, p, beta, g, scale=None) -> torch.Tensor:
-    """Comba forward o (B, T, H, V) in v's dtype; computed in float32, chunked."""
-    T, dtype = q.shape[1], v.dtype
-    scale = _resolve_scale(scale, q.shape[-1])
-    g = floor_log_decay(g)
-    q, k, v, p, beta, g = (_to_chunks(pad_time(x)) for x in (q, k, v, p, beta, g))
-    gc, E, _, _, U, W = _chunk_transform(k, p, v, beta, g)
-    S, Vn = _forward_scan(k, gc, U, W)
-    qs = q * scale
-    o = (gc.exp()[..., None] * qs) @ S + ((qs @ k.mT) * E) @ Vn
-    return _from_chunks(o, T).to(dtype)
+@float32_inside
+def comba_forward_reference(q, k, v, p, beta, g, scale=None, *, initial_state=None, output_final_state=False,
+                            cu_seqlens=None, use_qk_l2norm=False, read_order="decay_first"):
+    """Comba forward, computed in float32, chunked; differentiable (by autograd) in every tensor.
+
+    q, k, p (B, T, H, K); v (B, T, HV, V) with HV a multiple of H; beta, g (B, T, HV); scale: float or None
+    (K ** -0.5). initial_state: (N, HV, K, V) or None (zeros), N = B, or the number of sequences with cu_seqlens:
+    (N + 1,) offsets of N sequences packed along T of a batch of one (B = 1). use_qk_l2norm: L2-normalise q, k
+    and p first. read_order: "decay_first" (the spec's) or "fla" (the read before the step's decay).
+    Returns o (B, T, HV, V) in v's dtype, and with output_final_state=True (o, final_state (N, HV, K, V) float32).
+    g > 0 raises ValueError; non-finite inputs follow the module docstring's rule.
+    """
+    check_log_decay(g)
+    check_read_order(read_order)
+    dtype, K, V, HV = v.dtype, q.shape[-1], v.shape[-1], v.shape[2]
+    x = Sequences(q, k, v, p, beta, g, cu_seqlens, use_qk_l2norm)
+    S0 = initial_states(initial_state, x.q.shape[0], HV, K, V, q.device)
+    T = x.q.shape[1]
+    qc, kc, vc, pc, bc, gcs = (_to_chunks(t) for t in (x.q, x.k, x.v, x.p, x.beta, x.g))
+    gc, E, _, _, U, W = _chunk_transform(kc, pc, vc, bc, gcs, read_first=read_order == "fla")
+    S, Vn, final = _forward_scan(kc, gc, U, W, S0)
+    qs = qc * resolve_scale(scale, K)
+    o = (gc.exp()[..., None] * qs) @ S + ((qs @ kc.mT) * E) @ Vn
+    o, final = x.outputs(_from_chunks(o, T), final)
+    return (o.to(dtype), final) if output_final_state else o.to(dtype)
 
 
+@float32_inside
 def comba_backward_reference(q, k, v, p, beta, g, do, scale=None):
     """Analytic Comba backward, float32: (dq, dk, dv, dp, dbeta, dg), all float32.
 
     Same arguments as the spec's `comba_backward`: q, k, p (B, T, H, K); v, do (B, T, H, V); beta, g (B, T, H).
-    g is floored at G_FLOOR first, and dg is 0 where the floored g is at the floor (there exp(g) is 0 in fp32).
+    g > 0 raises ValueError (the module docstring). g is floored at G_FLOOR first, and dg is 0 where the floored g is
+    at the floor (there exp(g) is 0 in fp32).
     """
+    check_log_decay(g)
     T = q.shape[1]
-    scale = _resolve_scale(scale, q.shape[-1])
+    scale = resolve_scale(scale, q.shape[-1])
     g = floor_log_decay(g)
     reset = g <= G_FLOOR
     q, k, v, p, beta, g, do = (_to_chunks(pad_time(x)) for x in (q, k, v, p, beta, g, do))
     gc, E, L, IL, U, W = _chunk_transform(k, p, v, beta, g)
-    S, Vn = _forward_scan(k, gc, U, W)
+    S, Vn, _ = _forward_scan(k, gc, U, W)
     gam = gc.exp()
     gam_last = gam[..., -1]
     to_end = _to_end(gc)                                       # Gam / gam, never formed as a ratio

@@ -1,0 +1,47 @@
+"""The recurrent (token-by-token) Comba reference: the decode step's specification, and its path on every device.
+
+The same function as `reference.comba_forward_reference` with the same keyword arguments (its docstring), one step
+at a time in float32: no chunk transform, so it suits the few new tokens of a decode step after a carried state.
+The rules on values are the chunked reference's: g > 0 raises ValueError; a non-finite input at step t of a sequence
+and value head makes its outputs from t on and its final state NaN, and changes nothing else.
+"""
+
+import torch
+
+from .reference import (
+    Sequences,
+    check_log_decay,
+    check_read_order,
+    float32_inside,
+    initial_states,
+    resolve_scale,
+)
+
+# The most new tokens per sequence a decode call takes (`comba_decode`).
+DECODE_MAX_TOKENS = 64
+
+
+@float32_inside
+def comba_recurrent_reference(q, k, v, p, beta, g, scale=None, *, initial_state=None, cu_seqlens=None,
+                              use_qk_l2norm=False, read_order="decay_first"):
+    """Comba, one token at a time in float32, differentiable by autograd: (o (B, T, HV, V) in v's dtype, final state
+    (N, HV, K, V) float32). Arguments as `comba_forward_reference`'s."""
+    check_log_decay(g)
+    check_read_order(read_order)
+    K, V, HV = q.shape[-1], v.shape[-1], v.shape[2]
+    x = Sequences(q, k, v, p, beta, g, cu_seqlens, use_qk_l2norm, multiple=1)
+    S = initial_states(initial_state, x.q.shape[0], HV, K, V, q.device)
+    scale = resolve_scale(scale, K)
+    read_first = read_order == "fla"
+    out = []
+    for t in range(x.q.shape[1]):
+        decay = x.g[:, t, :, None, None].exp()
+        if not read_first:
+            S = decay * S
+        u = x.beta[:, t, :, None] * (x.v[:, t] - torch.einsum("nhkv,nhk->nhv", S, x.p[:, t]))
+        if read_first:
+            S = decay * S
+        S = S + x.k[:, t, :, :, None] * u[:, :, None, :]
+        out.append(torch.einsum("nhkv,nhk->nhv", S, scale * x.q[:, t]))
+    o, final = x.outputs(torch.stack(out, 1), S)
+    return o.to(v.dtype), final
