@@ -62,7 +62,7 @@ test: hub
 	$(PY) -m pytest -q -p no:cacheprovider
 
 bench-cpu: hub
-	HF_HUB_OFFLINE=1 HF_HUB_CACHE=$(CURDIR)/.hub TRITON_INTERPRET= .venv/bin/kernels benchmark tessera/ldsa@v1 \
+	HF_HUB_OFFLINE=1 HF_HUB_CACHE=$(CURDIR)/.hub .venv/bin/kernels benchmark tessera/ldsa@v1 \
 		--iterations 5 --warmup 1
 
 .triton/%/.installed:
