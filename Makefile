@@ -17,7 +17,8 @@ LAID := $(KERNELS:%=.hub/.laid-%)
 TRITONS := 3.7.1 3.8.0 3.9.0
 NEWEST_TRITON := 3.9.0
 
-.PHONY: help venv build hub demo test bench-cpu compile-matrix test-newest-triton ci lock publish-dry-run gpu-bench clean
+.PHONY: help venv build hub demo test bench-cpu compile-matrix test-newest-triton ci lock publish-dry-run gpu-bench \
+	clean
 
 help:
 	@echo "make demo             set up, build, lay the Hub cache, load every kernel offline and run it"
