@@ -1,6 +1,15 @@
 # tessera: `make demo` and `make test` work on a fresh clone with nothing but python3 and pip.
 PY := .venv/bin/python
-VENV_STAMP := .venv/.installed-$(shell sha1sum pyproject.toml | cut -c1-12)
+# The environment is set up again when what pip installs from changes: pyproject.toml's [project] and
+# [build-system] tables (not the tools' settings below them).
+VENV_STAMP := .venv/.installed-$(shell sed -n '/^\[project\]/,/^\[tool\./p' pyproject.toml | sha1sum | cut -c1-12)
+# A target that depends on its inputs is a no-op when they have not changed: each kernel is built again when its
+# torch-ext/, its build.toml, the build tool or the commit (the builds' op namespace) changes, and laid into .hub/
+# again when its build or its benchmarks change.
+KERNELS := $(patsubst kernels/%/build.toml,%,$(wildcard kernels/*/build.toml))
+HEAD := $(shell git rev-parse --short=7 HEAD 2>/dev/null || echo none)
+BUILT := $(KERNELS:%=kernels/%/build/.built-$(HEAD))
+LAID := $(KERNELS:%=.hub/.laid-%)
 
 # The Triton releases the packages support besides the pinned one (3.6.0): each CUDA torch wheel pins one
 # (2.12 -> 3.7.0, 2.13 -> 3.7.1, 2.14 -> 3.8, 2.15 -> 3.9). Each is installed alone under .triton/<version>/ and put
@@ -8,7 +17,8 @@ VENV_STAMP := .venv/.installed-$(shell sha1sum pyproject.toml | cut -c1-12)
 TRITONS := 3.7.1 3.8.0 3.9.0
 NEWEST_TRITON := 3.9.0
 
-.PHONY: help venv build hub demo test lint compile-matrix test-newest-triton ci lock publish-dry-run gpu-bench clean
+.PHONY: help venv build hub demo test lint bench-cpu compile-matrix test-newest-triton ci lock publish-dry-run \
+	gpu-bench clean
 
 help:
 	@echo "make demo             set up, build, lay the Hub cache, load every kernel offline and run it"
@@ -17,8 +27,9 @@ help:
 	@echo "make test-newest-triton  the kernels' CPU (interpreter) tests under Triton $(NEWEST_TRITON)"
 	@echo "make lint             the house rules the build does not check (python -m tools.lint)"
 	@echo "make ci               lint, test, compile-matrix and test-newest-triton: what CI's .ci/run calls"
-	@echo "make build            build kernels/<name>/build/torch-{cuda,cpu} for every kernel"
-	@echo "make hub              lay the builds into .hub/ (HF_HUB_CACHE layout, refs/v<N>)"
+	@echo "make bench-cpu        run ldsa's \`kernels benchmark\` workloads on the CPU from the local Hub cache"
+	@echo "make build            build kernels/<name>/build/torch-{cuda,cpu} for every kernel that changed"
+	@echo "make hub              lay the builds and benchmarks into .hub/ (HF_HUB_CACHE layout, refs/v<N>)"
 	@echo "make lock             write kernels.lock from [tool.kernels.dependencies] and .hub/"
 	@echo "make publish-dry-run  print what publishing every kernel to the Hub would upload, and where"
 	@echo "make gpu-bench        on a CUDA machine: GPU correctness tests + the side-by-side benchmark"
@@ -26,16 +37,25 @@ help:
 $(VENV_STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv .venv
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q '.[dev]'
 	rm -f .venv/.installed-* && touch $@
 
 venv: $(VENV_STAMP)
 
-build: venv
-	$(PY) -m tools.build
+.SECONDEXPANSION:
+kernels/%/build/.built-$(HEAD): $(VENV_STAMP) kernels/%/build.toml tools/build.py tools/common.py \
+		$$(shell find kernels/$$*/torch-ext -type f ! -name '*.pyc')
+	rm -f kernels/$*/build/.built-*
+	$(PY) -m tools.build $*
+	touch $@
 
-hub: build
-	$(PY) -m tools.hub
+.hub/.laid-%: kernels/%/build/.built-$(HEAD) tools/hub.py $$(shell find kernels/$$*/benchmarks -type f ! -name '*.pyc')
+	$(PY) -m tools.hub $*
+	touch $@
+
+build: $(BUILT)
+
+hub: $(LAID)
 
 demo: hub
 	$(PY) -m tools.demo
@@ -45,6 +65,10 @@ test: hub
 
 lint: venv
 	$(PY) -m tools.lint
+
+bench-cpu: hub
+	HF_HUB_OFFLINE=1 HF_HUB_CACHE=$(CURDIR)/.hub .venv/bin/kernels benchmark tessera/ldsa@v1 \
+		--iterations 5 --warmup 1
 
 .triton/%/.installed:
 	$(PY) -m pip install -q --no-deps --target .triton/$* triton==$*

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tools.common import REPO_ROOT
+from tools.common import HUB_CACHE, HUB_ORG, REPO_ROOT
 
 pytest.importorskip("tabulate")  # kernels[benchmark]
 
@@ -23,3 +23,16 @@ def test_kernels_benchmark_runs_and_verifies_on_a_local_build(name):
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     text = out.stdout + out.stderr
     assert "faster" in text or "slower" in text
+
+
+def test_kernels_benchmark_runs_from_the_laid_hub_cache():
+    """`kernels benchmark <org>/<name>@v1` offline: the snapshot `make hub` lays carries `benchmarks/` as the
+    version branch does (what `make bench-cpu` runs)."""
+    cli = Path(sys.executable).parent / "kernels"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(HF_HUB_OFFLINE="1", HF_HUB_CACHE=str(HUB_CACHE))
+    out = subprocess.run([str(cli), "benchmark", f"{HUB_ORG}/ldsa@v1", "--iterations", "2", "--warmup", "1"],
+                         cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    text = out.stdout + out.stderr
+    assert f"{HUB_ORG}/ldsa@v1" in text and "LDSAForward" in text and "faster" in text

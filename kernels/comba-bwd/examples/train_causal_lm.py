@@ -3,6 +3,11 @@
     python train_causal_lm.py --device cuda          # the fused forward and backward (comba-bwd's layer)
     python train_causal_lm.py --device cpu           # the same layer on the CPU: the eager reference
 
+The layer comes from the Hub (`tessera/comba-bwd`, version 1). To take it from the repo's local Hub cache instead,
+from any directory, after `make hub` in the repo root <repo>:
+
+    HF_HUB_OFFLINE=1 HF_HUB_CACHE=<repo>/.hub python <repo>/kernels/comba-bwd/examples/train_causal_lm.py --device cpu
+
 The model's token mixer is a host module decorated with `use_kernel_forward_from_hub("CombaAttention")`;
 `kernelize(..., mode=Mode.TRAINING)` replaces its forward by comba-bwd's `CombaAttention` layer on either device.
 The data is a fixed random bigram language (each token has a few likely successors), made on the CPU from the

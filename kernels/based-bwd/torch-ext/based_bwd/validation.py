@@ -1,10 +1,8 @@
 """Argument checks at the public boundary: a bad call raises here, naming the argument."""
 
-import math
-
 import torch
 
-from .common.checks import check_tensor
+from .common.checks import as_scale, check_tensor
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # The fused CUDA kernel is written for these Taylor feature sizes (the CPU reference takes any K >= 1).
@@ -32,8 +30,4 @@ def check_based_args(q, k, v, scale, do=None) -> None:
         raise ValueError(f"every size must be >= 1, got q {tuple(q.shape)} and v {tuple(v.shape)}")
     if q.is_cuda and K not in FUSED_FEATURE_SIZES:
         raise ValueError(f"the CUDA kernel supports a feature size K (q.shape[-1]) in {FUSED_FEATURE_SIZES}, got K={K}")
-    if scale is not None:
-        if isinstance(scale, bool) or not isinstance(scale, (int, float)):
-            raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
-        if not math.isfinite(scale):
-            raise ValueError(f"scale must be finite, got {scale}")
+    as_scale("scale", scale)

@@ -1,15 +1,13 @@
 """Argument checks at the public boundary: a bad call raises here, naming the argument.
 
-Only types, dtypes, shapes, devices and the Python scalar `scale` are checked: a tensor's values are never
+Only types, dtypes, shapes, devices and the scalar `scale` are checked: a tensor's values are never
 read here (that would synchronise the device and break CUDA-graph capture). A log-decay below the floor,
 -inf included, is a hard reset by definition (reference.G_FLOOR), not an error.
 """
 
-import math
-
 import torch
 
-from .common.checks import check_tensor
+from .common.checks import as_scale, check_tensor
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # Head sizes the fused CUDA backward is compiled for; the eager (CPU) reference takes any size >= 1.
@@ -33,13 +31,7 @@ def check_comba_args(q, k, v, p, beta, g, scale, do=None) -> None:
     for name, x in (("k", k), ("v", v), ("p", p), ("do", do)):
         if x is not None and x.dtype != q.dtype:
             raise TypeError(f"{name} must have q's dtype {q.dtype}, got {x.dtype}")
-    if scale is not None:
-        if isinstance(scale, bool) or not isinstance(scale, (int, float)):
-            raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
-        # Any finite query scale is valid (zero or negative too: o is linear in it); nan or inf would
-        # reach every output.
-        if not math.isfinite(scale):
-            raise ValueError(f"scale must be finite, got {scale}")
+    as_scale("scale", scale)
 
     B, T, H, K = q.shape
     V = v.shape[-1]

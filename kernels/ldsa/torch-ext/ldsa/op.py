@@ -75,6 +75,7 @@ def ldsa_local_attention(a_logits: torch.Tensor, v: torch.Tensor, left: int, rig
     tensors. Non-contiguous inputs are copied to contiguous ones.
     """
     signature = _check_args_once(a_logits, v, left, right)
+    left, right = int(left), int(right)  # numpy integers pass the check; the registered op takes Python ints
     a_logits, v = a_logits.contiguous(), v.contiguous()
     if _launch_directly(a_logits, v):
         return ldsa_forward_cuda(a_logits, v, left, right, signature=signature)

@@ -2,24 +2,17 @@
 
 import torch
 
-from .common.checks import check_tensor
+from .common.checks import as_int, check_tensor
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def _check_side(name: str, n) -> None:
-    if isinstance(n, bool) or not isinstance(n, int):
-        raise TypeError(f"{name} must be an int, got {type(n).__name__}")
-    if n < 0:
-        raise ValueError(f"{name} must be >= 0, got {n}")
-
-
 def check_ldsa_args(a_logits, v, left, right) -> None:
-    """Validate `ldsa_local_attention(a_logits [B,H,W,T], v [B,H,Dh,T], left, right)`."""
+    """Validate `ldsa_local_attention(a_logits [B,H,W,T], v [B,H,Dh,T], left, right)`; `left` and `right` are any
+    integral numbers >= 0 (the op takes them as Python ints)."""
     check_tensor("a_logits", a_logits, 4, SUPPORTED_DTYPES)
     check_tensor("v", v, 4, SUPPORTED_DTYPES)
-    _check_side("left", left)
-    _check_side("right", right)
+    left, right = as_int("left", left, 0), as_int("right", right, 0)
     if a_logits.device != v.device:
         raise ValueError(f"a_logits and v must be on one device, got {a_logits.device} and {v.device}")
     B, H, W, T = a_logits.shape

@@ -87,9 +87,5 @@ def whisper_log_mel(audio: torch.Tensor, n_mels: int = 80, *, lengths: torch.Ten
     as tensor-core products of split 16-bit operands, fp32-accurate; in Gluon on Hopper, see `dispatch`) and a
     pass that touches only tiles the floor reaches.
     """
-    if isinstance(lengths, Sequence):
-        lengths = torch.tensor(lengths, dtype=torch.int64)
-    check_whisper_args(audio, n_mels, lengths, out_dtype, N_FFT)
-    if lengths is not None:
-        lengths = lengths.to(device=audio.device, dtype=torch.int64)
+    n_mels, lengths = check_whisper_args(audio, n_mels, lengths, out_dtype, N_FFT)
     return whisper_log_mel_op(audio.contiguous(), lengths, n_mels, out_dtype)

@@ -36,7 +36,7 @@ def mel_filters(n_mels: int, n_fft: int = N_FFT, sample_rate: int = SAMPLE_RATE)
     triangles linear in Hz between consecutive mel-spaced edges, each scaled by 2 / (its width in Hz).
     Computed in float64, rounded once to float32.
     """
-    check_filterbank_args(n_mels, n_fft, sample_rate)
+    n_mels, n_fft, sample_rate = check_filterbank_args(n_mels, n_fft, sample_rate)
     bins_hz = torch.arange(n_fft // 2 + 1, dtype=torch.float64) * (sample_rate / n_fft)
     top_mel = _hz_to_mel(torch.tensor(sample_rate / 2.0, dtype=torch.float64))
     edges_hz = _mel_to_hz(torch.linspace(0.0, top_mel.item(), n_mels + 2, dtype=torch.float64))

@@ -1,6 +1,10 @@
 # Generated from common/checks.py by `python -m tools.vendor`: edit that file, not this copy.
-"""The argument check every public function starts with: a clear TypeError or ValueError naming the argument, before
-any launch."""
+"""The argument checks every public function starts with: a clear TypeError or ValueError naming the argument, before
+any launch. Scalars are taken as users pass them (Python or numpy numbers, never a bool) and returned as Python
+numbers, the types the registered ops' schemas declare."""
+
+import math
+import numbers
 
 import torch
 
@@ -16,3 +20,26 @@ def check_tensor(name: str, x, rank: int, dtypes: tuple[torch.dtype, ...], layou
         raise TypeError(f"{name} must be {expected}, got {x.dtype}")
     if x.dim() != rank:
         raise ValueError(f"{name} must have rank {rank}{' ' + layout if layout else ''}, got shape {tuple(x.shape)}")
+
+
+def as_int(name: str, n, minimum: int) -> int:
+    """`n` as a Python int of at least `minimum`: any integral number (int, numpy integers), not a bool."""
+    if isinstance(n, bool) or not isinstance(n, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {type(n).__name__}")
+    n = int(n)
+    if n < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {n}")
+    return n
+
+
+def as_scale(name: str, x) -> float | None:
+    """None, or `x` as a finite Python float: any real number (float, int, numpy scalars), not a bool. Any finite
+    value is valid (zero or negative too); nan or inf would reach every output."""
+    if x is None:
+        return None
+    if isinstance(x, bool) or not isinstance(x, numbers.Real):
+        raise TypeError(f"{name} must be a float or None, got {type(x).__name__}")
+    x = float(x)
+    if not math.isfinite(x):
+        raise ValueError(f"{name} must be finite, got {x}")
+    return x
