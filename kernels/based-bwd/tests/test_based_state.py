@@ -130,7 +130,7 @@ def test_packed_int64_offsets_without_state(based):
     cu = lengths_to_cu([40, 90]).long()
     q, k, v = make(1, 130, H, K, V)
     o = based.based_attention(q, k, v, cu_seqlens=cu)
-    want = torch.cat([quadratic_form(q[:, :40], k[:, :40], v[:, :40]), quadratic_form(q[:, 40:], k[:, 40:], v[:, 40:])], 1)
+    want = torch.cat([quadratic_form(q[:, a:b], k[:, a:b], v[:, a:b]) for a, b in [(0, 40), (40, 130)]], 1)
     assert rel_err(o, want) < 1e-5
 
 
@@ -325,7 +325,8 @@ BAD_STATE = [
     (dict(cu_seqlens=torch.tensor([[0, 16]])), ValueError, "cu_seqlens must have rank 1"),
     (dict(cu_seqlens=torch.tensor([0])), ValueError, "cu_seqlens must hold N \\+ 1 >= 2 offsets"),
     (dict(initial_state=_state()[0]), TypeError, "initial_state must be the pair \\(S, z\\)"),
-    (dict(initial_state=(_state()[0].double(), _state()[1])), TypeError, "initial_state\\[0\\] \\(S\\) must be float32"),
+    (dict(initial_state=(_state()[0].double(), _state()[1])), TypeError,
+     "initial_state\\[0\\] \\(S\\) must be float32"),
     (dict(initial_state=(_state()[0], _state(H=3)[1])), ValueError, "initial_state\\[1\\] \\(z\\) must have the shape"),
     (dict(initial_state=_state(N=2)), ValueError, "initial_state\\[0\\] \\(S\\) must have the shape \\(1, 2, 73, 8\\)"),
     (dict(initial_state=_state(), cu_seqlens=torch.tensor([0, 4, 16])), ValueError,
@@ -400,4 +401,4 @@ def test_decode_step_replays_in_a_cuda_graph(based):
     graph.replay()
     torch.cuda.synchronize()
     o, (S_new, _) = based.based_decode(*fresh[:3], tuple(fresh[3:]))
-    assert torch.equal(o_static, o) and torch.equal(S_static, S_new)
+    assert rel_err(o_static, o) < 1e-6 and rel_err(S_static, S_new) < 1e-6

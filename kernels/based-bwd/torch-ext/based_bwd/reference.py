@@ -141,9 +141,8 @@ class _Chunks:
 
 def _packed_rows(cu_seqlens: torch.Tensor, T: int):
     """The padded-batch layout of N packed sequences: index (N, L) into the T packed positions and valid (N, L),
-    with L the longest sequence. Reads the offsets on the host."""
-    bounds = cu_seqlens.tolist()
-    lengths = torch.tensor([b - a for a, b in zip(bounds[:-1], bounds[1:])], device=cu_seqlens.device)
+    with L the longest sequence (read on the host)."""
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
     pos = torch.arange(max(1, int(lengths.max())), device=cu_seqlens.device)
     valid = pos < lengths[:, None]
     index = (cu_seqlens[:-1, None].long() + pos).clamp(max=T - 1)

@@ -64,11 +64,12 @@ def check_state(name: str, q, v, state, N: int) -> None:
         raise TypeError(f"{name} must be the pair (S, z), got {type(state).__name__}")
     _, _, H, K = q.shape
     P = 1 + K + K * K
-    for part, x, shape in ((f"{name}[0] (S)", state[0], (N, H, P, v.shape[-1])), (f"{name}[1] (z)", state[1], (N, H, P))):
-        check_tensor(part, x, len(shape), (torch.float32,))
+    parts = [(f"{name}[0] (S)", state[0], (N, H, P, v.shape[-1]), "(N, H, 1 + K + K^2, V)"),
+             (f"{name}[1] (z)", state[1], (N, H, P), "(N, H, 1 + K + K^2)")]
+    for part, x, shape, layout in parts:
+        check_tensor(part, x, len(shape), (torch.float32,), layout)
         if tuple(x.shape) != shape:
-            raise ValueError(f"{part} must have the shape {shape} (N, H, 1 + K + K^2{', V' if len(shape) == 4 else ''}), "
-                             f"got {tuple(x.shape)}")
+            raise ValueError(f"{part} must have the shape {shape} {layout}, got {tuple(x.shape)}")
         if x.device != q.device:
             raise ValueError(f"{part} must be on the device of q ({q.device}), got {x.device}")
 
