@@ -332,6 +332,7 @@ BAD_STATE = [
     (dict(initial_state=_state(), cu_seqlens=torch.tensor([0, 4, 16])), ValueError,
      "initial_state\\[0\\] \\(S\\) must have the shape \\(2,"),
     (dict(output_final_state=1), TypeError, "output_final_state must be a bool"),
+    (dict(output_final_state=0), TypeError, "output_final_state must be a bool"),
 ]
 
 

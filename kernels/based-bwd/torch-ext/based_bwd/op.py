@@ -116,7 +116,7 @@ def based_attention(
     planned).
     """
     check_based_args(q, k, v, scale)
-    if initial_state is None and not output_final_state and cu_seqlens is None:
+    if initial_state is None and output_final_state is False and cu_seqlens is None:
         return based_forward_op(q.contiguous(), k.contiguous(), v.contiguous(), _resolved(q, scale))
     check_state_args(q, v, initial_state, output_final_state, cu_seqlens)
     return based_forward_reference(
