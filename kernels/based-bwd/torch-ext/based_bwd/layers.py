@@ -1,5 +1,7 @@
 """Layers for `kernels.kernelize`: stateless, forward-compatible with the host modules that model code
-decorates with `@use_kernel_forward_from_hub("BasedAttention")`."""
+decorates with `@use_kernel_forward_from_hub("BasedAttention")` (q, k, v) or
+`@use_kernel_forward_from_hub("BasedVarlenAttention")` (q, k, v and the keyword arguments of packed sequences
+and state: kernels checks that a layer's forward has the parameters of the host's, so they are two layers)."""
 
 import torch
 from torch import nn
@@ -20,3 +22,23 @@ class BasedAttention(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return based_attention(q, k, v, self.scale)
+
+
+class BasedVarlenAttention(nn.Module):
+    """Causal Based attention over packed sequences and with a state, for host modules whose forward is
+    `forward(q, k, v, *, initial_state=None, output_final_state=False, cu_seqlens=None)` -> o, or (o, (S, z))
+    with output_final_state: `based_attention` with those keyword arguments (its docstring gives the layouts).
+
+    The host module must carry `scale: float | None`. A call without the keyword arguments takes the fused path of
+    `BasedAttention`; with them, the eager reference on every device (fused CUDA path: planned).
+    """
+
+    scale: float | None
+    has_backward = True
+    can_torch_compile = True
+
+    def forward(self, q, k, v, *, initial_state=None, output_final_state=False, cu_seqlens=None):
+        return based_attention(
+            q, k, v, self.scale,
+            initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+        )

@@ -1,5 +1,8 @@
 """The registered ops (backward, forward with its autograd link) and the public functions.
 
+`based_attention` with a state or packed sequences, and `based_decode`, run the eager reference on every device
+(torch ops; gradients through torch autograd); their fused CUDA path is planned.
+
 The CUDA implementations come from `dispatch`, which picks each call's path. `based_forward`'s registered autograd calls
 the registered `based_backward` op, so training goes through the same backward as a direct call, and inference
 under no_grad through the same forward. Every op name goes through `add_op_namespace_prefix`, so two versions of
@@ -10,8 +13,14 @@ import torch
 
 from ._ops import add_op_namespace_prefix
 from .dispatch import based_backward_cuda, based_forward_cuda
-from .reference import based_backward_reference, based_forward_reference, default_scale
-from .validation import check_based_args
+from .reference import (
+    MAX_DECODE_TOKENS,
+    based_backward_reference,
+    based_decode_reference,
+    based_forward_reference,
+    default_scale,
+)
+from .validation import check_based_args, check_decode_args, check_state_args
 
 
 @torch.library.custom_op(add_op_namespace_prefix("based_backward"), mutates_args=(), device_types="cuda")
@@ -77,12 +86,53 @@ def based_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.
     return based_backward_op(q.contiguous(), k.contiguous(), v.contiguous(), do.contiguous(), _resolved(q, scale))
 
 
-def based_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale=None) -> torch.Tensor:
+def based_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale=None,
+    *,
+    initial_state=None,
+    output_final_state: bool = False,
+    cu_seqlens=None,
+):
     """Causal Based (2nd-order Taylor) attention o (B, T, H, V) in q's dtype, differentiable in q, k, v:
 
     o_i = sum_{j<=i} A_ij v_j / (sum_{j<=i} A_ij + 1e-6),  A_ij = 1 + s_ij + s_ij^2 / 2,  s_ij = scale q_i . k_j.
 
-    Same arguments as `based_backward`. Its gradients come from the registered `based_backward` op.
+    Same q, k, v and scale as `based_backward`. Without the keyword arguments it is the registered forward, whose
+    gradients come from the registered `based_backward` op (fused on CUDA).
+
+    With a state (over phi(x) = [1, x, x (x) x / sqrt(2)], P = 1 + K + K^2 features; the sums above then start
+    from it, `reference.py` states the formula) or packed sequences:
+
+    - initial_state: the pair (S (N, H, P, V), z (N, H, P)), float32, S = sum_j phi(k_j) v_j^T and
+      z = sum_j phi(k_j) over the steps before; differentiable. N = B, or the number of packed sequences.
+    - output_final_state: also return the state after the last step, as (o, (S, z)), float32.
+    - cu_seqlens: the N + 1 offsets (int32/int64, 0 to T, non-decreasing) of N sequences packed along T with
+      B = 1; no sum crosses two of them. Read on the host (a device sync on CUDA).
+
+    These run the eager reference in fp32 on every device, gradients through torch autograd (fused CUDA path:
+    planned).
     """
     check_based_args(q, k, v, scale)
-    return based_forward_op(q.contiguous(), k.contiguous(), v.contiguous(), _resolved(q, scale))
+    if initial_state is None and output_final_state is False and cu_seqlens is None:
+        return based_forward_op(q.contiguous(), k.contiguous(), v.contiguous(), _resolved(q, scale))
+    check_state_args(q, v, initial_state, output_final_state, cu_seqlens)
+    return based_forward_reference(
+        q, k, v, _resolved(q, scale),
+        initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+    )
+
+
+def based_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state, scale=None):
+    """T new steps (1 <= T <= 64) of B sequences from their state, in recurrent form: returns o (B, T, H, V) in
+    q's dtype and the new state (S, z), float32. The given state is not modified.
+
+    q, k: (B, T, H, K); v: (B, T, H, V); state: the pair (S (B, H, P, V), z (B, H, P)), float32, as
+    `based_attention(..., output_final_state=True)` returns it (P = 1 + K + K^2). The steps equal those of
+    `based_attention` on the same sequences. Runs the eager reference (torch ops, no host sync, so a CUDA graph
+    can capture it) on every device; differentiable through torch autograd.
+    """
+    check_decode_args(q, k, v, state, scale, MAX_DECODE_TOKENS)
+    return based_decode_reference(q, k, v, state, _resolved(q, scale))

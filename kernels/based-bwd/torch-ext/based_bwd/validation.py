@@ -31,3 +31,56 @@ def check_based_args(q, k, v, scale, do=None) -> None:
     if q.is_cuda and K not in FUSED_FEATURE_SIZES:
         raise ValueError(f"the CUDA kernel supports a feature size K (q.shape[-1]) in {FUSED_FEATURE_SIZES}, got K={K}")
     as_scale("scale", scale)
+
+
+def check_cu_seqlens(q, cu_seqlens) -> int:
+    """cu_seqlens: the N + 1 offsets (int32/int64, on q's device) of N sequences packed along T of a B = 1 batch,
+    from 0 to T, non-decreasing. Returns N. Reads the offsets on the host."""
+    check_tensor("cu_seqlens", cu_seqlens, 1, (torch.int32, torch.int64), "(N + 1,)")
+    if cu_seqlens.device != q.device:
+        raise ValueError(f"cu_seqlens must be on the device of q ({q.device}), got {cu_seqlens.device}")
+    B, T = q.shape[:2]
+    if B != 1:
+        raise ValueError(f"cu_seqlens packs sequences along T of a batch of one: q must have B = 1, got B={B}")
+    bounds = cu_seqlens.tolist()
+    if len(bounds) < 2:
+        raise ValueError(f"cu_seqlens must hold N + 1 >= 2 offsets, got {bounds}")
+    if bounds[0] != 0 or bounds[-1] != T:
+        raise ValueError(f"cu_seqlens must start at 0 and end at T={T}, got {bounds[0]} ... {bounds[-1]}")
+    if any(b < a for a, b in zip(bounds[:-1], bounds[1:])):
+        raise ValueError(f"cu_seqlens must be non-decreasing, got {bounds}")
+    return len(bounds) - 1
+
+
+def check_state(name: str, q, v, state, N: int) -> None:
+    """state: the pair (S (N, H, P, V), z (N, H, P)), float32, on q's device, P = 1 + K + K^2."""
+    if not isinstance(state, (tuple, list)) or len(state) != 2:
+        raise TypeError(f"{name} must be the pair (S, z), got {type(state).__name__}")
+    _, _, H, K = q.shape
+    P = 1 + K + K * K
+    parts = [(f"{name}[0] (S)", state[0], (N, H, P, v.shape[-1]), "(N, H, 1 + K + K^2, V)"),
+             (f"{name}[1] (z)", state[1], (N, H, P), "(N, H, 1 + K + K^2)")]
+    for part, x, shape, layout in parts:
+        check_tensor(part, x, len(shape), (torch.float32,), layout)
+        if tuple(x.shape) != shape:
+            raise ValueError(f"{part} must have the shape {shape} {layout}, got {tuple(x.shape)}")
+        if x.device != q.device:
+            raise ValueError(f"{part} must be on the device of q ({q.device}), got {x.device}")
+
+
+def check_state_args(q, v, initial_state, output_final_state, cu_seqlens) -> None:
+    """The state and packing arguments of based_attention (q and v already checked)."""
+    if not isinstance(output_final_state, bool):
+        raise TypeError(f"output_final_state must be a bool, got {type(output_final_state).__name__}")
+    N = q.shape[0] if cu_seqlens is None else check_cu_seqlens(q, cu_seqlens)
+    if initial_state is not None:
+        check_state("initial_state", q, v, initial_state, N)
+
+
+def check_decode_args(q, k, v, state, scale, max_tokens: int) -> None:
+    """q, k (B, T, H, K), v (B, T, H, V) with 1 <= T <= max_tokens, and the state (S, z) of the B sequences."""
+    check_based_args(q, k, v, scale)
+    if q.shape[1] > max_tokens:
+        raise ValueError(f"based_decode takes 1 to {max_tokens} new tokens (q.shape[1]), got {q.shape[1]}: "
+                         "run a longer prompt through based_attention with output_final_state=True")
+    check_state("state", q, v, state, q.shape[0])
