@@ -187,14 +187,9 @@ class LogMel(Benchmark):
         return self._verify_stft()
 
 
-def _picked_configs(fused):
-    """Every config the STFT path's pick table names, in its order."""
-    return list(dict.fromkeys(rule.config for rule in fused.PICK_TABLE))
-
-
 def _sweep(fused, stft, w):
     """Every config the pick table names."""
-    return {c.name: (lambda c=c: fused.launch(stft, w, c)) for c in _picked_configs(fused)}
+    return {rule.config.name: (lambda c=rule.config: fused.launch(stft, w, c)) for rule in fused.PICK_TABLE}
 
 
 def _features(main_pass, floor, audio, lengths, n_mels, out_dtype):
@@ -299,8 +294,8 @@ def compile_cases(kernel, spec):
         return f"{shape} {config.name}", lambda: fused.launch(stft, mel_filters, config)
 
     for shape in spec(SPEC).measure_shapes:
-        for config in _picked_configs(fused):
-            yield case(shape, config)
+        for rule in fused.PICK_TABLE:
+            yield case(shape, rule.config)
 
     def waveform_case(n_mels, audio_dtype, out_dtype, with_lengths):
         audio = torch.empty(208, 480000, dtype=audio_dtype, device="meta")

@@ -340,11 +340,6 @@ def fused(lm):
     return submodule(lm, "portable.stft")
 
 
-def picked_configs(fused):
-    """Every config the pick table names, in its order."""
-    return list(dict.fromkeys(rule.config for rule in fused.PICK_TABLE))
-
-
 def filterbank(kind, NM, NF, device):
     if kind == "triangles":
         return triangles(NM, NF, device)
@@ -381,7 +376,7 @@ def test_fused_every_picked_config(fused):
     # F = 150 leaves a ragged last tile for every block_f; NF = 201 gives multi-chunk band blocks.
     stft, w = with_silence(speech_stft(3, 150, 201, device=DEVICE)), triangles(128, 201, DEVICE)
     expected = log_mel_float64(stft, w)
-    for config in picked_configs(fused):
+    for config in [rule.config for rule in fused.PICK_TABLE]:
         assert rel_err(fused.launch(stft, w, config), expected) < 1e-6, config.name
 
 
@@ -457,7 +452,7 @@ def test_fused_flat_loop_filterbanks(lm, fused, kind, NM, NF, F):
     w = lm.mel_filters(NM).to(DEVICE) if kind == "whisper" else filterbank(kind, NM, NF, DEVICE)
     stft = with_silence(speech_stft(3, F, NF, device=DEVICE))
     expected = log_mel_float64(stft, w)
-    for config in picked_configs(fused):
+    for config in [rule.config for rule in fused.PICK_TABLE]:
         assert config.flat
         out = fused.launch(stft, w, config)
         assert rel_err(out, expected) < 1e-6, config.name
@@ -469,7 +464,7 @@ def test_fused_nan_every_picked_config(fused):
     stft = speech_stft(2, 70, 65, device=DEVICE)
     stft[0, 66, 10] = float("nan")  # in the ragged last tile
     w = triangles(40, 65, DEVICE)
-    for config in picked_configs(fused):
+    for config in [rule.config for rule in fused.PICK_TABLE]:
         out = fused.launch(stft, w, config)
         assert out[0, 66].isnan().any() and not out[1].isnan().any(), config.name
 
@@ -525,7 +520,7 @@ def test_cuda_every_picked_config(fused, shape):
     stft, w = s.make(*shape, 0)
     ref = s.ref(stft, w).double()
     ref_norm = ref.norm()
-    for config in picked_configs(fused):
+    for config in [rule.config for rule in fused.PICK_TABLE]:
         out = fused.launch(stft, w, config)
         assert torch.isfinite(out).all(), config.name
         # On the device: a CPU copy of each 80M-element output would dominate the test.
