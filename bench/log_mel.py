@@ -1,13 +1,12 @@
 """log-mel side by side with its anchors, for the GPU run, and the launches compiled offline.
 
-`side_by_side` times, at every measure shape of the spec and in one run: the public op (the design and
-config `pick` chooses), the same config clip-resident, the eager reference and torch.compile(reference);
-GB/s on the spec's canonical bytes, % of the copy bandwidth measured in the same run, speed-up over
-torch.compile, and the relative Frobenius error against the spec's fp32 reference. Then a sweep of every
-shipped tile config (two-pass, plus one clip-resident row) at the first measure shape of each (NF, NM):
+`side_by_side` times, at every measure shape of the spec and in one run: the public op (the config `pick`
+chooses), the eager reference and torch.compile(reference); GB/s on the spec's canonical bytes, % of the copy
+bandwidth measured in the same run, speed-up over torch.compile, and the relative Frobenius error against the
+spec's fp32 reference. Then a sweep of every config the pick table names at the first measure shape of each (NF, NM):
 (208, 3000, 201, 128), (104, 3000, 401, 80) and (208, 3000, 201, 80); a batch with silent clips (the floor
 pass has real work) and batches with Whisper's Slaney filterbank (NM 80 and 128). Then `waveform_rows`:
-`whisper_log_mel` on 30-s clips beside flashmel and transformers' torch path, and every shipped waveform config.
+`whisper_log_mel` on 30-s clips beside flashmel and transformers' torch path, and each waveform kernel's config.
 """
 
 import torch
@@ -20,23 +19,17 @@ WAVEFORM_BATCHES = (16, 64, 208)  # 30-s clips a call of the waveform rows
 whisper_batch = hub_benchmark("log-mel").whisper_batch
 
 
-def _fused_variants(kernel, fused, stft, w):
-    """The public op (the design and config `pick` chooses) and the same config in the other design."""
-    _, config = fused.pick(*stft.shape, w.shape[0])
-    return {
-        "public op (pick)": lambda: kernel.log_mel_spectrogram(stft, w),
-        f"fused clip_resident {config.name}": lambda: fused.log_mel_triton(stft, w, "clip_resident", config),
-    }
-
-
 def _sweep(fused, stft, w):
-    """Every shipped config with the two-pass design, and the default config once clip-resident (it lost
-    every comparison of the first H200 run)."""
-    impls = {f"two_pass {c.name}": (lambda c=c: fused.log_mel_triton(stft, w, "two_pass", c))
-             for c in fused.SHIPPED_CONFIGS}
-    impls[f"clip_resident {fused.DEFAULT_CONFIG.name}"] = lambda: fused.log_mel_triton(
-        stft, w, "clip_resident", fused.DEFAULT_CONFIG)
-    return impls
+    """Every config the pick table names."""
+    return {rule.config.name: (lambda c=rule.config: fused.launch(stft, w, c)) for rule in fused.PICK_TABLE}
+
+
+def _features(main_pass, floor, audio, lengths, n_mels, out_dtype):
+    """A `whisper_log_mel` path's features: `main_pass` (the module `portable.waveform` or `hopper.waveform`), then
+    the floor pass (`portable.floor`)."""
+    out, stats, block_f = main_pass.launch(audio, lengths, n_mels, out_dtype)
+    floor.launch(out, stats, block_f)
+    return out
 
 
 def _rows(case, impls, ref, work, bench, compile_ms=None):
@@ -63,7 +56,7 @@ def _stft_rows(kernel, bench, shapes, whisper_shape, sweep_shapes) -> list[dict]
     s = bench.spec(SPEC)
     if s is None:
         return []
-    fused = submodule(kernel, "triton.stft")
+    fused = submodule(kernel, "portable.stft")
     shapes = shapes or s.measure_shapes
     # The first measure shape of each (NF, NM): the band layouts the chunk loop sees differ only in those.
     sweep_shapes = sweep_shapes or [x for i, x in enumerate(shapes) if x[2:] not in [y[2:] for y in shapes[:i]]]
@@ -77,12 +70,12 @@ def _stft_rows(kernel, bench, shapes, whisper_shape, sweep_shapes) -> list[dict]
         anchors = {"torch.compile(reference)": lambda: compiled_ref(stft, w), "eager reference": lambda: s.ref(stft, w)}
         anchor_rows = _rows(f"{shape}", anchors, ref, s.work(*shape), bench)
         compile_ms = anchor_rows[0]["ms"]
-        rows += anchor_rows + _rows(f"{shape}", _fused_variants(kernel, fused, stft, w), ref, s.work(*shape),
-                                    bench, compile_ms)
+        public_op = {"public op (pick)": lambda: kernel.log_mel_spectrogram(stft, w)}
+        rows += anchor_rows + _rows(f"{shape}", public_op, ref, s.work(*shape), bench, compile_ms)
         del stft, w, ref
         free()
 
-    # 2. Every shipped tile config (the table `pick` is set from), at each (NF, NM).
+    # 2. Every config the pick table names, at each (NF, NM).
     for shape in sweep_shapes if bench.sweep else []:
         stft, w = s.make(*shape, 0)
         ref = s.ref(stft, w)
@@ -110,39 +103,38 @@ def _stft_rows(kernel, bench, shapes, whisper_shape, sweep_shapes) -> list[dict]
 
 
 def compile_cases(kernel, spec):
-    """(label, call) pairs for `python -m tools.compile_sm90`, on meta tensors: the STFT op's two designs with every
-    shipped config at every measure shape of the spec, the waveform op's shipped configs at 30-s clips for every
-    audio and output dtype, with and without lengths, and the Gluon waveform kernel where it compiles (also on clips
+    """(label, call) pairs for `python -m tools.compile_sm90`, on meta tensors: the STFT op with every config its
+    pick table names at every measure shape of the spec, the waveform op's Triton path at 30-s clips for every
+    audio and output dtype, with and without lengths, and the Gluon waveform path where it compiles (also on clips
     of one tile)."""
-    fused = submodule(kernel, "triton.stft")
-    waveform = submodule(kernel, "triton.waveform")
+    fused = submodule(kernel, "portable.stft")
+    waveform = submodule(kernel, "portable.waveform")
+    floor = submodule(kernel, "portable.floor")
 
-    def case(shape, design, config):
+    def case(shape, config):
         B, F, NF, NM = shape
         stft = torch.empty(B, F, NF, dtype=torch.complex64, device="meta")
         mel_filters = torch.empty(NM, NF, dtype=torch.float32, device="meta")
-        return f"{shape} {design} {config.name}", lambda: fused.log_mel_triton(stft, mel_filters, design, config)
+        return f"{shape} {config.name}", lambda: fused.launch(stft, mel_filters, config)
 
     for shape in spec(SPEC).measure_shapes:
-        for design in fused.DESIGNS:
-            for config in fused.SHIPPED_CONFIGS:
-                yield case(shape, design, config)
+        for rule in fused.PICK_TABLE:
+            yield case(shape, rule.config)
 
-    def waveform_case(n_mels, audio_dtype, out_dtype, with_lengths, config):
+    def waveform_case(n_mels, audio_dtype, out_dtype, with_lengths):
         audio = torch.empty(208, 480000, dtype=audio_dtype, device="meta")
         lengths = torch.empty(208, dtype=torch.int64, device="meta") if with_lengths else None
         label = (f"waveform {n_mels} mels {str(audio_dtype)[6:]}->{str(out_dtype)[6:]}"
-                 f"{' lengths' if with_lengths else ''} {config.name}")
-        return label, lambda: waveform.whisper_log_mel_triton(audio, lengths, n_mels, out_dtype, config)
+                 f"{' lengths' if with_lengths else ''} {waveform.DEFAULT_CONFIG.name}")
+        return label, lambda: _features(waveform, floor, audio, lengths, n_mels, out_dtype)
 
-    for config in waveform.SHIPPED_CONFIGS:
-        for n_mels in (80, 128):
-            yield waveform_case(n_mels, torch.float32, torch.float32, False, config)
-        yield waveform_case(80, torch.int16, torch.bfloat16, True, config)
-        yield waveform_case(128, torch.bfloat16, torch.float16, True, config)
+    for n_mels in (80, 128):
+        yield waveform_case(n_mels, torch.float32, torch.float32, False)
+    yield waveform_case(80, torch.int16, torch.bfloat16, True)
+    yield waveform_case(128, torch.bfloat16, torch.float16, True)
     dispatch = submodule(kernel, "dispatch")
     if dispatch.FAST_PATHS.compiles("waveform-gluon"):
-        gluon = submodule(kernel, "gluon.waveform")
+        gluon = submodule(kernel, "hopper.waveform")
         for n_mels, audio_dtype, out_dtype, with_lengths in ((80, torch.float32, torch.float32, False),
                                                              (128, torch.float32, torch.float32, False),
                                                              (80, torch.int16, torch.bfloat16, True),
@@ -151,15 +143,11 @@ def compile_cases(kernel, spec):
             lengths = torch.empty(208, dtype=torch.int64, device="meta") if with_lengths else None
             yield (f"waveform-gluon {n_mels} mels {str(audio_dtype)[6:]}->{str(out_dtype)[6:]}"
                    f"{' lengths' if with_lengths else ''}",
-                   lambda a=audio, l=lengths, m=n_mels, o=out_dtype: gluon.whisper_log_mel_gluon(a, l, m, o))
-        audio = torch.empty(208, 480000, dtype=torch.float32, device="meta")
-        for config in gluon.SHIPPED_CONFIGS[1:]:  # the runners-up, at one case
-            yield (f"waveform-gluon 80 mels float32->float32 {config.name}",
-                   lambda a=audio, c=config: gluon.whisper_log_mel_gluon(a, None, 80, torch.float32, c))
+                   lambda a=audio, l=lengths, m=n_mels, o=out_dtype: _features(gluon, floor, a, l, m, o))
         # Half-second clips: one tile a clip.
         short = torch.empty(3, 8000, dtype=torch.float32, device="meta")
         yield ("waveform-gluon 80 mels float32->float32 one-tile clips",
-               lambda: gluon.whisper_log_mel_gluon(short, None, 80, torch.float32))
+               lambda: _features(gluon, floor, short, None, 80, torch.float32))
 
 
 def _transformers_torch_path(mel_filters_t):
@@ -212,15 +200,16 @@ def waveform_rows(kernel, bench, batches=WAVEFORM_BATCHES, n_samples=30 * 16000)
     the device. GB/s on the essential bytes (the audio read once, the features written once), % of the copy rate
     in this run, x over flashmel + log, and the max abs error against float64 (fp32 rows) or against the float64
     features rounded to bf16 (bf16 rows). The Gluon and Triton waveform kernels on their own where the GPU takes
-    the Gluon one, then every shipped config of both at the largest batch and 80 mels."""
-    waveform = submodule(kernel, "triton.waveform")
+    the Gluon one, then each one again under its config's name at the largest batch and 80 mels."""
+    waveform = submodule(kernel, "portable.waveform")
+    floor = submodule(kernel, "portable.floor")
     flashmel = bench.optional("flashmel")
     run_on = device()
     # The Gluon kernel on its own, wherever its GPU takes it (verified or not: these rows verify it).
     dispatch = submodule(kernel, "dispatch")
     gluon = None
     if dispatch.FAST_PATHS.compiles_for("waveform-gluon", torch.device(run_on)):
-        gluon = submodule(kernel, "gluon.waveform")
+        gluon = submodule(kernel, "hopper.waveform")
     rows = []
     for B in batches:
         audio = whisper_batch(B, n_samples, run_on)
@@ -248,21 +237,17 @@ def waveform_rows(kernel, bench, batches=WAVEFORM_BATCHES, n_samples=30 * 16000)
                 lambda: kernel.whisper_log_mel(pcm, n_mels, out_dtype=torch.bfloat16), pcm_ref64, pcm_bytes)
             if gluon is not None:
                 impls["waveform-gluon kernel, fp32"] = (
-                    lambda: gluon.whisper_log_mel_gluon(audio, None, n_mels, torch.float32), ref64, fp32_bytes)
+                    lambda: _features(gluon, floor, audio, None, n_mels, torch.float32), ref64, fp32_bytes)
                 impls["waveform-gluon kernel, int16 -> bf16"] = (
-                    lambda: gluon.whisper_log_mel_gluon(pcm, None, n_mels, torch.bfloat16), pcm_ref64, pcm_bytes)
+                    lambda: _features(gluon, floor, pcm, None, n_mels, torch.bfloat16), pcm_ref64, pcm_bytes)
                 impls["waveform triton kernel, fp32"] = (
-                    lambda: waveform.whisper_log_mel_triton(audio, None, n_mels, torch.float32), ref64, fp32_bytes)
+                    lambda: _features(waveform, floor, audio, None, n_mels, torch.float32), ref64, fp32_bytes)
             if B == batches[-1] and n_mels == 80 and gluon is not None:
-                for config in gluon.SHIPPED_CONFIGS:
-                    impls[f"waveform-gluon kernel {config.name}, fp32"] = (
-                        lambda c=config: gluon.whisper_log_mel_gluon(audio, None, n_mels, torch.float32, c),
-                        ref64, fp32_bytes)
+                impls[f"waveform-gluon kernel {gluon.DEFAULT_CONFIG.name}, fp32"] = (
+                    lambda: _features(gluon, floor, audio, None, n_mels, torch.float32), ref64, fp32_bytes)
             if B == batches[-1] and n_mels == 80:
-                for config in waveform.SHIPPED_CONFIGS:
-                    impls[f"waveform kernel {config.name}, fp32"] = (
-                        lambda c=config: waveform.whisper_log_mel_triton(audio, None, n_mels, torch.float32, c),
-                        ref64, fp32_bytes)
+                impls[f"waveform kernel {waveform.DEFAULT_CONFIG.name}, fp32"] = (
+                    lambda: _features(waveform, floor, audio, None, n_mels, torch.float32), ref64, fp32_bytes)
             case = f"waveform B={B} N={n_samples} mels={n_mels}"
             timed = {}
             for name, (fn, ref, work) in impls.items():

@@ -27,7 +27,14 @@ def lm():
 @pytest.fixture(scope="module")
 def waveform(lm):
     pytest.importorskip("triton")
-    return submodule(lm, "triton.waveform")
+    return submodule(lm, "portable.waveform")
+
+
+def features(lm, main_pass, audio, lengths, n_mels, out_dtype):
+    """`main_pass` (a waveform module: `portable.waveform` or `hopper.waveform`) and the floor pass on `audio`."""
+    out, stats, block_f = main_pass.launch(audio, lengths, n_mels, out_dtype)
+    submodule(lm, "portable.floor").launch(out, stats, block_f)
+    return out
 
 
 def transformers_features(audio: torch.Tensor, n_mels: int) -> torch.Tensor:
@@ -147,25 +154,14 @@ def test_opcheck(lm):
 @needs_triton
 @pytest.mark.kernels_ci
 @pytest.mark.parametrize("n_mels", [80, 128, 20])
-def test_kernel_matches_float64(waveform, n_mels):
+def test_kernel_matches_float64(lm, waveform, n_mels):
     # 8077 samples: 50 frames, tiles at the clip's ends (reflection) and interior ones (plain loads).
     audio = bench.whisper_batch(5, 8000 + 77, "cpu")
     lengths = torch.tensor([8077, 8077, 8077, 3200, 9000])
-    out = waveform.whisper_log_mel_triton(audio.to(DEVICE), lengths.to(DEVICE), n_mels, torch.float32)
+    out = features(lm, waveform, audio.to(DEVICE), lengths.to(DEVICE), n_mels, torch.float32)
     padded = audio * (torch.arange(8077)[None, :] < lengths[:, None])
     assert max_abs(out, float64_features(padded, n_mels)) <= 1e-4
     assert torch.equal(out[SILENT].cpu(), torch.full_like(out[SILENT].cpu(), -1.5))
-
-
-@needs_triton
-def test_kernel_every_shipped_config(waveform):
-    # 1601 samples: 10 frames, a ragged last tile for every block_f.
-    audio = bench.whisper_batch(4, 1601, "cpu")
-    ref = float64_features(audio, 80)
-    for config in waveform.SHIPPED_CONFIGS:
-        out = waveform.whisper_log_mel_triton(audio.to(DEVICE), None, 80, torch.float32, config)
-        assert max_abs(out, ref) <= 1e-4, config.name
-        assert torch.equal(out[SILENT].cpu(), torch.full_like(out[SILENT].cpu(), -1.5)), config.name
 
 
 @pytest.mark.kernels_ci
@@ -179,7 +175,7 @@ def test_stage2_bins_cover_every_bin_once(waveform):
 def test_fragment_order_is_mma_sync_left_operand_layout(lm):
     # PTX's m16n8k16 16-bit A fragment: lane l's registers a0..a7 hold rows l // 4 (+ 8 for a2, a3, a6, a7) and
     # columns 2 (l % 4) + {0, 1} (+ 8 for a4..a7). Register pair p of every lane lies in 128 consecutive bytes.
-    order = submodule(lm, "gluon.waveform").fragment_order()
+    order = submodule(lm, "hopper.waveform").fragment_order()
     assert sorted(order.flatten().tolist()) == list(range(256))
     for p in range(4):
         for lane in range(32):
@@ -194,8 +190,8 @@ def test_fragment_order_is_mma_sync_left_operand_layout(lm):
 def test_chunk_plan_projects_like_the_filterbank(lm, n_mels):
     # The Gluon kernel's projection: power in (k2, k1) order times the split weights, over each band block's
     # marked chunks only, against the filterbank applied to the power in bin order.
-    gluon = submodule(lm, "gluon.waveform")
-    waveform = submodule(lm, "triton.waveform")
+    gluon = submodule(lm, "hopper.waveform")
+    waveform = submodule(lm, "portable.waveform")
     filters = lm.mel_filters(n_mels)
     plan, projection = gluon.chunk_plan(filters)
     bins, used = waveform.stage2_bins()
@@ -232,11 +228,11 @@ def gluon_waveform(lm):
         pytest.skip("needs a CUDA device")
     if not submodule(lm, "dispatch").FAST_PATHS.compiles_for("waveform-gluon", torch.device("cuda")):
         pytest.skip("the Gluon waveform kernel does not run on this GPU or Triton")
-    return submodule(lm, "gluon.waveform")
+    return submodule(lm, "hopper.waveform")
 
 
 @pytest.mark.parametrize("n_mels", [80, 128, 20])
-def test_gluon_kernel_matches_float64(gluon_waveform, n_mels):
+def test_gluon_kernel_matches_float64(lm, gluon_waveform, n_mels):
     # 8077 samples: 50 frames, tiles at both clip ends; 20000: 125 frames, interior tiles (no reflection) between
     # ragged ones; a clip 3200 samples long, and one longer than the batch.
     for n_samples in (8077, 20000):
@@ -244,15 +240,14 @@ def test_gluon_kernel_matches_float64(gluon_waveform, n_mels):
         lengths = torch.tensor([n_samples, n_samples, n_samples, 3200, n_samples + 900])
         padded = audio * (torch.arange(n_samples)[None, :] < lengths[:, None])
         ref = float64_features(padded, n_mels)
-        for config in gluon_waveform.SHIPPED_CONFIGS:
-            out = gluon_waveform.whisper_log_mel_gluon(audio.cuda(), lengths.cuda(), n_mels, torch.float32, config)
-            assert max_abs(out, ref) <= 1e-4, config.name
-            assert torch.equal(out[SILENT].cpu(), torch.full_like(out[SILENT].cpu(), -1.5)), config.name
+        out = features(lm, gluon_waveform, audio.cuda(), lengths.cuda(), n_mels, torch.float32)
+        assert max_abs(out, ref) <= 1e-4
+        assert torch.equal(out[SILENT].cpu(), torch.full_like(out[SILENT].cpu(), -1.5))
 
 
 @pytest.mark.parametrize("audio_dtype,out_dtype", [(torch.int16, torch.bfloat16), (torch.float16, torch.float16),
                                                    (torch.bfloat16, torch.float32)])
-def test_gluon_kernel_dtypes(gluon_waveform, audio_dtype, out_dtype):
+def test_gluon_kernel_dtypes(lm, gluon_waveform, audio_dtype, out_dtype):
     audio = bench.whisper_batch(4, 16000, "cpu")
     if audio_dtype == torch.int16:
         x = (audio * 32768).round().clamp(-32768, 32767).to(torch.int16)
@@ -260,24 +255,24 @@ def test_gluon_kernel_dtypes(gluon_waveform, audio_dtype, out_dtype):
     else:
         x = audio.to(audio_dtype)
         exact = x.float()
-    out = gluon_waveform.whisper_log_mel_gluon(x.cuda(), None, 80, out_dtype)
+    out = features(lm, gluon_waveform, x.cuda(), None, 80, out_dtype)
     assert out.dtype == out_dtype
     ulp = 0.0 if out_dtype == torch.float32 else (2.0**-7 if out_dtype == torch.bfloat16 else 2.0**-10)
     assert max_abs(out, float64_features(exact, 80)) <= 1e-4 + ulp
 
 
-def test_gluon_kernel_extreme_gains(gluon_waveform):
+def test_gluon_kernel_extreme_gains(lm, gluon_waveform):
     # Per-frame scaling keeps every gain fp32-accurate: a clip at 1e-30 of full scale is all below the 1e-10
     # clamp (silence), one at 1e30 has its mel power near 1e60, past fp32's range. A NaN sample makes its
     # clip's features NaN rather than silence.
     audio = bench.whisper_batch(4, 16000, "cpu")[:1].repeat(3, 1)
     audio[1] *= 1e-30
     audio[2] *= 1e30
-    out = gluon_waveform.whisper_log_mel_gluon(audio.cuda(), None, 80, torch.float32)
+    out = features(lm, gluon_waveform, audio.cuda(), None, 80, torch.float32)
     assert max_abs(out, float64_features(audio, 80)) <= 1e-4
     nan = audio[:1].clone()
     nan[0, 8000] = float("nan")
-    assert torch.isnan(gluon_waveform.whisper_log_mel_gluon(nan.cuda(), None, 80, torch.float32)).any()
+    assert torch.isnan(features(lm, gluon_waveform, nan.cuda(), None, 80, torch.float32)).any()
 
 
 def test_gluon_fallback_warns_once_and_runs_triton(lm, gluon_waveform, monkeypatch):
@@ -288,7 +283,7 @@ def test_gluon_fallback_warns_once_and_runs_triton(lm, gluon_waveform, monkeypat
     def broken(*args):
         raise RuntimeError("a compile error")
 
-    monkeypatch.setattr(gluon_waveform, "whisper_log_mel_gluon", broken)
+    monkeypatch.setattr(gluon_waveform, "launch", broken)
     monkeypatch.setattr(dispatch.FAST_PATHS, "switched_off", {})
     audio = bench.whisper_batch(4, 4000, "cpu")
     with pytest.warns(fast_paths.FastPathFallback, match="waveform-gluon"):

@@ -1,8 +1,9 @@
-"""Which implementation a call takes, in one place: CUDA tensors run the Triton kernels (`triton/`), every other
-device the eager reference (`reference.py`). `whisper_log_mel` on CUDA takes the Gluon kernel (`gluon/waveform.py`)
-where its row of FAST_PATHS says it is verified, and the portable Triton kernel (`triton/waveform.py`) everywhere
-else, or after the Gluon kernel failed to compile (one warning, then the Triton kernel for the process). The
-kernels' modules are imported on a CUDA call's first use: they need triton."""
+"""The plan and the path of a call: CUDA tensors run the Triton kernels (`portable/`), every other device the eager
+reference (`reference.py`). `log_mel_spectrogram` on CUDA runs `portable/stft.py`. `whisper_log_mel` on CUDA runs its
+main pass in the Gluon kernel (`hopper/waveform.py`) where its row of FAST_PATHS says it is verified, and in the
+portable Triton kernel (`portable/waveform.py`) everywhere else, or after the Gluon kernel failed to compile (one
+warning, then the Triton kernel for the process); the floor pass (`portable/floor.py`) follows either. The kernels'
+modules are imported on a CUDA call's first use: they need triton."""
 
 import torch
 
@@ -25,18 +26,38 @@ def waveform_path(audio: torch.Tensor) -> str:
     return "waveform-gluon" if FAST_PATHS.runs("waveform-gluon", audio.device) else "triton"
 
 
+def log_mel_spectrogram_cuda(stft: torch.Tensor, mel_filters: torch.Tensor) -> torch.Tensor:
+    """`log_mel_spectrogram` on validated, contiguous CUDA (or meta) tensors: the band plan, the main pass and the
+    floor of `portable/stft.py`, in the tile config its pick table names for the shape."""
+    from .portable import stft as portable_stft
+
+    return portable_stft.launch(stft, mel_filters)
+
+
 def whisper_log_mel_cuda(audio: torch.Tensor, lengths: torch.Tensor | None, n_mels: int,
                          out_dtype: torch.dtype) -> torch.Tensor:
-    """`whisper_log_mel` on validated, contiguous CUDA (or meta) tensors, on the path `waveform_path` picks."""
+    """`whisper_log_mel` on validated, contiguous CUDA (or meta) tensors: the main pass on the path `waveform_path`
+    picks, then the floor pass."""
+    from .portable import floor
+
+    out, stats, block_f = _waveform_main_pass(audio, lengths, n_mels, out_dtype)
+    floor.launch(out, stats, block_f)
+    return out
+
+
+def _waveform_main_pass(audio: torch.Tensor, lengths: torch.Tensor | None, n_mels: int,
+                        out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(out, stats, block_f) of the main pass in the Gluon kernel where `waveform_path` takes it and it compiles, in
+    the portable Triton kernel otherwise."""
     if waveform_path(audio) == "waveform-gluon":
-        from .gluon.waveform import whisper_log_mel_gluon
+        from .hopper import waveform as hopper_waveform
 
         try:
-            return whisper_log_mel_gluon(audio, lengths, n_mels, out_dtype)
+            return hopper_waveform.launch(audio, lengths, n_mels, out_dtype)
         except Exception as error:
             if not falls_back(error):
                 raise
             FAST_PATHS.failed("waveform-gluon", error)
-    from .triton.waveform import whisper_log_mel_triton
+    from .portable import waveform as portable_waveform
 
-    return whisper_log_mel_triton(audio, lengths, n_mels, out_dtype)
+    return portable_waveform.launch(audio, lengths, n_mels, out_dtype)

@@ -1,9 +1,9 @@
 """The registered ops and the public functions.
 
-CUDA tensors run the Triton and Gluon kernels (`triton.stft`, and for the waveform the path `dispatch` picks,
-imported on first use so that the package imports without triton); CPU tensors run the eager reference. The op
-names go through `add_op_namespace_prefix`, so two versions of this kernel can be loaded side by side. The ops
-have no autograd formula: the public functions refuse inputs that require grad (see `validation`).
+CUDA tensors run the CUDA entry points of `dispatch` (the Triton and Gluon kernels, imported on first use so that
+the package imports without triton); CPU tensors run the eager reference. The op names go through
+`add_op_namespace_prefix`, so two versions of this kernel can be loaded side by side. The ops have no autograd
+formula: the public functions refuse inputs that require grad (see `validation`).
 """
 
 from collections.abc import Sequence
@@ -18,11 +18,11 @@ from .whisper import HOP_LENGTH, N_FFT
 
 
 @torch.library.custom_op(add_op_namespace_prefix("log_mel_spectrogram"), mutates_args=(), device_types="cuda")
-def log_mel_op(stft: torch.Tensor, mel_filters: torch.Tensor) -> torch.Tensor:
-    from .triton.stft import log_mel_triton
+def log_mel_spectrogram_op(stft: torch.Tensor, mel_filters: torch.Tensor) -> torch.Tensor:
+    from .dispatch import log_mel_spectrogram_cuda
 
     with on_device(stft):
-        return log_mel_triton(stft, mel_filters)
+        return log_mel_spectrogram_cuda(stft, mel_filters)
 
 
 @torch.library.register_kernel(add_op_namespace_prefix("log_mel_spectrogram"), "cpu")
@@ -68,7 +68,7 @@ def log_mel_spectrogram(stft: torch.Tensor, mel_filters: torch.Tensor) -> torch.
     while grad mode is on. Non-contiguous inputs are copied to contiguous ones first.
     """
     check_log_mel_args(stft, mel_filters)
-    return log_mel_op(stft.contiguous(), mel_filters.contiguous())
+    return log_mel_spectrogram_op(stft.contiguous(), mel_filters.contiguous())
 
 
 def whisper_log_mel(audio: torch.Tensor, n_mels: int = 80, *, lengths: torch.Tensor | Sequence[int] | None = None,

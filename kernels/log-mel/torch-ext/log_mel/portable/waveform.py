@@ -1,4 +1,5 @@
-"""Whisper's log-mel from the waveform in one pass (Triton): the CUDA path of `whisper_log_mel`.
+"""Whisper's log-mel from the waveform in one pass (Triton): the main pass of `whisper_log_mel` on every CUDA GPU
+the Gluon kernel (`hopper/waveform.py`) does not take; the floor pass (`floor.py`) follows it.
 
 Per tile of BLOCK_F frames of one clip, everything stays on chip from the samples to the output:
 
@@ -18,7 +19,8 @@ Per tile of BLOCK_F frames of one clip, everything stays on chip from the sample
 3. Power, then the mel projection against the filterbank permuted into stage 2's (k1, k2) order, also split
    into three products (the power spans ten decades; a TF32 rounding per term costs up to 1e-4 of the output).
 4. log10(max(mel, 1e-10)), (x + 4) / 4 written in the output dtype, transposed to (B, NM, F); the tile's max
-   and min of the log kept for the floor pass, which rewrites only tiles the clip's 80 dB floor reaches.
+   and min of the log kept for the floor pass (`floor.py`), which rewrites only tiles the clip's 80 dB floor
+   reaches.
 """
 
 import functools
@@ -30,7 +32,7 @@ import triton
 import triton.language as tl
 
 from .. import whisper
-from .epilogue import LOG10_2, LOG10_CLAMP, STATS_CHUNK, clip_floor
+from .log10 import log10_scaled
 
 # Globals read inside @triton.jit functions must be constexpr; host code reads their `.value`.
 N_FFT = tl.constexpr(whisper.N_FFT)
@@ -42,8 +44,6 @@ PCM_SCALE = tl.constexpr(whisper.PCM_SCALE)
 # The projection's operand: the filterbank (weights below 0.05) times 2^6, closer to the top of fp16's range.
 MEL_SHIFT = tl.constexpr(6)
 WINDOW_PAD = 512  # the Hann window, zero past 400 (the masked lanes of the framing read there)
-FLOOR_TILES = 2  # frame tiles a floor-pass program checks
-FLOOR_BANDS = 128  # the most mel bands a floor-pass step covers (all of them, up to large-v3's 128)
 
 
 @dataclass(frozen=True)
@@ -63,9 +63,6 @@ class Config:
 
 
 DEFAULT_CONFIG = Config()
-# The default and the runners-up the benchmark times and the GPU tests run.
-SHIPPED_CONFIGS = (DEFAULT_CONFIG, Config(block_m=16), Config(k_groups=8), Config(block_f=32, num_warps=8),
-                   Config(num_warps=8))
 
 
 def split_operand(t: torch.Tensor) -> torch.Tensor:
@@ -154,20 +151,6 @@ def pow2_scale(amax):
 
 
 @triton.jit
-def log10_scaled(mel, e, HW_LOG2: tl.constexpr):
-    """log10(max(mel * 2^-e, 1e-10)) for mel >= 0 times 2^e (e an integer), without forming mel * 2^-e, which
-    may leave fp32's range: log2(mel) - e, times log10(2), floored at -10; zero gives exactly -10, and NaN
-    stays NaN."""
-    if HW_LOG2:
-        log2 = tl.inline_asm_elementwise("lg2.approx.f32 $0, $1;", "=f,f", [mel], dtype=tl.float32, is_pure=True,
-                                         pack=1)
-    else:
-        log2 = tl.log2(mel)
-    log = (log2 - e) * LOG10_2
-    return tl.where(log <= LOG10_CLAMP, LOG10_CLAMP, log)
-
-
-@triton.jit
 def _frame_samples(audio_ptr, window_ptr, clip_base, length, N, frame, n, ok, IS_PCM: tl.constexpr):
     """Sample n of `frame` times the window: centre reflect padding at the clip's ends (N > 200), zero at or
     past `length` and where `ok` is false."""
@@ -228,11 +211,11 @@ def _power_tile(audio_ptr, lengths_ptr, operands_ptr, twiddles_ptr, window_ptr, 
 
 
 @triton.jit
-def _waveform_tiles_kernel(audio_ptr, lengths_ptr, operands_ptr, twiddles_ptr, window_ptr, proj_ptr, out_ptr,
-                           stats_ptr,
-                           N, F, NM, n_tiles, BLOCK_F: tl.constexpr, BLOCK_M: tl.constexpr,
-                           NM_PAD: tl.constexpr, K_GROUPS: tl.constexpr, IS_PCM: tl.constexpr, HAS_LENGTHS: tl.constexpr,
-                           HW_LOG2: tl.constexpr):
+def _waveform_kernel(audio_ptr, lengths_ptr, operands_ptr, twiddles_ptr, window_ptr, proj_ptr, out_ptr,
+                     stats_ptr,
+                     N, F, NM, n_tiles, BLOCK_F: tl.constexpr, BLOCK_M: tl.constexpr,
+                     NM_PAD: tl.constexpr, K_GROUPS: tl.constexpr, IS_PCM: tl.constexpr, HAS_LENGTHS: tl.constexpr,
+                     HW_LOG2: tl.constexpr):
     """Pass 1, one program per (clip, frame tile), clip-major: (log10(max(mel, 1e-10)) + 4) / 4 into out
     (B, NM, F), and the tile's (max, min) of the log into stats."""
     pid = tl.program_id(0)
@@ -272,45 +255,11 @@ def _waveform_tiles_kernel(audio_ptr, lengths_ptr, operands_ptr, twiddles_ptr, w
     tl.store(stats + 1, tl.min(run_min))
 
 
-@triton.jit
-def waveform_floor_kernel(out_ptr, stats_ptr, F, NM, n_tiles, n_groups, BLOCK_F: tl.constexpr,
-                          BLOCK_M: tl.constexpr, STATS_CHUNK: tl.constexpr, FLOOR_TILES: tl.constexpr):
-    """Pass 2, one program per (clip, group of FLOOR_TILES frame tiles): out = max(out, (floor + 4) / 4) on
-    the tiles whose minimum lies below the clip's floor, writing only the values below it (NaN stays NaN);
-    rounding to the output dtype is monotone, so flooring the rounded value equals rounding the floored one."""
-    pid = tl.program_id(0)
-    clip = pid // n_groups
-    first = (pid % n_groups) * FLOOR_TILES
-    floor = clip_floor(stats_ptr, clip, n_tiles, STATS_CHUNK)
-    floor_out = ((floor + 4.0) * 0.25).to(out_ptr.dtype.element_ty)
-    stats = stats_ptr + clip.to(tl.int64) * n_tiles * 2
-    base = out_ptr + clip.to(tl.int64) * NM * F
-    for tile in range(first, tl.minimum(first + FLOOR_TILES, n_tiles)):
-        if tl.load(stats + 2 * tile + 1) < floor:
-            frames = tile * BLOCK_F + tl.arange(0, BLOCK_F)
-            for m0 in range(0, NM, BLOCK_M):
-                bands = m0 + tl.arange(0, BLOCK_M)
-                ptrs = base + bands[:, None] * F + frames[None, :]
-                ok = (bands < NM)[:, None] & (frames < F)[None, :]
-                x = tl.load(ptrs, mask=ok)
-                tl.store(ptrs, floor_out, mask=ok & (x < floor_out))
-
-
-def floor_pass(out: torch.Tensor, stats: torch.Tensor, block_f: int) -> None:
-    """Pass 2 in place on out (B, NM, F), from the main pass's statistics (B, n_tiles, 2) of its tiles of block_f
-    frames."""
-    B, NM, F = out.shape
-    n_tiles = stats.shape[1]
-    n_groups = triton.cdiv(n_tiles, FLOOR_TILES)
-    waveform_floor_kernel[(B * n_groups,)](out, stats, F, NM, n_tiles, n_groups, BLOCK_F=block_f,
-                                           BLOCK_M=min(triton.next_power_of_2(NM), FLOOR_BANDS),
-                                           STATS_CHUNK=STATS_CHUNK, FLOOR_TILES=FLOOR_TILES)
-
-
-def whisper_log_mel_triton(audio: torch.Tensor, lengths: torch.Tensor | None, n_mels: int, out_dtype: torch.dtype,
-                           config: Config | None = None) -> torch.Tensor:
-    """(B, n_mels, N // 160) in `out_dtype` from validated, contiguous audio (B, N) (float32, float16,
-    bfloat16 or int16 PCM) and lengths (B,) int64 on its device, or None."""
+def launch(audio: torch.Tensor, lengths: torch.Tensor | None, n_mels: int, out_dtype: torch.dtype,
+           config: Config | None = None) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """The main pass on validated, contiguous audio (B, N) (float32, float16, bfloat16 or int16 PCM) and lengths
+    (B,) int64 on its device, or None: (out, stats, block_f), out (B, n_mels, N // 160) in `out_dtype` before the
+    floor, stats (B, n_tiles, 2) the (max, min) of the log in each tile of block_f frames, for `floor.launch`."""
     config = config or DEFAULT_CONFIG
     B, N = audio.shape
     F = N // HOP.value
@@ -319,12 +268,11 @@ def whisper_log_mel_triton(audio: torch.Tensor, lengths: torch.Tensor | None, n_
     n_tiles = triton.cdiv(F, config.block_f)
     stats = torch.empty(B, n_tiles, 2, dtype=torch.float32, device=audio.device)
     out = torch.empty(B, n_mels, F, dtype=out_dtype, device=audio.device)
-    _waveform_tiles_kernel[(B * n_tiles,)](
+    _waveform_kernel[(B * n_tiles,)](
         audio, lengths, operands, twiddles, window, proj, out, stats, N, F, n_mels, n_tiles,
         BLOCK_F=config.block_f, BLOCK_M=config.block_m, NM_PAD=proj.shape[-1], K_GROUPS=config.k_groups,
         IS_PCM=audio.dtype == torch.int16, HAS_LENGTHS=lengths is not None,
         # The interpreter (CPU) cannot run inline PTX.
         HW_LOG2=not triton.knobs.runtime.interpret, num_warps=config.num_warps,
         num_stages=config.num_stages)
-    floor_pass(out, stats, config.block_f)
-    return out
+    return out, stats, config.block_f

@@ -1,7 +1,7 @@
 """log-mel through `get_kernel`: the reference against the spec's code and an independent float64
 computation, the per-clip floor and digital silence, Whisper's filterbank and front end, the registered op
 (opcheck, torch.compile), bad input, the layer through kernelize, and the Triton kernels (under the
-interpreter on CPU, for real on CUDA) at small shapes, every design and shipped config; on CUDA also every
+interpreter on CPU, for real on CUDA) at small shapes and every config the pick table names; on CUDA also every
 spec shape."""
 
 import math
@@ -160,7 +160,7 @@ def test_nan_input_is_not_silenced(lm):
 @pytest.mark.kernels_ci
 def test_opcheck(lm):
     stft = with_silence(speech_stft(3, 23, 65))
-    torch.library.opcheck(lm.op.log_mel_op, (stft, triangles(40, 65)))
+    torch.library.opcheck(lm.op.log_mel_spectrogram_op, (stft, triangles(40, 65)))
 
 
 def test_torch_compile_fullgraph(lm):
@@ -337,7 +337,7 @@ def test_whisper_bad_input_raises(lm, call, exc, match):
 @pytest.fixture(scope="module")
 def fused(lm):
     pytest.importorskip("triton")
-    return submodule(lm, "triton.stft")
+    return submodule(lm, "portable.stft")
 
 
 def filterbank(kind, NM, NF, device):
@@ -354,17 +354,16 @@ def filterbank(kind, NM, NF, device):
 
 @needs_triton
 @pytest.mark.kernels_ci
-@pytest.mark.parametrize("design", ["two_pass", "clip_resident"])
 @pytest.mark.parametrize(
     "shape,kind",
     [((3, 97, 65, 40), "triangles"), ((3, 97, 129, 80), "triangles"), ((3, 40, 129, 80), "dense"),
      ((3, 33, 65, 40), "empty_bands"), ((1, 1, 1, 1), "dense")],
 )
-def test_fused_small_shapes(fused, design, shape, kind):
+def test_fused_small_shapes(fused, shape, kind):
     B, F, NF, NM = shape
     stft = with_silence(speech_stft(B, F, NF, device=DEVICE)) if B > 1 else speech_stft(B, F, NF, device=DEVICE)
     w = filterbank(kind, NM, NF, DEVICE)
-    out = fused.log_mel_triton(stft, w, design)
+    out = fused.launch(stft, w)
     expected = log_mel_float64(stft, w)
     assert torch.isfinite(out).all()
     assert rel_err(out, expected) < 1e-6
@@ -373,24 +372,23 @@ def test_fused_small_shapes(fused, design, shape, kind):
 
 
 @needs_triton
-@pytest.mark.parametrize("design", ["two_pass", "clip_resident"])
-def test_fused_every_shipped_config(fused, design):
+def test_fused_every_picked_config(fused):
     # F = 150 leaves a ragged last tile for every block_f; NF = 201 gives multi-chunk band blocks.
     stft, w = with_silence(speech_stft(3, 150, 201, device=DEVICE)), triangles(128, 201, DEVICE)
     expected = log_mel_float64(stft, w)
-    for config in fused.SHIPPED_CONFIGS:
-        assert rel_err(fused.log_mel_triton(stft, w, design, config), expected) < 1e-6, config.name
+    for config in [rule.config for rule in fused.PICK_TABLE]:
+        assert rel_err(fused.launch(stft, w, config), expected) < 1e-6, config.name
 
 
 @needs_triton
 @pytest.mark.kernels_ci
 def test_pick_table(fused):
-    shipped = set(fused.SHIPPED_CONFIGS)
-    for rule in fused.PICK_TABLE:
-        assert rule.design in fused.DESIGNS and rule.config in shipped
-    for shape in [(1, 1, 1, 1), (208, 3000, 201, 128), (104, 3000, 401, 80), (4, 7, 2049, 512)]:
-        design, config = fused.pick(*shape)
-        assert design in fused.DESIGNS and config in shipped
+    # 80 bands over 201 bins take 8-band blocks, every other shape 16-band ones; the last row takes every shape.
+    assert fused.pick(208, 3000, 201, 80) == fused.pick(1, 1, 1, 1) == fused.NARROW_BANDS_CONFIG
+    for shape in [(208, 3000, 201, 128), (104, 3000, 401, 80), (4, 7, 2049, 512)]:
+        assert fused.pick(*shape) == fused.DEFAULT_CONFIG
+    assert fused.PICK_TABLE[-1].max_nf == fused.PICK_TABLE[-1].max_nm == float("inf")
+    assert fused.PICK_TABLE[-1].min_f <= 1
 
 
 @needs_triton
@@ -444,30 +442,30 @@ def test_chunk_list(lm, fused, block_m, block_k, kind, NM, NF):
 
 
 @needs_triton
-@pytest.mark.parametrize("design", ["two_pass", "clip_resident"])
 @pytest.mark.parametrize("kind,NM,NF,F", [("dense", 40, 65, 70), ("empty_bands", 40, 65, 70), ("whisper", 80, 201, 70),
                                           ("triangles", 36, 65, 33), ("dense", 1, 1, 1)])
-def test_fused_flat_loop_filterbanks(lm, fused, design, kind, NM, NF, F):
-    """Every shipped flat-loop config on filterbanks the shipped-config test does not use: dense (several
+def test_fused_flat_loop_filterbanks(lm, fused, kind, NM, NF, F):
+    """Every picked config (all run the flat loop) on filterbanks the picked-config test does not use: dense (several
     chunks a block), unused bands (one masked chunk), Whisper's; a ragged last tile (F = 70: the flat loop
     shifts it back over its neighbour), clips shorter than a tile (F = 33, 1) and NM not a multiple of the
     band block (36: the flat loop reads band NM - 1 for the missing bands). Silent clips stay exact."""
     w = lm.mel_filters(NM).to(DEVICE) if kind == "whisper" else filterbank(kind, NM, NF, DEVICE)
     stft = with_silence(speech_stft(3, F, NF, device=DEVICE))
     expected = log_mel_float64(stft, w)
-    for config in [c for c in fused.SHIPPED_CONFIGS if c.flat]:
-        out = fused.log_mel_triton(stft, w, design, config)
+    for config in [rule.config for rule in fused.PICK_TABLE]:
+        assert config.flat
+        out = fused.launch(stft, w, config)
         assert rel_err(out, expected) < 1e-6, config.name
         assert torch.equal(out[1], torch.full_like(out[1], -1.5)), config.name
 
 
 @needs_triton
-def test_fused_nan_every_shipped_config(fused):
+def test_fused_nan_every_picked_config(fused):
     stft = speech_stft(2, 70, 65, device=DEVICE)
     stft[0, 66, 10] = float("nan")  # in the ragged last tile
     w = triangles(40, 65, DEVICE)
-    for config in fused.SHIPPED_CONFIGS:
-        out = fused.log_mel_triton(stft, w, "two_pass", config)
+    for config in [rule.config for rule in fused.PICK_TABLE]:
+        out = fused.launch(stft, w, config)
         assert out[0, 66].isnan().any() and not out[1].isnan().any(), config.name
 
 
@@ -478,7 +476,7 @@ def test_fused_whisper_filterbank(lm, fused):
     stft = torch.stft(audio, 400, 160, window=window, return_complex=True)[..., :-1].transpose(1, 2).contiguous()
     for n_mels in (80, 128):
         w = lm.mel_filters(n_mels)
-        out = fused.log_mel_triton(stft.to(DEVICE), w.to(DEVICE))
+        out = fused.launch(stft.to(DEVICE), w.to(DEVICE))
         assert rel_err(out, log_mel_float64(stft, w)) < 1e-6
 
 
@@ -496,11 +494,10 @@ def _spec_shapes():
 
 @needs_cuda
 @pytest.mark.parametrize("kind,shape", _spec_shapes())
-@pytest.mark.parametrize("design", ["two_pass", "clip_resident"])
-def test_cuda_spec_shapes(lm, fused, kind, shape, design):
+def test_cuda_spec_shapes(lm, fused, kind, shape):
     s = spec(SPEC)
     stft, w = s.make(*shape, 0)
-    out = fused.log_mel_triton(stft, w, design)
+    out = fused.launch(stft, w)
     assert torch.isfinite(out).all()
     assert rel_err(out, s.ref(stft, w)) < 1e-4
     del stft, w, out
@@ -517,15 +514,14 @@ def _every_config_shapes():
 
 @needs_cuda
 @pytest.mark.parametrize("shape", _every_config_shapes())
-def test_cuda_every_shipped_config(fused, shape):
-    """Every config the package may pick (the benchmark sweeps them all), two-pass, at the spec's correct
-    shapes and the two sweep measure shapes; the clip-resident design runs in test_cuda_spec_shapes."""
+def test_cuda_every_picked_config(fused, shape):
+    """Every config the pick table names, at the spec's correct shapes and the two sweep measure shapes."""
     s = spec(SPEC)
     stft, w = s.make(*shape, 0)
     ref = s.ref(stft, w).double()
     ref_norm = ref.norm()
-    for config in fused.SHIPPED_CONFIGS:
-        out = fused.log_mel_triton(stft, w, "two_pass", config)
+    for config in [rule.config for rule in fused.PICK_TABLE]:
+        out = fused.launch(stft, w, config)
         assert torch.isfinite(out).all(), config.name
         # On the device: a CPU copy of each 80M-element output would dominate the test.
         assert ((out.double() - ref).norm() / ref_norm).item() < 1e-4, config.name

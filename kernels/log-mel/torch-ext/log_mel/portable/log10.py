@@ -1,6 +1,6 @@
-"""The pieces the log-mel kernels end with: the STFT kernel's clamped log10 of a mel tile (the waveform kernel's
-`log10_scaled` takes its power-of-two scale inside the log instead), the log's constants, and a clip's 80 dB floor
-from its tiles' statistics."""
+"""The clamped log10 the main passes end with, log10(max(mel, 1e-10)), and its constants: `log10_clamped` of a
+mel tile (the STFT pass) and `log10_scaled`, which takes a power-of-two scale of the tile back inside the log (the
+waveform passes, Triton and Gluon)."""
 
 import triton
 import triton.language as tl
@@ -9,7 +9,6 @@ import triton.language as tl
 LOG10_2 = tl.constexpr(0.301029995663981195)  # log10(x) = log2(x) * log10(2)
 # torch.log10(torch.tensor(1e-10)) is exactly -10.0 in fp32: the value of every clamped (silent) bin.
 LOG10_CLAMP = tl.constexpr(-10.0)
-STATS_CHUNK = 256  # tile statistics per step of the clip-maximum reduction (`clip_floor`)
 
 
 @triton.jit
@@ -28,11 +27,14 @@ def log10_clamped(mel, HW_LOG2: tl.constexpr):
 
 
 @triton.jit
-def clip_floor(stats_ptr, clip, n_tiles, CHUNK: tl.constexpr):
-    """hi - 8 for `clip`, hi being the max of its tile maxima (stats hold (max, min) per tile)."""
-    base = stats_ptr + clip.to(tl.int64) * n_tiles * 2
-    hi = tl.full((), float("-inf"), tl.float32)
-    for t0 in range(0, n_tiles, CHUNK):
-        t = t0 + tl.arange(0, CHUNK)
-        hi = tl.maximum(hi, tl.max(tl.load(base + 2 * t, mask=t < n_tiles, other=float("-inf"))))
-    return hi - 8.0
+def log10_scaled(mel, e, HW_LOG2: tl.constexpr):
+    """log10(max(mel * 2^-e, 1e-10)) for mel >= 0 times 2^e (e an integer), without forming mel * 2^-e, which
+    may leave fp32's range: log2(mel) - e, times log10(2), floored at -10; zero gives exactly -10, and NaN
+    stays NaN."""
+    if HW_LOG2:
+        log2 = tl.inline_asm_elementwise("lg2.approx.f32 $0, $1;", "=f,f", [mel], dtype=tl.float32, is_pure=True,
+                                         pack=1)
+    else:
+        log2 = tl.log2(mel)
+    log = (log2 - e) * LOG10_2
+    return tl.where(log <= LOG10_CLAMP, LOG10_CLAMP, log)

@@ -1,30 +1,26 @@
-"""The fused log-mel kernels (Triton) and their launcher: the CUDA path of `log_mel_spectrogram`.
+"""The fused log-mel from a complex STFT (Triton), its planning and its launch: the CUDA path of
+`log_mel_spectrogram`.
 
 The op is a bandwidth kernel with a small matmul in it: read the complex64 STFT once, write the fp32
-log-mel once. Three kernels:
+log-mel once. Three stages, run in order by `launch`:
 
 1. `_band_support_kernel` reads the (NM, NF) filterbank and writes, for each block of BLOCK_M bands, the
    bin range [lo, hi) outside which every weight of the block is exactly zero; for the flat loop (below)
    `_chunk_list_kernel` turns those into its chunk list. They run on every call (the filterbank is at most
    400 KB), so no cache can go stale; a dense filterbank gives [0, NF) everywhere and the projection is
    then simply dense.
-2. The main pass (`_log_mel_tile`, launched per frame tile or per clip): for a tile of BLOCK_F frames and
+2. The main pass (`_stft_kernel`, one program per (clip, frame tile)): for a tile of BLOCK_F frames and
    one band block at a time, stream the block's bins [lo, hi) in chunks of BLOCK_K, square and add re/im,
    project with an fp32 `tl.dot` (`input_precision` "ieee": CUDA-core FMAs; or "tf32x3": three TF32
    tensor-core products, about fp32-accurate), then write `(log10(max(mel, 1e-10)) + 4) / 4` - the final
    value whenever the floor does not bite - and keep the tile's max and min of log10. With `Config.flat`
    the same work runs as one loop over the chunk list `_chunk_list_kernel` builds from the supports,
    with the block epilogue (log10, store, statistics) only at a block's last chunk.
-3. The floor: the clip's maximum `hi` is the max of its tile maxima; only tiles whose minimum lies below
-   `hi - 8` are re-read and rewritten as `max(out, (hi - 8 + 4) / 4)`. Because `x -> (x + 4) / 4` is
-   monotone in fp32 too, this equals the spec's `(max(x, hi - 8) + 4) / 4` bit for bit. On speech without
-   digital silence no tile is below the floor and the pass reads only the tile statistics.
-
-Two designs of the per-clip dependency share these pieces:
-- "two_pass": the main pass over a grid of (clip, frame tile), then a second launch for the floor.
-- "clip_resident": one program per clip walks its frame tiles, then (after a CTA barrier, which makes its
-  own global writes visible to all its threads) applies the floor to its own tiles. One launch, but only B
-  programs: it can only win when B fills the GPU several times over.
+3. The floor (`_stft_floor_kernel`): the clip's maximum `hi` is the max of its tile maxima (`floor.clip_floor`);
+   only tiles whose minimum lies below `hi - 8` are re-read and rewritten as `max(out, (hi - 8 + 4) / 4)`.
+   Because `x -> (x + 4) / 4` is monotone in fp32 too, this equals the spec's `(max(x, hi - 8) + 4) / 4` bit
+   for bit. On speech without digital silence no tile is below the floor and the pass reads only the tile
+   statistics.
 """
 
 from dataclasses import dataclass
@@ -33,7 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .epilogue import STATS_CHUNK, clip_floor, log10_clamped
+from .floor import STATS_CHUNK, clip_floor
+from .log10 import log10_clamped
 
 SUPPORT_CHUNK = 128  # filterbank bins per step of the band-support scan
 FLOOR_CHUNK = 1024  # output elements per step of the floor pass
@@ -44,8 +41,6 @@ FLOOR_TILES = 8
 # sign bit set at a block's last chunk. One 8-byte load per chunk, no load that depends on another.
 FIELD_BITS = tl.constexpr(21)
 FIELD_MASK = tl.constexpr((1 << FIELD_BITS.value) - 1)
-
-DESIGNS = ("two_pass", "clip_resident")
 
 
 @dataclass(frozen=True)
@@ -71,24 +66,13 @@ class Config:
 # Both picks run the flat loop (one loop over the tile's chunk list, the next chunk's loads in flight), which is
 # faster on the H200 than the nested loop, pipelined or not, at every swept shape. Its epilogue runs only at a
 # block's last chunk and its chunk entries are packed and its loads unmasked, which holds 64x8x16 tiles to 72
-# registers (7 CTAs an SM). The hardware log2 (`epilogue.log10_clamped`) is level with libdevice's there and a clear
+# registers (7 CTAs an SM). The hardware log2 (`log10.log10_clamped`) is level with libdevice's there and a clear
 # gain at 64x16x32 (4 CTAs an SM, where issue slots are busier). 16-band blocks of 32-bin chunks take fewer,
 # wider steps (128 registers, 4 CTAs an SM) and are the fastest at NM 128 and at (104, 3000, 401, 80); where the
 # bands are narrower, at (208, 3000, 201, 80), 8-band blocks of 32 bins are faster, and 16-band blocks only
 # level with 8 x 16 ones.
 DEFAULT_CONFIG = Config(block_m=16, block_k=32, flat=True)
 NARROW_BANDS_CONFIG = Config(block_k=32, flat=True)
-# Every config the package may pick, plus the runners-up kept for the benchmark's sweep; the GPU tests run
-# each of them. Not shipped, being slower or level at the measure shapes on the H200: an L2 bulk prefetch of
-# the tile, 32-band blocks, 64-bin chunks, 128- and 32-frame tiles, 8 warps, the nested loop pipelined two
-# deep, and register caps for more resident CTAs on the flat loop (they spill).
-SHIPPED_CONFIGS = (
-    DEFAULT_CONFIG,
-    NARROW_BANDS_CONFIG,
-    Config(flat=True),  # the flat loop on 8 x 16 blocks
-    Config(),  # the nested loop (band block, then its chunks)
-    Config(precision="ieee"),  # the CUDA-core fp32 projection (nested loop), slower than tf32x3
-)
 
 
 @triton.jit
@@ -257,11 +241,11 @@ def _floor_tile(out_ptr, clip, tile, F, NM, floor, BLOCK_F: tl.constexpr, CHUNK:
 
 
 @triton.jit
-def _tiles_kernel(x_ptr, w_ptr, lo_ptr, hi_ptr, chunks_ptr, out_ptr, stats_ptr, F, NF, NM, n_tiles,
-                  BLOCK_F: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-                  PRECISION: tl.constexpr, FLAT: tl.constexpr, SHORT_CLIP: tl.constexpr,
-                  STATIC_NF: tl.constexpr, HW_LOG2: tl.constexpr):
-    """Two-pass design, pass 1: one program per (clip, frame tile), clip-major."""
+def _stft_kernel(x_ptr, w_ptr, lo_ptr, hi_ptr, chunks_ptr, out_ptr, stats_ptr, F, NF, NM, n_tiles,
+                 BLOCK_F: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+                 PRECISION: tl.constexpr, FLAT: tl.constexpr, SHORT_CLIP: tl.constexpr,
+                 STATIC_NF: tl.constexpr, HW_LOG2: tl.constexpr):
+    """The main pass: one program per (clip, frame tile), clip-major."""
     pid = tl.program_id(0)
     clip = pid // n_tiles
     tile = pid % n_tiles
@@ -273,10 +257,10 @@ def _tiles_kernel(x_ptr, w_ptr, lo_ptr, hi_ptr, chunks_ptr, out_ptr, stats_ptr, 
 
 
 @triton.jit
-def _floor_kernel(out_ptr, stats_ptr, F, NM, n_tiles, n_groups, BLOCK_F: tl.constexpr,
-                  STATS_CHUNK: tl.constexpr, FLOOR_CHUNK: tl.constexpr, FLOOR_TILES: tl.constexpr):
-    """Two-pass design, pass 2: one program per (clip, group of FLOOR_TILES frame tiles); touches the output
-    only where the 80 dB floor bites."""
+def _stft_floor_kernel(out_ptr, stats_ptr, F, NM, n_tiles, n_groups, BLOCK_F: tl.constexpr,
+                       STATS_CHUNK: tl.constexpr, FLOOR_CHUNK: tl.constexpr, FLOOR_TILES: tl.constexpr):
+    """The floor: one program per (clip, group of FLOOR_TILES frame tiles); touches the output only where the
+    80 dB floor bites."""
     pid = tl.program_id(0)
     clip = pid // n_groups
     first = (pid % n_groups) * FLOOR_TILES
@@ -287,53 +271,27 @@ def _floor_kernel(out_ptr, stats_ptr, F, NM, n_tiles, n_groups, BLOCK_F: tl.cons
             _floor_tile(out_ptr, clip, tile, F, NM, floor, BLOCK_F, FLOOR_CHUNK)
 
 
-@triton.jit
-def _clip_resident_kernel(x_ptr, w_ptr, lo_ptr, hi_ptr, chunks_ptr, out_ptr, stats_ptr, F, NF, NM, n_tiles,
-                          BLOCK_F: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-                          PRECISION: tl.constexpr, FLAT: tl.constexpr, STATS_CHUNK: tl.constexpr,
-                          FLOOR_CHUNK: tl.constexpr, SHORT_CLIP: tl.constexpr, STATIC_NF: tl.constexpr,
-                          HW_LOG2: tl.constexpr):
-    """Clip-resident design: one program per clip computes all its tiles, then applies the floor."""
-    clip = tl.program_id(0)
-    stats = stats_ptr + clip.to(tl.int64) * n_tiles * 2
-    for tile in range(0, n_tiles):
-        tile_max, tile_min = _log_mel_tile(x_ptr, w_ptr, lo_ptr, hi_ptr, chunks_ptr, out_ptr, clip, tile, F, NF, NM,
-                                           BLOCK_F, BLOCK_M, BLOCK_K, PRECISION, FLAT, SHORT_CLIP, STATIC_NF,
-                                           HW_LOG2)
-        tl.store(stats + 2 * tile, tile_max)
-        tl.store(stats + 2 * tile + 1, tile_min)
-    # Other threads of this program wrote the statistics and the output rows read below.
-    tl.debug_barrier()
-    floor = clip_floor(stats_ptr, clip, n_tiles, STATS_CHUNK)
-    for tile in range(0, n_tiles):
-        if tl.load(stats + 2 * tile + 1) < floor:
-            _floor_tile(out_ptr, clip, tile, F, NM, floor, BLOCK_F, FLOOR_CHUNK)
-
-
 @dataclass(frozen=True)
 class PickRule:
-    """A row of PICK_TABLE: shapes with NF <= max_nf, NM <= max_nm and F >= min_f run `design`/`config`."""
+    """A row of PICK_TABLE: shapes with NF <= max_nf, NM <= max_nm and F >= min_f run `config`."""
 
     max_nf: float
     max_nm: float
     min_f: int
-    design: str
     config: Config
 
 
-# First matching row wins; the last row catches every shape. The rows follow benchmark.py's config sweep on
-# the H200: 80 bands over 201 bins are about 2.5 bins apart, so 8 of them span about one 32-bin chunk. Every
-# config named here must be in SHIPPED_CONFIGS.
+# First matching row wins; the last row catches every shape. The rows follow a config sweep on the H200: 80
+# bands over 201 bins are about 2.5 bins apart, so 8 of them span about one 32-bin chunk.
 PICK_TABLE = (
-    PickRule(max_nf=201, max_nm=80, min_f=1, design="two_pass", config=NARROW_BANDS_CONFIG),
-    PickRule(max_nf=float("inf"), max_nm=float("inf"), min_f=1, design="two_pass", config=DEFAULT_CONFIG),
+    PickRule(max_nf=201, max_nm=80, min_f=1, config=NARROW_BANDS_CONFIG),
+    PickRule(max_nf=float("inf"), max_nm=float("inf"), min_f=1, config=DEFAULT_CONFIG),
 )
 
 
-def pick(B: int, F: int, NF: int, NM: int) -> tuple[str, Config]:
-    """The design and tile config a call of this shape runs (both designs write the same values)."""
-    rule = next(r for r in PICK_TABLE if NF <= r.max_nf and NM <= r.max_nm and F >= r.min_f)
-    return rule.design, rule.config
+def pick(B: int, F: int, NF: int, NM: int) -> Config:
+    """The tile config a call of this shape runs."""
+    return next(r for r in PICK_TABLE if NF <= r.max_nf and NM <= r.max_nm and F >= r.min_f).config
 
 
 def band_plan(mel_filters: torch.Tensor, block_m: int, block_k: int,
@@ -358,16 +316,12 @@ def band_plan(mel_filters: torch.Tensor, block_m: int, block_k: int,
     return support, chunks
 
 
-def log_mel_triton(stft: torch.Tensor, mel_filters: torch.Tensor, design: str | None = None,
-                   config: Config | None = None) -> torch.Tensor:
-    """The fused log-mel of contiguous, validated inputs. `design`/`config` default to `pick(...)`."""
+def launch(stft: torch.Tensor, mel_filters: torch.Tensor, config: Config | None = None) -> torch.Tensor:
+    """The fused log-mel of contiguous, validated inputs: the band plan, the main pass and the floor, in `config`
+    (default: `pick(...)`)."""
     B, F, NF = stft.shape
     NM = mel_filters.shape[0]
-    picked_design, picked_config = pick(B, F, NF, NM)
-    design = design or picked_design
-    config = config or picked_config
-    if design not in DESIGNS:
-        raise ValueError(f"design must be one of {DESIGNS}, got {design!r}")
+    config = config or pick(B, F, NF, NM)
     x = torch.view_as_real(stft)  # (B, F, NF, 2) float32, same memory
     # The flat loop reads the chunk list, the nested loop only the support: its chunks is None, which Triton
     # takes as a constexpr, and the nested loop never reads it.
@@ -382,13 +336,9 @@ def log_mel_triton(stft: torch.Tensor, mel_filters: torch.Tensor, design: str | 
                      # The interpreter (CPU) cannot run inline PTX.
                      HW_LOG2=not triton.knobs.runtime.interpret,
                      num_warps=config.num_warps, num_stages=config.num_stages)
-    main_args = (x, mel_filters, support[0], support[1], chunks, out, stats, F, NF, NM, n_tiles)
-    if design == "two_pass":
-        _tiles_kernel[(B * n_tiles,)](*main_args, **tile_args)
-        n_groups = triton.cdiv(n_tiles, FLOOR_TILES)
-        _floor_kernel[(B * n_groups,)](out, stats, F, NM, n_tiles, n_groups, BLOCK_F=config.block_f,
-                                       STATS_CHUNK=STATS_CHUNK, FLOOR_CHUNK=FLOOR_CHUNK, FLOOR_TILES=FLOOR_TILES)
-    else:
-        _clip_resident_kernel[(B,)](*main_args, STATS_CHUNK=STATS_CHUNK, FLOOR_CHUNK=FLOOR_CHUNK,
-                                    **tile_args)
+    _stft_kernel[(B * n_tiles,)](x, mel_filters, support[0], support[1], chunks, out, stats, F, NF, NM, n_tiles,
+                                 **tile_args)
+    n_groups = triton.cdiv(n_tiles, FLOOR_TILES)
+    _stft_floor_kernel[(B * n_groups,)](out, stats, F, NM, n_tiles, n_groups, BLOCK_F=config.block_f,
+                                        STATS_CHUNK=STATS_CHUNK, FLOOR_CHUNK=FLOOR_CHUNK, FLOOR_TILES=FLOOR_TILES)
     return out

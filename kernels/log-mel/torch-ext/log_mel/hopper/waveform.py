@@ -1,6 +1,6 @@
 """Whisper's log-mel from the waveform in Gluon with mma.sync: the fast path of `whisper_log_mel` on Hopper.
 
-The DFT factors as in `triton/waveform.py` (400 = 25 x 16, n = 16 n1 + n2, k = k1 + 25 k2), but each warp runs
+The DFT factors as in `portable/waveform.py` (400 = 25 x 16, n = 16 n1 + n2, k = k1 + 25 k2), but each warp runs
 one frame at a time through both stages as [16 x 16] mma.sync products whose constant operands (the DFT tables
 and twiddles) stay in registers for the whole tile, and whose intermediate never leaves them:
 
@@ -17,7 +17,7 @@ and twiddles) stay in registers for the whole tile, and whose intermediate never
    needs only the k2 chunks its mask in the `chunk_plan` marks (20 of 80 at 80 mels, 23 of 128 at 128);
 5. after `Config.frames` frames a warp, the projection mel^T = W^T P^T: [16 bands x 16 bins] x [16 bins x frames]
    products over the block's chunks, then log10, (x + 4) / 4 and the store, and the tile's max and min of the
-   log for the floor pass (`triton.waveform`'s, shared with the Triton path).
+   log for the floor pass (`portable/floor.py`, shared with the Triton path).
 
 Precision: the DFT products take fp16 operands split into head and tail (three products, fp32-accurate while
 the operand lies in fp16's normal range): each frame's folded samples are scaled by a power of two into
@@ -37,7 +37,8 @@ from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 from .. import whisper
 from ..common.gluon_compat import barrier
-from ..triton.waveform import dft_tables, floor_pass, log10_scaled, pow2_scale, stage2_bins
+from ..portable.log10 import log10_scaled
+from ..portable.waveform import dft_tables, pow2_scale, stage2_bins
 
 N_FFT = gl.constexpr(whisper.N_FFT)
 HOP = gl.constexpr(whisper.HOP_LENGTH)
@@ -62,8 +63,6 @@ class Config:
 
 
 DEFAULT_CONFIG = Config()
-# The default and the runners-up the benchmark times and the GPU tests run.
-SHIPPED_CONFIGS = (DEFAULT_CONFIG, Config(maxnreg=None), Config(frames=16, maxnreg=168))
 
 
 @gluon.jit
@@ -302,10 +301,10 @@ def _plan(n_mels: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor
     return plan.to(device), projection.to(device)
 
 
-def whisper_log_mel_gluon(audio: torch.Tensor, lengths: torch.Tensor | None, n_mels: int, out_dtype: torch.dtype,
-                          config: Config | None = None) -> torch.Tensor:
-    """(B, n_mels, N // 160) in `out_dtype` from validated, contiguous audio (B, N) and lengths (B,) int64 on its
-    device, or None, as `triton.waveform.whisper_log_mel_triton` computes it."""
+def launch(audio: torch.Tensor, lengths: torch.Tensor | None, n_mels: int, out_dtype: torch.dtype,
+           config: Config | None = None) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """The main pass on validated, contiguous audio (B, N) and lengths (B,) int64 on its device, or None:
+    (out, stats, block_f) as `portable.waveform.launch` returns them, for `floor.launch`."""
     config = config or DEFAULT_CONFIG
     B, N = audio.shape
     F = N // HOP.value
@@ -319,5 +318,4 @@ def whisper_log_mel_gluon(audio: torch.Tensor, lengths: torch.Tensor | None, n_m
         audio, lengths, operands, twiddles, window, projection, plan, out, stats, N, F, n_mels, n_tiles,
         J=config.frames, N_BLOCKS=projection.shape[1], IS_PCM=audio.dtype == torch.int16,
         HAS_LENGTHS=lengths is not None, num_warps=config.num_warps, maxnreg=config.maxnreg)
-    floor_pass(out, stats, block_f)
-    return out
+    return out, stats, block_f

@@ -1,1 +1,0 @@
-"""Gluon kernels (Triton's explicit-layout dialect) of the fast path."""
