@@ -148,11 +148,12 @@ def source_violations(path: Path, package_modules: set[str]) -> list[str]:
 
 
 def check_sources(kernel: Kernel) -> None:
-    # A subpackage may share a third party's name (`<pkg>/triton/` holds the Triton kernels): an absolute import
-    # of that name means the third party, so only the package's other names must be imported relatively.
     own = {p.stem for p in kernel.source.glob("*.py")} | {p.name for p in kernel.source.iterdir() if p.is_dir()}
-    own = (own - ALLOWED_THIRD_PARTY) | {kernel.package, "_ops"}
-    found = [v for f in sorted(kernel.source.rglob("*.py")) for v in source_violations(f, own)]
+    # Modules are named for what they hold: one named after a third party would shadow it for its readers.
+    found = [f"{kernel.source / name}: a module named after the third-party package {name!r}"
+             for name in sorted(own & ALLOWED_THIRD_PARTY)]
+    own |= {kernel.package, "_ops"}
+    found += [v for f in sorted(kernel.source.rglob("*.py")) for v in source_violations(f, own)]
     if found:
         raise BuildError("\n".join(found))
 

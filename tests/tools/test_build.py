@@ -143,3 +143,10 @@ def test_build_rejects_stray_files(scratch):
     (scratch / "torch-ext" / "ldsa" / "op.py.orig").write_text("")
     out = run_build(scratch)
     assert out.returncode != 0 and "op.py.orig" in out.stderr and "would ship" in out.stderr, out.stderr
+
+
+def test_build_rejects_a_module_named_after_a_third_party(scratch):
+    """A subpackage named `triton/` would shadow the library for its readers: modules are named for what they hold."""
+    (scratch / "torch-ext" / "ldsa" / "portable").rename(scratch / "torch-ext" / "ldsa" / "triton")
+    out = run_build(scratch)
+    assert out.returncode != 0 and "named after the third-party package 'triton'" in out.stderr, out.stderr
