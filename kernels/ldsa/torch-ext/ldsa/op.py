@@ -82,7 +82,7 @@ def ldsa_local_attention(a_logits: torch.Tensor, v: torch.Tensor, left: int, rig
     return ldsa_forward_op(a_logits, v, left, right)
 
 
-# Call signatures (shapes, dtypes and devices of two plain tensors, the window sides and their types) that
+# Call signatures (shapes, dtypes and devices of two plain tensors, the window sides as ints) that
 # passed check_ldsa_args. The checks cost more host time than the lookup, a share of a small call's launch-bound
 # budget worth saving; a signature seen before passed them, since they read nothing else.
 _checked_signatures: set = set()
@@ -95,8 +95,12 @@ def _check_args_once(a_logits, v, left, right) -> tuple | None:
     if type(a_logits) is not torch.Tensor or type(v) is not torch.Tensor:
         check_ldsa_args(a_logits, v, left, right)  # raises for a non-tensor; subclasses are checked every call
         return None
-    signature = (a_logits.shape, v.shape, a_logits.dtype, v.dtype, a_logits.device, v.device, type(left), left,
-                 type(right), right)  # fmt: skip
+    if type(left) is not int or type(right) is not int:
+        # numpy integers (and bools, which the check refuses) are checked every call; the signatures hold ints only,
+        # which torch.compile can trace a set of
+        check_ldsa_args(a_logits, v, left, right)
+        left, right = int(left), int(right)
+    signature = (a_logits.shape, v.shape, a_logits.dtype, v.dtype, a_logits.device, v.device, left, right)
     if signature not in _checked_signatures:
         check_ldsa_args(a_logits, v, left, right)
         if len(_checked_signatures) >= MAX_CHECKED_SIGNATURES:
