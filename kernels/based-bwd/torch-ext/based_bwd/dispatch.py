@@ -60,8 +60,9 @@ BACKWARD_CONFIG_CHOICES = [BackwardConfig(chunk_registers=None), BackwardConfig(
 DEFAULT_FORWARD_CONFIG = {8: ForwardConfig(), 16: ForwardConfig(bv=64)}
 FORWARD_CONFIG_CHOICES = [ForwardConfig(), ForwardConfig(bv=64), ForwardConfig(warps=8),
                           ForwardConfig(bv=64, warps=8)]
-# The decode step: 32 columns a program (N H V / 32 programs; 273 x 32 fp32 of state, about 70 registers a thread
-# on 4 warps at K = 16); the benchmark times the others beside it.
+# The decode step: 32 columns a program on 4 warps (N H V / 32 programs; at K = 16 a program holds 273 x 32 fp32
+# of state, 128 registers a thread in the sm_90a compile, four CTAs an SM); the benchmark times the others beside
+# it.
 DEFAULT_DECODE_CONFIG = DecodeConfig()
 DECODE_CONFIG_CHOICES = [DecodeConfig(bv=16), DecodeConfig(bv=64, warps=8), DecodeConfig(warps=8),
                          DecodeConfig(bv=16, warps=2)]

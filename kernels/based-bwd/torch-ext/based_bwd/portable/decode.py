@@ -13,6 +13,8 @@ into registers (as three tiles, the constant row, the linear rows and the quadra
 runs every token on them and stores them once. A read-out sums over all P rows of a column, so columns are never
 split across programs; splitting V gives N H ceil(V / BV) programs, enough to fill the GPU at serving batch sizes.
 Each program also reads z whole (one KiB) to form the normaliser; the program of the first V tile writes the new z.
+V is a compile-time constant (a model has one or two), so that the state's offsets are immediates rather than
+registers held across the tokens.
 
 Everything is fp32 elementwise arithmetic and row sums (no matmul), so fp32, bf16 and fp16 q, k, v run the same
 code, converted to fp32 on load; o is stored in v's dtype. The new state goes to separate buffers: the V tiles of
@@ -30,11 +32,14 @@ _INV_SQRT2 = tl.constexpr(2**-0.5)
 @triton.jit
 def _decode_kernel(
     q, k, v, S_in, z_in, o, S_out, z_out,
-    T, H, V, scale,
-    K: tl.constexpr, KK: tl.constexpr, BV: tl.constexpr,
+    T, H, scale,
+    K: tl.constexpr, KK: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
 ):
-    pid_bh = tl.program_id(0)
-    pid_v = tl.program_id(1)
+    # the V tiles of one (n, h) are neighbours in launch order, so that the programs running together read whole
+    # rows of S
+    n_tiles = tl.cdiv(V, BV)
+    pid_bh = tl.program_id(0) // n_tiles
+    pid_v = tl.program_id(0) % n_tiles
     P = 1 + K + KK
     row = _sequence_row(pid_bh, T, H)
     q += row * K
@@ -52,8 +57,8 @@ def _decode_kernel(
     lin = tl.arange(0, K)
     pair = tl.arange(0, KK)
     pa, pb = pair // K, pair % K  # the quadratic row 1 + K + pair holds x_pa x_pb / sqrt(2)
-    lin_rows = (1 + lin).to(tl.int64)[:, None] * V + cols[None, :]
-    quad_rows = (1 + K + pair).to(tl.int64)[:, None] * V + cols[None, :]
+    lin_rows = (1 + lin)[:, None] * V + cols[None, :]  # int32: P V is far below 2^31
+    quad_rows = (1 + K + pair)[:, None] * V + cols[None, :]
     S0 = tl.load(S_in + cols, mask=inside, other=0.0)
     S1 = tl.load(S_in + lin_rows, mask=inside[None, :], other=0.0)
     S2 = tl.load(S_in + quad_rows, mask=inside[None, :], other=0.0)
@@ -95,6 +100,6 @@ def launch(q, k, v, S, z, o, S_out, z_out, scale: float, *, bv: int, warps: int)
     B, T, H, K = q.shape
     V = v.shape[-1]
     BV = min(bv, max(16, triton.next_power_of_2(V)))
-    _decode_kernel[(B * H, triton.cdiv(V, BV))](
-        q, k, v, S, z, o, S_out, z_out, T, H, V, scale,
-        K=K, KK=K * K, BV=BV, num_warps=warps, num_stages=1)
+    _decode_kernel[(B * H * triton.cdiv(V, BV),)](
+        q, k, v, S, z, o, S_out, z_out, T, H, scale,
+        K=K, KK=K * K, V=V, BV=BV, num_warps=warps, num_stages=1)
