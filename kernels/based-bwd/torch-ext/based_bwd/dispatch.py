@@ -96,27 +96,37 @@ def based_forward_cuda(q, k, v, scale: float):
     return portable_forward(q, k, v, scale)
 
 
-def based_decode_cuda(q, k, v, state, scale: float):
+def based_decode_cuda(q, k, v, state, scale: float, out=None):
     """(o, (S, z)) of the decode step for CUDA tensors: the fused kernel (`portable_decode`), or the reference
     where autograd records the call (a tensor requires grad under grad mode), since the kernel has no backward.
-    Neither path reads a tensor on the host or allocates by value, so a CUDA graph can capture the call."""
+    The new state goes to `out` where given (returned as the new state), else to new tensors. Neither path reads a
+    tensor on the host or allocates by value, so a CUDA graph can capture the call."""
     if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v, *state)):
-        return based_decode_reference(q, k, v, state, scale)
-    return portable_decode(q, k, v, state, scale)
+        o, new = based_decode_reference(q, k, v, state, scale)
+        return o, (new if out is None else written(new, out))
+    return portable_decode(q, k, v, state, scale, out=out)
 
 
-def portable_decode(q, k, v, state, scale: float, config: DecodeConfig | None = None):
-    """o (B, T, H, V) in v's dtype and the new state (S, z), float32 in new buffers, from the portable decode
-    kernel, for (B, T, H, K) q, k and (B, T, H, V) v with K in {8, 16}, 1 <= T <= 64, any V, and the state (S
-    (B, H, P, V), z (B, H, P)) float32, which is left as it is. `config` overrides DEFAULT_DECODE_CONFIG. CPU
-    tensors run the kernel in the Triton interpreter."""
+def written(state, out):
+    """`out` holding `state`: each tensor copied into its buffer."""
+    for buffer, x in zip(out, state):
+        buffer.copy_(x)
+    return tuple(out)
+
+
+def portable_decode(q, k, v, state, scale: float, config: DecodeConfig | None = None, out=None):
+    """o (B, T, H, V) in v's dtype and the new state (S, z), float32, from the portable decode kernel, for
+    (B, T, H, K) q, k and (B, T, H, V) v with K in {8, 16}, 1 <= T <= 64, any V, and the state (S (B, H, P, V),
+    z (B, H, P)) float32, which is left as it is. The new state goes to new tensors, or to `out`, a pair of
+    contiguous tensors like the state's sharing no memory with it (returned as the new state). `config`
+    overrides DEFAULT_DECODE_CONFIG. CPU tensors run the kernel in the Triton interpreter."""
     from .portable import decode  # triton is imported only where the kernels run
 
     cfg = config or DEFAULT_DECODE_CONFIG
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     S, z = (x.contiguous() for x in state)
     o = torch.empty_like(v)
-    S_out, z_out = torch.empty_like(S), torch.empty_like(z)
+    S_out, z_out = (torch.empty_like(S), torch.empty_like(z)) if out is None else out
     with on_device(q):
         decode.launch(q, k, v, S, z, o, S_out, z_out, scale, bv=cfg.bv, warps=cfg.warps)
     return o, (S_out, z_out)
