@@ -13,8 +13,9 @@ import torch
 from .harness import attempt, device, empty_launch_us, errors, free, gbps_row, host_latency_us, submodule, tflops_row
 
 GRADS = ("dq", "dk", "dv")
-# The decode step's serving shape (B, T, H, K, V): one token of 64 sequences (issue #52), and the latency shape.
-DECODE_SHAPE = (64, 1, 16, 16, 64)
+# The decode step's shapes (B, T, H, K, V): one token of 64 sequences (issue #52's serving shape), 16 tokens of
+# them (a draft or a prompt's tail: the token loop's cost beside the state's bytes), and the latency shape.
+DECODE_SHAPES = ((64, 1, 16, 16, 64), (64, 16, 16, 16, 64))
 DECODE_LATENCY_SHAPE = (1, 1, 16, 16, 64)
 LATENCY_CALLS, LATENCY_PASSES, LATENCY_WARMUP_S = 2000, 5, 0.5
 
@@ -195,22 +196,24 @@ def _captured(fn):
     return graph.replay
 
 
-def decode_side_by_side(kernel, bench, shape=DECODE_SHAPE, latency_shape=DECODE_LATENCY_SHAPE) -> list[dict]:
-    """The decode step's rows: throughput at `shape`, latency at `latency_shape` (tiny shapes for a CPU dry
-    run, where the kernel runs in Triton's interpreter)."""
+def decode_side_by_side(kernel, bench, shapes=DECODE_SHAPES, latency_shape=DECODE_LATENCY_SHAPE) -> list[dict]:
+    """The decode step's rows: throughput at each of `shapes`, latency at `latency_shape` (tiny shapes for a CPU
+    dry run, where the kernel runs in Triton's interpreter)."""
     run_on = device()
-    rows = _decode_rows(kernel, bench, tuple(shape), run_on)
-    free()
+    rows = []
+    for shape in shapes:
+        rows += _decode_rows(kernel, bench, tuple(shape), run_on)
+        free()
     return rows + _decode_latency_rows(kernel, tuple(latency_shape), run_on, bench)
 
 
-def side_by_side(kernel, bench, decode_shape=DECODE_SHAPE, decode_latency_shape=DECODE_LATENCY_SHAPE) -> list[dict]:
+def side_by_side(kernel, bench, decode_shapes=DECODE_SHAPES, decode_latency_shape=DECODE_LATENCY_SHAPE) -> list[dict]:
     """The decode step (`decode_side_by_side`); then at every measure shape: the backward contract (ours, fla
     forward + backward, fla's backward alone, the spec's fp32 reference), the training step (case "... step":
     ours, forward + backward through autograd, beside fla's forward + backward) and the forward alone (case
     "... forward": ours, fla's forwards). Credited FLOPs: the backward the spec's canonical_work, the forward
     half of it, the step one and a half."""
-    rows = decode_side_by_side(kernel, bench, decode_shape, decode_latency_shape)
+    rows = decode_side_by_side(kernel, bench, decode_shapes, decode_latency_shape)
     spec = bench.spec("based_backward")
     if spec is None:
         return rows
@@ -321,7 +324,7 @@ def _decode_compile_cases(dispatch):
         return label, lambda: dispatch.portable_decode(q, k, v, state, K**-0.5, config)
 
     for config in sorted(set(dispatch.DECODE_CONFIG_CHOICES) | {dispatch.DEFAULT_DECODE_CONFIG}, key=str):
-        yield decode_case(*DECODE_SHAPE, torch.bfloat16, config)
+        yield decode_case(*DECODE_SHAPES[0], torch.bfloat16, config)
     for K in (8, 16):
         for dtype in (torch.float32, torch.float16):
             yield decode_case(64, 64, 16, K, 256, dtype, dispatch.DEFAULT_DECODE_CONFIG)
