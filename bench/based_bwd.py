@@ -10,9 +10,14 @@ import importlib
 
 import torch
 
-from .harness import attempt, errors, free, submodule, tflops_row
+from .harness import attempt, device, empty_launch_us, errors, free, gbps_row, host_latency_us, submodule, tflops_row
 
 GRADS = ("dq", "dk", "dv")
+# The decode step's shapes (B, T, H, K, V): one token of 64 sequences (issue #52's serving shape), 16 tokens of
+# them (a draft or a prompt's tail: the token loop's cost beside the state's bytes), and the latency shape.
+DECODE_SHAPES = ((64, 1, 16, 16, 64), (64, 16, 16, 16, 64))
+DECODE_LATENCY_SHAPE = (1, 1, 16, 16, 64)
+LATENCY_CALLS, LATENCY_PASSES, LATENCY_WARMUP_S = 2000, 5, 0.5
 
 
 def _fla_fwd_bwd(fn):
@@ -97,18 +102,124 @@ def _step(kernel, q, k, v, do):
     return torch.autograd.grad(kernel.based_attention(*ins), ins, do)
 
 
-def side_by_side(kernel, bench) -> list[dict]:
-    """At every measure shape: the backward contract (ours, fla forward + backward, fla's backward alone, the
-    spec's fp32 reference), the training step (case "... step": ours, forward + backward through autograd,
-    beside fla's forward + backward) and the forward alone (case "... forward": ours, fla's forwards). Credited
-    FLOPs: the backward the spec's canonical_work, the forward half of it, the step one and a half."""
+def _decode_inputs(kernel, B, T, H, K, V, run_on, dtype=torch.bfloat16):
+    """q, k, v and a state (S, z) for a decode step: a state over 64 earlier random steps, through the
+    forward."""
+    gen = torch.Generator(device=run_on).manual_seed(0)
+    q, k = (torch.randn(B, T, H, K, generator=gen, device=run_on).to(dtype) for _ in range(2))
+    v = torch.randn(B, T, H, V, generator=gen, device=run_on).to(dtype)
+    prompt = [torch.randn(B, 64, H, D, generator=gen, device=run_on) for D in (K, K, V)]
+    _, state = kernel.based_forward_reference(*prompt, output_final_state=True)
+    return q, k, v, state
+
+
+def _decode_bytes(B, T, H, K, V, elt) -> int:
+    """What a decode step must move: the fp32 state (S and z) read and written, q, k, v read and o written."""
+    P = 1 + K + K * K
+    return 2 * B * H * (P * V + P) * 4 + B * T * H * (2 * K + 2 * V) * elt
+
+
+def _decode_rows(kernel, bench, shape, run_on) -> list[dict]:
+    """The decode step at `shape` (bf16 q, k, v; fp32 state): ours (`based_decode`), each other launch plan (with
+    the sweep), and the eager reference step; GB/s on `_decode_bytes`, errors of o and S against the reference
+    in float64."""
+    B, T, H, K, V = shape
+    dispatch = submodule(kernel, "dispatch")
+    case = f"decode (B,T,H,K,V)=({B},{T},{H},{K},{V}) bf16, fp32 state"
+    nbytes = _decode_bytes(B, T, H, K, V, 2)
+    q, k, v, state = _decode_inputs(kernel, B, T, H, K, V, run_on)
+    o_ref, (S_ref, _) = kernel.based_decode_reference(q.double(), k.double(), v.double(),
+                                                      tuple(x.double() for x in state))
+
+    def row(impl, fn, **extra):
+        def measure():
+            o, (S, _) = fn()
+            errs = {"err_o": bench.rel_err(o, o_ref), "err_S": bench.rel_err(S, S_ref)}
+            return gbps_row(case, impl, bench.time(fn), nbytes, bench, max(errs.values()), **errs, **extra)
+
+        return attempt(case, impl, measure)
+
+    with torch.no_grad():
+        ours = row("based-bwd triton decode", lambda: kernel.based_decode(q, k, v, state),
+                   config=str(dispatch.DEFAULT_DECODE_CONFIG))
+        rows = [ours]
+        if bench.sweep:
+            for config in dispatch.DECODE_CONFIG_CHOICES:
+                rows.append(row("based-bwd triton decode, other config",
+                                lambda: dispatch.portable_decode(q, k, v, state, K**-0.5, config),  # noqa: B023
+                                config=str(config)))
+        eager = row("eager recurrent step (based_decode_reference)",
+                    lambda: kernel.based_decode_reference(q, k, v, state))
+        rows.append(eager)
+    _speedup(ours, eager, "x_vs_eager")
+    return rows
+
+
+def _decode_latency_rows(kernel, shape, run_on, bench) -> list[dict]:
+    """Wall-clock per call at a launch-bound `shape`, back to back from Python (the best of LATENCY_PASSES
+    passes of LATENCY_CALLS calls): `based_decode`, its CUDA graph replayed, the eager reference step, and the
+    empty-launch floor of the same run; ours gets its distance to the floor and its speed-up over eager."""
+    B, T, H, K, V = shape
+    case = (f"decode latency (B,T,H,K,V)=({B},{T},{H},{K},{V}) bf16, best of {LATENCY_PASSES} x {LATENCY_CALLS} "
+            "calls from Python")
+    nbytes = _decode_bytes(B, T, H, K, V, 2)
+    q, k, v, state = _decode_inputs(kernel, B, T, H, K, V, run_on)
+    calls = {"based_decode (eager call)": lambda: kernel.based_decode(q, k, v, state)}
+    if run_on == "cuda":
+        calls["based_decode in a CUDA graph, replayed"] = _captured(lambda: kernel.based_decode(q, k, v, state))
+    calls["eager recurrent step (based_decode_reference)"] = lambda: kernel.based_decode_reference(q, k, v, state)
+    rows = {}
+    with torch.no_grad():
+        for impl, fn in calls.items():
+            us = host_latency_us(fn, run_on, LATENCY_CALLS, LATENCY_PASSES, LATENCY_WARMUP_S)
+            rows[impl] = gbps_row(case, impl, us * 1e-3, nbytes, bench, us_per_call=us, host_overhead_included=True)
+    floor = empty_launch_us(run_on, LATENCY_CALLS, LATENCY_PASSES, LATENCY_WARMUP_S)
+    ours, eager = rows["based_decode (eager call)"], rows["eager recurrent step (based_decode_reference)"]
+    ours["us_over_floor"] = ours["us_per_call"] - floor
+    _speedup(ours, eager, "x_vs_eager")
+    floor_row = {"case": case, "impl": "empty Triton kernel launch (floor)", "ms": floor * 1e-3, "metric": "us",
+                 "value": floor, "us_per_call": floor, "host_overhead_included": True}
+    return [*rows.values(), floor_row]
+
+
+def _captured(fn):
+    """fn captured once in a CUDA graph (after warm-up calls on a side stream); returns the graph's replay."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
+def decode_side_by_side(kernel, bench, shapes=DECODE_SHAPES, latency_shape=DECODE_LATENCY_SHAPE) -> list[dict]:
+    """The decode step's rows: throughput at each of `shapes`, latency at `latency_shape` (tiny shapes for a CPU
+    dry run, where the kernel runs in Triton's interpreter)."""
+    run_on = device()
+    rows = []
+    for shape in shapes:
+        rows += _decode_rows(kernel, bench, tuple(shape), run_on)
+        free()
+    return rows + _decode_latency_rows(kernel, tuple(latency_shape), run_on, bench)
+
+
+def side_by_side(kernel, bench, decode_shapes=DECODE_SHAPES, decode_latency_shape=DECODE_LATENCY_SHAPE) -> list[dict]:
+    """The decode step (`decode_side_by_side`); then at every measure shape: the backward contract (ours, fla
+    forward + backward, fla's backward alone, the spec's fp32 reference), the training step (case "... step":
+    ours, forward + backward through autograd, beside fla's forward + backward) and the forward alone (case
+    "... forward": ours, fla's forwards). Credited FLOPs: the backward the spec's canonical_work, the forward
+    half of it, the step one and a half."""
+    rows = decode_side_by_side(kernel, bench, decode_shapes, decode_latency_shape)
     spec = bench.spec("based_backward")
     if spec is None:
-        return []
+        return rows
     fla_based = importlib.import_module("fla.ops.based") if bench.optional("fla") is not None else None
     dispatch = submodule(kernel, "dispatch")
     spec_forward = spec.ref.__globals__["_based_forward"]
-    rows = []
     for shape in spec.measure_shapes:
         B, T, H, K, V = shape
         case = f"(B,T,H,K,V)=({B},{T},{H},{K},{V}) bf16"
@@ -197,3 +308,23 @@ def compile_cases(kernel, spec):
     for K in sorted({shape[3] for shape in shapes}):
         first = next(s for s in shapes if s[3] == K)
         yield case(first, torch.float32, dispatch.DEFAULT_BACKWARD_CONFIG[K])
+    yield from _decode_compile_cases(dispatch)
+
+
+def _decode_compile_cases(dispatch):
+    """The decode step: every launch plan at the issue's serving shape, one token, bf16; the default at each K,
+    dtype and the widest V with the most tokens (T only bounds a loop: one compile covers every T)."""
+
+    def decode_case(B, T, H, K, V, dtype, config):
+        q, k = (torch.empty(B, T, H, K, dtype=dtype, device="meta") for _ in range(2))
+        v = torch.empty(B, T, H, V, dtype=dtype, device="meta")
+        P = 1 + K + K * K
+        state = (torch.empty(B, H, P, V, device="meta"), torch.empty(B, H, P, device="meta"))
+        label = f"decode (B,T,H,K,V)={(B, T, H, K, V)} {str(dtype)[6:]} {config}"
+        return label, lambda: dispatch.portable_decode(q, k, v, state, K**-0.5, config)
+
+    for config in sorted(set(dispatch.DECODE_CONFIG_CHOICES) | {dispatch.DEFAULT_DECODE_CONFIG}, key=str):
+        yield decode_case(*DECODE_SHAPES[0], torch.bfloat16, config)
+    for K in (8, 16):
+        for dtype in (torch.float32, torch.float16):
+            yield decode_case(64, 64, 16, K, 256, dtype, dispatch.DEFAULT_DECODE_CONFIG)

@@ -1,5 +1,6 @@
 """What the side-by-side harnesses share: the rows they return, the errors in them, where a call runs, the
-per-call latency loop, and the Hub benchmark modules they take their workloads from.
+per-call latency loop and the empty-launch floor beside it, and the Hub benchmark modules they take their
+workloads from.
 
 A row is a dict with `case`, `impl`, `ms`, `metric` (the row's own unit: GB/s or TFLOP/s), `value`, `err` (the
 largest relative Frobenius error against the spec's reference, `rel_err`) and any further columns; an
@@ -14,6 +15,7 @@ import time
 import traceback
 
 import torch
+import triton
 
 from tools.common import REPO_ROOT
 
@@ -107,3 +109,15 @@ def host_latency_us(fn, device: str, calls: int, passes: int, warmup_s: float) -
         best = min(best, (time.perf_counter() - start) / calls * 1e6)
     return best
 
+
+
+@triton.jit
+def _empty_kernel():
+    pass
+
+
+def empty_launch_us(device: str, calls: int, passes: int, warmup_s: float) -> float:
+    """Microseconds per launch of an empty Triton kernel (one program, no arguments) from Python, timed as
+    `host_latency_us` times a call: the floor under any launch-bound call of a Triton kernel, measured in the same
+    run as the calls it stands beside."""
+    return host_latency_us(lambda: _empty_kernel[(1,)](), device, calls, passes, warmup_s)

@@ -21,6 +21,7 @@ def test_bench_kwargs_name_a_kernel_and_a_json_object():
     ("comba-bwd", {"shapes": [[8, 4096, 16, 128, 128]], "sweep_shapes": [], "seed_shapes": []}),
     ("ldsa", {"shapes": [[16, 256]], "backward_shapes": [[64, 3000]]}),
     ("log-mel", {"shapes": [[1, 3000, 201]], "sweep_shapes": []}),
+    ("based-bwd", {"decode_shapes": [[64, 1, 16, 16, 64]], "decode_latency_shape": [1, 1, 16, 16, 64]}),
 ])
 def test_side_by_side_takes_cut_down_kwargs(name, kwargs):
     """The cut-down runs `--bench-kwargs` makes bind to each harness's side_by_side (not run here)."""

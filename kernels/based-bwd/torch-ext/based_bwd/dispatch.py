@@ -1,6 +1,7 @@
 """Each call's path and plan, in one place: bf16 and fp16 CUDA tensors take the portable Triton kernels
 (`portable/`), fp32 tensors and the CPU the eager reference, and a backward with a value size V above its
-kernels' bound the reference as well. The package has no Hopper-only fast paths.
+kernels' bound the reference as well. The decode step takes its fused kernel (`portable.decode`) for every dtype
+on CUDA, the reference where autograd records it. The package has no Hopper-only fast paths.
 
 The portable forward is two stages (`states`: the forward scan, then `output`), the backward four (the forward
 scan, `grads`' dq, the reverse scan, `grads`' dk and dv); `portable_forward` and `portable_backward` launch
@@ -13,7 +14,7 @@ from typing import NamedTuple
 import torch
 
 from .common.devices import on_device
-from .reference import based_backward_reference, based_forward_reference
+from .reference import based_backward_reference, based_decode_reference, based_forward_reference
 
 
 class BackwardConfig(NamedTuple):
@@ -41,6 +42,14 @@ class ForwardConfig(NamedTuple):
     scan_warps: int = 8
 
 
+class DecodeConfig(NamedTuple):
+    """The decode step's launch plan: the V columns of S a program owns (all P rows of them, in registers across
+    the tokens) and its warps."""
+
+    bv: int = 32
+    warps: int = 4
+
+
 # The launches the public ops use, per feature size K, and the alternatives the benchmark times beside them;
 # the benchmark's H200 timings choose among them. Backward: the chunk kernels on 4 warps capped at 168
 # registers a thread (three CTAs an SM instead of two uncapped), the scans 64 V columns a program. Forward: at
@@ -51,12 +60,19 @@ BACKWARD_CONFIG_CHOICES = [BackwardConfig(chunk_registers=None), BackwardConfig(
 DEFAULT_FORWARD_CONFIG = {8: ForwardConfig(), 16: ForwardConfig(bv=64)}
 FORWARD_CONFIG_CHOICES = [ForwardConfig(), ForwardConfig(bv=64), ForwardConfig(warps=8),
                           ForwardConfig(bv=64, warps=8)]
+# The decode step: 32 columns a program on 4 warps (N H V / 32 programs; at K = 16 a program holds 273 x 32 fp32
+# of state, 128 registers a thread in the sm_90a compile, four CTAs an SM); the benchmark times the others beside
+# it.
+DEFAULT_DECODE_CONFIG = DecodeConfig()
+DECODE_CONFIG_CHOICES = [DecodeConfig(bv=16), DecodeConfig(bv=64, warps=8), DecodeConfig(warps=8),
+                         DecodeConfig(bv=16, warps=2)]
 
 
 def kernel_path(x: torch.Tensor) -> str:
     """Which implementation a call on `x` takes by device and dtype: "triton" for bf16/fp16 CUDA tensors,
     "reference" otherwise. A backward with a value size V above portable.grads.MAX_V takes the reference
-    whatever this names (`based_backward_cuda`)."""
+    whatever this names (`based_backward_cuda`); the decode step takes its kernel on fp32 CUDA tensors too
+    (`based_decode_cuda`)."""
     # The backward's fp32 mode (IEEE fp32 matmuls) fails its float64 check at K=8 on the H200, and the
     # forward's spills, so fp32 inputs take the eager reference on CUDA too.
     return "triton" if x.is_cuda and x.dtype != torch.float32 else "reference"
@@ -78,6 +94,42 @@ def based_forward_cuda(q, k, v, scale: float):
     if kernel_path(q) == "reference":
         return based_forward_reference(q, k, v, scale)
     return portable_forward(q, k, v, scale)
+
+
+def based_decode_cuda(q, k, v, state, scale: float, out=None):
+    """(o, (S, z)) of the decode step for CUDA tensors: the fused kernel (`portable_decode`), or the reference
+    where autograd records the call (a tensor requires grad under grad mode), since the kernel has no backward.
+    The new state goes to `out` where given (returned as the new state), else to new tensors. Neither path reads a
+    tensor on the host or allocates by value, so a CUDA graph can capture the call."""
+    if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v, *state)):
+        o, new = based_decode_reference(q, k, v, state, scale)
+        return o, (new if out is None else written(new, out))
+    return portable_decode(q, k, v, state, scale, out=out)
+
+
+def written(state, out):
+    """`out` holding `state`: each tensor copied into its buffer."""
+    for buffer, x in zip(out, state):
+        buffer.copy_(x)
+    return tuple(out)
+
+
+def portable_decode(q, k, v, state, scale: float, config: DecodeConfig | None = None, out=None):
+    """o (B, T, H, V) in v's dtype and the new state (S, z), float32, from the portable decode kernel, for
+    (B, T, H, K) q, k and (B, T, H, V) v with K in {8, 16}, 1 <= T <= 64, any V, and the state (S (B, H, P, V),
+    z (B, H, P)) float32, which is left as it is. The new state goes to new tensors, or to `out`, a pair of
+    contiguous tensors like the state's sharing no memory with it (returned as the new state). `config`
+    overrides DEFAULT_DECODE_CONFIG. CPU tensors run the kernel in the Triton interpreter."""
+    from .portable import decode  # triton is imported only where the kernels run
+
+    cfg = config or DEFAULT_DECODE_CONFIG
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    S, z = (x.contiguous() for x in state)
+    o = torch.empty_like(v)
+    S_out, z_out = (torch.empty_like(S), torch.empty_like(z)) if out is None else out
+    with on_device(q):
+        decode.launch(q, k, v, S, z, o, S_out, z_out, scale, bv=cfg.bv, warps=cfg.warps)
+    return o, (S_out, z_out)
 
 
 def portable_backward(q, k, v, do, scale: float, config: BackwardConfig | None = None):

@@ -1,7 +1,9 @@
 """The registered ops (backward, forward with its autograd link) and the public functions.
 
-`based_attention` with a state or packed sequences, and `based_decode`, run the eager reference on every device
-(torch ops; gradients through torch autograd); their fused CUDA path is planned.
+`based_attention` with a state or packed sequences runs the eager reference on every device (torch ops; gradients
+through torch autograd; its fused CUDA path is planned). `based_decode` is not a registered op: on CUDA it calls
+`dispatch.based_decode_cuda` (the fused decode kernel, or the reference where autograd records the call), on the
+CPU the reference.
 
 The CUDA implementations come from `dispatch`, which picks each call's path. `based_forward`'s registered autograd calls
 the registered `based_backward` op, so training goes through the same backward as a direct call, and inference
@@ -12,7 +14,7 @@ this kernel can be loaded side by side.
 import torch
 
 from ._ops import add_op_namespace_prefix
-from .dispatch import based_backward_cuda, based_forward_cuda
+from .dispatch import based_backward_cuda, based_decode_cuda, based_forward_cuda, written
 from .reference import (
     MAX_DECODE_TOKENS,
     based_backward_reference,
@@ -125,14 +127,24 @@ def based_attention(
     )
 
 
-def based_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state, scale=None):
+def based_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state, scale=None, *, out=None):
     """T new steps (1 <= T <= 64) of B sequences from their state, in recurrent form: returns o (B, T, H, V) in
-    q's dtype and the new state (S, z), float32. The given state is not modified.
+    q's dtype and the new state (S, z), float32. The given state is not modified: the new one is in new tensors,
+    or in `out`.
 
     q, k: (B, T, H, K); v: (B, T, H, V); state: the pair (S (B, H, P, V), z (B, H, P)), float32, as
     `based_attention(..., output_final_state=True)` returns it (P = 1 + K + K^2). The steps equal those of
-    `based_attention` on the same sequences. Runs the eager reference (torch ops, no host sync, so a CUDA graph
-    can capture it) on every device; differentiable through torch autograd.
+    `based_attention` on the same sequences. out: None, or a pair of contiguous float32 tensors shaped like the
+    state that shares no memory with it; the new state is written there and `out` is returned as the new state
+    (a serving loop alternates two state buffers, one CUDA graph each way, and copies nothing).
+
+    On CUDA one fused kernel launch (every dtype; the reference where autograd records the call), on the CPU the
+    eager reference; neither reads a tensor on the host or allocates by value, so a CUDA graph can capture the
+    call. Differentiable through torch autograd (the reference).
     """
-    check_decode_args(q, k, v, state, scale, MAX_DECODE_TOKENS)
-    return based_decode_reference(q, k, v, state, _resolved(q, scale))
+    check_decode_args(q, k, v, state, scale, MAX_DECODE_TOKENS, out)
+    state = tuple(state)
+    if q.is_cuda:
+        return based_decode_cuda(q, k, v, state, _resolved(q, scale), out)
+    o, new = based_decode_reference(q, k, v, state, _resolved(q, scale))
+    return o, (new if out is None else written(new, out))

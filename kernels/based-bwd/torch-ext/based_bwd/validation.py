@@ -77,10 +77,36 @@ def check_state_args(q, v, initial_state, output_final_state, cu_seqlens) -> Non
         check_state("initial_state", q, v, initial_state, N)
 
 
-def check_decode_args(q, k, v, state, scale, max_tokens: int) -> None:
-    """q, k (B, T, H, K), v (B, T, H, V) with 1 <= T <= max_tokens, and the state (S, z) of the B sequences."""
+def check_decode_args(q, k, v, state, scale, max_tokens: int, out=None) -> None:
+    """q, k (B, T, H, K), v (B, T, H, V) with 1 <= T <= max_tokens, the state (S, z) of the B sequences, and out:
+    None, or a pair of contiguous tensors like the state's that shares no memory with it or with each other."""
     check_based_args(q, k, v, scale)
     if q.shape[1] > max_tokens:
         raise ValueError(f"based_decode takes 1 to {max_tokens} new tokens (q.shape[1]), got {q.shape[1]}: "
                          "run a longer prompt through based_attention with output_final_state=True")
     check_state("state", q, v, state, q.shape[0])
+    if out is None:
+        return
+    check_state("out", q, v, out, q.shape[0])
+    for name, x in (("out[0] (S)", out[0]), ("out[1] (z)", out[1])):
+        if not x.is_contiguous():
+            raise ValueError(f"{name} must be contiguous")
+    named = [("state[0] (S)", state[0]), ("state[1] (z)", state[1]), ("out[0] (S)", out[0]), ("out[1] (z)", out[1])]
+    for i, (a_name, a) in enumerate(named):
+        for b_name, b in named[max(i + 1, 2):]:
+            if _overlap(a, b):
+                raise ValueError(f"{b_name} must not share memory with {a_name}: the new state goes to other buffers")
+
+
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the memory spans of a and b (from their lowest to their highest element) meet."""
+    if a.numel() == 0 or b.numel() == 0 or a.device != b.device:
+        return False
+
+    def span(x):
+        start = x.data_ptr()
+        last = sum((n - 1) * st for n, st in zip(x.shape, x.stride()) if st > 0) * x.element_size()
+        return start, start + last + x.element_size()
+
+    (a0, a1), (b0, b1) = span(a), span(b)
+    return a0 < b1 and b0 < a1
