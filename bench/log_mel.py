@@ -48,7 +48,8 @@ def _rows(case, impls, ref, work, bench, compile_ms=None):
 
 
 def side_by_side(kernel, bench, shapes=None, whisper_shape=WHISPER_SHAPE, sweep_shapes=None,
-                 waveform_batches=WAVEFORM_BATCHES, n_samples=30 * 16000, latency_batches=LATENCY_BATCHES) -> list[dict]:
+                 waveform_batches=WAVEFORM_BATCHES, n_samples=30 * 16000,
+                 latency_batches=LATENCY_BATCHES) -> list[dict]:
     rows = _stft_rows(kernel, bench, shapes, whisper_shape, sweep_shapes)
     rows += waveform_rows(kernel, bench, waveform_batches, n_samples)
     return rows + latency_rows(kernel, bench, latency_batches, n_samples)
