@@ -211,3 +211,33 @@ def test_cuda_graph_capture_replays_the_direct_route(lm, op):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(captured, call(x))
+
+
+@needs_cuda
+def test_cuda_cached_launches_repeat_the_first(lm):
+    """The second call of a shape runs the kernels through their kept launchers (`common.launch`): the same bits as
+    the first (through the JIT), with lengths None or a tensor, on each main pass; audio off 16-byte alignment is a
+    specialization of its own."""
+    launches = submodule(lm, "common.launch")
+    floor = submodule(lm, "portable.floor")
+    mains = [submodule(lm, "portable.waveform")]
+    if submodule(lm, "dispatch").FAST_PATHS.compiles_for("waveform-gluon", torch.device("cuda")):
+        mains.append(submodule(lm, "hopper.waveform"))
+    audio = bench.whisper_batch(3, 16000, "cuda")
+    for main in mains:
+        for lengths in (None, torch.tensor([16000, 8000, 0], device="cuda")):
+            for out_dtype in (torch.float32, torch.bfloat16):
+                def features():
+                    out, stats, block_f = main.launch(audio, lengths, 80, out_dtype)
+                    floor.launch(out, stats, block_f)
+                    return out
+
+                first = features()
+                assert torch.equal(features(), first), (main.__name__, lengths, out_dtype)
+    kept = {key[0].kernel for key in launches._compiled}
+    assert floor._floor_kernel in kept
+    assert all((getattr(m, "_waveform_kernel", None) or m._waveform_gluon_kernel) in kept for m in mains)
+    shifted = torch.empty(audio.numel() + 1, device="cuda")[1:].view(audio.shape).copy_(audio)
+    assert shifted.data_ptr() % 16 != 0
+    for _ in range(2):
+        assert torch.allclose(lm.whisper_log_mel(shifted, 80), lm.whisper_log_mel(audio, 80), rtol=0, atol=1e-5)
