@@ -10,14 +10,13 @@ import importlib
 
 import torch
 
-from .harness import attempt, device, empty_launch_us, errors, free, gbps_row, host_latency_us, submodule, tflops_row
+from .harness import attempt, device, errors, floor_row, free, gbps_row, latency_row, submodule, tflops_row
 
 GRADS = ("dq", "dk", "dv")
 # The decode step's shapes (B, T, H, K, V): one token of 64 sequences (issue #52's serving shape), 16 tokens of
 # them (a draft or a prompt's tail: the token loop's cost beside the state's bytes), and the latency shape.
 DECODE_SHAPES = ((64, 1, 16, 16, 64), (64, 16, 16, 16, 64))
 DECODE_LATENCY_SHAPE = (1, 1, 16, 16, 64)
-LATENCY_CALLS, LATENCY_PASSES, LATENCY_WARMUP_S = 2000, 5, 0.5
 
 
 def _fla_fwd_bwd(fn):
@@ -156,30 +155,23 @@ def _decode_rows(kernel, bench, shape, run_on) -> list[dict]:
 
 
 def _decode_latency_rows(kernel, shape, run_on, bench) -> list[dict]:
-    """Wall-clock per call at a launch-bound `shape`, back to back from Python (the best of LATENCY_PASSES
-    passes of LATENCY_CALLS calls): `based_decode`, its CUDA graph replayed, the eager reference step, and the
-    empty-launch floor of the same run; ours gets its distance to the floor and its speed-up over eager."""
+    """Wall-clock per call at a launch-bound `shape` (`harness.latency_row`): `based_decode`, its CUDA graph
+    replayed, the eager reference step, and the empty-launch floor of the same run; ours gets its distance to the
+    floor and its speed-up over eager."""
     B, T, H, K, V = shape
-    case = (f"decode latency (B,T,H,K,V)=({B},{T},{H},{K},{V}) bf16, best of {LATENCY_PASSES} x {LATENCY_CALLS} "
-            "calls from Python")
-    nbytes = _decode_bytes(B, T, H, K, V, 2)
+    case = f"decode latency (B,T,H,K,V)=({B},{T},{H},{K},{V}) bf16"
     q, k, v, state = _decode_inputs(kernel, B, T, H, K, V, run_on)
     calls = {"based_decode (eager call)": lambda: kernel.based_decode(q, k, v, state)}
     if run_on == "cuda":
         calls["based_decode in a CUDA graph, replayed"] = _captured(lambda: kernel.based_decode(q, k, v, state))
     calls["eager recurrent step (based_decode_reference)"] = lambda: kernel.based_decode_reference(q, k, v, state)
-    rows = {}
     with torch.no_grad():
-        for impl, fn in calls.items():
-            us = host_latency_us(fn, run_on, LATENCY_CALLS, LATENCY_PASSES, LATENCY_WARMUP_S)
-            rows[impl] = gbps_row(case, impl, us * 1e-3, nbytes, bench, us_per_call=us, host_overhead_included=True)
-    floor = empty_launch_us(run_on, LATENCY_CALLS, LATENCY_PASSES, LATENCY_WARMUP_S)
+        rows = {impl: latency_row(case, impl, fn, run_on) for impl, fn in calls.items()}
+    floor = floor_row(run_on)
     ours, eager = rows["based_decode (eager call)"], rows["eager recurrent step (based_decode_reference)"]
-    ours["us_over_floor"] = ours["us_per_call"] - floor
-    _speedup(ours, eager, "x_vs_eager")
-    floor_row = {"case": case, "impl": "empty Triton kernel launch (floor)", "ms": floor * 1e-3, "metric": "us",
-                 "value": floor, "us_per_call": floor, "host_overhead_included": True}
-    return [*rows.values(), floor_row]
+    ours["us_over_floor"] = ours["value"] - floor["value"]
+    ours["x_vs_eager"] = eager["value"] / ours["value"]
+    return [*rows.values(), floor]
 
 
 def _captured(fn):

@@ -1,11 +1,10 @@
 """What the side-by-side harnesses share: the rows they return, the errors in them, where a call runs, the
-per-call latency loop and the empty-launch floor beside it, and the Hub benchmark modules they take their
-workloads from.
+latency rows and their empty-launch floor, and the Hub benchmark modules they take their workloads from.
 
-A row is a dict with `case`, `impl`, `ms`, `metric` (the row's own unit: GB/s or TFLOP/s), `value`, `err` (the
-largest relative Frobenius error against the spec's reference, `rel_err`) and any further columns; an
-implementation that fails at a case gets an `error_row` instead, so that one anchor's failure never hides the
-other rows. `bench` is the run's `tools.gpu_bench.Bench`.
+A row is a dict with `case`, `impl`, `ms`, `metric` (the row's own unit: GB/s or TFLOP/s, or for a latency row
+"us/call" with its GPU time in `gpu_us`), `value`, `err` (the largest relative Frobenius error against the spec's
+reference, `rel_err`) and any further columns; an implementation that fails at a case gets an `error_row` instead, so
+that one anchor's failure never hides the other rows. `bench` is the run's `tools.gpu_bench.Bench`.
 """
 
 import importlib
@@ -88,19 +87,31 @@ def max_abs_err(x, ref) -> float:
     return (x.double() - ref.to(x.device).double()).abs().max().item()
 
 
-def host_latency_us(fn, device: str, calls: int, passes: int, warmup_s: float) -> float:
-    """Microseconds per call of `fn` from Python, host overhead included: `warmup_s` seconds of calls, then
-    `calls` back to back between syncs, the best of `passes` such passes (as timeit reports): on a shared GPU host
-    passes of the same launches vary widely, and the best pass is the call's own cost."""
+# The latency rows (`latency_row`): seconds of back-to-back calls before the timed passes (on a shared GPU host the
+# first few tenths of a second of launches after heavy rows run slow for every call, torch's own included), the
+# timed passes, the seconds each pass lasts (its calls from one call's time, at most MAX_LATENCY_CALLS), and the
+# calls whose kernels the profiler sums for the GPU time.
+LATENCY_WARMUP_S, LATENCY_PASSES, LATENCY_PASS_S, MAX_LATENCY_CALLS, GPU_TIME_CALLS = 0.5, 5, 0.05, 2000, 20
+LATENCY_METRIC = "us/call"
+FLOOR_CASE, FLOOR_IMPL = "latency: empty launch", "empty Triton kernel launched from Python"
+
+
+def host_latency_us(fn, device: str) -> float:
+    """Microseconds of wall-clock per call of `fn` from Python, host overhead included: LATENCY_WARMUP_S seconds of
+    calls, then calls back to back with one synchronisation at the end of each pass (as many as last about
+    LATENCY_PASS_S, at most MAX_LATENCY_CALLS), the best of LATENCY_PASSES passes (as timeit reports): on a shared
+    GPU host passes of the same launches vary widely, and the best pass is the call's own cost."""
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    warm_until = time.perf_counter() + warmup_s
-    while time.perf_counter() < warm_until:
+    calls = 0
+    warm_from = time.perf_counter()
+    while time.perf_counter() - warm_from < LATENCY_WARMUP_S or calls < 2:
         fn()
-    sync()
+        calls += 1
+    sync()  # the warm-up's time a call, with the calls still queued on the GPU when it ended
+    per_call = (time.perf_counter() - warm_from) / calls
+    calls = max(2, min(MAX_LATENCY_CALLS, int(LATENCY_PASS_S / max(per_call, 1e-9))))
     best = float("inf")
-    for _ in range(passes):
-        for _ in range(20):
-            fn()
+    for _ in range(LATENCY_PASSES):
         sync()
         start = time.perf_counter()
         for _ in range(calls):
@@ -110,14 +121,37 @@ def host_latency_us(fn, device: str, calls: int, passes: int, warmup_s: float) -
     return best
 
 
+def gpu_us(fn, device: str, calls: int = GPU_TIME_CALLS) -> float | None:
+    """Microseconds of GPU time per call of `fn`: the device time of every kernel and copy it runs, summed by the
+    profiler over `calls` calls; None on the CPU."""
+    if device != "cuda":
+        return None
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    events = profile.key_averages()
+    return sum(e.self_device_time_total for e in events if e.device_type == torch.autograd.DeviceType.CUDA) / calls
+
+
+def latency_row(case, impl, fn, device: str, **extra) -> dict:
+    """A latency row: `us/call`, the wall-clock per eager call of `fn` (`host_latency_us`; `ms` the same in
+    milliseconds), and `gpu_us`, its GPU time (`gpu_us`)."""
+    us = host_latency_us(fn, device)
+    return {"case": case, "impl": impl, "ms": us * 1e-3, "metric": LATENCY_METRIC, "value": us,
+            "gpu_us": gpu_us(fn, device), **extra}
+
+
+def floor_row(device: str) -> dict:
+    """The latency row of the empty-launch floor: a Triton kernel that does nothing, on one program, launched the
+    way the kernels' calls are timed (FLOOR_CASE, FLOOR_IMPL)."""
+    buffer = torch.zeros(1, device=device)
+    return latency_row(FLOOR_CASE, FLOOR_IMPL, lambda: _empty_kernel[(1,)](buffer), device)
+
 
 @triton.jit
-def _empty_kernel():
+def _empty_kernel(x_ptr):
+    """The floor's kernel: one tensor argument, as the timed kernels have several, and nothing done."""
     pass
-
-
-def empty_launch_us(device: str, calls: int, passes: int, warmup_s: float) -> float:
-    """Microseconds per launch of an empty Triton kernel (one program, no arguments) from Python, timed as
-    `host_latency_us` times a call: the floor under any launch-bound call of a Triton kernel, measured in the same
-    run as the calls it stands beside."""
-    return host_latency_us(lambda: _empty_kernel[(1,)](), device, calls, passes, warmup_s)

@@ -9,7 +9,7 @@ import contextlib
 
 import torch
 
-from .harness import device, free, gbps_row, host_latency_us, hub_benchmark, max_abs_err, submodule
+from .harness import device, floor_row, free, gbps_row, hub_benchmark, latency_row, max_abs_err, submodule
 
 HUB = hub_benchmark("ldsa")
 H, DH, make_inputs = HUB.H, HUB.DH, HUB.make_inputs
@@ -18,10 +18,8 @@ WINDOWS = {"causal": (14, 0), "centered": (7, 7)}
 CARD_SHAPES = [(16, 256), (16, 512), (32, 1024), (16, 2048), (32, 3000), (64, 3000)]
 BACKWARD_SHAPES = [(64, 3000)]
 COMPILE_SHAPES = [(64, 3000)]  # torch.compile(reference) anchor: compiled once per window, bf16 only
-LATENCY_SHAPE, LATENCY_CALLS, LATENCY_PASSES = (16, 256), 2000, 5
-# Seconds of back-to-back calls before a latency row's timed passes: on the shared GPU host the first few tenths
-# of a second of launches after the heavy rows run slow for every call, torch's own included.
-LATENCY_WARMUP_S = 0.5
+# The latency table's shapes (bf16, causal, forward): a streaming encoder's small window first (the bar: 8 us a call).
+LATENCY_SHAPES = [(16, 256), (16, 1024), (32, 3000), (64, 3000)]
 # The candidate sweep (every forward and backward configuration of both designs, side by side): each
 # (shape, window, dtype) here costs one compile per configuration, so the cases are few.
 SWEEP_CASES = [
@@ -106,28 +104,27 @@ def _backward_rows(kernel, bench, B, T, window, dtype, device):
     ]
 
 
-def _latency_us(fn, device) -> float:
-    return host_latency_us(fn, device, LATENCY_CALLS, LATENCY_PASSES, LATENCY_WARMUP_S)
+def _latency_case(B, T) -> str:
+    return f"latency [B,T]=[{B},{T}] H={H} Dh={DH} W=15 causal bf16 forward"
 
 
-def _latency_row(B, T, impl, us, nbytes, bench):
-    case = f"latency [B,T]=[{B},{T}] causal bf16, best of {LATENCY_PASSES} x {LATENCY_CALLS} calls from Python"
-    return gbps_row(case, impl, us * 1e-3, nbytes, bench, us_per_call=us, host_overhead_included=True)
-
-
-def _latency_rows(kernel, bench, B, T, device):
-    """Per-call time from Python, host overhead included: N calls back to back, one sync at each end."""
+def latency_rows(kernel, shapes=LATENCY_SHAPES) -> list[dict]:
+    """The latency table's rows: the empty-launch floor, then at each shape the wall-clock per eager call (calls back
+    to back, one sync at the end) and GPU time of the public op without grad (its direct launch) and of the
+    registered custom op."""
+    run_on = device()
+    rows = [floor_row(run_on)]
     left, right = WINDOWS["causal"]
-    a, v = make_inputs(B, T, left, right, torch.bfloat16, device)
-    nbytes = B * H * T * (left + right + 1 + 2 * DH) * 2
-    calls = {
-        "public op, no grad (direct launch)": lambda: kernel.ldsa_local_attention(a, v, left, right),
-        "registered custom op": lambda: kernel.op.ldsa_forward_op(a, v, left, right),
-    }
-    rows = []
-    for impl, fn in calls.items():
+    for B, T in shapes:
+        a, v = make_inputs(B, T, left, right, torch.bfloat16, run_on)
+        calls = {
+            "ldsa_local_attention, no grad": lambda: kernel.ldsa_local_attention(a, v, left, right),
+            "registered custom op": lambda: kernel.op.ldsa_forward_op(a, v, left, right),
+        }
         with torch.no_grad():
-            rows.append(_latency_row(B, T, impl, _latency_us(fn, device), nbytes, bench))
+            rows += [latency_row(_latency_case(B, T), impl, fn, run_on) for impl, fn in calls.items()]
+        del a, v
+        free()
     return rows
 
 
@@ -180,13 +177,12 @@ def _forward_default(kernels, config):
         kernels.clear_plans()
 
 
-def _design_latency_rows(kernel, bench, B, T, device):
+def _design_latency_rows(kernel, B, T, device):
     """Per-call time of each forward configuration at a small shape: the launcher called directly (no
     validation), the public op without grad (direct launch) and the registered custom op."""
     kernels = submodule(kernel, "dispatch")
     left, right = WINDOWS["causal"]
     a, v = make_inputs(B, T, left, right, torch.bfloat16, device)
-    nbytes = B * H * T * (left + right + 1 + 2 * DH) * 2
     rows = []
     for config in kernels.FORWARD_CONFIGS:
         calls = {
@@ -196,14 +192,15 @@ def _design_latency_rows(kernel, bench, B, T, device):
         }
         with _forward_default(kernels, config), torch.no_grad():
             for path, fn in calls.items():
-                rows.append(_latency_row(B, T, f"{config} via {path}", _latency_us(fn, device), nbytes, bench))
+                rows.append(latency_row(_latency_case(B, T), f"{config} via {path}", fn, device))
     return rows
 
 
-def side_by_side(kernel, bench, shapes=None, backward_shapes=None, latency_shape=None, sweep_cases=None) -> list[dict]:
+def side_by_side(kernel, bench, shapes=None, backward_shapes=None, latency_shapes=None, sweep_cases=None) -> list[dict]:
     """Every card shape plus [64, 3000], causal and centered, bf16 and fp32, with the default configuration;
-    the backward at [64, 3000]; the small-shape latency; then the candidate sweep and each configuration's
-    latency. The keyword arguments exist for a dry run at tiny shapes on the CPU."""
+    the backward at [64, 3000]; the latency table's rows (`latency_rows`); then the candidate sweep and each
+    configuration's latency at the smallest latency shape. The keyword arguments exist for a dry run at tiny shapes
+    on the CPU."""
     run_on = device()
     rows = []
     for dtype in (torch.bfloat16, torch.float32):
@@ -214,13 +211,14 @@ def side_by_side(kernel, bench, shapes=None, backward_shapes=None, latency_shape
             for B, T in backward_shapes or BACKWARD_SHAPES:
                 rows += _backward_rows(kernel, bench, B, T, window, dtype, run_on)
                 free()
-    rows += _latency_rows(kernel, bench, *(latency_shape or LATENCY_SHAPE), run_on)
+    latency_shapes = latency_shapes or LATENCY_SHAPES
+    rows += latency_rows(kernel, latency_shapes)
     if not bench.sweep:
         return rows
     for (B, T), window, dtype in sweep_cases or SWEEP_CASES:
         rows += _sweep_rows(kernel, bench, B, T, window, dtype, run_on)
         free()
-    rows += _design_latency_rows(kernel, bench, *(latency_shape or LATENCY_SHAPE), run_on)
+    rows += _design_latency_rows(kernel, *latency_shapes[0], run_on)
     return rows
 
 

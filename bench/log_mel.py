@@ -11,11 +11,12 @@ pass has real work) and batches with Whisper's Slaney filterbank (NM 80 and 128)
 
 import torch
 
-from .harness import device, free, gbps_row, hub_benchmark, max_abs_err, submodule
+from .harness import device, floor_row, free, gbps_row, hub_benchmark, latency_row, max_abs_err, submodule
 
 SPEC = "audio_mel_spectrogram_fused"
 WHISPER_SHAPE = (208, 3000, 201)  # 30 s clips, n_fft 400
 WAVEFORM_BATCHES = (16, 64, 208)  # 30-s clips a call of the waveform rows
+LATENCY_BATCHES = (1, 4, 16, 64, 208)  # 30-s clips a call of the latency table, from one request to a full batch
 whisper_batch = hub_benchmark("log-mel").whisper_batch
 
 
@@ -47,9 +48,11 @@ def _rows(case, impls, ref, work, bench, compile_ms=None):
 
 
 def side_by_side(kernel, bench, shapes=None, whisper_shape=WHISPER_SHAPE, sweep_shapes=None,
-                 waveform_batches=WAVEFORM_BATCHES, n_samples=30 * 16000) -> list[dict]:
+                 waveform_batches=WAVEFORM_BATCHES, n_samples=30 * 16000,
+                 latency_batches=LATENCY_BATCHES) -> list[dict]:
     rows = _stft_rows(kernel, bench, shapes, whisper_shape, sweep_shapes)
-    return rows + waveform_rows(kernel, bench, waveform_batches, n_samples)
+    rows += waveform_rows(kernel, bench, waveform_batches, n_samples)
+    return rows + latency_rows(kernel, bench, latency_batches, n_samples)
 
 
 def _stft_rows(kernel, bench, shapes, whisper_shape, sweep_shapes) -> list[dict]:
@@ -271,3 +274,35 @@ def waveform_rows(kernel, bench, batches=WAVEFORM_BATCHES, n_samples=30 * 16000)
         free()
     return rows
 
+
+
+def latency_rows(kernel, bench, batches=LATENCY_BATCHES, n_samples=30 * 16000) -> list[dict]:
+    """The latency table's rows: the empty-launch floor, then at each batch of 30-s clips and 80 and 128 mels the
+    wall-clock per eager call (calls back to back, one sync at the end) and GPU time of `whisper_log_mel` in fp32
+    and int16 -> bf16, of its registered custom op (the dispatch layers the public function skips), and of flashmel
+    + torch log/floor beside them (the bar: half its wall-clock at every batch, within 15 us of the floor at one
+    clip)."""
+    flashmel = bench.optional("flashmel")
+    run_on = device()
+    rows = [floor_row(run_on)]
+    for B in batches:
+        audio = whisper_batch(B, n_samples, run_on)
+        pcm = (audio * 32768).round().clamp(-32768, 32767).to(torch.int16)
+        for n_mels in (80, 128):
+            impls = {
+                "whisper_log_mel, fp32": lambda: kernel.whisper_log_mel(audio, n_mels),
+                "whisper_log_mel, int16 -> bf16": lambda: kernel.whisper_log_mel(pcm, n_mels,
+                                                                                   out_dtype=torch.bfloat16),
+                "registered custom op, fp32": lambda: kernel.op.whisper_log_mel_op(audio, None, n_mels,
+                                                                                   torch.float32),
+            }
+            if flashmel is not None:
+                _, with_log = _flashmel_log(flashmel, n_mels, run_on)
+                _, with_log_bf16 = _flashmel_log(flashmel, n_mels, run_on, torch.bfloat16)
+                impls["flashmel 0.1.0 + torch log/floor, fp32"] = lambda: with_log(audio)
+                impls["flashmel 0.1.0 + torch log/floor, int16 -> bf16"] = lambda: with_log_bf16(pcm)
+            case = f"latency B={B} N={n_samples} mels={n_mels}"
+            rows += [latency_row(case, impl, fn, run_on) for impl, fn in impls.items()]
+        del audio, pcm
+        free()
+    return rows

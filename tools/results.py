@@ -5,9 +5,9 @@
     .venv/bin/python -m tools.results show --run RUN            # one run's rows as a table
 
 A gpu_bench report (`bench/runs/<date>-<sha>.json`, or the copy the device tool brings back) gives a row per
-benchmark row and metric (`ms`, the row's own metric such as GB/s or TFLOP/s, `err` and `pct_copy` where it has them)
-and one per test count. `run`
-names the set of rows that belong together (one GPU session's comparison, say), which the cards select by.
+benchmark row and metric (`ms`, the row's own metric such as GB/s, TFLOP/s or us/call, `err`, `pct_copy` and
+`gpu_us` where it has them) and one per test count. `run` names the set of rows that belong together (one GPU
+session's comparison, say), which the cards select by.
 """
 
 import argparse
@@ -56,7 +56,8 @@ def from_report(run: str, report: dict) -> list[dict]:
             if "metric" in bench_row and "value" in bench_row:
                 rows.append(row(run, report, kernel, bench_row["case"], bench_row["impl"], bench_row["metric"],
                                 bench_row["value"]))
-            for metric in ("err", "pct_copy"):  # the max relative error against the spec; % of the copy rate
+            # the max relative error against the spec; % of the copy rate; a latency row's GPU time a call
+            for metric in ("err", "pct_copy", "gpu_us"):
                 if isinstance(bench_row.get(metric), (int, float)):
                     rows.append(row(run, report, kernel, bench_row["case"], bench_row["impl"], metric,
                                     bench_row[metric]))

@@ -54,3 +54,28 @@ def test_by_triton_takes_each_case_from_the_last_run_that_measured_it():
     table = cards.by_triton(kernel, rows)
     assert "| times from run | `new-2222222` | `old-1111111` |" in table
     assert "| X bf16, ms | 4 | 6 |" in table
+
+
+def _latency(run, case, impl, us, gpu=None, kernel="log-mel"):
+    rows = [dict(_row(run, case, impl, us * 1e-3), kernel=kernel),
+            dict(_row(run, case, impl, us), kernel=kernel, metric="us/call")]
+    return rows + ([dict(_row(run, case, impl, gpu), kernel=kernel, metric="gpu_us")] if gpu is not None else [])
+
+
+def test_latency_table_shows_the_last_run_with_the_floor_of_that_run():
+    kernel = next(k for k in all_kernels() if k.name == "log-mel")
+    assert cards.latency_table(kernel, []).startswith("No GPU run has measured the latency table yet")
+    ours, bf16 = "whisper_log_mel, fp32", "whisper_log_mel, int16 -> bf16"
+    flash, flash_bf16 = "flashmel 0.1.0 + torch log/floor, fp32", "flashmel 0.1.0 + torch log/floor, int16 -> bf16"
+    case = "latency B=1 N=480000 mels=80"
+    old = _latency("old-1111111", cards.FLOOR_CASE, "empty kernel", 1.0) + _latency("old-1111111", case, ours, 99.0)
+    new = (_latency("new-2222222", cards.FLOOR_CASE, "empty kernel", 4.0)
+           + _latency("new-2222222", case, ours, 10.0, gpu=6.0) + _latency("new-2222222", case, bf16, 8.0)
+           + _latency("new-2222222", case, flash, 40.0) + _latency("new-2222222", case, flash_bf16, 24.0)
+           + _latency("new-2222222", case, ours, 7.0, kernel="ldsa"))  # another kernel's rows stay out
+    table = cards.latency_table(kernel, old + new)
+    assert "`new-2222222`" in table and "old-1111111" not in table and "4 us a call" in table
+    lines = [x for x in table.splitlines() if x.startswith(f"| {case} |")]
+    assert lines == [f"| {case} | {ours} | 10 | 6 | 6 |  |", f"| {case} | {bf16} | 8 |  | 4 |  |",
+                     f"| {case} | {flash} | 40 |  | 36 | 4 |", f"| {case} | {flash_bf16} | 24 |  | 20 | 3 |"]
+    assert cards.FLOOR_CASE not in table.split("| case |")[1]  # the floor is named above the table, not a row

@@ -821,7 +821,7 @@ def test_cuda_cached_launch_separates_specializations(ldsa):
         shifted = torch.empty(v.numel() + 1, dtype=v.dtype, device="cuda")[1:].view(v.shape).copy_(v)
         assert shifted.data_ptr() % 16 != 0
         assert rel_err(kernels.ldsa_forward_cuda(a, shifted, 14, 0, config=config), ref) < 1e-2, config
-    assert submodule(ldsa, "portable.launch")._compiled
+    assert submodule(ldsa, "common.launch")._compiled
 
 
 @needs_cuda

@@ -25,7 +25,7 @@ from .reference import ldsa_backward_reference, ldsa_forward_reference
 if TRITON_RELEASE is not None:  # the kernels need triton
     from .hopper import band_tma
     from .portable import band
-    from .portable.launch import Launch, launch
+    from .common.launch import Launch, launch
 
     try:  # Gluon, Triton's explicit-layout dialect (its Hopper TMA and mma.sync): band-gluon
         from .hopper import band_backward, band_forward

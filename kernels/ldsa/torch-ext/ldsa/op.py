@@ -2,13 +2,14 @@
 
 Every CUDA call runs `dispatch`'s entry points (`ldsa_forward_cuda`, `ldsa_backward_cuda`), which pick the fused
 kernels or the eager reference; CPU tensors run the reference. The public function decides whether a call needs the
-registered op at all (`_launch_directly`). Every op name goes through `add_op_namespace_prefix`, so two versions of
+registered op at all (`common.direct_calls.calls_directly`). Every op name goes through `add_op_namespace_prefix`, so two versions of
 this kernel can be loaded side by side.
 """
 
 import torch
 
 from ._ops import add_op_namespace_prefix
+from .common.direct_calls import CheckedSignatures, calls_directly
 from .dispatch import ldsa_backward_cuda, ldsa_forward_cuda
 from .reference import ldsa_backward_reference, ldsa_forward_reference
 from .validation import check_grad_out, check_ldsa_args
@@ -77,16 +78,15 @@ def ldsa_local_attention(a_logits: torch.Tensor, v: torch.Tensor, left: int, rig
     signature = _check_args_once(a_logits, v, left, right)
     left, right = int(left), int(right)  # numpy integers pass the check; the registered op takes Python ints
     a_logits, v = a_logits.contiguous(), v.contiguous()
-    if _launch_directly(a_logits, v):
+    if calls_directly(a_logits, v):
         return ldsa_forward_cuda(a_logits, v, left, right, signature=signature)
     return ldsa_forward_op(a_logits, v, left, right)
 
 
-# Call signatures (shapes, dtypes and devices of two plain tensors, the window sides as ints) that
-# passed check_ldsa_args. The checks cost more host time than the lookup, a share of a small call's launch-bound
-# budget worth saving; a signature seen before passed them, since they read nothing else.
-_checked_signatures: set = set()
-MAX_CHECKED_SIGNATURES = 4096  # a bound for callers with ever-new shapes; past it the set starts over
+# Call signatures (shapes, dtypes and devices of two plain tensors, the window sides as ints) that passed
+# check_ldsa_args: the checks cost more host time than the lookup, a share of a small call's launch-bound budget
+# worth saving.
+_checked = CheckedSignatures()
 
 
 def _check_args_once(a_logits, v, left, right) -> tuple | None:
@@ -101,25 +101,7 @@ def _check_args_once(a_logits, v, left, right) -> tuple | None:
         check_ldsa_args(a_logits, v, left, right)
         left, right = int(left), int(right)
     signature = (a_logits.shape, v.shape, a_logits.dtype, v.dtype, a_logits.device, v.device, left, right)
-    if signature not in _checked_signatures:
+    if signature not in _checked:
         check_ldsa_args(a_logits, v, left, right)
-        if len(_checked_signatures) >= MAX_CHECKED_SIGNATURES:
-            _checked_signatures.clear()
-        _checked_signatures.add(signature)
+        _checked.add(signature)
     return signature
-
-
-def _launch_directly(a_logits: torch.Tensor, v: torch.Tensor) -> bool:
-    """Whether a call skips the registered op for its CUDA entry point: plain CUDA tensors, no autograd record, no
-    tracing.
-
-    The custom op's dispatch costs several microseconds per call, which matters at launch-bound sizes;
-    when nothing needs the registered op (no graph to record, no compiler or fake tensors looking), the
-    entry point it would run is called directly."""
-    return (
-        not torch.compiler.is_compiling()
-        and v.is_cuda
-        and type(v) is torch.Tensor
-        and type(a_logits) is torch.Tensor
-        and not (torch.is_grad_enabled() and (a_logits.requires_grad or v.requires_grad))
-    )

@@ -2,8 +2,9 @@
 reference (`reference.py`). `log_mel_spectrogram` on CUDA runs `portable/stft.py`. `whisper_log_mel` on CUDA runs its
 main pass in the Gluon kernel (`hopper/waveform.py`) where its row of FAST_PATHS says it is verified, and in the
 portable Triton kernel (`portable/waveform.py`) everywhere else, or after the Gluon kernel failed to compile (one
-warning, then the Triton kernel for the process); the floor pass (`portable/floor.py`) follows either. The kernels'
-modules are imported on a CUDA call's first use: they need triton."""
+warning, then the Triton kernel for the process); the floor pass (`portable/floor.py`) follows either, each stage's
+launch built once per call shape and run through the kept launcher of `common/launch.py` (no per-call argument
+binding). The kernels' modules are imported on a CUDA call's first use: they need triton."""
 
 import torch
 

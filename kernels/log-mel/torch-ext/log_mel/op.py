@@ -1,9 +1,11 @@
 """The registered ops and the public functions.
 
-CUDA tensors run the CUDA entry points of `dispatch` (the Triton and Gluon kernels, imported on first use so that
-the package imports without triton); CPU tensors run the eager reference. The op names go through
-`add_op_namespace_prefix`, so two versions of this kernel can be loaded side by side. The ops have no autograd
-formula: the public functions refuse inputs that require grad (see `validation`).
+CUDA tensors run the CUDA entry points of `dispatch` (whose stage modules, the Triton and Gluon kernels, are imported
+on first use so that the package imports without triton); CPU tensors run the eager reference. The public functions
+decide whether a call needs the registered op at all (`common.direct_calls.calls_directly`): an eager call on plain
+CUDA tensors runs the entry point directly, with the argument checks skipped for a call signature that passed them
+before. The op names go through `add_op_namespace_prefix`, so two versions of this kernel can be loaded side by
+side. The ops have no autograd formula: the public functions refuse inputs that require grad (see `validation`).
 """
 
 from collections.abc import Sequence
@@ -12,15 +14,15 @@ import torch
 
 from ._ops import add_op_namespace_prefix
 from .common.devices import on_device
+from .common.direct_calls import CheckedSignatures, calls_directly
+from .dispatch import log_mel_spectrogram_cuda, whisper_log_mel_cuda
 from .reference import log_mel_spectrogram_reference, whisper_log_mel_reference
-from .validation import check_log_mel_args, check_whisper_args
+from .validation import check_log_mel_args, check_whisper_args, lengths_on
 from .whisper import HOP_LENGTH, N_FFT
 
 
 @torch.library.custom_op(add_op_namespace_prefix("log_mel_spectrogram"), mutates_args=(), device_types="cuda")
 def log_mel_spectrogram_op(stft: torch.Tensor, mel_filters: torch.Tensor) -> torch.Tensor:
-    from .dispatch import log_mel_spectrogram_cuda
-
     with on_device(stft):
         return log_mel_spectrogram_cuda(stft, mel_filters)
 
@@ -39,8 +41,6 @@ def _(stft, mel_filters):
 @torch.library.custom_op(add_op_namespace_prefix("whisper_log_mel"), mutates_args=(), device_types="cuda")
 def whisper_log_mel_op(audio: torch.Tensor, lengths: torch.Tensor | None, n_mels: int,
                        out_dtype: torch.dtype) -> torch.Tensor:
-    from .dispatch import whisper_log_mel_cuda
-
     with on_device(audio):
         return whisper_log_mel_cuda(audio, lengths, n_mels, out_dtype)
 
@@ -67,8 +67,16 @@ def log_mel_spectrogram(stft: torch.Tensor, mel_filters: torch.Tensor) -> torch.
     never plain TF32 or bf16. Not differentiable: inputs that require grad raise ValueError
     while grad mode is on. Non-contiguous inputs are copied to contiguous ones first.
     """
-    check_log_mel_args(stft, mel_filters)
-    return log_mel_spectrogram_op(stft.contiguous(), mel_filters.contiguous())
+    signature = _spectrogram_signature(stft, mel_filters)
+    if signature is None or signature not in _checked:
+        check_log_mel_args(stft, mel_filters)
+        if signature is not None:
+            _checked.add(signature)
+    stft, mel_filters = stft.contiguous(), mel_filters.contiguous()
+    if calls_directly(stft, mel_filters):
+        with on_device(stft):
+            return log_mel_spectrogram_cuda(stft, mel_filters)
+    return log_mel_spectrogram_op(stft, mel_filters)
 
 
 def whisper_log_mel(audio: torch.Tensor, n_mels: int = 80, *, lengths: torch.Tensor | Sequence[int] | None = None,
@@ -87,5 +95,44 @@ def whisper_log_mel(audio: torch.Tensor, n_mels: int = 80, *, lengths: torch.Ten
     as tensor-core products of split 16-bit operands, fp32-accurate; in Gluon on Hopper, see `dispatch`) and a
     pass that touches only tiles the floor reaches.
     """
-    n_mels, lengths = check_whisper_args(audio, n_mels, lengths, out_dtype, N_FFT)
-    return whisper_log_mel_op(audio.contiguous(), lengths, n_mels, out_dtype)
+    signature = _whisper_signature(audio, n_mels, lengths, out_dtype)
+    if signature is None or signature not in _checked:
+        n_mels, lengths = check_whisper_args(audio, n_mels, lengths, out_dtype, N_FFT)
+        if signature is not None:
+            _checked.add(signature)
+    elif lengths is not None:
+        lengths = lengths_on(audio, lengths)
+    audio = audio.contiguous()
+    if calls_directly(audio) if lengths is None else calls_directly(audio, lengths):
+        with on_device(audio):
+            return whisper_log_mel_cuda(audio, lengths, n_mels, out_dtype)
+    return whisper_log_mel_op(audio, lengths, n_mels, out_dtype)
+
+
+# Call signatures of both public functions that passed their argument checks: the checks cost more host time than the
+# lookup, a share of a small call's launch-bound budget worth saving.
+_checked = CheckedSignatures()
+
+
+def _needs_grad(*tensors: torch.Tensor) -> bool:
+    """Whether the checks' no-grad rule applies to the call (then it raises, and the signature never passes)."""
+    return torch.is_grad_enabled() and any(x.requires_grad for x in tensors)
+
+
+def _spectrogram_signature(stft, mel_filters) -> tuple | None:
+    """What `check_log_mel_args` reads of a call, or None (checked every call) for tensor subclasses and non-tensors."""
+    if type(stft) is not torch.Tensor or type(mel_filters) is not torch.Tensor:
+        return None
+    return ("log_mel_spectrogram", stft.shape, stft.dtype, stft.device, mel_filters.shape, mel_filters.dtype,
+            mel_filters.device, _needs_grad(stft, mel_filters))
+
+
+def _whisper_signature(audio, n_mels, lengths, out_dtype) -> tuple | None:
+    """What `check_whisper_args` reads of a call whose `n_mels` is an int, `out_dtype` a dtype and `lengths` None or a
+    plain tensor, or None (checked every call) for every other call."""
+    if (type(audio) is not torch.Tensor or type(n_mels) is not int or type(out_dtype) is not torch.dtype
+            or not (lengths is None or type(lengths) is torch.Tensor)):
+        return None
+    lengths_of = None if lengths is None else (lengths.shape, lengths.dtype, lengths.device)
+    return ("whisper_log_mel", audio.shape, audio.dtype, audio.device, _needs_grad(audio), n_mels, out_dtype,
+            lengths_of)

@@ -66,7 +66,12 @@ def check_whisper_args(audio, n_mels, lengths, out_dtype, n_fft: int) -> tuple[i
         raise ValueError(f"lengths must be (B,) with B = {audio.shape[0]}, got {tuple(lengths.shape)}")
     if lengths.is_meta and not audio.is_meta:
         raise ValueError(f"lengths must hold values (a tensor on {audio.device} or the CPU), got a meta tensor")
-    return n_mels, lengths.to(device=audio.device, dtype=torch.int64)
+    return n_mels, lengths_on(audio, lengths)
+
+
+def lengths_on(audio: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """Checked `lengths` as the kernels read them: int64 on audio's device."""
+    return lengths.to(device=audio.device, dtype=torch.int64)
 
 
 def _lengths_tensor(lengths) -> torch.Tensor:

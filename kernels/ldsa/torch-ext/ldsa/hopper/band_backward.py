@@ -37,7 +37,7 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 
 from ..common import gluon_compat as compat
 from ..portable.band import round_up
-from ..portable.launch import Launch, sm_count
+from ..common.launch import Launch, sm_count
 from ..portable.window_weights import window_softmax
 from .band_mma import BLOCK, CHUNK, GL_DTYPES, HALO, WARPS, band_product, box_frames, precise_product, weight_words
 

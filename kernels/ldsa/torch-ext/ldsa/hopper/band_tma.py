@@ -12,7 +12,7 @@ import triton.language as tl
 
 from ..portable.band import pow2, round_up
 from ..portable.band import tiles as band_tiles
-from ..portable.launch import Launch, sm_count
+from ..common.launch import Launch, sm_count
 from ..portable.products import dot_float32_weights, dot_hi_lo_pairs, dot_values
 from ..portable.window_weights import hi_lo_pairs, window_softmax
 

@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import Launch
+from ..common.launch import Launch
 from .products import dot_float32_weights, dot_values
 from .window_weights import window_softmax
 

@@ -37,6 +37,7 @@ from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 from .. import whisper
 from ..common.gluon_compat import barrier
+from ..common.launch import Launch, launch as run
 from ..portable.log10 import log10_scaled
 from ..portable.waveform import dft_tables, pow2_scale, stage2_bins
 
@@ -307,15 +308,22 @@ def launch(audio: torch.Tensor, lengths: torch.Tensor | None, n_mels: int, out_d
     (out, stats, block_f) as `portable.waveform.launch` returns them, for `floor.launch`."""
     config = config or DEFAULT_CONFIG
     B, N = audio.shape
-    F = N // HOP.value
     operands, twiddles, window = dft_tables(audio.device)
     plan, projection = _plan(n_mels, audio.device)
-    block_f = config.num_warps * config.frames
-    n_tiles = triton.cdiv(F, block_f)
+    chosen = _launch_plan(B, N, n_mels, audio.dtype == torch.int16, lengths is not None, projection.shape[1], config)
+    n_tiles = chosen.ints[-1]
     stats = torch.empty(B, n_tiles, 2, dtype=torch.float32, device=audio.device)
-    out = torch.empty(B, n_mels, F, dtype=out_dtype, device=audio.device)
-    _waveform_gluon_kernel[(B * n_tiles,)](
-        audio, lengths, operands, twiddles, window, projection, plan, out, stats, N, F, n_mels, n_tiles,
-        J=config.frames, N_BLOCKS=projection.shape[1], IS_PCM=audio.dtype == torch.int16,
-        HAS_LENGTHS=lengths is not None, num_warps=config.num_warps, maxnreg=config.maxnreg)
-    return out, stats, block_f
+    out = torch.empty(B, n_mels, N // HOP.value, dtype=out_dtype, device=audio.device)
+    run(chosen, (audio, lengths, operands, twiddles, window, projection, plan, out, stats))
+    return out, stats, config.num_warps * config.frames
+
+
+@functools.cache
+def _launch_plan(B: int, N: int, n_mels: int, is_pcm: bool, has_lengths: bool, n_blocks: int,
+                 config: Config) -> Launch:  # fmt: skip
+    """The main pass's launch for a call shape, built once: its grid, integer arguments (N, F, NM, n_tiles) and
+    meta-parameters."""
+    F = N // HOP.value
+    n_tiles = triton.cdiv(F, config.num_warps * config.frames)
+    meta = dict(J=config.frames, N_BLOCKS=n_blocks, IS_PCM=is_pcm, HAS_LENGTHS=has_lengths, maxnreg=config.maxnreg)
+    return Launch(_waveform_gluon_kernel, B * n_tiles, (N, F, n_mels, n_tiles), meta, config.num_warps, config.name)

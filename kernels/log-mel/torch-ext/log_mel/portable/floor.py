@@ -2,9 +2,13 @@
 the main pass's per-tile statistics (`clip_floor`, which the STFT path's floor takes too), applied in place on the
 (B, NM, F) features only on the tiles it reaches."""
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
+
+from ..common.launch import Launch, launch as run
 
 STATS_CHUNK = 256  # tile statistics per step of the clip-maximum reduction (`clip_floor`)
 FLOOR_TILES = 2  # frame tiles a floor-pass program checks
@@ -50,8 +54,13 @@ def launch(out: torch.Tensor, stats: torch.Tensor, block_f: int) -> None:
     """The floor pass in place on out (B, NM, F), from the main pass's statistics (B, n_tiles, 2) of its tiles of
     block_f frames."""
     B, NM, F = out.shape
-    n_tiles = stats.shape[1]
+    run(_plan(B, NM, F, stats.shape[1], block_f), (out, stats))
+
+
+@functools.cache
+def _plan(B: int, NM: int, F: int, n_tiles: int, block_f: int) -> Launch:
+    """The floor pass's launch for a call shape, built once."""
     n_groups = triton.cdiv(n_tiles, FLOOR_TILES)
-    _floor_kernel[(B * n_groups,)](out, stats, F, NM, n_tiles, n_groups, BLOCK_F=block_f,
-                                   BLOCK_M=min(triton.next_power_of_2(NM), FLOOR_BANDS),
-                                   STATS_CHUNK=STATS_CHUNK, FLOOR_TILES=FLOOR_TILES)
+    meta = dict(BLOCK_F=block_f, BLOCK_M=min(triton.next_power_of_2(NM), FLOOR_BANDS), STATS_CHUNK=STATS_CHUNK,
+                FLOOR_TILES=FLOOR_TILES)
+    return Launch(_floor_kernel, B * n_groups, (F, NM, n_tiles, n_groups), meta, 4, "floor")

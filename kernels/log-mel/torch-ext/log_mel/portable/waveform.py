@@ -32,6 +32,7 @@ import triton
 import triton.language as tl
 
 from .. import whisper
+from ..common.launch import Launch, launch as run
 from .log10 import log10_scaled
 
 # Globals read inside @triton.jit functions must be constexpr; host code reads their `.value`.
@@ -262,17 +263,24 @@ def launch(audio: torch.Tensor, lengths: torch.Tensor | None, n_mels: int, out_d
     floor, stats (B, n_tiles, 2) the (max, min) of the log in each tile of block_f frames, for `floor.launch`."""
     config = config or DEFAULT_CONFIG
     B, N = audio.shape
-    F = N // HOP.value
     operands, twiddles, window = dft_tables(audio.device)
     proj = _projection(n_mels, audio.device, config.block_m)
-    n_tiles = triton.cdiv(F, config.block_f)
+    plan = _plan(B, N, n_mels, audio.dtype == torch.int16, lengths is not None, proj.shape[-1], config)
+    n_tiles = plan.ints[-1]
     stats = torch.empty(B, n_tiles, 2, dtype=torch.float32, device=audio.device)
-    out = torch.empty(B, n_mels, F, dtype=out_dtype, device=audio.device)
-    _waveform_kernel[(B * n_tiles,)](
-        audio, lengths, operands, twiddles, window, proj, out, stats, N, F, n_mels, n_tiles,
-        BLOCK_F=config.block_f, BLOCK_M=config.block_m, NM_PAD=proj.shape[-1], K_GROUPS=config.k_groups,
-        IS_PCM=audio.dtype == torch.int16, HAS_LENGTHS=lengths is not None,
-        # The interpreter (CPU) cannot run inline PTX.
-        HW_LOG2=not triton.knobs.runtime.interpret, num_warps=config.num_warps,
-        num_stages=config.num_stages)
+    out = torch.empty(B, n_mels, N // HOP.value, dtype=out_dtype, device=audio.device)
+    run(plan, (audio, lengths, operands, twiddles, window, proj, out, stats))
     return out, stats, config.block_f
+
+
+@functools.cache
+def _plan(B: int, N: int, n_mels: int, is_pcm: bool, has_lengths: bool, nm_pad: int, config: Config) -> Launch:
+    """The main pass's launch for a call shape, built once: its grid, integer arguments (N, F, NM, n_tiles) and
+    meta-parameters."""
+    F = N // HOP.value
+    n_tiles = triton.cdiv(F, config.block_f)
+    meta = dict(BLOCK_F=config.block_f, BLOCK_M=config.block_m, NM_PAD=nm_pad, K_GROUPS=config.k_groups,
+                IS_PCM=is_pcm, HAS_LENGTHS=has_lengths,
+                # The interpreter (CPU) cannot run inline PTX.
+                HW_LOG2=not triton.knobs.runtime.interpret, num_stages=config.num_stages)
+    return Launch(_waveform_kernel, B * n_tiles, (N, F, n_mels, n_tiles), meta, config.num_warps, config.name)

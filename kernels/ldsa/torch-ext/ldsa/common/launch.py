@@ -1,7 +1,9 @@
+# Generated from common/launch.py by `python -m tools.vendor`: edit that file, not this copy.
 """How a planned launch runs: the compiled kernel called without Triton's per-call argument binding, its TMA
-descriptors built on the host each call, on the tensors' CUDA device. Every kernel of the package (Triton's and
-Gluon's) launches through `launch`; the stage modules build their launches, and the dispatcher (`dispatch`) picks
-one for a call and decides what a fast path's compile failure does."""
+descriptors built on the host each call, on the tensors' CUDA device. Every kernel of a package that takes this
+module (Triton's and Gluon's) launches through `launch`; the stage modules build their launches, and the dispatcher
+(`dispatch`) picks one for a call and decides what a fast path's compile failure does. The per-call binding costs
+tens of microseconds of host time, most of a launch-bound call."""
 
 import functools
 import math
@@ -12,7 +14,7 @@ import triton
 from triton.compiler.compiler import CompiledKernel
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from ..common.fast_paths import falls_back
+from .fast_paths import falls_back
 
 try:  # Gluon's descriptors carry their shared-memory layout (band-gluon)
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor
@@ -22,9 +24,10 @@ except ImportError:  # a Triton without Gluon plans no Gluon launch
 
 class Launch:
     """One kernel launch of a call shape: the kernel, its grid (programs), its integer arguments (they follow
-    its tensor arguments), meta-parameters and warps. Built by a stage module's launch once per shape (the
-    dispatcher caches the launch of a call) and compared by identity, so the compiled-kernel cache keys on the
-    object itself (and keeps it alive)."""
+    its tensor arguments, of which any may be None where the kernel takes an optional tensor), meta-parameters
+    (the kernel's constexpr arguments, and launch options such as num_stages or maxnreg) and warps. Built by a
+    stage module's launch once per shape (cached by the stage module or the dispatcher) and compared by identity,
+    so the compiled-kernel cache keys on the object itself (and keeps it alive)."""
 
     __slots__ = ("kernel", "programs", "ints", "meta", "num_warps", "config", "arguments", "fast_path")
 
@@ -37,7 +40,7 @@ class Launch:
         self.config, self.arguments, self.fast_path = config, arguments, fast_path
 
 
-# Launchers of compiled kernels by (Launch, device, each tensor's dtype and 16-byte alignment): see `launch`.
+# Launchers of compiled kernels by (Launch, device, each tensor's dtype and 16-byte alignment or None): see `launch`.
 _compiled: dict = {}
 
 
@@ -47,13 +50,13 @@ def launch(plan: Launch, tensors: tuple) -> Exception | None:
     path's first launch of a specialization fails to compile (`fast_paths.falls_back`), for the dispatcher to
     switch the path off and plan again. Other errors are raised.
 
-    The first launch of a specialization (the tensors' dtypes and 16-byte alignment; the Launch fixes the
-    integers) goes through the JIT and keeps its CompiledKernel; later ones call its launcher directly, the
+    The first launch of a specialization (the tensors' dtypes and 16-byte alignment, or None; the Launch fixes
+    the integers) goes through the JIT and keeps its CompiledKernel; later ones call its launcher directly, the
     arguments in the kernel's parameter order. While a launch hook is registered (Triton's profiler) every
     launch takes the JIT path; under the interpreter nothing is kept. TMA descriptors hold the data pointers,
     so they are built each call: checked ones for the JIT, `_HostDescriptor`s for the launcher."""
     device = tensors[0].device.index
-    key = (plan, device, *[(t.dtype, t.data_ptr() % 16 == 0) for t in tensors])
+    key = (plan, device, *[None if t is None else (t.dtype, t.data_ptr() % 16 == 0) for t in tensors])
     hit = _compiled.get(key)
     fast = hit is not None and not triton.knobs.runtime.launch_enter_hook.calls
     if plan.arguments is not None:
@@ -69,7 +72,7 @@ def launch(plan: Launch, tensors: tuple) -> Exception | None:
         if plan.fast_path is None or not falls_back(error):
             raise
         return error
-    if isinstance(compiled, CompiledKernel):
+    if isinstance(compiled, CompiledKernel) and device is not None:  # meta tensors (offline compiles): not kept
         constexprs = tuple(plan.meta[name] for name in plan.kernel.arg_names[len(tensors) + len(plan.ints) :])
         stream_of = triton.runtime.driver.active.get_current_stream
         trailing = (*plan.ints, *constexprs)

@@ -1,0 +1,100 @@
+"""The host path of `ldsa_local_attention`: an eager call on plain CUDA tensors without autograd runs
+`ldsa_forward_cuda` without the registered op (`common.direct_calls.calls_directly`), its argument checks skipped
+for a call signature that passed them before. On the CPU the direct route is taken by patching the decision, and runs
+the Triton kernels under the interpreter."""
+
+import pytest
+import torch
+
+from testkit import HAS_CUDA, load, needs_cuda, needs_triton, rel_err, submodule
+
+DEVICE = "cuda" if HAS_CUDA else "cpu"
+
+
+@pytest.fixture(scope="module")
+def ldsa():
+    return load("ldsa")
+
+
+@pytest.fixture
+def direct(ldsa, monkeypatch):
+    """The op module with every call routed directly to the entry point, the registered op refusing to run."""
+    op = submodule(ldsa, "op")
+    monkeypatch.setattr(op, "calls_directly", lambda *tensors: True)
+
+    def refuse(*args):
+        raise AssertionError("the registered op ran")
+
+    monkeypatch.setattr(op, "ldsa_forward_op", refuse)
+    return op
+
+
+def make(B, H, Dh, T, left, right, dtype=torch.float32, device=DEVICE):
+    g = torch.Generator().manual_seed(0)
+    a = (2 * torch.randn(B, H, left + right + 1, T, generator=g)).to(device, dtype)
+    v = torch.randn(B, H, Dh, T, generator=g).to(device, dtype)
+    return a, v
+
+
+def float64_window(a_logits, v, left, right):
+    """out = einsum over the unfolded window, in float64."""
+    a = torch.softmax(a_logits.double().cpu(), dim=2)
+    windows = torch.nn.functional.pad(v.double().cpu(), (left, right)).unfold(-1, left + right + 1, 1)
+    return torch.einsum("bhkt,bhdtk->bhdt", a, windows)
+
+
+@needs_triton
+def test_direct_route_runs_the_entry_point(ldsa, direct):
+    a, v = make(1, 2, 16, 40, 3, 2, torch.bfloat16)
+    out = ldsa.ldsa_local_attention(a, v, 3, 2)
+    assert out.dtype == torch.bfloat16 and rel_err(out.cpu(), float64_window(a, v, 3, 2)) < 1e-2
+
+
+BAD = [
+    (lambda a, v: (a.double(), v, 2, 1), TypeError, "a_logits"),
+    (lambda a, v: (a, v[..., :-1], 2, 1), ValueError, "v must be"),
+    (lambda a, v: (a, v, 2, 2), ValueError, "W=4 must equal left \\+ right \\+ 1 = 5"),
+    (lambda a, v: (a, v, True, 1), TypeError, "left must be an int"),
+    (lambda a, v: (a, v, 2, 1.0), TypeError, "right must be an int"),
+]
+
+
+@pytest.mark.kernels_ci
+@pytest.mark.parametrize("bad,exc,match", BAD)
+def test_direct_route_raises_as_the_op_does(ldsa, direct, bad, exc, match):
+    """With the good call's signature remembered, a bad one of the same tensors still raises the checks' error."""
+    a, v = make(1, 2, 8, 16, 2, 1, device="cpu")
+    submodule(ldsa, "op")._check_args_once(a, v, 2, 1)
+    with pytest.raises(exc, match=match):
+        ldsa.ldsa_local_attention(*bad(a, v))
+
+
+@pytest.mark.kernels_ci
+def test_a_signature_seen_before_skips_the_checks(ldsa, monkeypatch):
+    """Every change the checks read (dtype, shape, device, window) checks again; the same call does not."""
+    op = submodule(ldsa, "op")
+    count = []
+    check = op.check_ldsa_args
+    monkeypatch.setattr(op, "check_ldsa_args", lambda *args: count.append(1) or check(*args))
+    monkeypatch.setattr(op, "_checked", type(op._checked)())
+    a, v = make(1, 2, 8, 16, 2, 1, device="cpu")
+    calls = [(a, v, 2, 1), (a.half(), v, 2, 1), (a, v.half(), 2, 1), (a[..., :8], v[..., :8], 2, 1),
+             (a.to("meta"), v.to("meta"), 2, 1), (a, v, 1, 2)]
+    for i, args in enumerate(calls):
+        for _ in range(2):
+            op._check_args_once(*args)
+        assert len(count) == i + 1
+
+
+@needs_cuda
+def test_cuda_graph_capture_replays_the_direct_route(ldsa):
+    a, v = make(16, 8, 64, 256, 14, 0, torch.bfloat16)
+    ldsa.ldsa_local_attention(a, v, 14, 0)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = ldsa.ldsa_local_attention(a, v, 14, 0)
+    v.copy_(v.flip(0))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, ldsa.ldsa_local_attention(a, v, 14, 0))
