@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from test_model_interface import ORDERS, model_inputs, pack, recurrence64
-from testkit import load, rel_err
+from testkit import HAS_CUDA, load, needs_cuda, needs_triton, rel_err, submodule
 
 
 @pytest.fixture(scope="module")
@@ -85,3 +85,107 @@ def test_decode_limits(comba):
         comba.comba_decode(*packed, state.expand(2, -1, -1, -1).contiguous(), cu_seqlens=offsets)
     with pytest.raises(ValueError, match="state must be \\(N, HV, K, V\\)"):
         comba.comba_decode(*[t[:, :1] for t in x], state[:, :, :4])
+
+
+# ---------------------------------------------------------------- the fused decode kernel (portable/decode.py)
+
+# The kernel runs on the GPU, or on CPU tensors under Triton's interpreter.
+DEVICE = "cuda" if HAS_CUDA else "cpu"
+
+
+@pytest.fixture(scope="module")
+def decode(comba):
+    pytest.importorskip("triton")
+    return submodule(comba, "portable.decode")
+
+
+@pytest.fixture(scope="module")
+def dispatch(comba):
+    return submodule(comba, "dispatch")
+
+
+def on(device, x, state=None):
+    return [t.to(device) for t in x], (None if state is None else state.to(device))
+
+
+def launch(decode, x, state, scale=None, cu_seqlens=None, l2norm=False, order="decay_first", block=8, N=None):
+    """The kernel's outputs, o and the new state, into NaN-filled tensors (so that a slice it leaves unwritten
+    shows)."""
+    q, k, v, p, beta, g = x
+    N = N or (q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1)
+    o = torch.full_like(v, float("nan"))
+    new = torch.full((N, v.shape[2], q.shape[-1], v.shape[-1]), float("nan"), device=q.device)
+    decode.launch(q, k, v, p, beta, g, state, o, new, q.shape[-1] ** -0.5 if scale is None else scale, cu_seqlens,
+                  l2norm, order == "fla", block)
+    return o, new
+
+
+@needs_triton
+@pytest.mark.kernels_ci
+@pytest.mark.parametrize("l2norm", [False, True])
+@pytest.mark.parametrize("order", ORDERS)
+@pytest.mark.parametrize("T", [1, 5, 64])
+def test_decode_kernel_matches_float64(decode, T, order, l2norm):
+    """K = 64 and V = 16 in two blocks of 8, two value heads on one query head, a carried state: o and the final state
+    against the float64 recurrence; the carried state is only read."""
+    x, state = on(DEVICE, *model_inputs(2 if T < 64 else 1, T, 1, 2, 64, 16, seed=50 + T, unit_keys=not l2norm))
+    before = state.clone()
+    o, new = launch(decode, x, state, 0.7, l2norm=l2norm, order=order)
+    o64, f64 = recurrence64(*x, 0.7, state, order, l2norm)
+    assert rel_err(o, o64) < 1e-5 and rel_err(new, f64) < 1e-5
+    assert torch.equal(state, before)
+
+
+@needs_triton
+@pytest.mark.kernels_ci
+def test_decode_kernel_packed_sequences_and_zero_state(decode):
+    """Packed sequences of 3, 0, 5 and 1 tokens (cu_seqlens, B = 1), from a state and from zeros (state None): each
+    sequence as its own float64 recurrence; an empty sequence keeps its state."""
+    lengths = [3, 0, 5, 1]
+    x, state = model_inputs(4, 5, 1, 2, 64, 16, seed=60)
+    (packed, offsets), state = pack(x, lengths), state.to(DEVICE)
+    packed, offsets = [t.to(DEVICE) for t in packed], offsets.to(DEVICE)
+    for start in (state, None):
+        o, new = launch(decode, packed, start, cu_seqlens=offsets, order="fla")
+        s0 = torch.zeros_like(state) if start is None else start
+        assert torch.equal(new[1], s0[1])
+        for i, n in enumerate(lengths):
+            if n:
+                a = offsets[i].item()
+                o64, f64 = recurrence64(*[t[i:i + 1, :n] for t in x], None, s0[i:i + 1].cpu(), "fla")
+                assert rel_err(o[:, a:a + n], o64) < 1e-5 and rel_err(new[i:i + 1], f64) < 1e-5
+
+
+@needs_triton
+@pytest.mark.kernels_ci
+def test_decode_kernel_follows_the_non_finite_rule(comba, decode):
+    """A NaN in one v channel of value head 0 (in the V block other than channel 0's), an inf in q of query head 1
+    (value heads 2 and 3), and g = -inf (a reset, not an error) in value head 1: the kernel gives the recurrent
+    reference's outputs and states, NaN where it has them."""
+    x, state = model_inputs(1, 4, 2, 4, 64, 16, seed=61)
+    x[2][0, 1, 0, 12] = float("nan")
+    x[0][0, 2, 1, 3] = float("inf")
+    x[5][0, 1, 1] = float("-inf")
+    ref_o, ref_s = comba.comba_decode_reference(*x, state)
+    o, new = launch(decode, *on(DEVICE, x, state))
+    for got, ref in ((o, ref_o), (new, ref_s)):
+        assert torch.equal(got.isnan().cpu(), ref.isnan())
+        assert rel_err(got.nan_to_num().cpu(), ref.nan_to_num()) < 1e-5
+    assert o[0, :1, 0].isfinite().all() and o[0, 1:, 0].isnan().all() and o[0, :, 1].isfinite().all()
+    assert o[0, :2, 2:].isfinite().all() and o[0, 2:, 2:].isnan().all() and new[0, 1].isfinite().all()
+
+
+@needs_triton
+@pytest.mark.kernels_ci
+def test_decode_cuda_entry_takes_the_kernel_or_the_reference(comba, dispatch, monkeypatch):
+    """`comba_decode_cuda`: bf16 inputs at K = V = 64 run the kernel (o bf16, the state float32), against float64 of the
+    same bf16 inputs; a size the kernel does not take (V = 16) runs the reference."""
+    x, state = model_inputs(2, 3, 1, 2, 64, 64, seed=62, unit_keys=False)
+    x = [t.to(DEVICE, torch.bfloat16) for t in x[:5]] + [x[5].to(DEVICE)]
+    o, new = dispatch.comba_decode_cuda(*x, state.to(DEVICE), None, None, True, "decay_first")
+    assert o.dtype == torch.bfloat16 and new.dtype == torch.float32
+    o64, f64 = recurrence64(*x, None, state, "decay_first", True)
+    assert rel_err(o, o64) < 1e-2 and rel_err(new, f64) < 1e-5
+    small, small_state = on(DEVICE, *model_inputs(1, 2, 1, 1, 64, 16, seed=63))
+    monkeypatch.setattr(dispatch, "comba_decode_reference", lambda *a, **kw: "reference")
+    assert dispatch.comba_decode_cuda(*small, small_state, None, None, False, "fla") == "reference"
