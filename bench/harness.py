@@ -1,5 +1,5 @@
 """What the side-by-side harnesses share: the rows they return, the errors in them, where a call runs, the
-per-call latency loop, and the Hub benchmark modules they take their workloads from.
+per-call latency loop and its floor (an empty kernel's launch), and the Hub benchmark modules they take their workloads from.
 
 A row is a dict with `case`, `impl`, `ms`, `metric` (the row's own unit: GB/s or TFLOP/s), `value`, `err` (the
 largest relative Frobenius error against the spec's reference, `rel_err`) and any further columns; an
@@ -14,6 +14,7 @@ import time
 import traceback
 
 import torch
+import triton
 
 from tools.common import REPO_ROOT
 
@@ -107,3 +108,15 @@ def host_latency_us(fn, device: str, calls: int, passes: int, warmup_s: float) -
         best = min(best, (time.perf_counter() - start) / calls * 1e6)
     return best
 
+
+
+@triton.jit
+def _empty_kernel(x):
+    pass
+
+
+def empty_launch(device: str):
+    """A call that launches an empty Triton kernel of one program on `device`: the floor of a latency row, the
+    host's and the driver's cost of any launch from Python."""
+    x = torch.empty(1, device=device)
+    return lambda: _empty_kernel[(1,)](x)

@@ -33,10 +33,11 @@ EPS = tl.constexpr(L2NORM_EPS)
 DECODE_K = (64, 128, 256)
 DECODE_V = (64, 128, 256, 512)
 DECODE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-# A program's state slice, K * BV fp32 values, over 4 warps: 64 registers a thread (BV = 32 at K = 256, 64 at
-# K = 128, 128 at K = 64), so that the slice, the loaded rows and the reductions fit without spilling.
+# A program's state slice, K * BV = SLICE fp32 values (BV = 16 at K = 256, 32 at K = 128, 64 at K = 64), over 4 warps:
+# 128 registers a thread with the q, k and p rows and the reductions, no spill (sm_90a), so that four CTAs share an
+# SM and keep 64 KB of state loads in flight on it; twice the slice (or 8 warps) leaves two CTAs an SM.
 DECODE_WARPS = 4
-SLICE = 8192
+SLICE = 4096
 
 
 def block_v(K: int, V: int) -> int:
@@ -108,10 +109,11 @@ def _decode_kernel(q, k, v, p, beta, g, state, new_state, o, offsets, scale, T, 
 
 
 def launch(q, k, v, p, beta, g, state, o, new_state, scale: float, cu_seqlens=None, use_qk_l2norm=False,
-           read_first=False, block=None):
+           read_first=False, block=None, warps=DECODE_WARPS):
     """o (B, T, HV, V) and new_state (N, HV, K, V) float32 of contiguous inputs q, k, p (B, T, H, K), v (B, T, HV, V),
     beta, g (B, T, HV), the carried state (N, HV, K, V) float32 or None (zeros) and cu_seqlens (N + 1,) or None
-    (N = B). `block` overrides the V block (`block_v`), a power of two dividing V."""
+    (N = B). `block` (a power of two dividing V) and `warps` override the V block (`block_v`) and DECODE_WARPS: the
+    tests' small blocks, the harness's sweep."""
     T, H, K = q.shape[1:]
     HV, V = v.shape[2], v.shape[3]
     N = new_state.shape[0]
@@ -119,4 +121,4 @@ def launch(q, k, v, p, beta, g, state, o, new_state, scale: float, cu_seqlens=No
     _decode_kernel[(N * HV * (V // BV),)](
         q, k, v, p, beta, g, state, new_state, o, cu_seqlens, scale, T, H=H, HV=HV,
         K=K, V=V, BV=BV, HAS_STATE=state is not None, VARLEN=cu_seqlens is not None, L2NORM=use_qk_l2norm,
-        READ_FIRST=read_first, num_warps=DECODE_WARPS, num_stages=1)
+        READ_FIRST=read_first, num_warps=warps, num_stages=1)
