@@ -46,7 +46,7 @@ LATENCY_CALLS, LATENCY_PASSES, LATENCY_WARMUP_S = 2000, 5, 0.5
 FLA_DECODE = "fla 0.6.0 fused_recurrent_comba"
 # The decode kernel's (V block, warps) candidates the sweep times at DECODE_SHAPE beside the shipped plan
 # (portable/decode.py: block_v, DECODE_WARPS).
-DECODE_SWEEP = [(8, 4), (16, 4), (32, 4), (16, 8), (32, 8), (64, 8)]
+DECODE_SWEEP = [(8, 1), (16, 1), (8, 2), (16, 2), (16, 4), (32, 4), (32, 8)]
 
 FLA_STEP = "fla 0.6.0 chunk_comba fwd+bwd (p'=exp(g)p bf16, guard lifted)"
 FLA_FORWARD = "fla 0.6.0 chunk_comba forward (p'=exp(g)p bf16, guard lifted)"

@@ -33,11 +33,12 @@ EPS = tl.constexpr(L2NORM_EPS)
 DECODE_K = (64, 128, 256)
 DECODE_V = (64, 128, 256, 512)
 DECODE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-# A program's state slice, K * BV = SLICE fp32 values (BV = 16 at K = 256, 32 at K = 128, 64 at K = 64), over 4 warps:
-# 128 registers a thread with the q, k and p rows and the reductions, no spill (sm_90a), so that four CTAs share an
-# SM and keep 64 KB of state loads in flight on it; twice the slice (or 8 warps) leaves two CTAs an SM.
-DECODE_WARPS = 4
-SLICE = 4096
+# A program's state slice, K * BV = SLICE fp32 values (BV = 8 at K = 256, 16 at K = 128, 32 at K = 64), in one warp:
+# its reductions over K stay in the warp (shuffles, no barrier), and at about 128 registers a thread, no spill
+# (sm_90a), sixteen CTAs share an SM and keep 128 KB of state loads in flight on it, where 4 warps with twice the
+# slice keep 96 KB (three CTAs) and 4 warps with this slice 64 KB (four CTAs).
+DECODE_WARPS = 1
+SLICE = 2048
 
 
 def block_v(K: int, V: int) -> int:
@@ -77,9 +78,12 @@ def _decode_kernel(q, k, v, p, beta, g, state, new_state, o, offsets, scale, T, 
     rk = tl.arange(0, K)
     cv = iv * BV + tl.arange(0, BV)
     rv = tl.arange(0, V)
-    slice_at = (nh.to(tl.int64) * K + rk[:, None]) * V + cv[None, :]
+    # The head's offset in 64 bits, a scalar; the slice's in 32 bits, which stay live over the token loop for the
+    # store (64-bit offsets of every element would take twice the registers of the slice itself).
+    head = nh.to(tl.int64) * K * V
+    slice_at = rk[:, None] * V + cv[None, :]
     if HAS_STATE:
-        S = tl.load(state + slice_at)
+        S = tl.load(state + head + slice_at)
     else:
         S = tl.zeros([K, BV], dtype=tl.float32)
     poison = tl.zeros([BV], dtype=tl.float32)
@@ -105,7 +109,7 @@ def _decode_kernel(q, k, v, p, beta, g, state, new_state, o, offsets, scale, T, 
         ot = d * b + tl.sum(kt * qt, axis=0) * u + poison
         tl.store(o + row + cv, ot.to(o.dtype.element_ty))
         S = d * S + kt[:, None] * u[None, :]
-    tl.store(new_state + slice_at, S + poison[None, :])
+    tl.store(new_state + head + slice_at, S + poison[None, :])
 
 
 def launch(q, k, v, p, beta, g, state, o, new_state, scale: float, cu_seqlens=None, use_qk_l2norm=False,
