@@ -338,15 +338,19 @@ def compile_cases(kernel, spec):
 
         return f"(B,T,H,K,V)={shape} portable backward", stages
 
-    def decode_case(B, T, H, HV, K, V, dtype, read_order, l2norm):
-        q, k, p = (torch.empty(B, T, H, K, dtype=dtype, device="meta") for _ in range(3))
-        v = torch.empty(B, T, HV, V, dtype=dtype, device="meta")
-        beta = torch.empty(B, T, HV, dtype=dtype, device="meta")
-        g = torch.empty(B, T, HV, dtype=torch.float32, device="meta")
-        state = torch.empty(B, HV, K, V, dtype=torch.float32, device="meta")
+    def decode_case(B, T, H, HV, K, V, dtype, read_order, l2norm, packed=False):
+        """A decode call; `packed`: B sequences of one token packed by cu_seqlens (fla's generate()), from zeros."""
+        rows, steps = (1, B) if packed else (B, T)
+        q, k, p = (torch.empty(rows, steps, H, K, dtype=dtype, device="meta") for _ in range(3))
+        v = torch.empty(rows, steps, HV, V, dtype=dtype, device="meta")
+        beta = torch.empty(rows, steps, HV, dtype=dtype, device="meta")
+        g = torch.empty(rows, steps, HV, dtype=torch.float32, device="meta")
+        state = None if packed else torch.empty(B, HV, K, V, dtype=torch.float32, device="meta")
+        offsets = torch.empty(B + 1, dtype=torch.int32, device="meta") if packed else None
         label = (f"decode (B,T,H,HV,K,V)={(B, T, H, HV, K, V)} {str(dtype).removeprefix('torch.')} {read_order}"
-                 + " l2norm" * l2norm)
-        return label, lambda: dispatch.comba_decode_cuda(q, k, v, p, beta, g, state, None, None, l2norm, read_order)
+                 + " l2norm" * l2norm + " packed, no state" * packed)
+        return label, lambda: dispatch.comba_decode_cuda(q, k, v, p, beta, g, state, None, offsets, l2norm,
+                                                         read_order)
 
     shapes = spec(SPEC).measure_shapes
     for shape in shapes:
@@ -355,6 +359,7 @@ def compile_cases(kernel, spec):
     yield decode_case(B, 1, H, H, K, V, torch.bfloat16, "fla", True)
     yield decode_case(B, 1, H, H, K, V, torch.bfloat16, "decay_first", False)
     yield decode_case(B, 64, H, 2 * H, K, V, torch.float32, "fla", True)
+    yield decode_case(B, 1, H, H, K, V, torch.bfloat16, "fla", True, packed=True)
     for K, V in ((128, 256), (64, 64)):
         yield decode_case(8, 1, 4, 8, K, V, torch.float16, "fla", True)
     for K in sorted({shape[3] for shape in shapes}):
