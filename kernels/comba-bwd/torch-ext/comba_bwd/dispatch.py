@@ -15,6 +15,7 @@ from typing import NamedTuple
 
 import torch
 
+from .common.devices import on_device
 from .common.fast_paths import FastPath, FastPaths, falls_back
 from .recurrent import comba_decode_reference
 from .reference import resolve_scale
@@ -125,9 +126,11 @@ def comba_decode_cuda(q, k, v, p, beta, g, state, scale, cu_seqlens, use_qk_l2no
         return comba_decode_reference(q, k, v, p, beta, g, state, scale, cu_seqlens=cu_seqlens,
                                       use_qk_l2norm=use_qk_l2norm, read_order=read_order)
     q, k, v, p, beta, g = (x.contiguous() for x in (q, k, v, p, beta, g))
+    state, cu_seqlens = (None if x is None else x.contiguous() for x in (state, cu_seqlens))
     N = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
     o = torch.empty_like(v)
     new_state = torch.empty(N, v.shape[2], K, V, dtype=torch.float32, device=q.device)
-    decode.launch(q, k, v, p, beta, g, None if state is None else state.contiguous(), o, new_state,
-                  resolve_scale(scale, K), cu_seqlens, use_qk_l2norm, read_order == "fla")
+    with on_device(q):
+        decode.launch(q, k, v, p, beta, g, state, o, new_state, resolve_scale(scale, K), cu_seqlens, use_qk_l2norm,
+                      read_order == "fla")
     return o, new_state
