@@ -184,7 +184,7 @@ def _decode_rows(kernel, bench, shape, device) -> list[dict]:
     case = "decode T=1 (B,H,K,V)=" + ",".join(map(str, shape)) + " bf16, fla order, q/k/p l2norm"
     rows = []
     for impl, call in _decode_calls(kernel, bench, x, state).items():
-        def measure(call=call, impl=impl):
+        def measure(call=call):
             errs = errors(bench, ("o", "state"), call(), ref)
             return gbps_row(case, impl, bench.time(call), nbytes, bench, **errs)
 
@@ -216,20 +216,43 @@ def _decode_sweep_rows(kernel, bench, case, x, state, ref, nbytes) -> list[dict]
     return rows
 
 
+def _graph_replay(call):
+    """`call` captured in a CUDA graph at its first use (after a warm-up call on a side stream that compiles it), then
+    that graph's replay."""
+    graphs = []
+
+    def replay():
+        if not graphs:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                call()
+            torch.cuda.current_stream().wait_stream(side)
+            graphs.append(torch.cuda.CUDAGraph())
+            with torch.cuda.graph(graphs[0]):
+                call()
+        graphs[0].replay()
+
+    return replay
+
+
 def _decode_latency_rows(kernel, bench, shape, device) -> list[dict]:
     """Microseconds per call at B = DECODE_LATENCY_B from Python, host overhead included (the best of
-    LATENCY_PASSES passes of LATENCY_CALLS calls back to back), ours and fla's beside an empty Triton kernel's launch
-    in the same run; ours gets `us_over_empty`."""
+    LATENCY_PASSES passes of LATENCY_CALLS calls back to back), ours (and on CUDA its replay as a captured CUDA graph)
+    and fla's beside an empty Triton kernel's launch in the same run; ours gets `us_over_empty`."""
     _, H, K, V = shape
     B = DECODE_LATENCY_B
     x, state = _decode_inputs(B, H, K, V, device)
     nbytes = 2 * B * H * K * V * 4 + B * H * (3 * K * 2 + 2 * V * 2 + 2 + 4)
     case = (f"decode latency T=1 (B,H,K,V)={B},{H},{K},{V} bf16, best of {LATENCY_PASSES} x {LATENCY_CALLS} calls "
             "from Python")
-    calls = {**_decode_calls(kernel, bench, x, state), "empty Triton kernel launch (floor)": empty_launch(device)}
+    calls = _decode_calls(kernel, bench, x, state)
+    if device == "cuda":
+        calls["comba-bwd decode, one CUDA graph replay"] = _graph_replay(calls["comba-bwd decode"])
+    calls["empty Triton kernel launch (floor)"] = empty_launch(device)
     rows = []
     for impl, call in calls.items():
-        def measure(call=call, impl=impl):
+        def measure(call=call):
             us = host_latency_us(call, device, LATENCY_CALLS, LATENCY_PASSES, LATENCY_WARMUP_S)
             return gbps_row(case, impl, us * 1e-3, nbytes, bench, us_per_call=us, host_overhead_included=True)
 
