@@ -14,11 +14,19 @@ fp32) does not compile in its recompute_w_u kernel.
 
 At one measure shape per K (SWEEP_SHAPES) the sweep times every stage (kernel) of the backward alone, in `ms_<stage>`
 columns beside the whole, so the run shows where the time goes.
+
+Decode (`comba_decode`, one new token a sequence after a carried fp32 state, under no_grad) at fla's layer sizes
+(DECODE_SHAPE: B = 64, H = HV = 6, K = 256, V = 512, bf16, q/k/p L2-normalised inside) beside fla 0.6.0's
+`fused_recurrent_comba`, both in fla's read order (the state read before the step's decay). GB/s count the state read
+and written, 2 B HV K V 4 bytes, plus the inputs and o; errors of o and the new state against the recurrent reference
+in fp32. At B = 1 (DECODE_LATENCY_B) the wall-clock per call of back-to-back calls from Python, beside an empty Triton
+kernel's launch measured in the same run: the floor of any call.
 """
 
 import torch
 
-from .harness import attempt, errors, free, hub_benchmark, submodule, tflops_row
+from .harness import (attempt, device, errors, floor_row, free, gbps_row, hub_benchmark, latency_row, submodule,
+                      tflops_row)
 
 SPEC = "comba_backward"
 GRADS = ("dq", "dk", "dv", "dp", "dbeta", "dg")
@@ -30,6 +38,14 @@ SEED_SHAPES = [HUB.BENCH_SHAPE]
 # The portable reverse scan at K = 128 holds its (128, 64) fp32 dS block, dVn and X of a V block in 255 registers of
 # 4 warps, so that two CTAs share an SM; it spills up to 148 B under the supported Tritons (tools.compile_sm90).
 SPILLS_BY_DESIGN = {"_reverse_scan_kernel": 160}
+
+# Decode: (B, H, K, V) at one new token, HV = H; the latency batch.
+DECODE_SHAPE = (64, 6, 256, 512)
+DECODE_LATENCY_B = 1
+FLA_DECODE = "fla 0.6.0 fused_recurrent_comba"
+# The decode kernel's (V block, warps) candidates the sweep times at DECODE_SHAPE beside the shipped plan
+# (portable/decode.py: block_v, DECODE_WARPS).
+DECODE_SWEEP = [(8, 1), (16, 1), (8, 2), (16, 2), (16, 4), (32, 4), (32, 8)]
 
 FLA_STEP = "fla 0.6.0 chunk_comba fwd+bwd (p'=exp(g)p bf16, guard lifted)"
 FLA_FORWARD = "fla 0.6.0 chunk_comba forward (p'=exp(g)p bf16, guard lifted)"
@@ -120,11 +136,135 @@ def _anchor(bench, case, impl, fn, args, ref, flops, errors_of, ours):
     return row
 
 
-def side_by_side(kernel, bench, shapes=None, sweep_shapes=None, seed_shapes=None) -> list[dict]:
+def _decode_inputs(B, H, K, V, device):
+    """One new token a sequence at fla's layer distribution: q, k, p, v, beta (bf16), g fla's gate
+    -exp(A) softplus(x) (fp32) and a carried fp32 state (B, H, K, V)."""
+    import torch.nn.functional as F
+
+    gen = torch.Generator(device=device).manual_seed(0)
+    bf = dict(device=device, dtype=torch.bfloat16, generator=gen)
+    q, k, p = (torch.randn(B, 1, H, K, **bf) for _ in range(3))
+    v = torch.randn(B, 1, H, V, **bf)
+    beta = torch.rand(B, 1, H, **bf)
+    A = -3 * torch.rand(H, device=device, generator=gen)
+    g = -A.exp() * F.softplus(torch.randn(B, 1, H, device=device, generator=gen) - 2)
+    state = 0.1 * torch.randn(B, H, K, V, device=device, generator=gen)
+    return (q, k, v, p, beta, g), state
+
+
+def _decode_calls(kernel, bench, x, state):
+    """{impl: call} of one decode step in fla's order with q/k/p L2 norm: ours, and fla's when installed."""
+    q, k, v, p, beta, g = x
+
+    def ours():
+        with torch.no_grad():
+            return kernel.comba_decode(q, k, v, p, beta, g, state, use_qk_l2norm=True, read_order="fla")
+
+    calls = {"comba-bwd decode": ours}
+    if bench.optional("fla") is not None:
+        from fla.ops.comba import fused_recurrent_comba
+
+        def theirs():
+            with torch.no_grad():
+                return fused_recurrent_comba(q, k, p, v, g, beta, initial_state=state, output_final_state=True,
+                                             use_qk_l2norm_in_kernel=True)
+
+        calls[FLA_DECODE] = theirs
+    return calls
+
+
+def _decode_rows(kernel, bench, shape, device) -> list[dict]:
+    """Decode of one token at `shape` (B, H, K, V): time, GB/s and % of copy of ours and fla's, errors against the
+    fp32 recurrent reference, and ours over fla's time (`x_vs_fla`)."""
+    B, H, K, V = shape
+    x, state = _decode_inputs(B, H, K, V, device)
+    ref = kernel.comba_decode_reference(*(t.float() for t in x), state, use_qk_l2norm=True, read_order="fla")
+    nbytes = 2 * B * H * K * V * 4 + B * H * (3 * K * 2 + 2 * V * 2 + 2 + 4)
+    case = "decode T=1 (B,H,K,V)=" + ",".join(map(str, shape)) + " bf16, fla order, q/k/p l2norm"
+    rows = []
+    for impl, call in _decode_calls(kernel, bench, x, state).items():
+        def measure(call=call):
+            errs = errors(bench, ("o", "state"), call(), ref)
+            return gbps_row(case, impl, bench.time(call), nbytes, bench, **errs)
+
+        rows.append(attempt(case, impl, measure))
+    if len(rows) == 2 and "ms" in rows[0] and "ms" in rows[1]:
+        rows[0]["x_vs_fla"] = rows[1]["ms"] / rows[0]["ms"]
+    if bench.sweep:
+        rows += _decode_sweep_rows(kernel, bench, case, x, state, ref, nbytes)
+    del x, state, ref
+    free()
+    return rows
+
+
+def _decode_sweep_rows(kernel, bench, case, x, state, ref, nbytes) -> list[dict]:
+    """The decode kernel alone (portable.decode.launch, no checks) at each DECODE_SWEEP (V block, warps)."""
+    decode = submodule(kernel, "portable.decode")
+    q, k, v, p, beta, g = x
+    o, new = torch.empty_like(v), torch.empty_like(state)
+    rows = []
+    for block, warps in DECODE_SWEEP:
+        impl = f"sweep decode kernel BV={block} warps={warps}"
+
+        def run(block=block, warps=warps):
+            decode.launch(q, k, v, p, beta, g, state, o, new, q.shape[-1] ** -0.5, None, True, True, block, warps)
+            return o, new
+
+        rows.append(attempt(case, impl, lambda run=run, impl=impl: gbps_row(
+            case, impl, bench.time(run), nbytes, bench, **errors(bench, ("o", "state"), run(), ref))))
+    return rows
+
+
+def _graph_replay(call):
+    """`call` captured in a CUDA graph at its first use (after a warm-up call on a side stream that compiles it), then
+    that graph's replay."""
+    graphs = []
+
+    def replay():
+        if not graphs:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                call()
+            torch.cuda.current_stream().wait_stream(side)
+            graphs.append(torch.cuda.CUDAGraph())
+            with torch.cuda.graph(graphs[0]):
+                call()
+        graphs[0].replay()
+
+    return replay
+
+
+def _decode_latency_rows(kernel, bench, shape, device) -> list[dict]:
+    """Wall-clock per call at B = DECODE_LATENCY_B (`harness.latency_row`): ours (and on CUDA its replay as a captured
+    CUDA graph) and fla's, beside the empty-launch floor of the same run; ours gets `us_over_floor`."""
+    _, H, K, V = shape
+    B = DECODE_LATENCY_B
+    x, state = _decode_inputs(B, H, K, V, device)
+    case = f"decode latency T=1 (B,H,K,V)={B},{H},{K},{V} bf16"
+    calls = _decode_calls(kernel, bench, x, state)
+    if device == "cuda":
+        calls["comba-bwd decode, one CUDA graph replay"] = _graph_replay(calls["comba-bwd decode"])
+    rows = [attempt(case, impl, lambda call=call, impl=impl: latency_row(case, impl, call, device))
+            for impl, call in calls.items()]
+    floor = floor_row(device)
+    if "value" in rows[0]:
+        rows[0]["us_over_floor"] = rows[0]["value"] - floor["value"]
+    return [*rows, floor]
+
+
+def side_by_side(kernel, bench, shapes=None, sweep_shapes=None, seed_shapes=None, decode_shape=None,
+                 decode_only=False) -> list[dict]:
     """Every measure shape of the spec: our backward, forward and training step with fla chunk_comba's forward and
     forward + backward beside them (if installed); the spec's seed reference at SEED_SHAPES; then the stage sweep at
-    SWEEP_SHAPES. `shapes`/`sweep_shapes`/`seed_shapes` exist for a dry run at tiny shapes on the CPU (and for a run
-    cut into one call a shape)."""
+    SWEEP_SHAPES; then the decode rows at `decode_shape` (DECODE_SHAPE) and its latency at B = DECODE_LATENCY_B.
+    `shapes`/`sweep_shapes`/`seed_shapes`/`decode_shape` exist for a dry run at tiny shapes on the CPU (and for a run
+    cut into one call a shape); `decode_only` runs the decode rows alone."""
+    decode_shape = tuple(decode_shape or DECODE_SHAPE)
+    decode_rows = lambda: (_decode_rows(kernel, bench, decode_shape, device())  # noqa: E731
+                           + _decode_latency_rows(kernel, bench, decode_shape, device()))
+    if decode_only:
+        return decode_rows()
     s = bench.spec(SPEC)
     fla = _fla(bench)
     spec_forward = _spec_forward(s)
@@ -173,13 +313,14 @@ def side_by_side(kernel, bench, shapes=None, sweep_shapes=None, seed_shapes=None
             rows.append(_stage_sweep(bench, pipeline, case, flops, inputs, ref, shape[3] ** -0.5))
         del inputs, ref
         free()
-    return rows
+    return rows + decode_rows()
 
 
 def compile_cases(kernel, spec):
     """(label, call) pairs for `python -m tools.compile_sm90`: the forward and the backward at every measure shape,
-    on meta tensors (bf16, g in float32), and the backward's portable Triton stages at the first measure shape of each
-    K (what runs where the Gluon path does not: other GPUs, Triton releases it is not verified under)."""
+    on meta tensors (bf16, g in float32), the backward's portable Triton stages at the first measure shape of each
+    K (what runs where the Gluon path does not: other GPUs, Triton releases it is not verified under), and the decode
+    kernel at DECODE_SHAPE in both read orders, with 64 tokens, grouped heads and fp32, and at the smaller K."""
     pipeline = submodule(kernel, "pipeline")
     dispatch = submodule(kernel, "dispatch")
 
@@ -210,8 +351,29 @@ def compile_cases(kernel, spec):
 
         return f"(B,T,H,K,V)={shape} portable backward", stages
 
+    def decode_case(B, T, H, HV, K, V, dtype, read_order, l2norm, packed=False):
+        """A decode call; `packed`: B sequences of one token packed by cu_seqlens (fla's generate()), from zeros."""
+        rows, steps = (1, B) if packed else (B, T)
+        q, k, p = (torch.empty(rows, steps, H, K, dtype=dtype, device="meta") for _ in range(3))
+        v = torch.empty(rows, steps, HV, V, dtype=dtype, device="meta")
+        beta = torch.empty(rows, steps, HV, dtype=dtype, device="meta")
+        g = torch.empty(rows, steps, HV, dtype=torch.float32, device="meta")
+        state = None if packed else torch.empty(B, HV, K, V, dtype=torch.float32, device="meta")
+        offsets = torch.empty(B + 1, dtype=torch.int32, device="meta") if packed else None
+        label = (f"decode (B,T,H,HV,K,V)={(B, T, H, HV, K, V)} {str(dtype).removeprefix('torch.')} {read_order}"
+                 + " l2norm" * l2norm + " packed, no state" * packed)
+        return label, lambda: dispatch.comba_decode_cuda(q, k, v, p, beta, g, state, None, offsets, l2norm,
+                                                         read_order)
+
     shapes = spec(SPEC).measure_shapes
     for shape in shapes:
         yield case(shape)
+    B, H, K, V = DECODE_SHAPE
+    yield decode_case(B, 1, H, H, K, V, torch.bfloat16, "fla", True)
+    yield decode_case(B, 1, H, H, K, V, torch.bfloat16, "decay_first", False)
+    yield decode_case(B, 64, H, 2 * H, K, V, torch.float32, "fla", True)
+    yield decode_case(B, 1, H, H, K, V, torch.bfloat16, "fla", True, packed=True)
+    for K, V in ((128, 256), (64, 64)):
+        yield decode_case(8, 1, 4, 8, K, V, torch.float16, "fla", True)
     for K in sorted({shape[3] for shape in shapes}):
         yield portable_case(next(shape for shape in shapes if shape[3] == K))

@@ -7,7 +7,7 @@ heads, q/k/p L2 normalisation and fla's read order as keyword arguments), `comba
 from . import fla, layers
 from .dispatch import kernel_path
 from .op import comba_attention, comba_backward, comba_decode
-from .recurrent import comba_recurrent_reference
+from .recurrent import comba_decode_reference, comba_recurrent_reference
 from .reference import comba_backward_reference, comba_forward_reference
 
 __all__ = [
@@ -17,6 +17,7 @@ __all__ = [
     "comba_attention",
     "comba_decode",
     "comba_backward_reference",
+    "comba_decode_reference",
     "comba_forward_reference",
     "comba_recurrent_reference",
     "kernel_path",

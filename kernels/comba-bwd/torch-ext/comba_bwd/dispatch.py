@@ -1,6 +1,7 @@
 """The plan and the path of a comba call, in one place: kernel_path, the fast-path table, which stages Gluon kernels
-take, how the batch is cut, the fall-back from Gluon to Triton, and the CUDA entry points `comba_forward_cuda` and
-`comba_backward_cuda`, which run the stages of `pipeline` in order on the plan.
+take, how the batch is cut, the fall-back from Gluon to Triton, the CUDA entry points `comba_forward_cuda` and
+`comba_backward_cuda`, which run the stages of `pipeline` in order on the plan, and `comba_decode_cuda`, the decode
+step: the fused recurrent kernel (`portable.decode`) at the sizes it takes, the recurrent reference otherwise.
 
 The portable path (Triton kernels, `portable/`: the chunk transform, the two state scans, the forward's output, the
 gradients and dg) runs on every CUDA GPU the metadata accepts under every supported Triton; the Gluon kernels
@@ -14,7 +15,10 @@ from typing import NamedTuple
 
 import torch
 
+from .common.devices import on_device
 from .common.fast_paths import FastPath, FastPaths, falls_back
+from .recurrent import comba_decode_reference
+from .reference import resolve_scale
 
 FAST_PATHS = FastPaths("comba-bwd", (
     FastPath("gluon", "Gluon warpgroup-MMA kernels for bf16 inputs with V = 128: both scans and the gradients at "
@@ -108,3 +112,25 @@ def comba_backward_cuda(q, k, v, p, beta, g, do, scale: float):
     from . import pipeline  # the kernels need triton: imported on a CUDA call's first use
 
     return with_fallback(lambda plan: pipeline.run_backward(q, k, v, p, beta, g, do, scale, plan), q, v.shape[-1])
+
+
+def comba_decode_cuda(q, k, v, p, beta, g, state, scale, cu_seqlens, use_qk_l2norm: bool, read_order: str):
+    """(o (B, T, HV, V) in v's dtype, new_state (N, HV, K, V) float32) of a checked decode call without autograd.
+    K in {64, 128, 256}, V in {64, 128, 256, 512} (`portable.decode.takes`): one launch of the fused kernel into new
+    tensors, `state` only read; shapes decide everything, no value is read on the host, so the call can be captured
+    in a CUDA graph. Other sizes: the recurrent reference (`comba_decode_reference`)."""
+    from .portable import decode  # the kernels need triton: imported on a CUDA call's first use
+
+    K, V = q.shape[-1], v.shape[-1]
+    if not decode.takes(K, V, q.dtype):
+        return comba_decode_reference(q, k, v, p, beta, g, state, scale, cu_seqlens=cu_seqlens,
+                                      use_qk_l2norm=use_qk_l2norm, read_order=read_order)
+    q, k, v, p, beta, g = (x.contiguous() for x in (q, k, v, p, beta, g))
+    state, cu_seqlens = (None if x is None else x.contiguous() for x in (state, cu_seqlens))
+    N = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    o = torch.empty_like(v)
+    new_state = torch.empty(N, v.shape[2], K, V, dtype=torch.float32, device=q.device)
+    with on_device(q):
+        decode.launch(q, k, v, p, beta, g, state, o, new_state, resolve_scale(scale, K), cu_seqlens, use_qk_l2norm,
+                      read_order == "fla")
+    return o, new_state

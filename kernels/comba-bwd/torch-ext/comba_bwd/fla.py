@@ -70,8 +70,9 @@ def fused_recurrent_comba(
     cu_seqlens: torch.LongTensor | None = None,
 ):
     """fla 0.6.0's `fused_recurrent_comba` (note its argument order: p before v): (o (B, T, HV, V) in q's dtype,
-    final state (N, HV, K, V) float32 or None). Up to DECODE_MAX_TOKENS packed tokens run `comba_decode`, longer
-    inputs `comba_attention` (the same function)."""
+    final state (N, HV, K, V) float32 or None, a new tensor; initial_state is only read). Up to DECODE_MAX_TOKENS
+    packed tokens run `comba_decode` (on CUDA without autograd, as in fla's `generate()`, the fused decode kernel),
+    longer inputs `comba_attention` (the same function)."""
     p, g, beta, initial_state = _fla_inputs(q, k, p, g, beta, initial_state)
     if q.shape[1] <= DECODE_MAX_TOKENS:
         o, final_state = comba_decode(q, k, v, p, beta, g, initial_state, scale, cu_seqlens=cu_seqlens,

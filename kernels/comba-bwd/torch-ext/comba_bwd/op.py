@@ -6,17 +6,18 @@ and the eager analytic backward on CPU tensors. The autograd link saves the forw
 `comba_backward_op`, which makes the chunk transform and the states again. Every op name goes through
 `add_op_namespace_prefix`, so two versions of this kernel can be loaded side by side.
 A `comba_attention` call with a model's arguments (a state in or out, packed sequences, grouped value heads, q/k/p
-normalisation, fla's read order) and `comba_decode` run the eager references (reference.py, recurrent.py) on every
-device, differentiated by autograd.
+normalisation, fla's read order) runs the eager chunked reference (reference.py) on every device, differentiated by
+autograd. `comba_decode` runs the fused decode kernel on CUDA without autograd (`dispatch.comba_decode_cuda`), the
+recurrent reference (recurrent.py) otherwise.
 """
 
 import torch
 
 from ._ops import add_op_namespace_prefix
-from .dispatch import comba_backward_cuda, comba_forward_cuda
+from .dispatch import comba_backward_cuda, comba_decode_cuda, comba_forward_cuda
 from .model_args import check_model_args
-from .recurrent import DECODE_MAX_TOKENS, comba_recurrent_reference
-from .reference import comba_backward_reference, comba_forward_reference, sequence_bounds
+from .recurrent import check_decode_tokens, comba_decode_reference
+from .reference import comba_backward_reference, comba_forward_reference
 from .validation import FUSED_SIZES, check_comba_args
 
 Grads = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
@@ -137,19 +138,26 @@ def comba_attention(q, k, v, p, beta, g, scale=None, *, initial_state=None, outp
                                    use_qk_l2norm=use_qk_l2norm, read_order=read_order)
 
 
+def _differentiated(*tensors) -> bool:
+    """Whether autograd records a call on these tensors: grad mode on and one of them requires grad."""
+    return torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad for x in tensors)
+
+
 def comba_decode(q, k, v, p, beta, g, state=None, scale=None, *, cu_seqlens=None, use_qk_l2norm=False,
                  read_order="decay_first"):
     """A decode step: 1 to DECODE_MAX_TOKENS (64) new tokens per sequence after a carried state, in recurrent form.
 
     Arguments as `comba_attention`'s, with `state` its `initial_state` ((N, HV, K, V) float32, None: zeros).
-    Returns (o (B, T, HV, V) in v's dtype, new_state (N, HV, K, V) float32); `state` is not modified. Runs the
-    recurrent reference (`comba_recurrent_reference`) on every device, differentiable by autograd.
+    Returns (o (B, T, HV, V) in v's dtype, new_state (N, HV, K, V) float32), both new tensors; `state` is only read.
+    On CUDA without autograd (no input requires grad, or grad mode off: inference) the fused decode kernel runs
+    (`comba_decode_cuda`) at K in {64, 128, 256} and V in {64, 128, 256, 512}: no value is read on the host (the
+    offsets of cu_seqlens are not checked there; T is), so the call can be captured in a CUDA graph. Every other
+    call runs the recurrent reference (`comba_decode_reference`), differentiable by autograd.
     """
     check_model_args(q, k, v, p, beta, g, scale, state, True, cu_seqlens, use_qk_l2norm, read_order, "state")
-    lengths = ([q.shape[1]] if cu_seqlens is None
-               else [b - a for a, b in sequence_bounds(cu_seqlens, q.shape[1])])
-    if max(lengths) > DECODE_MAX_TOKENS:
-        raise ValueError(f"comba_decode takes 1 to {DECODE_MAX_TOKENS} new tokens per sequence, got a sequence of "
-                         f"{max(lengths)} (comba_attention takes any length)")
-    return comba_recurrent_reference(q, k, v, p, beta, g, scale, initial_state=state, cu_seqlens=cu_seqlens,
-                                     use_qk_l2norm=use_qk_l2norm, read_order=read_order)
+    if q.is_cuda and not _differentiated(q, k, v, p, beta, g, state):
+        if cu_seqlens is None:
+            check_decode_tokens(q.shape[1])
+        return comba_decode_cuda(q, k, v, p, beta, g, state, scale, cu_seqlens, use_qk_l2norm, read_order)
+    return comba_decode_reference(q, k, v, p, beta, g, state, scale, cu_seqlens=cu_seqlens,
+                                  use_qk_l2norm=use_qk_l2norm, read_order=read_order)
