@@ -15,7 +15,6 @@ recurrent.py), differentiated by autograd.
 
 from typing import Optional
 
-
 import torch
 
 from ._ops import add_op_namespace_prefix
