@@ -208,13 +208,16 @@ def side_by_side(kernel, bench, shapes=None, sweep_shapes=None, seed_shapes=None
     """Every measure shape of the spec: our backward, forward and training step with fla chunk_comba's forward and
     forward + backward beside them (if installed); the spec's seed reference at SEED_SHAPES; then the stage sweep at
     SWEEP_SHAPES; then a model's training step at MODEL_SHAPES. `shapes`/`sweep_shapes`/`seed_shapes`/`model_shapes`
-    exist for a run cut into one call a shape (model_shapes: [[(B, T, H, HV, K, V), with_state], ...])."""
+    exist for a run cut into one call a shape (model_shapes: [[(B, T, H, HV, K, V), with_state], ...]; a run given
+    `shapes` runs no model shape unless given model_shapes too, and `shapes=[]` no measure shape)."""
     s = bench.spec(SPEC)
     fla = _fla(bench)
     spec_forward = _spec_forward(s)
     pipeline = submodule(kernel, "pipeline")
     step = HUB.training_step(kernel)
-    shapes = [tuple(x) for x in (shapes or s.measure_shapes)]
+    if model_shapes is None:
+        model_shapes = MODEL_SHAPES if shapes is None else []
+    shapes = [tuple(x) for x in (s.measure_shapes if shapes is None else shapes)]
     sweep_shapes = [tuple(x) for x in (sweep_shapes or SWEEP_SHAPES)] if bench.sweep else []
     seed_shapes = [tuple(x) for x in (SEED_SHAPES if seed_shapes is None else seed_shapes)]
     rows = []
@@ -257,7 +260,7 @@ def side_by_side(kernel, bench, shapes=None, sweep_shapes=None, seed_shapes=None
             rows.append(_stage_sweep(bench, pipeline, case, flops, inputs, ref, shape[3] ** -0.5))
         del inputs, ref
         free()
-    for shape, with_state in (MODEL_SHAPES if model_shapes is None else model_shapes):
+    for shape, with_state in model_shapes:
         rows += _model_rows(kernel, bench, fla, tuple(shape), with_state)
     return rows
 
