@@ -43,6 +43,8 @@ SPILLS_BY_DESIGN = {"_reverse_scan_kernel": 192}
 FLA_STEP = "fla 0.6.0 chunk_comba fwd+bwd (p'=exp(g)p bf16, guard lifted)"
 # (B, T, H, HV, K, V) and whether the call carries a state in and out.
 MODEL_SHAPES = [((8, 2048, 32, 32, 128, 128), True), ((4, 4096, 8, 16, 128, 128), False)]
+# Compiled too (tools.compile_sm90), not measured: the model call's kernels at K = 64.
+MODEL_COMPILE_SHAPES = [((16, 2048, 32, 32, 64, 128), True)]
 MODEL_STEP = "comba-bwd step (model call)"
 FLA_MODEL_STEP = "fla 0.6.0 chunk_comba fwd+bwd, same arguments (guard lifted)"
 MODEL_GRADS = (*GRADS, "d_initial_state")
@@ -267,8 +269,9 @@ def side_by_side(kernel, bench, shapes=None, sweep_shapes=None, seed_shapes=None
 
 def compile_cases(kernel, spec):
     """(label, call) pairs for `python -m tools.compile_sm90`: the forward and the backward at every measure shape,
-    on meta tensors (bf16, g in float32), and the backward's portable Triton stages at the first measure shape of each
-    K (what runs where the Gluon path does not: other GPUs, Triton releases it is not verified under)."""
+    on meta tensors (bf16, g in float32), the backward's portable Triton stages at the first measure shape of each
+    K (what runs where the Gluon path does not: other GPUs, Triton releases it is not verified under), and a model's
+    call, forward and backward, at MODEL_SHAPES and MODEL_COMPILE_SHAPES."""
     pipeline = submodule(kernel, "pipeline")
     dispatch = submodule(kernel, "dispatch")
 
@@ -316,5 +319,5 @@ def compile_cases(kernel, spec):
         yield case(shape)
     for K in sorted({shape[3] for shape in shapes}):
         yield portable_case(next(shape for shape in shapes if shape[3] == K))
-    for shape, with_state in MODEL_SHAPES:
+    for shape, with_state in MODEL_SHAPES + MODEL_COMPILE_SHAPES:
         yield model_case(shape, with_state)
