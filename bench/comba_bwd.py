@@ -21,6 +21,13 @@ Decode (`comba_decode`, one new token a sequence after a carried fp32 state, und
 and written, 2 B HV K V 4 bytes, plus the inputs and o; errors of o and the new state against the recurrent reference
 in fp32. At B = 1 (DECODE_LATENCY_B) the wall-clock per call of back-to-back calls from Python, beside an empty Triton
 kernel's launch measured in the same run: the floor of any call.
+
+A model's calls (MODEL_SHAPES, cases "(B,T,H,HV,K,V)=... step"): the training step through `comba_attention` with a
+carried state in and out (the gradients of o and of the final state, all seven gradients checked against autograd
+through the eager fp32 reference), and with value heads grouped two to a key head, beside fla 0.6.0 `chunk_comba`
+called with the same arguments (the state case through the exact adapter; the grouped case with p as it is, since
+p' = exp(g) p would need a p per value head: a speed figure only, no errors). Credited work: the spec's W per value
+head.
 """
 
 import torch
@@ -36,8 +43,10 @@ SWEEP_SHAPES = [(8, 2048, 32, 128, 128), (16, 2048, 32, 64, 128)]
 # reference (an eager fp32 autograd run) is timed at SEED_SHAPES alone.
 SEED_SHAPES = [HUB.BENCH_SHAPE]
 # The portable reverse scan at K = 128 holds its (128, 64) fp32 dS block, dVn and X of a V block in 255 registers of
-# 4 warps, so that two CTAs share an SM; it spills up to 148 B under the supported Tritons (tools.compile_sm90).
-SPILLS_BY_DESIGN = {"_reverse_scan_kernel": 160}
+# 4 warps, so that two CTAs share an SM; it spills up to 148 B under the supported Tritons (tools.compile_sm90), and
+# 188 B under Triton 3.6 where it also stores the initial state's gradient after its loop (a model's call with a
+# carried state; seeded from the final state's gradient alone it spills as the plain call's does).
+SPILLS_BY_DESIGN = {"_reverse_scan_kernel": 192}
 
 # Decode: (B, H, K, V) at one new token, HV = H; the latency batch.
 DECODE_SHAPE = (64, 6, 256, 512)
@@ -48,6 +57,13 @@ FLA_DECODE = "fla 0.6.0 fused_recurrent_comba"
 DECODE_SWEEP = [(8, 1), (16, 1), (8, 2), (16, 2), (16, 4), (32, 4), (32, 8)]
 
 FLA_STEP = "fla 0.6.0 chunk_comba fwd+bwd (p'=exp(g)p bf16, guard lifted)"
+# (B, T, H, HV, K, V) and whether the call carries a state in and out.
+MODEL_SHAPES = [((8, 2048, 32, 32, 128, 128), True), ((4, 4096, 8, 16, 128, 128), False)]
+# Compiled too (tools.compile_sm90), not measured: the model call's kernels at K = 64.
+MODEL_COMPILE_SHAPES = [((16, 2048, 32, 32, 64, 128), True)]
+MODEL_STEP = "comba-bwd step (model call)"
+FLA_MODEL_STEP = "fla 0.6.0 chunk_comba fwd+bwd, same arguments (guard lifted)"
+MODEL_GRADS = (*GRADS, "d_initial_state")
 FLA_FORWARD = "fla 0.6.0 chunk_comba forward (p'=exp(g)p bf16, guard lifted)"
 
 
@@ -75,6 +91,76 @@ def _fla(bench):
         return torch.autograd.grad(forward(*ins), ins, do)
 
     return inference, step
+
+
+def _model_inputs(B, T, H, HV, K, V, with_state, seed=0):
+    """A model's call on the GPU: q, k, p (B, T, H, K) bf16 with unit-norm k and p, v (B, T, HV, V) bf16, beta
+    (B, T, HV) bf16 in (0.5, 0.73), g (B, T, HV) fp32 <= 0, the initial state (B, HV, K, V) fp32 or None, and the
+    gradients of o and of the final state (or None)."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    randn = lambda *shape: torch.randn(*shape, generator=gen, device="cuda")  # noqa: E731
+    unit = lambda x: torch.nn.functional.normalize(x, dim=-1)  # noqa: E731
+    q, k, p = randn(B, T, H, K), unit(randn(B, T, H, K)), unit(randn(B, T, H, K))
+    v, beta = randn(B, T, HV, V), randn(B, T, HV).sigmoid() * 0.23 + 0.5
+    g = torch.nn.functional.logsigmoid(randn(B, T, HV)) / 4
+    inputs = [x.bfloat16() for x in (q, k, v, p, beta)] + [g]
+    state = 0.3 * randn(B, HV, K, V) if with_state else None
+    d_final = randn(B, HV, K, V) if with_state else None
+    return inputs, state, randn(B, T, HV, V).bfloat16(), d_final
+
+
+def _model_step(attention):
+    """The training step of a model's call `attention(q, k, v, p, beta, g, state) -> (o, final state or None)`: the
+    gradients of <o, do> (+ <final, d_final>) with respect to the six inputs and the state, where there is one."""
+
+    def step(inputs, state, do, d_final):
+        leaves = [x.detach().requires_grad_(True) for x in (*inputs, *([] if state is None else [state]))]
+        o, final = attention(*leaves[:6], leaves[6] if state is not None else None)
+        if final is None:
+            return torch.autograd.grad(o, leaves, do)
+        return torch.autograd.grad((o, final), leaves, (do, d_final))
+
+    return step
+
+
+def _model_rows(kernel, bench, fla, shape, with_state) -> list[dict]:
+    """Our training step of a model's call at `shape` and fla's with the same arguments (see the module docstring)."""
+    B, T, H, HV, K, V = shape
+    case = "(B,T,H,HV,K,V)=" + ",".join(map(str, shape)) + (" state" if with_state else " grouped") + " bf16 step"
+    flops = 1.5 * bench.spec(SPEC).work(B, T, HV, K, V)
+    args = _model_inputs(*shape, with_state)
+    final = {"output_final_state": True} if with_state else {}
+
+    def ours(q, k, v, p, beta, g, state):
+        out = kernel.comba_attention(q, k, v, p, beta, g, initial_state=state, **final)
+        return out if with_state else (out, None)
+
+    def reference(q, k, v, p, beta, g, state):
+        out = kernel.comba_forward_reference(q, k, v, p, beta, g, initial_state=state, **final)
+        return out if with_state else (out, None)
+
+    inputs, state, do, d_final = args
+    ref = _model_step(reference)([x.float() for x in inputs], state, do.float(), d_final)
+    names = MODEL_GRADS if with_state else GRADS
+    row = _measured(bench, case, MODEL_STEP, _model_step(ours), args, ref, flops,
+                    lambda b, got, r: errors(b, names, got, r))
+    rows = [row]
+    del ref
+    if fla is not None:
+        from fla.ops.comba import chunk_comba
+
+        def fla_call(q, k, v, p, beta, g, state):
+            p_read = (g.exp()[..., None] * p).to(p.dtype) if with_state else p   # the exact adapter, equal heads
+            return chunk_comba(q, k, v, p_read, g, beta, initial_state=state, output_final_state=with_state)
+
+        fla_step = _model_step(fla_call)
+        measure = lambda: tflops_row(case, FLA_MODEL_STEP, bench.time(lambda: fla_step(*args)), flops)  # noqa: E731
+        fla_row = attempt(case, FLA_MODEL_STEP, measure)
+        if "ms" in fla_row:
+            row["x_vs_fla"] = fla_row["ms"] / row["ms"]
+        rows.append(fla_row)
+    free()
+    return rows
 
 
 def _inference(kernel):
@@ -253,13 +339,15 @@ def _decode_latency_rows(kernel, bench, shape, device) -> list[dict]:
     return [*rows, floor]
 
 
-def side_by_side(kernel, bench, shapes=None, sweep_shapes=None, seed_shapes=None, decode_shape=None,
+def side_by_side(kernel, bench, shapes=None, sweep_shapes=None, seed_shapes=None, model_shapes=None, decode_shape=None,
                  decode_only=False) -> list[dict]:
     """Every measure shape of the spec: our backward, forward and training step with fla chunk_comba's forward and
     forward + backward beside them (if installed); the spec's seed reference at SEED_SHAPES; then the stage sweep at
-    SWEEP_SHAPES; then the decode rows at `decode_shape` (DECODE_SHAPE) and its latency at B = DECODE_LATENCY_B.
-    `shapes`/`sweep_shapes`/`seed_shapes`/`decode_shape` exist for a dry run at tiny shapes on the CPU (and for a run
-    cut into one call a shape); `decode_only` runs the decode rows alone."""
+    SWEEP_SHAPES; then a model's training step at MODEL_SHAPES; then the decode rows at `decode_shape` (DECODE_SHAPE)
+    and its latency at B = DECODE_LATENCY_B. `shapes`/`sweep_shapes`/`seed_shapes`/`model_shapes`/`decode_shape`
+    exist for a run cut into one call a shape (model_shapes: [[(B, T, H, HV, K, V), with_state], ...]; a run given
+    `shapes` runs no model shape unless given model_shapes too, and `shapes=[]` no measure shape); `decode_only` runs
+    the decode rows alone."""
     decode_shape = tuple(decode_shape or DECODE_SHAPE)
     decode_rows = lambda: (_decode_rows(kernel, bench, decode_shape, device())  # noqa: E731
                            + _decode_latency_rows(kernel, bench, decode_shape, device()))
@@ -270,7 +358,9 @@ def side_by_side(kernel, bench, shapes=None, sweep_shapes=None, seed_shapes=None
     spec_forward = _spec_forward(s)
     pipeline = submodule(kernel, "pipeline")
     step = HUB.training_step(kernel)
-    shapes = [tuple(x) for x in (shapes or s.measure_shapes)]
+    if model_shapes is None:
+        model_shapes = MODEL_SHAPES if shapes is None else []
+    shapes = [tuple(x) for x in (s.measure_shapes if shapes is None else shapes)]
     sweep_shapes = [tuple(x) for x in (sweep_shapes or SWEEP_SHAPES)] if bench.sweep else []
     seed_shapes = [tuple(x) for x in (SEED_SHAPES if seed_shapes is None else seed_shapes)]
     rows = []
@@ -313,14 +403,17 @@ def side_by_side(kernel, bench, shapes=None, sweep_shapes=None, seed_shapes=None
             rows.append(_stage_sweep(bench, pipeline, case, flops, inputs, ref, shape[3] ** -0.5))
         del inputs, ref
         free()
+    for shape, with_state in model_shapes:
+        rows += _model_rows(kernel, bench, fla, tuple(shape), with_state)
     return rows + decode_rows()
 
 
 def compile_cases(kernel, spec):
     """(label, call) pairs for `python -m tools.compile_sm90`: the forward and the backward at every measure shape,
     on meta tensors (bf16, g in float32), the backward's portable Triton stages at the first measure shape of each
-    K (what runs where the Gluon path does not: other GPUs, Triton releases it is not verified under), and the decode
-    kernel at DECODE_SHAPE in both read orders, with 64 tokens, grouped heads and fp32, and at the smaller K."""
+    K (what runs where the Gluon path does not: other GPUs, Triton releases it is not verified under), a model's
+    call, forward and backward, at MODEL_SHAPES and MODEL_COMPILE_SHAPES, and the decode kernel at DECODE_SHAPE in
+    both read orders, with 64 tokens, grouped heads and fp32, and at the smaller K."""
     pipeline = submodule(kernel, "pipeline")
     dispatch = submodule(kernel, "dispatch")
 
@@ -365,6 +458,18 @@ def compile_cases(kernel, spec):
         return label, lambda: dispatch.comba_decode_cuda(q, k, v, p, beta, g, state, None, offsets, l2norm,
                                                          read_order)
 
+    def model_case(shape, with_state):
+        B, T, H, HV, K, V = shape
+        q, k, _, p, _, _, _ = meta_inputs(B, T, H, K, V)
+        _, _, v, _, beta, g, do = meta_inputs(B, T, HV, K, V)
+        state = torch.empty(B, HV, K, V, dtype=torch.float32, device="meta") if with_state else None
+
+        def both():
+            dispatch.comba_state_forward_cuda(q, k, v, p, beta, g, state, K**-0.5, with_state)
+            dispatch.comba_state_backward_cuda(q, k, v, p, beta, g, state, do, state, K**-0.5)
+
+        return f"(B,T,H,HV,K,V)={shape} model ({'state' if with_state else 'grouped'})", both
+
     shapes = spec(SPEC).measure_shapes
     for shape in shapes:
         yield case(shape)
@@ -377,3 +482,5 @@ def compile_cases(kernel, spec):
         yield decode_case(8, 1, 4, 8, K, V, torch.float16, "fla", True)
     for K in sorted({shape[3] for shape in shapes}):
         yield portable_case(next(shape for shape in shapes if shape[3] == K))
+    for shape, with_state in MODEL_SHAPES + MODEL_COMPILE_SHAPES:
+        yield model_case(shape, with_state)

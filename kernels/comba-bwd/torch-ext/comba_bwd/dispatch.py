@@ -1,7 +1,9 @@
 """The plan and the path of a comba call, in one place: kernel_path, the fast-path table, which stages Gluon kernels
 take, how the batch is cut, the fall-back from Gluon to Triton, the CUDA entry points `comba_forward_cuda` and
-`comba_backward_cuda`, which run the stages of `pipeline` in order on the plan, and `comba_decode_cuda`, the decode
-step: the fused recurrent kernel (`portable.decode`) at the sizes it takes, the recurrent reference otherwise.
+`comba_backward_cuda`, which run the stages of `pipeline` in order on the plan, `comba_state_forward_cuda` and
+`comba_state_backward_cuda`, a model's call (a carried state, grouped value heads), which the Triton kernels take, and
+`comba_decode_cuda`, the decode step: the fused recurrent kernel (`portable.decode`) at the sizes it takes, the
+recurrent reference otherwise.
 
 The portable path (Triton kernels, `portable/`: the chunk transform, the two state scans, the forward's output, the
 gradients and dg) runs on every CUDA GPU the metadata accepts under every supported Triton; the Gluon kernels
@@ -68,12 +70,13 @@ def gluon_stages(device: torch.device, dtype: torch.dtype, K: int, V: int) -> tu
     return GLUON_STAGES[K]
 
 
-def plan(q: torch.Tensor, V: int) -> Plan:
+def plan(q: torch.Tensor, V: int, model: bool = False) -> Plan:
     """The plan of a call with q (B, T, H, K) and V. dv and dbeta's v part come from the K = 64 Gluon gradient kernel,
     which reads X anyway, where it runs, else from the reverse scan. The batch is cut in BATCH_PIECES (at most B) on
-    the portable path and stays whole where Gluon kernels run (BATCH_PIECES says why)."""
+    the portable path and stays whole where Gluon kernels run (BATCH_PIECES says why). A model's call (`model`: a
+    carried state or grouped value heads, which the Gluon kernels do not take) runs the Triton kernels."""
     B, K = q.shape[0], q.shape[-1]
-    gluon = gluon_stages(q.device, q.dtype, K, V)
+    gluon = () if model else gluon_stages(q.device, q.dtype, K, V)
     pieces = 1 if gluon else BATCH_PIECES
     return Plan(gluon, "grads" in gluon and K == 64, min(pieces, B))
 
@@ -103,6 +106,28 @@ def comba_forward_cuda(q, k, v, p, beta, g, scale: float):
     from . import pipeline  # the kernels need triton: imported on a CUDA call's first use
 
     return with_fallback(lambda plan: pipeline.run_forward(q, k, v, p, beta, g, scale, plan), q, v.shape[-1])
+
+
+def comba_state_forward_cuda(q, k, v, p, beta, g, initial_state, scale: float, output_final_state: bool):
+    """(o (B, T, HV, V) in v's dtype, final state (B, HV, K, V) fp32, or an empty tensor without output_final_state)
+    from initial_state (B, HV, K, V) fp32 or None (zeros); q, k, p (B, T, H, K) and v, beta, g with HV heads, HV a
+    multiple of H, contiguous, K and V in {64, 128}, any T >= 1. The Triton kernels (`plan`'s model plan)."""
+    from . import pipeline  # the kernels need triton: imported on a CUDA call's first use
+
+    out = pipeline.run_forward(q, k, v, p, beta, g, scale, plan(q, v.shape[-1], model=True), initial_state,
+                               output_final_state)
+    return out if output_final_state else (out, v.new_empty(0, dtype=torch.float32))
+
+
+def comba_state_backward_cuda(q, k, v, p, beta, g, initial_state, do, d_final, scale: float):
+    """(dq, dk, dv, dp, dbeta, dg, d_initial_state) of `comba_state_forward_cuda`'s call, given do and d_final, the
+    gradient of its final state (B, HV, K, V) fp32 or None (zeros); d_initial_state (B, HV, K, V) fp32, or an empty
+    tensor where initial_state is None. The Triton kernels (`plan`'s model plan)."""
+    from . import pipeline  # the kernels need triton: imported on a CUDA call's first use
+
+    grads = pipeline.run_backward(q, k, v, p, beta, g, do, scale, plan(q, v.shape[-1], model=True), initial_state,
+                                  d_final)
+    return grads if initial_state is not None else (*grads, v.new_empty(0, dtype=torch.float32))
 
 
 def comba_backward_cuda(q, k, v, p, beta, g, do, scale: float):

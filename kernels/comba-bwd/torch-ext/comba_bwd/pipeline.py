@@ -20,6 +20,11 @@ a call. A and the states are materialised in HBM: the solve would sit on the ser
 chunk-parallel kernels need the states of their chunk without a scan of their own. A, S_n and Vn are scratch of the
 call: the backward of a training step makes them again.
 
+A model's call (`dispatch.plan(..., model=True)`, the Triton kernels only) may carry a state and group its value heads:
+the forward scan starts from the initial state and writes the final one; the reverse scan starts from the final
+state's gradient and writes the initial state's. With HV value heads over H key heads (q, k, p), every stage runs
+per value head and reads its key head; dq, dk and dp come per value head (fp32) and are summed over each group here.
+
 This module imports the kernels, so triton: `dispatch` imports it on a CUDA call's first use.
 """
 
@@ -51,21 +56,23 @@ class Stage(NamedTuple):
         self.launch(*self.args)
 
 
-def state_scratch(q: torch.Tensor, V: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Uninitialised (A, S, Vn), what the transform and the forward scan write for inputs q (B, T, H, K) with T a
-    multiple of the chunk: A (BH, N, 64, 64), S (BH, N, K, V), Vn (BH, T, V), bf16 whatever the inputs' dtype (the
-    tensor-core operands of the later stages)."""
-    B, T, H, K = q.shape
+def state_scratch(q: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Uninitialised (A, S, Vn), what the transform and the forward scan write for inputs q (B, T, H, K) and
+    v (B, T, HV, V) with T a multiple of the chunk: A (B * HV, N, 64, 64), S (B * HV, N, K, V), Vn (B * HV, T, V), bf16
+    whatever the inputs' dtype (the tensor-core operands of the later stages)."""
+    B, T, HV, V = v.shape
+    K = q.shape[-1]
     N = T // CHUNK
     empty = lambda *shape: torch.empty(*shape, device=q.device, dtype=torch.bfloat16)  # noqa: E731
-    return empty(B * H, N, CHUNK, CHUNK), empty(B * H, N, K, V), empty(B * H, T, V)
+    return empty(B * HV, N, CHUNK, CHUNK), empty(B * HV, N, K, V), empty(B * HV, T, V)
 
 
-def state_stages(k, v, p, beta, g, scratch, plan, tiles=None) -> list[Stage]:
+def state_stages(k, v, p, beta, g, scratch, plan, tiles=None, initial_state=None, final_state=None) -> list[Stage]:
     """[transform, forward_scan]: the stages that fill `scratch` = (A, S, Vn) (`state_scratch`) for inputs padded to
     whole chunks, by the kernels `plan` (`dispatch.plan`) picks; `tiles` are the Gluon descriptors
-    (`hopper.chunk.tiles`) where the Gluon forward scan runs. The forward's first two stages, and the backward's where
-    it makes them again."""
+    (`hopper.chunk.tiles`) where the Gluon forward scan runs. The forward scan starts from `initial_state` (B, HV, K, V)
+    fp32 (None: zeros) and writes the state after the last chunk into `final_state` where given (a model's plan). The
+    forward's first two stages, and the backward's where it makes them again."""
     A, S, Vn = scratch
     if "transform" in plan.gluon:
         transform = Stage("transform", hopper.transform.launch, (k, p, beta, g, A))
@@ -74,70 +81,86 @@ def state_stages(k, v, p, beta, g, scratch, plan, tiles=None) -> list[Stage]:
     if "forward_scan" in plan.gluon:
         forward_scan = Stage("forward_scan", hopper.forward_scan.launch, (tiles, k, v, beta, g))
     else:
-        forward_scan = Stage("forward_scan", portable.forward_scan.launch, (k, v, p, beta, g, A, S, Vn))
+        forward_scan = Stage("forward_scan", portable.forward_scan.launch,
+                             (k, v, p, beta, g, A, S, Vn, initial_state, final_state))
     return [transform, forward_scan]
 
 
-def forward_stages(q, k, v, p, beta, g, scale: float, plan=None) -> tuple[list[Stage], torch.Tensor]:
+def forward_stages(q, k, v, p, beta, g, scale: float, plan=None, initial_state=None,
+                   final_state=None) -> tuple[list[Stage], torch.Tensor]:
     """The forward's stages in order, [transform, forward_scan, output], and o, which they fill.
 
-    Inputs contiguous with T a multiple of the chunk, K and V in {64, 128}; `plan` is `dispatch.plan`'s for the call.
-    Each stage reads only what earlier stages wrote, so after one full pass any stage can be run (timed) again
-    alone."""
+    Inputs contiguous with T a multiple of the chunk, K and V in {64, 128}; `plan` is `dispatch.plan`'s for the call;
+    initial_state and final_state as `state_stages` takes them. Each stage reads only what earlier stages wrote, so
+    after one full pass any stage can be run (timed) again alone."""
     V = v.shape[-1]
-    plan = plan or dispatch.plan(q, V)
-    A, S, Vn = scratch = state_scratch(q, V)
+    plan = plan or dispatch.plan(q, V, model=is_model_call(q, v, initial_state, final_state))
+    A, S, Vn = scratch = state_scratch(q, v)
     o = torch.empty_like(v)
     t = hopper.chunk.tiles(q, k, p, v, None, A, S, None, Vn, None) if "forward_scan" in plan.gluon else None
-    stages = state_stages(k, v, p, beta, g, scratch, plan, t)
+    stages = state_stages(k, v, p, beta, g, scratch, plan, t, initial_state, final_state)
     stages.append(Stage("output", portable.output.launch, (q, k, beta, g, S, Vn, o, scale)))
     return stages, o
 
 
-def run_forward(q, k, v, p, beta, g, scale: float, plan):
-    """o (B, T, H, V) in v's dtype by the forward's stages on `plan`; inputs contiguous, any T >= 1."""
-    T = q.shape[1]
+def is_model_call(q, v, *states) -> bool:
+    """Whether a call with inputs q, v and these state tensors (or None) is a model's: a state in, out or its
+    gradient, or grouped value heads."""
+    return q.shape[2] != v.shape[2] or any(x is not None for x in states)
+
+
+def run_forward(q, k, v, p, beta, g, scale: float, plan, initial_state=None, output_final_state=False):
+    """o (B, T, HV, V) in v's dtype by the forward's stages on `plan`, and with output_final_state (o, the state after
+    the last step (B, HV, K, V) fp32); the scan starts from initial_state (B, HV, K, V) fp32 (None: zeros). Inputs
+    contiguous, any T >= 1."""
+    B, T, HV, V = v.shape
     inputs = [pad_time(x) for x in (q, k, v, p, beta, g)]
-    stages, o = forward_stages(*inputs, scale, plan)
+    final = q.new_empty(B, HV, q.shape[-1], V, dtype=torch.float32) if output_final_state else None
+    stages, o = forward_stages(*inputs, scale, plan, initial_state, final)
     with on_device(q):
         for stage in stages:
             stage.run()
-    return o if o.shape[1] == T else o[:, :T].contiguous()
+    o = o if o.shape[1] == T else o[:, :T].contiguous()
+    return (o, final) if output_final_state else o
 
 
-def backward_stages(q, k, v, p, beta, g, do, scale: float, grads=None, plan=None) -> tuple[list[Stage], tuple]:
+def backward_stages(q, k, v, p, beta, g, do, scale: float, grads=None, plan=None, initial_state=None, d_final=None,
+                    d_initial=None) -> tuple[list[Stage], tuple]:
     """The backward's stages in order, [transform, forward_scan, reverse_scan, grads] and dg where the Triton gradient
     kernel runs, and the six gradients, which they fill.
 
     Each stage reads only what earlier stages wrote, so after one full pass any stage can be run (timed) again alone.
     Inputs contiguous, K and V in {64, 128}; the gradients are (dq, dk, dv, dp, dbeta, dg) with dg in float32, padded
-    in time to a multiple of the chunk (run_backward trims them); `grads`, when given, are contiguous tensors of those
-    shapes and dtypes to write them into; `plan` is `dispatch.plan`'s for the call.
+    in time to a multiple of the chunk (run_backward trims them), dq, dk and dp one per value head (`_gradients_like`);
+    `grads`, when given, are contiguous tensors of those shapes and dtypes to write them into; `plan` is
+    `dispatch.plan`'s for the call. A model's call starts the forward scan from initial_state and the reverse scan
+    from d_final, the final state's gradient (each (B, HV, K, V) fp32, None: zeros), and writes the initial state's
+    gradient into d_initial where given.
     """
-    B, T, H, K = q.shape
-    V = v.shape[-1]
-    plan = plan or dispatch.plan(q, V)
+    B, T, HV, V = v.shape
+    K = q.shape[-1]
+    plan = plan or dispatch.plan(q, V, model=is_model_call(q, v, initial_state, d_final, d_initial))
     q, k, v, p, beta, g, do = (pad_time(x) for x in (q, k, v, p, beta, g, do))
     Tp = q.shape[1]
-    BH = B * H
+    BH = B * HV
     dev = q.device
     gluon = plan.gluon
     # dbeta's v parts: none where the gradient kernel makes it, one from a Gluon reverse scan, else one per V block of
     # the Triton reverse scan.
     NV = 0 if plan.v_adjoint_in_grads else 1 if "reverse_scan" in gluon else V // portable.chunk.scan_block(K, V)
-    A, S, Vn = state_scratch(q, V)
+    A, S, Vn = state_scratch(q, v)
     dS = torch.empty_like(S)
     X = torch.empty_like(Vn)
     dbeta_v = torch.empty(NV, *beta.shape, device=dev, dtype=torch.float32)
     dq, dk, dv, dp, dbeta, dg = _gradients_like(q, k, v, p, beta, g) if grads is None else grads
     t = hopper.chunk.tiles(q, k, p, v, do, A, S, dS, Vn, X) if gluon else None
-    stages = state_stages(k, v, p, beta, g, (A, S, Vn), plan, t)
+    stages = state_stages(k, v, p, beta, g, (A, S, Vn), plan, t, initial_state)
     if "reverse_scan" in gluon:
         stages.append(Stage("reverse_scan", hopper.reverse_scan.launch, (t, q, v, beta, g, dv, dbeta_v, scale)))
     else:
         v_adjoint = not plan.v_adjoint_in_grads
         stages.append(Stage("reverse_scan", portable.reverse_scan.launch,
-                            (q, k, v, p, beta, g, do, A, dS, X, dv, dbeta_v, scale, v_adjoint)))
+                            (q, k, v, p, beta, g, do, A, dS, X, dv, dbeta_v, scale, v_adjoint, d_final, d_initial)))
     if plan.v_adjoint_in_grads:
         stages.append(Stage("grads", hopper.grads.launch_with_dv, (t, q, beta, g, dq, dk, dv, dp, dbeta, dg, scale)))
     elif "grads" in gluon:
@@ -151,8 +174,15 @@ def backward_stages(q, k, v, p, beta, g, do, scale: float, grads=None, plan=None
 
 
 def _gradients_like(q, k, v, p, beta, g):
-    """Uninitialised (dq, dk, dv, dp, dbeta, dg): each like its input, dg in float32."""
-    return (*(torch.empty_like(x) for x in (q, k, v, p, beta)), torch.empty_like(g, dtype=torch.float32))
+    """Uninitialised (dq, dk, dv, dp, dbeta, dg): each like its input, dg in float32; with grouped value heads
+    (HV > H) dq, dk and dp one per value head, (B, T, HV, K) in float32, for the sum over each group."""
+    B, T, HV = beta.shape
+    if HV == q.shape[2]:
+        keys = [torch.empty_like(x) for x in (q, k, p)]
+    else:
+        keys = [q.new_empty(B, T, HV, q.shape[-1], dtype=torch.float32) for _ in range(3)]
+    dq, dk, dp = keys
+    return dq, dk, torch.empty_like(v), dp, torch.empty_like(beta), torch.empty_like(g, dtype=torch.float32)
 
 
 @functools.cache
@@ -187,16 +217,27 @@ def _launch_on_streams(pieces: list[list[Stage]], device: torch.device):
             main.wait_stream(own)
 
 
-def run_backward(q, k, v, p, beta, g, do, scale: float, plan):
+def _sum_groups(x: torch.Tensor, H: int, dtype: torch.dtype) -> torch.Tensor:
+    """(B, T, HV, K) per value head -> (B, T, H, K) in `dtype`, summed over each group of HV // H value heads."""
+    B, T, HV, K = x.shape
+    return x.view(B, T, H, HV // H, K).sum(3).to(dtype)
+
+
+def run_backward(q, k, v, p, beta, g, do, scale: float, plan, initial_state=None, d_final=None):
     """(dq, dk, dv, dp, dbeta, dg) in their inputs' dtypes (dg float32) by the backward's stages on `plan`, the batch
-    cut in plan.pieces; inputs contiguous, any T >= 1."""
-    B, T = q.shape[:2]
+    cut in plan.pieces; inputs contiguous, any T >= 1. A model's call starts from initial_state, with d_final the
+    gradient of the final state (each (B, HV, K, V) fp32 or None: zeros), and, where initial_state is given, returns
+    its gradient (fp32) after the six."""
+    B, T, H = q.shape[:3]
     inputs = [pad_time(x) for x in (q, k, v, p, beta, g, do)]
     grads = _gradients_like(*inputs[:6])
+    d_initial = None if initial_state is None else torch.empty_like(initial_state)
+    states = (initial_state, d_final, d_initial)
     cuts = [B * i // plan.pieces for i in range(plan.pieces + 1)]
     # Every piece's scratch is allocated before the launches and referenced until the streams are joined, so the
     # allocator cannot hand one piece's freed scratch to another piece's stream while it still runs.
-    pieces = [backward_stages(*(x[a:b] for x in inputs), scale, tuple(x[a:b] for x in grads), plan)[0]
+    pieces = [backward_stages(*(x[a:b] for x in inputs), scale, tuple(x[a:b] for x in grads), plan,
+                              *(None if x is None else x[a:b] for x in states))[0]
               for a, b in zip(cuts, cuts[1:])]
     if q.is_cuda:
         _launch_on_streams(pieces, q.device)
@@ -204,6 +245,9 @@ def run_backward(q, k, v, p, beta, g, do, scale: float, plan):
         for stages in pieces:
             for stage in stages:
                 stage.run()
-    if grads[0].shape[1] == T:
-        return grads
-    return tuple(x[:, :T].contiguous() for x in grads)
+    if grads[0].shape[1] != T:
+        grads = tuple(x[:, :T].contiguous() for x in grads)
+    if v.shape[2] != H:
+        dq, dk, dv, dp, dbeta, dg = grads
+        grads = (_sum_groups(dq, H, q.dtype), _sum_groups(dk, H, q.dtype), dv, _sum_groups(dp, H, q.dtype), dbeta, dg)
+    return grads if d_initial is None else (*grads, d_initial)

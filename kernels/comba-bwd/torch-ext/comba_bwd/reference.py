@@ -269,13 +269,20 @@ def comba_backward_reference(q, k, v, p, beta, g, do, scale=None):
     at the floor (there exp(g) is 0 in fp32).
     """
     check_log_decay(g)
+    return _chunked_backward(q, k, v, p, beta, g, do, scale)[:6]
+
+
+def _chunked_backward(q, k, v, p, beta, g, do, scale, initial_state=None, d_final=None):
+    """The analytic backward of `comba_backward_reference` from a carried state: (dq, dk, dv, dp, dbeta, dg, the
+    initial state's gradient), the scans starting from initial_state and from d_final, the final state's gradient
+    ((B, H, K, V) each, None: zeros)."""
     T = q.shape[1]
     scale = resolve_scale(scale, q.shape[-1])
     g = floor_log_decay(g)
     reset = g <= G_FLOOR
     q, k, v, p, beta, g, do = (_to_chunks(pad_time(x)) for x in (q, k, v, p, beta, g, do))
     gc, E, L, IL, U, W = _chunk_transform(k, p, v, beta, g)
-    S, Vn, _ = _forward_scan(k, gc, U, W)
+    S, Vn, _ = _forward_scan(k, gc, U, W, None if initial_state is None else initial_state.float())
     gam = gc.exp()
     gam_last = gam[..., -1]
     to_end = _to_end(gc)                                       # Gam / gam, never formed as a ratio
@@ -285,7 +292,7 @@ def comba_backward_reference(q, k, v, p, beta, g, do, scale=None):
 
     # Reverse scan: dS' of each chunk and the gradient dVn of its corrected values.
     N = q.shape[2]
-    dS = torch.zeros_like(S[:, :, 0])
+    dS = torch.zeros_like(S[:, :, 0]) if d_final is None else d_final.float()
     dS_next, dVn = [None] * N, [None] * N
     for n in reversed(range(N)):
         dS_next[n] = dS
@@ -317,4 +324,32 @@ def comba_backward_reference(q, k, v, p, beta, g, do, scale=None):
     dq, dk, dv, dp, dbeta, dg = (_from_chunks(x, T) for x in (dq, dk, dv, dp, dbeta, dg))
     # At the floor the reverse cumsum leaves only the rounding of terms that cancel; the gradient is exp(g_t)
     # times a finite product, 0 in fp32.
-    return dq, dk, dv, dp, dbeta, dg.masked_fill(reset, 0.0)
+    return dq, dk, dv, dp, dbeta, dg.masked_fill(reset, 0.0), dS
+
+
+def comba_state_forward_reference(q, k, v, p, beta, g, initial_state, scale, output_final_state):
+    """The registered model op's forward (`op.comba_state_forward_op`): `comba_forward_reference` with a carried state
+    and grouped value heads, returning (o, final state (N, HV, K, V) float32, or an empty float32 tensor without
+    output_final_state)."""
+    o, final = comba_forward_reference(q, k, v, p, beta, g, scale, initial_state=initial_state,
+                                       output_final_state=True)
+    return o, (final if output_final_state else final.new_empty(0))
+
+
+@float32_inside
+def comba_state_backward_reference(q, k, v, p, beta, g, initial_state, do, d_final, scale):
+    """The gradients of `comba_state_forward_reference` given do and d_final (the final state's, or None: zero):
+    (dq, dk, dv, dp, dbeta, dg, d_initial_state), float32, by the analytic chunked backward with q, k and p repeated
+    to the value heads and their gradients summed over each group; d_initial_state is an empty float32 tensor where
+    initial_state is None. g > 0 raises ValueError."""
+    check_log_decay(g)
+    B, T, H, K = q.shape
+    group = v.shape[2] // H
+    keys = [x.repeat_interleave(group, dim=2) for x in (q, k, p)] if group > 1 else [q, k, p]
+    dq, dk, dv, dp, dbeta, dg, d_initial = _chunked_backward(keys[0], keys[1], v, keys[2], beta, g, do, scale,
+                                                             initial_state, d_final)
+    if group > 1:
+        dq, dk, dp = (x.view(B, T, H, group, K).sum(3) for x in (dq, dk, dp))
+    if initial_state is None:
+        d_initial = d_initial.new_empty(0)
+    return dq, dk, dv, dp, dbeta, dg, d_initial

@@ -31,6 +31,13 @@ SCAN_WARPS = 4
 PIPELINED_SCAN_SHARED = 116 * 1024
 
 
+def group(keys: torch.Tensor, values: torch.Tensor) -> dict:
+    """The launch argument of grouped value heads: {"GROUP": HV // H} for keys (B, T, H, ...) and values
+    (B, T, HV, ...) with HV > H, else none (the kernels' default, one value head a key head)."""
+    H, HV = keys.shape[2], values.shape[2]
+    return {"GROUP": HV // H} if HV != H else {}
+
+
 def scan_block(K: int, V: int) -> int:
     """The V columns of one scan program (`SCAN_STATE`)."""
     return min(V, SCAN_STATE // K)
@@ -100,11 +107,30 @@ def chunk_offsets(N, H, PER_CHUNK: tl.constexpr = 1):
 
 
 @triton.jit
+def key_head(scal_base, bh, T, H, GROUP: tl.constexpr):
+    """The (B, T, HK) offset of the key head (q, k and p) that value head bh % H reads, and HK: value head hv reads
+    key head hv // GROUP of the HK = H // GROUP key heads (H the value heads of the grid). (scal_base, H) where
+    GROUP is 1."""
+    if GROUP == 1:
+        return scal_base, H
+    else:
+        HK = H // GROUP
+        return (bh // H).to(tl.int64) * T * HK + (bh % H) // GROUP, HK
+
+
+@triton.jit
 def part_stride(T, H):
     """B * T * H (T padded to whole chunks), the stride between dbeta_v's parts, one per scan V block: B taken
     from the grid, whose axis 1 is b * H + h in the scans and the chunk kernels alike, rather than passed as one
     more launch argument."""
     return tl.num_programs(1) // H * T * H
+
+
+@triton.jit
+def state_ptrs(state, bh, cv, K: tl.constexpr, V: tl.constexpr):
+    """Pointers to the [K, BV] block (columns cv) of head bh's state in a (B, HV, K, V) tensor (a carried state, its
+    gradient)."""
+    return state + (bh.to(tl.int64) * K + tl.arange(0, K)[:, None]) * V + cv[None, :]
 
 
 @triton.jit

@@ -7,7 +7,7 @@ import triton
 import triton.language as tl
 
 from ..reference import CHUNK
-from .chunk import BT, chunk_offsets, decay, gates, part_stride, row_ptrs
+from .chunk import BT, chunk_offsets, decay, gates, group, key_head, part_stride, row_ptrs
 
 # The gradient parts run 4 warps a program, faster than 8 capped at 128 registers for 2 CTAs an SM, and loop over V
 # in blocks of V_BLOCK.
@@ -31,8 +31,8 @@ GRADS_V_STAGES = tl.constexpr(2)
 
 
 @triton.jit
-def _q_part(q, k, do, S_in, Vn_in, dq, gc, scal_base, t0, chunk, rows, scale, H, K: tl.constexpr, V: tl.constexpr,
-            BV: tl.constexpr):
+def _q_part(q, k, do, S_in, Vn_in, dq, gc, scal_base, kb, t0, chunk, rows, scale, H, HK, K: tl.constexpr,
+            V: tl.constexpr, BV: tl.constexpr):
     """dq = scale [gam (dO S^T) + (lower(dO Vn^T) * E) K] (stored) and its term of d gc, q . dq."""
     do_s = tl.zeros([BT, K], dtype=tl.float32)
     do_vn = tl.zeros([BT, BT], dtype=tl.float32)
@@ -41,8 +41,8 @@ def _q_part(q, k, do, S_in, Vn_in, dq, gc, scal_base, t0, chunk, rows, scale, H,
         dok = tl.load(do + scal_base * V + (t0 + tl.arange(0, BT))[:, None] * (H * V) + cv[None, :]).to(tl.bfloat16)
         do_s += tl.dot(dok, _state_t(S_in, chunk, cv, K, V))
         do_vn += tl.dot(dok, tl.load(Vn_in + rows[None, :] * V + cv[:, None]))
-    qk = tl.load(row_ptrs(q, scal_base * K, t0, H * K, K))
-    kk = tl.load(row_ptrs(k, scal_base * K, t0, H * K, K)).to(tl.bfloat16)
+    qk = tl.load(row_ptrs(q, kb * K, t0, HK * K, K))
+    kk = tl.load(row_ptrs(k, kb * K, t0, HK * K, K)).to(tl.bfloat16)
     dq_c = tl.dot((do_vn * decay(gc, False, False) * scale).to(tl.bfloat16), kk,
                   acc=(scale * tl.exp(gc))[:, None] * do_s)
     tl.store(row_ptrs(dq, scal_base * K, t0, H * K, K), dq_c.to(dq.dtype.element_ty))
@@ -50,7 +50,7 @@ def _q_part(q, k, do, S_in, Vn_in, dq, gc, scal_base, t0, chunk, rows, scale, H,
 
 
 @triton.jit
-def _k_part(q, k, p, do, dS_in, Vn_in, X_in, dk, gc, glast, bk, scal_base, t0, chunk, rows, scale, H,
+def _k_part(q, k, p, do, dS_in, Vn_in, X_in, dk, gc, glast, bk, scal_base, kb, t0, chunk, rows, scale, H, HK,
             K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr):
     """dk = scale (lower(dO Vn^T) * E)^T Q + (Gam / gam) Vn dS'^T + dR^T (beta P), with dR = dL * E and
     dL = -strict_lower(X Vn^T) (the chunk transform's K side), stored; returns its terms of d gc."""
@@ -74,8 +74,8 @@ def _k_part(q, k, p, do, dS_in, Vn_in, X_in, dk, gc, glast, bk, scal_base, t0, c
     E_t = decay(gc, True, False)
     read = (vn_do * E_t * scale).to(tl.bfloat16)
     dR_t = tl.where(r[:, None] < r[None, :], -vn_x * E_t, 0.0).to(tl.bfloat16)
-    qk = tl.load(row_ptrs(q, scal_base * K, t0, H * K, K)).to(tl.bfloat16)
-    kk = tl.load(row_ptrs(k, scal_base * K, t0, H * K, K)).to(tl.bfloat16)
+    qk = tl.load(row_ptrs(q, kb * K, t0, HK * K, K)).to(tl.bfloat16)
+    kk = tl.load(row_ptrs(k, kb * K, t0, HK * K, K)).to(tl.bfloat16)
     # The gate terms of d gc take k . dk of the state part and of the read part; the read part's as
     # sum_i read_ji (k_j . q_i), from a [BT, BT] product, so that no fp32 copy of k stays live.
     k_read = tl.sum(read.to(tl.float32) * tl.dot(kk, tl.trans(qk)), 1)
@@ -83,7 +83,7 @@ def _k_part(q, k, p, do, dS_in, Vn_in, X_in, dk, gc, glast, bk, scal_base, t0, c
     dk_c = tl.exp(glast - gc)[:, None] * vn_ds
     k_state = tl.sum(kk.to(tl.float32) * dk_c, 1)
     dk_c = tl.dot(read, qk, acc=dk_c)
-    pk = tl.load(row_ptrs(p, scal_base * K, t0, H * K, K))
+    pk = tl.load(row_ptrs(p, kb * K, t0, HK * K, K))
     dk_c = tl.dot(dR_t, (pk * bk[:, None]).to(tl.bfloat16), acc=dk_c)
     tl.store(row_ptrs(dk, scal_base * K, t0, H * K, K), dk_c.to(dk.dtype.element_ty))
     return tl.where(r == BT - 1, tl.sum(k_state, 0), 0.0) - k_read - k_state
@@ -107,8 +107,8 @@ def _store_dp_dbeta(x_s, dLE, kk, pk, pk_kt, gc, bk, dbeta_v, dp_rows, dbeta, ro
 
 
 @triton.jit
-def _pb_part(k, p, S_in, dS_in, Vn_in, X_in, dbeta_v, dp, dbeta, gc, glast, bk, scal_base, t0, chunk, rows, N, H,
-             K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr):
+def _pb_part(k, p, S_in, dS_in, Vn_in, X_in, dbeta_v, dp, dbeta, gc, glast, bk, scal_base, kb, t0, chunk, rows, N, H,
+             HK, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr):
     """dp and dbeta (A^T dW = -X S^T; the chunk transform's P side), stored; returns their terms of d gc and the
     decay of the carried state's, Gam <S_n, dS'_n>, on the chunk's last row."""
     x_s = tl.zeros([BT, K], dtype=tl.float32)
@@ -123,8 +123,8 @@ def _pb_part(k, p, S_in, dS_in, Vn_in, X_in, dbeta_v, dp, dbeta, gc, glast, bk, 
         s_ds += tl.sum(s_t.to(tl.float32) * _state_t(dS_in, chunk, cv, K, V).to(tl.float32), 0)
     r = tl.arange(0, BT)
     E = decay(gc, False, False)
-    pk = tl.load(row_ptrs(p, scal_base * K, t0, H * K, K)).to(tl.bfloat16)
-    kk = tl.load(row_ptrs(k, scal_base * K, t0, H * K, K)).to(tl.bfloat16)
+    pk = tl.load(row_ptrs(p, kb * K, t0, HK * K, K)).to(tl.bfloat16)
+    kk = tl.load(row_ptrs(k, kb * K, t0, HK * K, K)).to(tl.bfloat16)
     dLE = tl.where(r[:, None] > r[None, :], -x_vn * E, 0.0)                      # dL * E
     pk_kt = tl.dot(pk, tl.trans(kk))
     dL_L = dLE * pk_kt * bk[:, None]                                             # dL * L
@@ -137,40 +137,44 @@ def _pb_part(k, p, S_in, dS_in, Vn_in, X_in, dbeta_v, dp, dbeta, gc, glast, bk, 
 
 @triton.jit
 def _grads_kernel(q, k, p, beta, g, do, S_in, dS_in, Vn_in, X_in, dbeta_v, dq, dk, dp, dbeta, dgc_parts,
-                 scale, N, H, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr):
+                 scale, N, H, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr,
+                 GROUP: tl.constexpr = 1):
     """Every gradient of the chunk but dv: the three parts (_q_part, _k_part, _pb_part) as three programs of one
     launch, next to each other in the grid. They run at the same time, so what two of them read (S, dS', Vn, X,
     dO and the chunk's q, k, p) comes from HBM once and from L2 after, while each program holds the registers of
     one part only: faster than three kernels one after the other, whose inputs come from HBM each time, and than
     the three parts in turn in one program, which spills. Their terms of d gc go to dgc_parts, one row of it a
     part, summed by `dg._dg_kernel`. Each part loads the gates and stores its terms itself: loaded once before the
-    branches, the gates would stay live across all three and the kernel would spill more."""
+    branches, the gates would stay live across all three and the kernel would spill more. H value heads, GROUP of
+    them a key head: dq, dk and dp are stored per value head (B, T, H, K), the caller sums each group."""
     part = tl.program_id(0) % 3
     scal_base, t0, chunk, rows = chunk_offsets(N, H, 3)
+    kb, HK = key_head(scal_base, tl.program_id(1), N * BT, H, GROUP)
     n_pos = part_stride(N * BT, H)
     if part == 0:
         gc, _, _ = gates(g, beta, scal_base, t0, H)
-        dgc = _q_part(q, k, do, S_in, Vn_in, dq, gc, scal_base, t0, chunk, rows, scale, H, K, V, BV)
+        dgc = _q_part(q, k, do, S_in, Vn_in, dq, gc, scal_base, kb, t0, chunk, rows, scale, H, HK, K, V, BV)
         tl.store(dgc_parts + rows, dgc)
     elif part == 1:
         gc, glast, bk = gates(g, beta, scal_base, t0, H)
-        dgc = _k_part(q, k, p, do, dS_in, Vn_in, X_in, dk, gc, glast, bk, scal_base, t0, chunk, rows, scale, H, K, V,
-                      BV)
+        dgc = _k_part(q, k, p, do, dS_in, Vn_in, X_in, dk, gc, glast, bk, scal_base, kb, t0, chunk, rows, scale, H, HK,
+                      K, V, BV)
         tl.store(dgc_parts + n_pos + rows, dgc)
     else:
         gc, glast, bk = gates(g, beta, scal_base, t0, H)
-        dgc = _pb_part(k, p, S_in, dS_in, Vn_in, X_in, dbeta_v, dp, dbeta, gc, glast, bk, scal_base, t0, chunk, rows,
-                       N, H, K, V, BV, NV)
+        dgc = _pb_part(k, p, S_in, dS_in, Vn_in, X_in, dbeta_v, dp, dbeta, gc, glast, bk, scal_base, kb, t0, chunk,
+                       rows, N, H, HK, K, V, BV, NV)
         tl.store(dgc_parts + 2 * n_pos + rows, dgc)
 
 
 def launch(q, k, p, beta, g, do, S, dS, Vn, X, dbeta_v, dq, dk, dp, dbeta, dgc_parts, scale: float):
-    """dq, dk, dp and dbeta (written in place), and the three parts' terms of d gc in dgc_parts (3, BH, T), from the
-    inputs (B, T, H, *) with T a multiple of the chunk, the scans' S, dS' (BH, N, K, V), Vn and X (BH, T, V), and
-    dbeta's v parts dbeta_v (NV, B, T, H)."""
-    B, T, H, K = q.shape
-    V = do.shape[-1]
+    """dq, dk, dp (B, T, HV, K), one per value head, and dbeta (written in place), and the three parts' terms of d gc
+    in dgc_parts (3, B * HV, T), from the inputs q, k, p (B, T, H, K), do (B, T, HV, V), beta and g (B, T, HV) with T
+    a multiple of the chunk and HV a multiple of H, the scans' S, dS' (B * HV, N, K, V), Vn and X (B * HV, T, V), and
+    dbeta's v parts dbeta_v (NV, B, T, HV)."""
+    B, T, HV, V = do.shape
+    K = q.shape[-1]
     N = T // CHUNK
-    _grads_kernel[(3 * N, B * H)](q, k, p, beta, g, do, S, dS, Vn, X, dbeta_v, dq, dk, dp, dbeta, dgc_parts, scale,
-                                  N, H, K=K, V=V, BV=min(V_BLOCK, V), NV=dbeta_v.shape[0], num_warps=GRADS_WARPS,
-                                  num_stages=1, maxnreg=GRADS_MAXNREG[K])
+    _grads_kernel[(3 * N, B * HV)](q, k, p, beta, g, do, S, dS, Vn, X, dbeta_v, dq, dk, dp, dbeta, dgc_parts, scale,
+                                   N, HV, K=K, V=V, BV=min(V_BLOCK, V), NV=dbeta_v.shape[0], **group(q, do),
+                                   num_warps=GRADS_WARPS, num_stages=1, maxnreg=GRADS_MAXNREG[K])

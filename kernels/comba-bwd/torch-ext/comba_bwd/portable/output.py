@@ -7,7 +7,7 @@ import triton
 import triton.language as tl
 
 from ..reference import CHUNK
-from .chunk import BT, chunk_offsets, decay, gates, row_ptrs, row_ptrs_t
+from .chunk import BT, chunk_offsets, decay, gates, group, key_head, row_ptrs, row_ptrs_t
 
 # Four warps a program, all of V in one program, so that Q K^T is formed once a chunk: 255 registers (no spill) and
 # 48 KB of shared memory at K = V = 128 (sm_90a), two CTAs an SM; V blocks of 64 (three CTAs an SM) are slower.
@@ -15,13 +15,15 @@ OUTPUT_WARPS = 4
 
 
 @triton.jit
-def _output_kernel(q, k, beta, g, S_in, Vn_in, o, scale, N, H, K: tl.constexpr, V: tl.constexpr):
+def _output_kernel(q, k, beta, g, S_in, Vn_in, o, scale, N, H, K: tl.constexpr, V: tl.constexpr,
+                   GROUP: tl.constexpr = 1):
     scal_base, t0, chunk, rows = chunk_offsets(N, H)
+    kb, HK = key_head(scal_base, tl.program_id(1), N * BT, H, GROUP)
     gc, _, _ = gates(g, beta, scal_base, t0, H)
     r = tl.arange(0, BT)
     cv = tl.arange(0, V)
-    qk = tl.load(row_ptrs(q, scal_base * K, t0, H * K, K))
-    kt = tl.load(row_ptrs_t(k, scal_base * K, t0, H * K, K)).to(tl.bfloat16)
+    qk = tl.load(row_ptrs(q, kb * K, t0, HK * K, K))
+    kt = tl.load(row_ptrs_t(k, kb * K, t0, HK * K, K)).to(tl.bfloat16)
     scores = tl.dot(qk.to(tl.bfloat16), kt) * (scale * decay(gc, False, False))      # scale lower(Q K^T) * E
     q_gam = (qk * (scale * tl.exp(gc))[:, None]).to(tl.bfloat16)                       # scale gam Q
     s = tl.load(S_in + (chunk * K + tl.arange(0, K)[:, None]) * V + cv[None, :]).to(tl.bfloat16)
@@ -32,9 +34,9 @@ def _output_kernel(q, k, beta, g, S_in, Vn_in, o, scale, N, H, K: tl.constexpr, 
 
 
 def launch(q, k, beta, g, S, Vn, o, scale: float):
-    """o (B, T, H, V) of inputs (B, T, H, *) with T a multiple of the chunk, from the forward scan's S (BH, N, K, V)
-    and Vn (BH, T, V)."""
-    B, T, H, K = q.shape
+    """o (B, T, HV, V) of inputs q, k (B, T, H, K), beta and g (B, T, HV) with T a multiple of the chunk and HV a
+    multiple of H, from the forward scan's S (B * HV, N, K, V) and Vn (B * HV, T, V)."""
+    B, T, HV, V = o.shape
     N = T // CHUNK
-    _output_kernel[(N, B * H)](q, k, beta, g, S, Vn, o, scale, N, H, K=K, V=o.shape[-1], num_warps=OUTPUT_WARPS,
-                               num_stages=1)
+    _output_kernel[(N, B * HV)](q, k, beta, g, S, Vn, o, scale, N, HV, K=q.shape[-1], V=V, **group(q, o),
+                                num_warps=OUTPUT_WARPS, num_stages=1)

@@ -8,7 +8,7 @@ import triton.language as tl
 
 from ..common.tf32 import tf32_high
 from ..reference import CHUNK
-from .chunk import BT, chunk_offsets, gates, row_ptrs, row_ptrs_t
+from .chunk import BT, chunk_offsets, gates, group, key_head, row_ptrs, row_ptrs_t
 
 # One warp a chunk: faster than 2 or 4.
 TRANSFORM_WARPS = 1
@@ -61,12 +61,13 @@ def _store_block(A, a_base, i: tl.constexpr, j: tl.constexpr, blk):
 
 
 @triton.jit
-def _transform_kernel(k, p, beta, g, A, N, H, K: tl.constexpr):
+def _transform_kernel(k, p, beta, g, A, N, H, K: tl.constexpr, GROUP: tl.constexpr = 1):
     """A = (I + L)^-1 of one chunk by 16 x 16 blocks, in fp32: the four diagonal blocks D_i by _inv_unit_lower,
     then the off-diagonal blocks from them by block products (_mm, fp32-accurate); stored in A's dtype (bf16
-    for the scans' tensor-core operands, fp32 in the tests)."""
+    for the scans' tensor-core operands, fp32 in the tests). H value heads, GROUP of them a key head."""
     scal_base, t0, chunk, _ = chunk_offsets(N, H)
-    kbase = scal_base * K
+    kb, HK = key_head(scal_base, tl.program_id(1), N * BT, H, GROUP)
+    kbase = kb * K
     gc0, off, b0 = gates(g, beta, scal_base, t0, H, SUB)
     gc1, off, b1 = gates(g, beta, scal_base, t0 + SUB, H, SUB, off)
     gc2, off, b2 = gates(g, beta, scal_base, t0 + 2 * SUB, H, SUB, off)
@@ -76,23 +77,23 @@ def _transform_kernel(k, p, beta, g, A, N, H, K: tl.constexpr):
     # dot operand layout through shared memory; loaded at its first use, it leaves shared memory at once under every
     # supported Triton (8 KB at K = 128), where from 3.7, which moves each read of such a buffer to the tile's first
     # use, tiles loaded up front would sit there together (32 KB: 6 CTAs an SM, not the 8 that registers allow).
-    p0 = tl.load(row_ptrs(p, kbase, t0, H * K, K, SUB)).to(tl.bfloat16)
-    kt = tl.load(row_ptrs_t(k, kbase, t0, H * K, K, SUB)).to(tl.bfloat16)
+    p0 = tl.load(row_ptrs(p, kbase, t0, HK * K, K, SUB)).to(tl.bfloat16)
+    kt = tl.load(row_ptrs_t(k, kbase, t0, HK * K, K, SUB)).to(tl.bfloat16)
     L00 = _l_block(p0, b0, gc0, kt, gc0, True)
-    p1 = tl.load(row_ptrs(p, kbase, t0 + SUB, H * K, K, SUB)).to(tl.bfloat16)
+    p1 = tl.load(row_ptrs(p, kbase, t0 + SUB, HK * K, K, SUB)).to(tl.bfloat16)
     L10 = _l_block(p1, b1, gc1, kt, gc0, False)
-    p2 = tl.load(row_ptrs(p, kbase, t0 + 2 * SUB, H * K, K, SUB)).to(tl.bfloat16)
+    p2 = tl.load(row_ptrs(p, kbase, t0 + 2 * SUB, HK * K, K, SUB)).to(tl.bfloat16)
     L20 = _l_block(p2, b2, gc2, kt, gc0, False)
-    p3 = tl.load(row_ptrs(p, kbase, t0 + 3 * SUB, H * K, K, SUB)).to(tl.bfloat16)
+    p3 = tl.load(row_ptrs(p, kbase, t0 + 3 * SUB, HK * K, K, SUB)).to(tl.bfloat16)
     L30 = _l_block(p3, b3, gc3, kt, gc0, False)
-    kt = tl.load(row_ptrs_t(k, kbase, t0 + SUB, H * K, K, SUB)).to(tl.bfloat16)
+    kt = tl.load(row_ptrs_t(k, kbase, t0 + SUB, HK * K, K, SUB)).to(tl.bfloat16)
     L11 = _l_block(p1, b1, gc1, kt, gc1, True)
     L21 = _l_block(p2, b2, gc2, kt, gc1, False)
     L31 = _l_block(p3, b3, gc3, kt, gc1, False)
-    kt = tl.load(row_ptrs_t(k, kbase, t0 + 2 * SUB, H * K, K, SUB)).to(tl.bfloat16)
+    kt = tl.load(row_ptrs_t(k, kbase, t0 + 2 * SUB, HK * K, K, SUB)).to(tl.bfloat16)
     L22 = _l_block(p2, b2, gc2, kt, gc2, True)
     L32 = _l_block(p3, b3, gc3, kt, gc2, False)
-    kt = tl.load(row_ptrs_t(k, kbase, t0 + 3 * SUB, H * K, K, SUB)).to(tl.bfloat16)
+    kt = tl.load(row_ptrs_t(k, kbase, t0 + 3 * SUB, HK * K, K, SUB)).to(tl.bfloat16)
     L33 = _l_block(p3, b3, gc3, kt, gc3, True)
     D0 = _inv_unit_lower(L00)
     D1 = _inv_unit_lower(L11)
@@ -132,8 +133,9 @@ def _transform_kernel(k, p, beta, g, A, N, H, K: tl.constexpr):
 
 
 def launch(k, p, beta, g, A):
-    """A (BH, N, 64, 64) of inputs k, p (B, T, H, K) with T a multiple of the chunk, beta and g (B, T, H), in A's
-    dtype."""
-    B, T, H, K = k.shape
+    """A (B * HV, N, 64, 64) of inputs k, p (B, T, H, K) with T a multiple of the chunk, beta and g (B, T, HV), HV a
+    multiple of H, in A's dtype."""
+    B, T, HV = beta.shape
     N = T // CHUNK
-    _transform_kernel[(N, B * H)](k, p, beta, g, A, N, H, K, num_warps=TRANSFORM_WARPS, num_stages=1)
+    _transform_kernel[(N, B * HV)](k, p, beta, g, A, N, HV, k.shape[-1], **group(k, beta),
+                                   num_warps=TRANSFORM_WARPS, num_stages=1)
