@@ -22,6 +22,8 @@ VENDORED = {
     "tf32.py": ("ldsa", "comba-bwd"),
     "checks.py": ("ldsa", "log-mel", "based-bwd", "comba-bwd"),
     "devices.py": ("ldsa", "log-mel", "based-bwd", "comba-bwd"),
+    "autocast.py": ("ldsa", "log-mel", "based-bwd", "comba-bwd"),
+    "differentiation.py": ("ldsa", "based-bwd", "comba-bwd"),
 }
 HEADER = "# Generated from common/{name} by `python -m tools.vendor`: edit that file, not this copy.\n"
 INIT = ("# Generated from common/ by `python -m tools.vendor`.\n"

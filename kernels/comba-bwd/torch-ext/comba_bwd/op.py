@@ -8,11 +8,19 @@ and the eager analytic backward on CPU tensors. The autograd link saves the forw
 A `comba_attention` call with a model's arguments (a state in or out, packed sequences, grouped value heads, q/k/p
 normalisation, fla's read order) and `comba_decode` run the eager references (reference.py, recurrent.py) on every
 device, differentiated by autograd.
+
+Under autocast (`common.autocast`) the ops run with autocast off: on CUDA `comba_forward` takes q, k, v, p in
+autocast's dtype (the fused kernels' 16-bit operands) and beta, g as given, `comba_backward` its arguments as given;
+on the CPU both take them as given and compute in float32. Reverse mode is the only differentiation of the registered
+ops (`common.differentiation`): a double backward, torch.func's grad and jvp transforms and forward-mode AD raise
+RuntimeError naming the public function.
 """
 
 import torch
 
 from ._ops import add_op_namespace_prefix
+from .common.autocast import register_autocast
+from .common.differentiation import check_differentiation, no_double_backward
 from .dispatch import comba_backward_cuda, comba_forward_cuda
 from .model_args import check_model_args
 from .recurrent import DECODE_MAX_TOKENS, comba_recurrent_reference
@@ -78,6 +86,10 @@ def _backward(ctx, do):
 
 
 torch.library.register_autograd(add_op_namespace_prefix("comba_forward"), _backward, setup_context=_setup_context)
+torch.library.register_autograd(add_op_namespace_prefix("comba_backward"),
+                                no_double_backward("comba_attention", "comba_backward"))
+register_autocast(add_op_namespace_prefix("comba_forward"), cuda_16bit=(0, 1, 2, 3))
+register_autocast(add_op_namespace_prefix("comba_backward"))
 
 
 def _prepare(tensors, scale, K):
@@ -90,9 +102,11 @@ def comba_backward(q, k, v, p, beta, g, do, scale=None):
     q, k, p: (B, T, H, K); v, do: (B, T, H, V), all bfloat16, float16 or float32 of one dtype;
     beta: (B, T, H) of any of those dtypes; g: (B, T, H) float32 log-decay. scale: float or None (K ** -0.5).
     Returns (dq, dk, dv, dp, dbeta, dg): dq, dk, dv, dp in q's dtype, dbeta in beta's, dg float32.
-    Non-contiguous inputs are copied to contiguous ones; any T >= 1 is accepted.
+    Non-contiguous inputs are copied to contiguous ones; any T >= 1 is accepted. Under autocast the arguments are
+    taken as given. Not differentiable.
     """
     check_comba_args(q, k, v, p, beta, g, scale, do)
+    check_differentiation("comba_backward", q, k, v, p, beta, g, do)
     tensors, scale = _prepare((q, k, v, p, beta, g, do), scale, q.shape[-1])
     return comba_backward_op(*tensors, scale)
 
@@ -125,9 +139,14 @@ def comba_attention(q, k, v, p, beta, g, scale=None, *, initial_state=None, outp
     The spec's call (none of the keyword arguments, H = HV, and on CUDA K, V in {64, 128}) runs the fused kernels on
     CUDA, forward and backward, and the eager chunked reference on the CPU. Every other call runs the eager chunked
     reference (`comba_forward_reference`) on every device, its backward by autograd through it.
+
+    The spec's call under CUDA autocast takes q, k, v, p in autocast's dtype (o in that dtype); everything else
+    computes in float32 under autocast. The spec's call is differentiable in reverse mode only: a double backward,
+    torch.func's grad and jvp transforms and forward-mode AD raise RuntimeError.
     """
     if _is_spec_call(q, v, initial_state, output_final_state, cu_seqlens, use_qk_l2norm, read_order):
         check_comba_args(q, k, v, p, beta, g, scale)
+        check_differentiation("comba_attention", q, k, v, p, beta, g)
         tensors, scale = _prepare((q, k, v, p, beta, g), scale, q.shape[-1])
         return comba_forward_op(*tensors, scale)
     check_model_args(q, k, v, p, beta, g, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm,
