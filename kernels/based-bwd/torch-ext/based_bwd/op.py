@@ -128,7 +128,7 @@ def based_attention(
       B = 1; no sum crosses two of them. Read on the host (a device sync on CUDA).
 
     These run the eager reference in fp32 on every device, autocast or not, gradients through torch autograd (fused
-    CUDA path: planned; torch.func transforms and double backward work there).
+    CUDA path: planned; torch.func.grad and double backward work there).
     """
     check_based_args(q, k, v, scale)
     if initial_state is None and output_final_state is False and cu_seqlens is None:

@@ -100,7 +100,8 @@ def comba_backward(q, k, v, p, beta, g, do, scale=None):
     """Gradients of the Comba forward (decay before the read) with respect to q, k, v, p, beta, g.
 
     q, k, p: (B, T, H, K); v, do: (B, T, H, V), all bfloat16, float16 or float32 of one dtype;
-    beta: (B, T, H) of any of those dtypes; g: (B, T, H) float32 log-decay. scale: float or None (K ** -0.5).
+    beta: (B, T, H) of any of those dtypes; g: (B, T, H) float32 log-decay, <= 0 (as in `comba_attention`).
+    scale: float or None (K ** -0.5).
     Returns (dq, dk, dv, dp, dbeta, dg): dq, dk, dv, dp in q's dtype, dbeta in beta's, dg float32.
     Non-contiguous inputs are copied to contiguous ones; any T >= 1 is accepted. Under autocast the arguments are
     taken as given. Not differentiable.
@@ -129,7 +130,9 @@ def comba_attention(q, k, v, p, beta, g, scale=None, *, initial_state=None, outp
 
     q, k, p: (B, T, H, K); v: (B, T, HV, V) with HV a multiple of H (value head hv reads q, k, p of head
     hv // (HV / H)), bfloat16, float16 or float32 of one dtype; beta: (B, T, HV) of any of those dtypes; g: (B, T, HV)
-    float32 log-decay, <= 0. scale: float or None (K ** -0.5).
+    float32 log-decay, <= 0: g > 0 raises ValueError where values are read (the references: the CPU, and every call
+    but the spec's on CUDA); the fused CUDA path reads none (a host read would synchronise the GPU), and there g > 0
+    is outside the contract, its result undefined. scale: float or None (K ** -0.5).
     initial_state: (N, HV, K, V) float32 state to start from (None: zeros); N = B, or the sequences of cu_seqlens.
     output_final_state: also return the (N, HV, K, V) float32 state after the last step: (o, final_state).
     cu_seqlens: (N + 1,) int32/int64 offsets of N sequences packed along T of a batch of one (B = 1).
