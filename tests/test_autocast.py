@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from testkit import load, needs_cuda, rel_err
+from testkit import load, needs_cuda, rel_err, submodule
 
 
 def _gen(seed):
@@ -144,6 +144,29 @@ def test_cpu_autocast_runs_the_registered_op_with_autocast_off():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         got = based.op.based_forward_op(q, k, v, 0.25)
     assert got.dtype == torch.bfloat16 and torch.equal(got, want)
+
+
+@pytest.mark.kernels_ci
+def test_the_16bit_rule_casts_the_named_arguments_only():
+    """The kernel `register_autocast` gives CUDA, built for the CPU here: under bf16 autocast the float32 tensors at
+    the named positions arrive in bf16 (comba's q, k, v, p), the others (beta, g) as given, and the op runs with
+    autocast off (its result equals the op on the cast arguments without autocast)."""
+    comba = load("comba-bwd")
+    rule = submodule(comba, "common.autocast")
+    _, x = comba_call()
+    x = [t.detach() for t in x]
+    seen = []
+    op = comba._ops.ops.comba_forward.default
+
+    def spy(*args):
+        seen.append([a.dtype for a in args[:6]])
+        assert not torch.is_autocast_enabled("cpu")
+        return op(*args)
+
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = rule._autocast_kernel(spy, "cpu", (0, 1, 2, 3))(*x, 0.25)
+    assert seen == [[torch.bfloat16] * 4 + [torch.float32] * 2]
+    assert torch.equal(got, op(*(t.bfloat16() for t in x[:4]), *x[4:], 0.25))
 
 
 @needs_cuda
