@@ -24,6 +24,8 @@ VENDORED = {
     "devices.py": ("ldsa", "log-mel", "based-bwd", "comba-bwd"),
     "direct_calls.py": ("ldsa", "log-mel"),
     "launch.py": ("ldsa", "log-mel"),
+    "autocast.py": ("ldsa", "log-mel", "based-bwd", "comba-bwd"),
+    "differentiation.py": ("ldsa", "based-bwd", "comba-bwd"),
 }
 HEADER = "# Generated from common/{name} by `python -m tools.vendor`: edit that file, not this copy.\n"
 INIT = ("# Generated from common/ by `python -m tools.vendor`.\n"

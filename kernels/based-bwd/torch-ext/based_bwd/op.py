@@ -9,11 +9,18 @@ The CUDA implementations come from `dispatch`, which picks each call's path. `ba
 the registered `based_backward` op, so training goes through the same backward as a direct call, and inference
 under no_grad through the same forward. Every op name goes through `add_op_namespace_prefix`, so two versions of
 this kernel can be loaded side by side.
+
+Under autocast (`common.autocast`) the ops run with autocast off: on CUDA `based_forward` takes q, k, v in autocast's
+dtype (the fused kernels' 16-bit operands), `based_backward` its arguments as given; on the CPU both take them as
+given and compute in float32. Reverse mode is the only differentiation (`common.differentiation`): a double backward,
+torch.func's grad and jvp transforms and forward-mode AD raise RuntimeError naming the public function.
 """
 
 import torch
 
 from ._ops import add_op_namespace_prefix
+from .common.autocast import register_autocast
+from .common.differentiation import check_differentiation, no_double_backward
 from .dispatch import based_backward_cuda, based_decode_cuda, based_forward_cuda, written
 from .reference import (
     MAX_DECODE_TOKENS,
@@ -70,6 +77,10 @@ def _backward(ctx, grad_out):
 
 
 torch.library.register_autograd(add_op_namespace_prefix("based_forward"), _backward, setup_context=_setup_context)
+torch.library.register_autograd(add_op_namespace_prefix("based_backward"),
+                                no_double_backward("based_attention", "based_backward"))
+register_autocast(add_op_namespace_prefix("based_forward"), cuda_16bit=(0, 1, 2))
+register_autocast(add_op_namespace_prefix("based_backward"))
 
 
 def _resolved(q, scale) -> float:
@@ -82,9 +93,11 @@ def based_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.
 
     q, k: (B, T, H, K); v, do: (B, T, H, V); one dtype among float32/bfloat16/float16, one device. K is the
     Taylor feature size: 8 or 16 on CUDA, any on CPU. scale multiplies q only; None means K ** -0.5.
-    Returns dq, dk, dv with the shapes and dtype of q, k, v. Non-contiguous inputs are copied.
+    Returns dq, dk, dv with the shapes and dtype of q, k, v. Non-contiguous inputs are copied. Under autocast the
+    arguments are taken as given. Not differentiable.
     """
     check_based_args(q, k, v, scale, do=do)
+    check_differentiation("based_backward", q, k, v, do)
     return based_backward_op(q.contiguous(), k.contiguous(), v.contiguous(), do.contiguous(), _resolved(q, scale))
 
 
@@ -103,7 +116,9 @@ def based_attention(
     o_i = sum_{j<=i} A_ij v_j / (sum_{j<=i} A_ij + 1e-6),  A_ij = 1 + s_ij + s_ij^2 / 2,  s_ij = scale q_i . k_j.
 
     Same q, k, v and scale as `based_backward`. Without the keyword arguments it is the registered forward, whose
-    gradients come from the registered `based_backward` op (fused on CUDA).
+    gradients come from the registered `based_backward` op (fused on CUDA); under CUDA autocast it takes q, k, v in
+    autocast's dtype (o in that dtype), under CPU autocast as given. Reverse mode only: a double backward, torch.func's
+    grad and jvp transforms and forward-mode AD raise RuntimeError.
 
     With a state (over phi(x) = [1, x, x (x) x / sqrt(2)], P = 1 + K + K^2 features; the sums above then start
     from it, `reference.py` states the formula) or packed sequences:
@@ -114,11 +129,12 @@ def based_attention(
     - cu_seqlens: the N + 1 offsets (int32/int64, 0 to T, non-decreasing) of N sequences packed along T with
       B = 1; no sum crosses two of them. Read on the host (a device sync on CUDA).
 
-    These run the eager reference in fp32 on every device, gradients through torch autograd (fused CUDA path:
-    planned).
+    These run the eager reference in fp32 on every device, autocast or not, gradients through torch autograd (fused
+    CUDA path: planned; torch.func.grad and double backward work there).
     """
     check_based_args(q, k, v, scale)
     if initial_state is None and output_final_state is False and cu_seqlens is None:
+        check_differentiation("based_attention", q, k, v)
         return based_forward_op(q.contiguous(), k.contiguous(), v.contiguous(), _resolved(q, scale))
     check_state_args(q, v, initial_state, output_final_state, cu_seqlens)
     return based_forward_reference(

@@ -37,10 +37,13 @@ dz = sum_{later i} phi(q~_i) h_i, and dq through the forward state S = sum_{earl
 z = sum_{earlier j} phi(k_j). With a state or packed sequences, gradients come from torch autograd through the
 forward.
 
-Everything computes in float32, or in float64 for float64 inputs (the tests' exact arithmetic).
+Everything computes in float32, or in float64 for float64 inputs (the tests' exact arithmetic), whatever autocast
+is on (`autocast_off`).
 """
 
 import torch
+
+from .common.autocast import autocast_off
 
 CHUNK = 64
 EPS = 1e-6
@@ -149,6 +152,7 @@ def _packed_rows(cu_seqlens: torch.Tensor, T: int):
     return index, valid
 
 
+@autocast_off
 def based_forward_reference(
     q, k, v, scale=None, *, initial_state=None, output_final_state: bool = False, cu_seqlens=None, chunk: int = CHUNK
 ):
@@ -172,6 +176,7 @@ def based_forward_reference(
     return (o, c.final) if output_final_state else o
 
 
+@autocast_off
 def based_decode_reference(q, k, v, state, scale=None):
     """The recurrent form: T new steps (B, T, H, K/V) from the state (S (B, H, P, V), z (B, H, P)), one step at a
     time (write phi(k_t) v_t^T and phi(k_t), then read with phi(q~_t)). Returns o (B, T, H, V) in q's dtype and the
@@ -191,6 +196,7 @@ def based_decode_reference(q, k, v, state, scale=None):
     return torch.stack(out, 1).to(q.dtype), (S, z)
 
 
+@autocast_off
 def based_backward_reference(q, k, v, do, scale=None, chunk: int = CHUNK):
     """Analytic (dq, dk, dv) of the stateless `based_forward_reference` for the incoming gradient do
     (B, T, H, V), each in the dtype of its input."""

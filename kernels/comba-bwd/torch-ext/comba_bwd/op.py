@@ -12,6 +12,12 @@ asked (differentiated by autograd). A call with packed sequences or fla's read o
 not compiled for, and every model call on the CPU run the eager reference (reference.py), differentiated by autograd.
 `comba_decode` runs the fused decode kernel on CUDA without autograd (`dispatch.comba_decode_cuda`), the recurrent
 reference (recurrent.py) otherwise.
+
+Under autocast (`common.autocast`) the ops run with autocast off: on CUDA `comba_forward` takes q, k, v, p in
+autocast's dtype (the fused kernels' 16-bit operands) and beta, g as given, `comba_backward` its arguments as given;
+on the CPU both take them as given and compute in float32. Reverse mode is the only differentiation of the registered
+ops (`common.differentiation`): a double backward, torch.func's grad and jvp transforms and forward-mode AD raise
+RuntimeError naming the public function.
 """
 
 from typing import Optional
@@ -19,6 +25,8 @@ from typing import Optional
 import torch
 
 from ._ops import add_op_namespace_prefix
+from .common.autocast import register_autocast
+from .common.differentiation import check_differentiation, no_double_backward
 from .dispatch import (comba_backward_cuda, comba_decode_cuda, comba_forward_cuda, comba_state_backward_cuda,
                        comba_state_forward_cuda)
 from .model_args import check_model_args
@@ -86,6 +94,10 @@ def _backward(ctx, do):
 
 
 torch.library.register_autograd(add_op_namespace_prefix("comba_forward"), _backward, setup_context=_setup_context)
+torch.library.register_autograd(add_op_namespace_prefix("comba_backward"),
+                                no_double_backward("comba_attention", "comba_backward"))
+register_autocast(add_op_namespace_prefix("comba_forward"), cuda_16bit=(0, 1, 2, 3))
+register_autocast(add_op_namespace_prefix("comba_backward"))
 
 
 StateGrads = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
@@ -147,6 +159,10 @@ def _state_backward(ctx, do, d_final):
 
 torch.library.register_autograd(add_op_namespace_prefix("comba_state_forward"), _state_backward,
                                 setup_context=_setup_state_context)
+torch.library.register_autograd(add_op_namespace_prefix("comba_state_backward"),
+                                no_double_backward("comba_attention", "comba_state_backward"))
+register_autocast(add_op_namespace_prefix("comba_state_forward"), cuda_16bit=(0, 1, 2, 3))
+register_autocast(add_op_namespace_prefix("comba_state_backward"))
 
 
 def _prepare(tensors, scale, K):
@@ -157,11 +173,14 @@ def comba_backward(q, k, v, p, beta, g, do, scale=None):
     """Gradients of the Comba forward (decay before the read) with respect to q, k, v, p, beta, g.
 
     q, k, p: (B, T, H, K); v, do: (B, T, H, V), all bfloat16, float16 or float32 of one dtype;
-    beta: (B, T, H) of any of those dtypes; g: (B, T, H) float32 log-decay. scale: float or None (K ** -0.5).
+    beta: (B, T, H) of any of those dtypes; g: (B, T, H) float32 log-decay, <= 0 (as in `comba_attention`).
+    scale: float or None (K ** -0.5).
     Returns (dq, dk, dv, dp, dbeta, dg): dq, dk, dv, dp in q's dtype, dbeta in beta's, dg float32.
-    Non-contiguous inputs are copied to contiguous ones; any T >= 1 is accepted.
+    Non-contiguous inputs are copied to contiguous ones; any T >= 1 is accepted. Under autocast the arguments are
+    taken as given. Not differentiable.
     """
     check_comba_args(q, k, v, p, beta, g, scale, do)
+    check_differentiation("comba_backward", q, k, v, p, beta, g, do)
     tensors, scale = _prepare((q, k, v, p, beta, g, do), scale, q.shape[-1])
     return comba_backward_op(*tensors, scale)
 
@@ -199,7 +218,9 @@ def comba_attention(q, k, v, p, beta, g, scale=None, *, initial_state=None, outp
 
     q, k, p: (B, T, H, K); v: (B, T, HV, V) with HV a multiple of H (value head hv reads q, k, p of head
     hv // (HV / H)), bfloat16, float16 or float32 of one dtype; beta: (B, T, HV) of any of those dtypes; g: (B, T, HV)
-    float32 log-decay, <= 0. scale: float or None (K ** -0.5).
+    float32 log-decay, <= 0: g > 0 raises ValueError where values are read (the references: the CPU, and every call
+    but the spec's on CUDA); the fused CUDA path reads none (a host read would synchronise the GPU), and there g > 0
+    is outside the contract, its result undefined. scale: float or None (K ** -0.5).
     initial_state: (N, HV, K, V) float32 state to start from (None: zeros); N = B, or the sequences of cu_seqlens.
     output_final_state: also return the (N, HV, K, V) float32 state after the last step: (o, final_state).
     cu_seqlens: (N + 1,) int32/int64 offsets of N sequences packed along T of a batch of one (B = 1).
@@ -211,14 +232,20 @@ def comba_attention(q, k, v, p, beta, g, scale=None, *, initial_state=None, outp
     heads or q/k/p normalisation (no cu_seqlens, the spec's read order, on CUDA K, V in {64, 128}) runs the fused
     Triton kernels on CUDA too, the normalisation by torch ops ahead of them. Every other call runs the eager chunked
     reference (`comba_forward_reference`) on every device, its backward by autograd through it.
+
+    The fused calls under CUDA autocast take q, k, v, p in autocast's dtype (o in that dtype); everything else
+    computes in float32 under autocast. The fused calls are differentiable in reverse mode only: a double backward,
+    torch.func's grad and jvp transforms and forward-mode AD raise RuntimeError.
     """
     if _is_spec_call(q, v, initial_state, output_final_state, cu_seqlens, use_qk_l2norm, read_order):
         check_comba_args(q, k, v, p, beta, g, scale)
+        check_differentiation("comba_attention", q, k, v, p, beta, g)
         tensors, scale = _prepare((q, k, v, p, beta, g), scale, q.shape[-1])
         return comba_forward_op(*tensors, scale)
     check_model_args(q, k, v, p, beta, g, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm,
                      read_order)
     if _is_fused_model_call(q, v, cu_seqlens, read_order):
+        check_differentiation("comba_attention", q, k, v, p, beta, g, initial_state)
         if use_qk_l2norm:
             q, k, p = (_l2_normalised(x) for x in (q, k, p))
         tensors, scale = _prepare((q, k, v, p, beta, g), scale, q.shape[-1])

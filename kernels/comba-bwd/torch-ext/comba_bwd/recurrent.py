@@ -9,11 +9,11 @@ and value head makes its outputs from t on and its final state NaN, and changes 
 
 import torch
 
+from .common.autocast import autocast_off
 from .reference import (
     Sequences,
     check_log_decay,
     check_read_order,
-    float32_inside,
     initial_states,
     resolve_scale,
     sequence_bounds,
@@ -23,7 +23,7 @@ from .reference import (
 DECODE_MAX_TOKENS = 64
 
 
-@float32_inside
+@autocast_off
 def comba_recurrent_reference(q, k, v, p, beta, g, scale=None, *, initial_state=None, cu_seqlens=None,
                               use_qk_l2norm=False, read_order="decay_first"):
     """Comba, one token at a time in float32, differentiable by autograd: (o (B, T, HV, V) in v's dtype, final state

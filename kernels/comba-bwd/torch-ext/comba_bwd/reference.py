@@ -59,12 +59,12 @@ backward too:
   that sequence's final state are NaN. The chunked products mix a chunk's steps (a zero weight times NaN is NaN),
   so the inputs are zeroed there, the call computed, and the NaN put back from t on.
 
-Every reference computes in float32 whatever autocast is on (`float32_inside` switches it off for the call).
+Every reference computes in float32 whatever autocast is on (`autocast_off` switches it off for the call).
 """
 
-import functools
-
 import torch
+
+from .common.autocast import autocast_off
 
 CHUNK = 64
 # The floor on a step's log-decay: the largest whole number whose exp rounds to 0.0 in fp32 (exp(x) does for
@@ -81,17 +81,6 @@ L2NORM_EPS = 1e-6
 def floor_log_decay(g: torch.Tensor) -> torch.Tensor:
     """g with every step below G_FLOOR (-inf included) set to G_FLOOR: a hard reset, exp(G_FLOOR) = 0 in fp32."""
     return g.clamp_min(G_FLOOR)
-
-
-def float32_inside(reference):
-    """`reference` run with autocast off on its inputs' device, so that its float32 arithmetic stays float32."""
-
-    @functools.wraps(reference)
-    def run(q, *args, **kwargs):
-        with torch.autocast(q.device.type, enabled=False):
-            return reference(q, *args, **kwargs)
-
-    return run
 
 
 def check_log_decay(g: torch.Tensor) -> None:
@@ -233,7 +222,7 @@ def resolve_scale(scale, K: int) -> float:
     return K**-0.5 if scale is None else float(scale)
 
 
-@float32_inside
+@autocast_off
 def comba_forward_reference(q, k, v, p, beta, g, scale=None, *, initial_state=None, output_final_state=False,
                             cu_seqlens=None, use_qk_l2norm=False, read_order="decay_first"):
     """Comba forward, computed in float32, chunked; differentiable (by autograd) in every tensor.
@@ -260,7 +249,7 @@ def comba_forward_reference(q, k, v, p, beta, g, scale=None, *, initial_state=No
     return (o.to(dtype), final) if output_final_state else o.to(dtype)
 
 
-@float32_inside
+@autocast_off
 def comba_backward_reference(q, k, v, p, beta, g, do, scale=None):
     """Analytic Comba backward, float32: (dq, dk, dv, dp, dbeta, dg), all float32.
 

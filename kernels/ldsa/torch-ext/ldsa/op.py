@@ -2,13 +2,20 @@
 
 Every CUDA call runs `dispatch`'s entry points (`ldsa_forward_cuda`, `ldsa_backward_cuda`), which pick the fused
 kernels or the eager reference; CPU tensors run the reference. The public function decides whether a call needs the
-registered op at all (`common.direct_calls.calls_directly`). Every op name goes through `add_op_namespace_prefix`, so two versions of
-this kernel can be loaded side by side.
+registered op at all (`common.direct_calls.calls_directly`). Every op name goes through `add_op_namespace_prefix`,
+so two versions of this kernel can be loaded side by side.
+
+Under autocast (`common.autocast`) the ops run with autocast off: on CUDA `ldsa_forward` takes a_logits and v in
+autocast's dtype (the fused kernels' 16-bit operands), `ldsa_backward` its arguments as given; on the CPU both take
+them as given and compute in float32. Reverse mode is the only differentiation (`common.differentiation`): a double
+backward, torch.func's grad and jvp transforms and forward-mode AD raise RuntimeError naming the public function.
 """
 
 import torch
 
 from ._ops import add_op_namespace_prefix
+from .common.autocast import register_autocast
+from .common.differentiation import check_differentiation, no_double_backward
 from .common.direct_calls import CheckedSignatures, calls_directly
 from .dispatch import ldsa_backward_cuda, ldsa_forward_cuda
 from .reference import ldsa_backward_reference, ldsa_forward_reference
@@ -64,6 +71,10 @@ def _backward(ctx, grad_out):
 torch.library.register_autograd(
     add_op_namespace_prefix("ldsa_forward"), _backward, setup_context=_setup_context
 )
+torch.library.register_autograd(add_op_namespace_prefix("ldsa_backward"),
+                                no_double_backward("ldsa_local_attention", "ldsa_backward"))
+register_autocast(add_op_namespace_prefix("ldsa_forward"), cuda_16bit=(0, 1))
+register_autocast(add_op_namespace_prefix("ldsa_backward"))
 
 
 def ldsa_local_attention(a_logits: torch.Tensor, v: torch.Tensor, left: int, right: int) -> torch.Tensor:
@@ -73,9 +84,12 @@ def ldsa_local_attention(a_logits: torch.Tensor, v: torch.Tensor, left: int, rig
     v:        [B, H, Dh, T] values, float32/bfloat16/float16.
     Returns [B, H, Dh, T] in v's dtype: out[b,h,d,t] = sum_k softmax_k(a_logits[b,h,:,t]) v[b,h,d,t-left+k],
     with v taken as zero outside [0, T). Softmax and accumulation in float32. Differentiable in both
-    tensors. Non-contiguous inputs are copied to contiguous ones.
+    tensors, in reverse mode only: a double backward, torch.func's grad and jvp transforms and forward-mode AD raise
+    RuntimeError. Under CUDA autocast the tensors are taken in autocast's dtype (the result in that dtype), under
+    CPU autocast as given. Non-contiguous inputs are copied to contiguous ones.
     """
     signature = _check_args_once(a_logits, v, left, right)
+    check_differentiation("ldsa_local_attention", a_logits, v)
     left, right = int(left), int(right)  # numpy integers pass the check; the registered op takes Python ints
     a_logits, v = a_logits.contiguous(), v.contiguous()
     if calls_directly(a_logits, v):

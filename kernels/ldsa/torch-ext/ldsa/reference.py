@@ -1,11 +1,14 @@
 """Eager LDSA window op: the numerical specification, in plain torch.
 
-Softmax and accumulation run in float32 whatever the input dtype; results are cast back at the end.
+Softmax and accumulation run in float32 whatever the input dtype and whatever autocast is on (`autocast_off`);
+results are cast back at the end.
 Each of the W window taps is one shifted multiply-add over the zero-padded values, so memory stays
 O(input) (no unfold) at the cost of W passes — this is the eager path the fused kernel replaces.
 """
 
 import torch
+
+from .common.autocast import autocast_off
 
 
 def _shifted(x: torch.Tensor, left: int, right: int) -> torch.Tensor:
@@ -13,6 +16,7 @@ def _shifted(x: torch.Tensor, left: int, right: int) -> torch.Tensor:
     return torch.nn.functional.pad(x, (left, right))
 
 
+@autocast_off
 def ldsa_forward_reference(a_logits: torch.Tensor, v: torch.Tensor, left: int, right: int) -> torch.Tensor:
     """out[b,h,d,t] = sum_k softmax_k(a_logits[b,h,:,t]) * v[b,h,d,t-left+k], zero outside [0, T)."""
     T = v.shape[-1]
@@ -24,6 +28,7 @@ def ldsa_forward_reference(a_logits: torch.Tensor, v: torch.Tensor, left: int, r
     return out.to(v.dtype)
 
 
+@autocast_off
 def ldsa_backward_reference(
     a_logits: torch.Tensor, v: torch.Tensor, grad_out: torch.Tensor, left: int, right: int
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -5,7 +5,9 @@ on first use so that the package imports without triton); CPU tensors run the ea
 decide whether a call needs the registered op at all (`common.direct_calls.calls_directly`): an eager call on plain
 CUDA tensors runs the entry point directly, with the argument checks skipped for a call signature that passed them
 before. The op names go through `add_op_namespace_prefix`, so two versions of this kernel can be loaded side by
-side. The ops have no autograd formula: the public functions refuse inputs that require grad (see `validation`).
+side. The ops have no autograd formula: the public functions refuse inputs that require grad (see `validation`). Under autocast
+(`common.autocast`) both ops run with autocast off on the CPU and on CUDA, their arguments as given: float32
+arithmetic throughout, the output dtype the docstring gives.
 """
 
 from collections.abc import Sequence
@@ -13,6 +15,7 @@ from collections.abc import Sequence
 import torch
 
 from ._ops import add_op_namespace_prefix
+from .common.autocast import register_autocast
 from .common.devices import on_device
 from .common.direct_calls import CheckedSignatures, calls_directly
 from .dispatch import log_mel_spectrogram_cuda, whisper_log_mel_cuda
@@ -55,6 +58,10 @@ def _(audio, lengths, n_mels, out_dtype):
     return audio.new_empty((audio.shape[0], n_mels, audio.shape[1] // HOP_LENGTH), dtype=out_dtype)
 
 
+register_autocast(add_op_namespace_prefix("log_mel_spectrogram"))
+register_autocast(add_op_namespace_prefix("whisper_log_mel"))
+
+
 def log_mel_spectrogram(stft: torch.Tensor, mel_filters: torch.Tensor) -> torch.Tensor:
     """Whisper's normalised log-mel spectrogram from a complex STFT, with one 80 dB floor per clip.
 
@@ -64,7 +71,7 @@ def log_mel_spectrogram(stft: torch.Tensor, mel_filters: torch.Tensor) -> torch.
         mel = (re^2 + im^2) @ mel_filters^T;  log_spec = log10(max(mel, 1e-10))
         out = (max(log_spec, max over the clip's (F, NM) of log_spec - 8) + 4) / 4
     fp32 accuracy throughout: on CUDA the projection is a 3xTF32 product (error-compensated, fp32-level),
-    never plain TF32 or bf16. Not differentiable: inputs that require grad raise ValueError
+    never plain TF32 or bf16, autocast or not. Not differentiable: inputs that require grad raise ValueError
     while grad mode is on. Non-contiguous inputs are copied to contiguous ones first.
     """
     signature = _spectrogram_signature(stft, mel_filters)
@@ -88,7 +95,7 @@ def whisper_log_mel(audio: torch.Tensor, n_mels: int = 80, *, lengths: torch.Ten
     n_mels:    mel bands of `mel_filters(n_mels)` (Whisper: 80, or 128 for large-v3).
     lengths:   (B,) ints, or None: samples at or past a clip's length count as zeros, so clips of different
                lengths share one batch (a length past N counts as N, a negative one as 0).
-    out_dtype: float32, bfloat16 or float16 (accumulation is float32 throughout).
+    out_dtype: float32, bfloat16 or float16 (accumulation is float32 throughout, autocast or not).
     Returns (B, n_mels, N // 160) `out_dtype`, contiguous: frames of a periodic Hann window of 400, hop 160,
     centred with reflect padding, the last frame dropped; power, the Slaney filterbank, log10(max(mel, 1e-10)),
     the clip's maximum - 8 as a floor, (x + 4) / 4. On CUDA one fused pass from the samples (DFT and projection

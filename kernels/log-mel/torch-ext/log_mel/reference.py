@@ -1,5 +1,5 @@
 """Eager log-mel, from the complex STFT and from the waveform: the numerical specification, in plain torch,
-float32 throughout.
+float32 throughout, whatever autocast is on (`autocast_off`).
 
 These are the CPU paths of `log_mel_spectrogram` and `whisper_log_mel` and the baselines the fused kernels are
 checked against. They materialise the power spectrum and the mel spectrogram, as the spec's reference does.
@@ -9,12 +9,14 @@ import functools
 
 import torch
 
+from .common.autocast import autocast_off
 from .whisper import HOP_LENGTH, N_FFT, PCM_SCALE, mel_filters
 
 CLAMP = 1e-10  # mel power floor before the log: silent bins give log10(1e-10) = -10, never -inf
 DYNAMIC_RANGE = 8.0  # 80 dB below the clip's loudest mel bin, in log10 units
 
 
+@autocast_off
 def log_mel_spectrogram_reference(stft: torch.Tensor, mel_filters: torch.Tensor) -> torch.Tensor:
     """(B, F, NF) complex64, (NM, NF) float32 -> (B, F, NM) float32.
 
@@ -41,6 +43,7 @@ def _filterbank_on(n_mels: int, device: torch.device) -> torch.Tensor:
     return mel_filters(n_mels).to(device)
 
 
+@autocast_off
 def whisper_log_mel_reference(audio: torch.Tensor, n_mels: int = 80, lengths: torch.Tensor | None = None,
                               out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """(B, N) float32, float16, bfloat16 or int16 PCM -> (B, n_mels, N // 160) `out_dtype`, as transformers'

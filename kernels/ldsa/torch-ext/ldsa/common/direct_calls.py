@@ -14,10 +14,10 @@ import torch
 
 def calls_directly(*tensors) -> bool:
     """Whether an eager call on `tensors` may skip the registered op for its CUDA entry point: nothing intercepts
-    calls (`nothing_intercepts`), and every tensor is a plain CUDA tensor (not a FakeTensor or other subclass,
-    not meta), none requiring grad while grad mode is on. Everywhere else the registered op runs, which each of
-    those knows how to handle."""
-    if not nothing_intercepts():
+    calls (`nothing_intercepts`), CUDA autocast is off (the registered op holds its autocast rule), and every tensor
+    is a plain CUDA tensor (not a FakeTensor or other subclass, not meta), none requiring grad while grad mode is on.
+    Everywhere else the registered op runs, which each of those knows how to handle."""
+    if not nothing_intercepts() or torch.is_autocast_enabled("cuda"):
         return False
     grad = torch.is_grad_enabled()
     for x in tensors:
