@@ -325,7 +325,7 @@ def comba_state_forward_reference(q, k, v, p, beta, g, initial_state, scale, out
     return o, (final if output_final_state else final.new_empty(0))
 
 
-@float32_inside
+@autocast_off
 def comba_state_backward_reference(q, k, v, p, beta, g, initial_state, do, d_final, scale):
     """The gradients of `comba_state_forward_reference` given do and d_final (the final state's, or None: zero):
     (dq, dk, dv, dp, dbeta, dg, d_initial_state), float32, by the analytic chunked backward with q, k and p repeated
