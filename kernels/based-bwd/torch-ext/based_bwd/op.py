@@ -1,7 +1,8 @@
 """The registered ops (backward, forward with its autograd link) and the public functions.
 
-`based_attention` with a state or packed sequences, and `based_decode`, run the eager reference on every device
-(torch ops; gradients through torch autograd); their fused CUDA path is planned.
+`based_attention` with a state or packed sequences goes through a second pair of ops, `based_state_forward` and
+`based_state_backward` (fused on CUDA for bf16 and fp16), so that the plain (q, k, v) ops stay as they are;
+`based_decode` runs the eager reference on every device (torch ops; gradients through torch autograd).
 
 The CUDA implementations come from `dispatch`, which picks each call's path. `based_forward`'s registered autograd calls
 the registered `based_backward` op, so training goes through the same backward as a direct call, and inference
@@ -12,12 +13,19 @@ this kernel can be loaded side by side.
 import torch
 
 from ._ops import add_op_namespace_prefix
-from .dispatch import based_backward_cuda, based_forward_cuda
+from .dispatch import (
+    based_backward_cuda,
+    based_forward_cuda,
+    based_state_backward_cuda,
+    based_state_forward_cuda,
+    kernel_path,
+)
 from .reference import (
     MAX_DECODE_TOKENS,
     based_backward_reference,
     based_decode_reference,
     based_forward_reference,
+    based_state_backward_reference,
     default_scale,
 )
 from .validation import check_based_args, check_decode_args, check_state_args
@@ -70,6 +78,69 @@ def _backward(ctx, grad_out):
 torch.library.register_autograd(add_op_namespace_prefix("based_forward"), _backward, setup_context=_setup_context)
 
 
+# The stateful forward: from an initial state (S0, z0) or zero (None), over packed sequences (cu_seqlens) or
+# the batch, always returning the final state; a separate op, so that the plain (q, k, v) op stays as it is.
+@torch.library.custom_op(add_op_namespace_prefix("based_state_backward"), mutates_args=(), device_types="cuda")
+def based_state_backward_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, dS: torch.Tensor, dz: torch.Tensor,
+    S0: torch.Tensor | None, z0: torch.Tensor | None, cu_seqlens: torch.Tensor | None, scale: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return based_state_backward_cuda(q, k, v, do, dS, dz, S0, z0, cu_seqlens, scale)
+
+
+@torch.library.register_kernel(add_op_namespace_prefix("based_state_backward"), "cpu")
+def _(q, k, v, do, dS, dz, S0, z0, cu_seqlens, scale):
+    return based_state_backward_reference(q, k, v, do, dS, dz, S0, z0, cu_seqlens, scale)
+
+
+@torch.library.register_fake(add_op_namespace_prefix("based_state_backward"))
+def _(q, k, v, do, dS, dz, S0, z0, cu_seqlens, scale):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(dS), torch.empty_like(dz)
+
+
+@torch.library.custom_op(add_op_namespace_prefix("based_state_forward"), mutates_args=(), device_types="cuda")
+def based_state_forward_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, S0: torch.Tensor | None, z0: torch.Tensor | None,
+    cu_seqlens: torch.Tensor | None, scale: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return based_state_forward_cuda(q, k, v, S0, z0, cu_seqlens, scale)
+
+
+@torch.library.register_kernel(add_op_namespace_prefix("based_state_forward"), "cpu")
+def _(q, k, v, S0, z0, cu_seqlens, scale):
+    o, (S, z) = based_forward_reference(q, k, v, scale, initial_state=None if S0 is None else (S0, z0),
+                                        output_final_state=True, cu_seqlens=cu_seqlens)
+    return o, S, z
+
+
+@torch.library.register_fake(add_op_namespace_prefix("based_state_forward"))
+def _(q, k, v, S0, z0, cu_seqlens, scale):
+    N = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    H, K = q.shape[2:]
+    P = 1 + K + K * K
+    S = q.new_empty(N, H, P, v.shape[-1], dtype=torch.float32)
+    return torch.empty_like(v), S, q.new_empty(N, H, P, dtype=torch.float32)
+
+
+def _state_setup_context(ctx, inputs, output):
+    q, k, v, S0, z0, cu_seqlens, scale = inputs
+    ctx.save_for_backward(q, k, v, S0, z0, cu_seqlens)
+    ctx.scale = scale
+
+
+def _state_backward(ctx, do, dS, dz):
+    q, k, v, S0, z0, cu_seqlens = ctx.saved_tensors
+    dq, dk, dv, dS0, dz0 = based_state_backward_op(q, k, v, do.to(q.dtype).contiguous(), dS.contiguous(),
+                                                   dz.contiguous(), S0, z0, cu_seqlens, ctx.scale)
+    if S0 is None:
+        dS0 = dz0 = None
+    return dq, dk, dv, dS0, dz0, None, None
+
+
+torch.library.register_autograd(add_op_namespace_prefix("based_state_forward"), _state_backward,
+                                setup_context=_state_setup_context)
+
+
 def _resolved(q, scale) -> float:
     return default_scale(q.shape[-1]) if scale is None else float(scale)
 
@@ -110,19 +181,26 @@ def based_attention(
       z = sum_j phi(k_j) over the steps before; differentiable. N = B, or the number of packed sequences.
     - output_final_state: also return the state after the last step, as (o, (S, z)), float32.
     - cu_seqlens: the N + 1 offsets (int32/int64, 0 to T, non-decreasing) of N sequences packed along T with
-      B = 1; no sum crosses two of them. Read on the host (a device sync on CUDA).
+      B = 1; no sum crosses two of them. Its argument check reads it on the host (a device sync on CUDA); the
+      kernels read it on the device only.
 
-    These run the eager reference in fp32 on every device, gradients through torch autograd (fused CUDA path:
-    planned).
+    With a state or packed sequences, bf16 and fp16 CUDA tensors take the fused kernels forward and backward
+    (`based_state_forward`, `based_state_backward`; V <= 256 backward, wider V the reference), fp32 and CPU
+    tensors the eager reference in fp32, gradients through torch autograd.
     """
     check_based_args(q, k, v, scale)
     if initial_state is None and output_final_state is False and cu_seqlens is None:
         return based_forward_op(q.contiguous(), k.contiguous(), v.contiguous(), _resolved(q, scale))
     check_state_args(q, v, initial_state, output_final_state, cu_seqlens)
-    return based_forward_reference(
-        q, k, v, _resolved(q, scale),
-        initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens,
-    )
+    if kernel_path(q) == "reference":
+        return based_forward_reference(
+            q, k, v, _resolved(q, scale),
+            initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+        )
+    S0, z0 = (None, None) if initial_state is None else (x.contiguous() for x in initial_state)
+    o, S, z = based_state_forward_op(q.contiguous(), k.contiguous(), v.contiguous(), S0, z0, cu_seqlens,
+                                     _resolved(q, scale))
+    return (o, (S, z)) if output_final_state else o
 
 
 def based_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state, scale=None):

@@ -214,3 +214,20 @@ def based_backward_reference(q, k, v, do, scale=None, chunk: int = CHUNK):
         _unchunked(dk, c.T).to(k.dtype),
         _unchunked(dv, c.T).to(v.dtype),
     )
+
+
+def based_state_backward_reference(q, k, v, do, dS, dz, S0, z0, cu_seqlens, scale=None):
+    """(dq, dk, dv, dS0, dz0) of `based_forward_reference`'s o and final state (S, z) with the initial state
+    (S0, z0) (None, None: zero) and packed sequences cu_seqlens (or None), for their gradients do, dS and dz:
+    torch autograd through the forward. dS0 and dz0 are zeros shaped like dS and dz where no initial state is
+    given."""
+    state = None if S0 is None else (S0, z0)
+    with torch.enable_grad():
+        ins = [x.detach().requires_grad_(True) for x in (q, k, v)]
+        given = [] if state is None else [x.detach().requires_grad_(True) for x in state]
+        o, (S, z) = based_forward_reference(*ins, scale, initial_state=given or None, output_final_state=True,
+                                            cu_seqlens=cu_seqlens)
+        got = torch.autograd.grad((o, S, z), ins + given, (do, dS, dz))
+    dq, dk, dv = got[:3]
+    dS0, dz0 = got[3:] if state is not None else (torch.zeros_like(dS), torch.zeros_like(dz))
+    return dq, dk, dv, dS0, dz0
