@@ -213,7 +213,9 @@ def based_state_backward_cuda(q, k, v, do, dS, dz, S0, z0, cu_seqlens, scale: fl
 def portable_state_forward(q, k, v, scale: float, initial_state=None, cu_seqlens=None,
                            config: ForwardConfig | None = None):
     """`portable_forward` from an initial state, over packed sequences, and with the final state: returns o and
-    the final (S (N, H, P, V), z (N, H, P)), fp32, P = 1 + K + K^2.
+    the final (S (N, H, P, V), z (N, H, P)), fp32, P = 1 + K + K^2. The scan runs from the packed initial state;
+    the steps' sum (its end less its start, in packed rows) is unfolded and added to the given state, which
+    keeps any part of it that the packed rows do not hold (an S0[ab] - S0[ba] no read-out sees).
 
     initial_state: None (zero) or the fp32 pair (S0, z0) of that layout; cu_seqlens: None or the N + 1 offsets
     of N sequences packed in a B = 1 batch, read on the device only (the buffers and grids take the bound
@@ -238,6 +240,8 @@ def portable_state_forward(q, k, v, scale: float, initial_state=None, cu_seqlens
         states.launch(k, v, Z, S, Z, scale, chunk=cfg.chunk, reverse=False, rows=cfg.scan_rows, bv=cfg.scan_bv,
                       warps=cfg.scan_warps, initial=initial, final=final, packing=packing)
         output.launch(q, k, v, S, Z, o, scale, chunk=cfg.chunk, bv=cfg.bv, warps=cfg.warps, packing=packing)
+    if initial is not None:  # the final state is the given one plus the steps' sum, taken apart in packed rows
+        final = tuple(x - x0 for x, x0 in zip(final, initial))
     S_end, z_end = _public_state(final, N, H, K, _STATE_OUT)
     if initial_state is not None:
         S_end, z_end = S_end + initial_state[0], z_end + initial_state[1]
@@ -250,7 +254,8 @@ def portable_state_backward(q, k, v, do, d_final, scale: float, initial_state=No
     d_final = (dS, dz) of the final state; dS0 and dz0 the initial state's (zero or given alike), fp32.
 
     The forward scan starts from the initial state; the reverse scan from the final state's gradient, and its
-    sum over all chunks is the initial state's gradient through o (the final state's adds directly)."""
+    sum over all chunks (its end less its start) is the initial state's gradient through o (the final state's
+    adds directly)."""
     from .portable import grads, states
 
     if q.dtype == torch.float16:
@@ -270,14 +275,14 @@ def portable_state_backward(q, k, v, do, d_final, scale: float, initial_state=No
     g = torch.empty_like(do)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     initial = None if initial_state is None else _packed_state(initial_state, K, _STATE_IN)
+    d_start = _packed_state(d_final, K, _GRAD_IN)
     total = (torch.empty(N * H, P, V, device=q.device), torch.empty(N * H, P, device=q.device))
     scan = dict(chunk=cfg.chunk, rows=cfg.scan_rows, bv=cfg.scan_bv, warps=cfg.scan_warps, packing=packing)
     chunk = dict(chunk=cfg.chunk, warps=cfg.warps, registers=cfg.chunk_registers, packing=packing)
     with on_device(q):
         states.launch(k, v, h, S, Z, scale, reverse=False, initial=initial, **scan)
         grads.launch_dq(q, k, v, do, S, Z, h, g, dq, scale, **chunk)
-        states.launch(q, g, h, S, Z, scale, reverse=True, initial=_packed_state(d_final, K, _GRAD_IN),
-                      final=total, **scan)
+        states.launch(q, g, h, S, Z, scale, reverse=True, initial=d_start, final=total, **scan)
         grads.launch_dkdv(q, k, v, g, S, Z, h, dk, dv, scale, **chunk)
-    dS0, dz0 = _public_state(total, N, H, K, _GRAD_OUT)
+    dS0, dz0 = _public_state(tuple(x - x0 for x, x0 in zip(total, d_start)), N, H, K, _GRAD_OUT)
     return dq, dk, dv, dS0 + d_final[0], dz0 + d_final[1]

@@ -99,8 +99,8 @@ def _state_scan_kernel(
     """Forward (REVERSE false): x = k, y = v; stores S_n = sum_{m < n} phi_k(K_m)^T V_m and z_n (weights 1).
     Reverse: x = q, y = g; stores dS_n = sum_{m > n} phi_q(Q~_m)^T G_m and dz_n (weights w_in = h).
 
-    INITIAL: every stored state adds the sequence's (pid_bh's) fp32 init_states / init_norms row block.
-    FINAL: the sum over all its chunks (without the initial state) goes to final_states / final_norms.
+    INITIAL: the running sum starts from the sequence's (pid_bh's) fp32 init_states / init_norms row block.
+    FINAL: the running sum after the last chunk goes to final_states / final_norms.
     VARLEN: pid_bh = n H + h runs packed sequence n of a B = 1 batch (offsets cu_seqlens), whose chunks' states
     start at chunk chunk_first[n] of head h in the (H, N, P, V) buffers."""
     pid_f = tl.program_id(0)
@@ -129,27 +129,22 @@ def _state_scan_kernel(
     cols = pid_v * BV + tl.arange(0, BV)
     state_rows += f
     store_mask = (f < P)[:, None] & (cols < V)[None, :]
-    acc = tl.zeros([R, BV], dtype=tl.float32)
-    z = tl.zeros([R], dtype=tl.float32)
     if INITIAL:
         own = pid_bh.to(tl.int64) * P + f
-        acc0 = tl.load(init_states + own[:, None] * V + cols[None, :], mask=store_mask, other=0.0)
-        z0 = tl.load(init_norms + own, mask=f < P, other=0.0)
+        acc = tl.load(init_states + own[:, None] * V + cols[None, :], mask=store_mask, other=0.0)
+        z = tl.load(init_norms + own, mask=f < P, other=0.0)
+    else:
+        acc = tl.zeros([R, BV], dtype=tl.float32)
+        z = tl.zeros([R], dtype=tl.float32)
     for m in range(0, n_chunks):
         if REVERSE:
             n = n_chunks - 1 - m
         else:
             n = m
         rows = state_rows + n * P
-        if INITIAL:
-            tl.store(states + rows[:, None] * V + cols[None, :], (acc + acc0).to(states.dtype.element_ty),
-                     mask=store_mask)
-            if pid_v == 0:
-                tl.store(norms + rows, z + z0, mask=f < P)
-        else:
-            tl.store(states + rows[:, None] * V + cols[None, :], acc.to(states.dtype.element_ty), mask=store_mask)
-            if pid_v == 0:
-                tl.store(norms + rows, z, mask=f < P)
+        tl.store(states + rows[:, None] * V + cols[None, :], acc.to(states.dtype.element_ty), mask=store_mask)
+        if pid_v == 0:
+            tl.store(norms + rows, z, mask=f < P)
         xa, xb, yy, w = _scan_loads(x, y, w_in, n, ia, ib, linear, quad, cols, T_seq, H, V, K, C, REVERSE)
         inside = n * C + tl.arange(0, C) < T_seq
         xa32, xb32 = xa.to(tl.float32), xb.to(tl.float32)
@@ -217,8 +212,8 @@ def launch(x, y, weights, states, norms, scale: float, *, chunk: int, reverse: b
     states and norms: forward (reverse False) x = k, y = v, weights not read; reverse x = q, y = g, weights the
     fp32 (B H, T) h. A program takes `rows` feature rows and up to `bv` V columns, on `warps` warps.
 
-    initial: None or fp32 (S0 (B H, P, V), z0 (B H, P)) in the packed layout, added to every stored state;
-    final: None or fp32 buffers of those shapes that receive the sum over all chunks (without `initial`);
+    initial: None or fp32 (S0 (B H, P, V), z0 (B H, P)) in the packed layout, where the running sum starts;
+    final: None or fp32 buffers of those shapes that receive the running sum after the last chunk;
     packing: the `Packing` of packed sequences (B = 1; then B H reads N H, sequence-major)."""
     B, T, H, K = x.shape
     _, N, P, V = states.shape
