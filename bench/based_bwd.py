@@ -254,8 +254,8 @@ def compile_cases(kernel, spec):
         return label, lambda: dispatch.portable_forward(q, k, v, shape[3] ** -0.5, config)
 
     def packed_cases(V):
-        """The stateful launches (initial state, final state, packed sequences) at the issue's packed batch:
-        the plain launches' kernels under their INITIAL, FINAL and VARLEN flags."""
+        """The stateful launches at the issue's packed batch: with an initial and a final state (the plain
+        launches' kernels under their INITIAL, FINAL and VARLEN flags), and without (VARLEN alone)."""
         H, K = PACKED_HK
         q, k, v, do = tensors((1, PACKED_TOKENS, H, K, V), torch.bfloat16)
         N, P = PACKED_SEQUENCES, 1 + K + K * K
@@ -265,6 +265,11 @@ def compile_cases(kernel, spec):
         yield f"state forward {shape}", lambda: dispatch.portable_state_forward(q, k, v, K**-0.5, state, cu)
         yield f"state backward {shape}", lambda: dispatch.portable_state_backward(q, k, v, do, state, K**-0.5,
                                                                                    state, cu)
+        # the packed training step (no state in or out): VARLEN alone
+        yield f"stateless forward {shape}", lambda: dispatch.portable_state_forward(q, k, v, K**-0.5, None, cu,
+                                                                                     output_final_state=False)
+        yield f"stateless backward {shape}", lambda: dispatch.portable_state_backward(q, k, v, do, None, K**-0.5,
+                                                                                       None, cu)
 
     for shape in shapes:
         K = shape[3]

@@ -33,11 +33,17 @@ def dispatch(based):
 
 
 def fused_loss_grads(dispatch, q, k, v, state, cu, weights, scale):
-    """(o, S, z) of the fused forward, and the fused backward's (dq, dk, dv, dS0, dz0) of sum(w * (o, S, z))."""
-    o, S, z = dispatch.portable_state_forward(q, k, v, scale, state, cu)
+    """(o, S, z) of the fused forward, and the fused backward's (dq, dk, dv, dS0, dz0) of sum(w * (o, S, z)),
+    its initial state zero where state is None."""
+    if state is None:
+        N = q.shape[0] if cu is None else cu.numel() - 1
+        P = 1 + q.shape[-1] + q.shape[-1] ** 2
+        state = (torch.zeros(N, q.shape[2], P, v.shape[-1], device=q.device),
+                 torch.zeros(N, q.shape[2], P, device=q.device))
+    o, (S, z) = dispatch.portable_state_forward(q, k, v, scale, state, cu)
     w_o, w_S, w_z = weights
-    grads = dispatch.portable_state_backward(q, k, v, w_o.to(q.dtype), (w_S, w_z), scale, state, cu)
-    return (o, S, z), grads
+    *grads, d_initial = dispatch.portable_state_backward(q, k, v, w_o.to(q.dtype), (w_S, w_z), scale, state, cu)
+    return (o, S, z), (*grads, *d_initial)
 
 
 def float64_grads(q, k, v, state, cu, weights, scale):
@@ -98,11 +104,24 @@ def test_fused_packed_state_matches_float64(dispatch, K):
 
 @pytest.mark.skipif(not INTERPRETED, reason="IEEE fp32 matmuls check the kernels' algebra in the interpreter")
 def test_fused_packed_without_initial_state(dispatch):
-    """No initial state (zero): the final state is each sequence's sum; its gradient of the initial state is
-    still returned (what a zero initial state would get)."""
+    """Packed sequences from a zero state given explicitly, and from none: the same o and final state (no
+    initial state: no gradient of it), and the loss on o alone (no final state): the same dq, dk, dv as with one
+    whose gradient is zero."""
     cu = lengths_to_cu([3, 70, 0]).long()
     q, k, v = make(1, 73, 2, 8, V)
     check_against_float64(dispatch, q, k, v, None, cu, 0.35, EXACT_TOL)
+    o, (S, z) = dispatch.portable_state_forward(q, k, v, 0.35, None, cu)
+    o_only, none = dispatch.portable_state_forward(q, k, v, 0.35, None, cu, output_final_state=False)
+    assert none is None and torch.equal(o, o_only)
+    zero = (torch.zeros_like(S), torch.zeros_like(z))
+    o_zero, (S_zero, z_zero) = dispatch.portable_state_forward(q, k, v, 0.35, zero, cu)
+    assert torch.equal(o, o_zero) and torch.equal(S, S_zero) and torch.equal(z, z_zero)
+    do = torch.randn(v.shape, generator=torch.Generator().manual_seed(2))
+    *got, d_initial = dispatch.portable_state_backward(q, k, v, do, None, 0.35, None, cu)
+    *want, _ = dispatch.portable_state_backward(q, k, v, do, zero, 0.35, zero, cu)
+    assert d_initial is None
+    for g, ref in zip(got, want):
+        assert torch.equal(g, ref)
 
 
 @pytest.mark.skipif(not INTERPRETED, reason="IEEE fp32 matmuls check the kernels' algebra in the interpreter")
@@ -110,7 +129,7 @@ def test_fused_state_final_equals_recurrence(dispatch):
     """The final state of the fused forward is the float64 recurrence's, step by step over the feature map."""
     q, k, v = make(2, 100, H, 8, V)
     state = prefix_state(2, H, 8, V)
-    o, S, z = dispatch.portable_state_forward(q, k, v, 8**-0.5, state)
+    o, (S, z) = dispatch.portable_state_forward(q, k, v, 8**-0.5, state)
     o_rec, (S_rec, z_rec) = recurrence(q, k, v, state=state)
     assert rel_err(o, o_rec) < EXACT_TOL and rel_err(S, S_rec) < EXACT_TOL and rel_err(z, z_rec) < EXACT_TOL
 
@@ -133,12 +152,14 @@ def test_state_ops_opcheck(based):
     cu = lengths_to_cu([5, 0, 11])
     q, k, v = (x.requires_grad_(True) for x in make(1, 16, 2, 4, 3))
     S0, z0 = (x.requires_grad_(True) for x in prefix_state(3, 2, 4, 3))
-    for args in [(q, k, v, S0, z0, cu, 0.5), (q, k, v, None, None, None, 0.5)]:
+    for args in [(q, k, v, S0, z0, cu, 0.5, True), (q, k, v, None, None, None, 0.5, True),
+                 (q, k, v, S0, z0, cu, 0.5, False)]:
         torch.library.opcheck(based.op.based_state_forward_op, args)
-    do = torch.randn(v.shape)
-    dS, dz = torch.randn(S0.shape), torch.randn(z0.shape)
-    plain = [x.detach() for x in (q, k, v, do, dS, dz, S0, z0)]
-    torch.library.opcheck(based.op.based_state_backward_op, (*plain, cu, 0.5))
+    plain = [x.detach() for x in (q, k, v, S0, z0)]
+    do, dS, dz = (torch.randn(x.shape) for x in (v, S0, z0))
+    empty = torch.empty(0)
+    for args in [(*plain[:3], do, dS, dz, *plain[3:], cu, 0.5), (*plain[:3], do, empty, empty, None, None, None, 0.5)]:
+        torch.library.opcheck(based.op.based_state_backward_op, args)
 
 
 # ---- on CUDA: the public function takes the fused path; the issue's sizes
@@ -160,13 +181,13 @@ def test_based_attention_state_takes_the_fused_path(based, dispatch):
     S0, z0 = (x.requires_grad_(True) for x in prefix_state(len(lengths), 2, 16, 64, device="cuda"))
     o, (S, z) = based.based_attention(q, k, v, initial_state=(S0, z0), output_final_state=True, cu_seqlens=cu)
     with torch.no_grad():
-        o_f, S_f, z_f = dispatch.portable_state_forward(q, k, v, 0.25, (S0, z0), cu)
+        o_f, (S_f, z_f) = dispatch.portable_state_forward(q, k, v, 0.25, (S0, z0), cu)
     assert torch.equal(o, o_f) and torch.equal(S, S_f) and torch.equal(z, z_f)
     w = weights_for(v, (S0, z0))
     got = torch.autograd.grad((o * w[0]).sum() + (S * w[1]).sum() + (z * w[2]).sum(), (q, k, v, S0, z0))
-    want = dispatch.portable_state_backward(q.detach(), k.detach(), v.detach(), w[0].to(torch.bfloat16),
-                                            (w[1], w[2]), 0.25, (S0.detach(), z0.detach()), cu)
-    for g, ref in zip(got, want):
+    *want, d_initial = dispatch.portable_state_backward(q.detach(), k.detach(), v.detach(), w[0].to(torch.bfloat16),
+                                                        (w[1], w[2]), 0.25, (S0.detach(), z0.detach()), cu)
+    for g, ref in zip(got, (*want, *d_initial)):
         assert torch.equal(g, ref)
 
 

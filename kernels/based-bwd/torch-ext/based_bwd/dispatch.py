@@ -188,44 +188,57 @@ def _sequences(q, cu_seqlens) -> int:
     return q.shape[0] if cu_seqlens is None else cu_seqlens.numel() - 1
 
 
-def based_state_forward_cuda(q, k, v, S0, z0, cu_seqlens, scale: float):
-    """(o, S, z) on the path `kernel_path` names for CUDA tensors (the portable forward takes any V)."""
+def _none_if_empty(x):
+    """The registered ops pass an absent state (no final state asked for, no initial state given) as an empty
+    tensor: None for it."""
+    return None if x is None or x.numel() == 0 else x
+
+
+def based_state_forward_cuda(q, k, v, S0, z0, cu_seqlens, scale: float, output_final_state: bool):
+    """(o, S, z) on the path `kernel_path` names for CUDA tensors (the portable forward takes any V); S and z
+    empty unless output_final_state."""
+    state = None if S0 is None else (S0, z0)
     if kernel_path(q) == "reference":
-        state = None if S0 is None else (S0, z0)
-        o, (S, z) = based_forward_reference(q, k, v, scale, initial_state=state, output_final_state=True,
-                                            cu_seqlens=cu_seqlens)
-        return o, S, z
-    return portable_state_forward(q, k, v, scale, None if S0 is None else (S0, z0), cu_seqlens)
+        o, final = based_forward_reference(q, k, v, scale, initial_state=state, output_final_state=True,
+                                           cu_seqlens=cu_seqlens)
+    else:
+        o, final = portable_state_forward(q, k, v, scale, state, cu_seqlens, output_final_state)
+    empty = q.new_empty(0, dtype=torch.float32)
+    return (o, *final) if output_final_state else (o, empty, empty)
 
 
 def based_state_backward_cuda(q, k, v, do, dS, dz, S0, z0, cu_seqlens, scale: float):
-    """(dq, dk, dv, dS0, dz0) on the path `kernel_path` names for CUDA tensors; a value size V above the
-    backward kernels' bound takes the reference."""
+    """(dq, dk, dv, dS0, dz0) on the path `kernel_path` names for CUDA tensors: dS and dz empty where the forward
+    gave no final state, dS0 and dz0 where it had no initial state. A value size V above the backward kernels'
+    bound takes the reference."""
     state = None if S0 is None else (S0, z0)
+    d_final = None if _none_if_empty(dS) is None else (dS, dz)
     if kernel_path(q) == "triton":
         from .portable.grads import MAX_V
 
         if v.shape[-1] <= MAX_V:
-            return portable_state_backward(q, k, v, do, (dS, dz), scale, state, cu_seqlens)
+            dq, dk, dv, d_initial = portable_state_backward(q, k, v, do, d_final, scale, state, cu_seqlens)
+            empty = q.new_empty(0, dtype=torch.float32)
+            return (dq, dk, dv, *(d_initial or (empty, empty)))
     return based_state_backward_reference(q, k, v, do, dS, dz, S0, z0, cu_seqlens, scale)
 
 
-def portable_state_forward(q, k, v, scale: float, initial_state=None, cu_seqlens=None,
+def portable_state_forward(q, k, v, scale: float, initial_state=None, cu_seqlens=None, output_final_state=True,
                            config: ForwardConfig | None = None):
     """`portable_forward` from an initial state, over packed sequences, and with the final state: returns o and
-    the final (S (N, H, P, V), z (N, H, P)), fp32, P = 1 + K + K^2. The scan runs from the packed initial state;
-    the steps' sum (its end less its start, in packed rows) is unfolded and added to the given state, which
-    keeps any part of it that the packed rows do not hold (an S0[ab] - S0[ba] no read-out sees).
+    the final (S (N, H, P, V), z (N, H, P)), fp32, P = 1 + K + K^2 (None unless output_final_state).
 
     initial_state: None (zero) or the fp32 pair (S0, z0) of that layout; cu_seqlens: None or the N + 1 offsets
     of N sequences packed in a B = 1 batch, read on the device only (the buffers and grids take the bound
-    (T + N (C - 1)) // C on the chunk count)."""
+    (T + N (C - 1)) // C on the chunk count). The scan runs from the packed initial state; the steps' sum (its
+    end less its start, in packed rows) is unfolded and added to the given state, which keeps any part of it that
+    the packed rows do not hold (an S0[ab] - S0[ba] no read-out sees)."""
     from .portable import output, states
 
     if q.dtype == torch.float16:
-        o, S, z = portable_state_forward(*(x.to(torch.bfloat16) for x in (q, k, v)), scale, initial_state,
-                                         cu_seqlens, config)
-        return o.to(torch.float16), S, z
+        o, final = portable_state_forward(*(x.to(torch.bfloat16) for x in (q, k, v)), scale, initial_state,
+                                          cu_seqlens, output_final_state, config)
+        return o.to(torch.float16), final
     B, T, H, K = q.shape
     V = v.shape[-1]
     N = _sequences(q, cu_seqlens)
@@ -234,24 +247,29 @@ def portable_state_forward(q, k, v, scale: float, initial_state=None, cu_seqlens
     S, Z = states.state_buffers(q, V, cfg.chunk, packing)
     P = S.shape[2]
     initial = None if initial_state is None else _packed_state(initial_state, K, _STATE_IN)
-    final = (torch.empty(N * H, P, V, device=q.device), torch.empty(N * H, P, device=q.device))
+    final = None
+    if output_final_state:
+        final = (torch.empty(N * H, P, V, device=q.device), torch.empty(N * H, P, device=q.device))
     o = torch.empty_like(v)
     with on_device(q):
         states.launch(k, v, Z, S, Z, scale, chunk=cfg.chunk, reverse=False, rows=cfg.scan_rows, bv=cfg.scan_bv,
                       warps=cfg.scan_warps, initial=initial, final=final, packing=packing)
         output.launch(q, k, v, S, Z, o, scale, chunk=cfg.chunk, bv=cfg.bv, warps=cfg.warps, packing=packing)
+    if final is None:
+        return o, None
     if initial is not None:  # the final state is the given one plus the steps' sum, taken apart in packed rows
         final = tuple(x - x0 for x, x0 in zip(final, initial))
     S_end, z_end = _public_state(final, N, H, K, _STATE_OUT)
     if initial_state is not None:
         S_end, z_end = S_end + initial_state[0], z_end + initial_state[1]
-    return o, S_end, z_end
+    return o, (S_end, z_end)
 
 
 def portable_state_backward(q, k, v, do, d_final, scale: float, initial_state=None, cu_seqlens=None,
                             config: BackwardConfig | None = None):
-    """(dq, dk, dv, dS0, dz0) of `portable_state_forward`'s (o, S, z) for the gradients do of o and
-    d_final = (dS, dz) of the final state; dS0 and dz0 the initial state's (zero or given alike), fp32.
+    """(dq, dk, dv, (dS0, dz0)) of `portable_state_forward`'s o and final state, for the gradients do of o and
+    d_final = (dS, dz) of the final state (None: the forward gave none); (dS0, dz0), fp32, the initial state's
+    gradients, None where initial_state is None.
 
     The forward scan starts from the initial state; the reverse scan from the final state's gradient, and its
     sum over all chunks (its end less its start) is the initial state's gradient through o (the final state's
@@ -259,9 +277,9 @@ def portable_state_backward(q, k, v, do, d_final, scale: float, initial_state=No
     from .portable import grads, states
 
     if q.dtype == torch.float16:
-        got = portable_state_backward(*(x.to(torch.bfloat16) for x in (q, k, v, do)), d_final, scale,
-                                      initial_state, cu_seqlens, config)
-        return tuple(x.to(torch.float16) for x in got[:3]) + got[3:]
+        *got, d_initial = portable_state_backward(*(x.to(torch.bfloat16) for x in (q, k, v, do)), d_final, scale,
+                                                  initial_state, cu_seqlens, config)
+        return (*(x.to(torch.float16) for x in got), d_initial)
     B, T, H, K = q.shape
     V = v.shape[-1]
     if V > grads.MAX_V:
@@ -275,8 +293,10 @@ def portable_state_backward(q, k, v, do, d_final, scale: float, initial_state=No
     g = torch.empty_like(do)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     initial = None if initial_state is None else _packed_state(initial_state, K, _STATE_IN)
-    d_start = _packed_state(d_final, K, _GRAD_IN)
-    total = (torch.empty(N * H, P, V, device=q.device), torch.empty(N * H, P, device=q.device))
+    d_start = None if d_final is None else _packed_state(d_final, K, _GRAD_IN)
+    total = None
+    if initial_state is not None:
+        total = (torch.empty(N * H, P, V, device=q.device), torch.empty(N * H, P, device=q.device))
     scan = dict(chunk=cfg.chunk, rows=cfg.scan_rows, bv=cfg.scan_bv, warps=cfg.scan_warps, packing=packing)
     chunk = dict(chunk=cfg.chunk, warps=cfg.warps, registers=cfg.chunk_registers, packing=packing)
     with on_device(q):
@@ -284,5 +304,11 @@ def portable_state_backward(q, k, v, do, d_final, scale: float, initial_state=No
         grads.launch_dq(q, k, v, do, S, Z, h, g, dq, scale, **chunk)
         states.launch(q, g, h, S, Z, scale, reverse=True, initial=d_start, final=total, **scan)
         grads.launch_dkdv(q, k, v, g, S, Z, h, dk, dv, scale, **chunk)
-    dS0, dz0 = _public_state(tuple(x - x0 for x, x0 in zip(total, d_start)), N, H, K, _GRAD_OUT)
-    return dq, dk, dv, dS0 + d_final[0], dz0 + d_final[1]
+    if total is None:
+        return dq, dk, dv, None
+    if d_start is not None:
+        total = tuple(x - x0 for x, x0 in zip(total, d_start))
+    dS0, dz0 = _public_state(total, N, H, K, _GRAD_OUT)
+    if d_final is not None:
+        dS0, dz0 = dS0 + d_final[0], dz0 + d_final[1]
+    return dq, dk, dv, (dS0, dz0)

@@ -79,7 +79,9 @@ torch.library.register_autograd(add_op_namespace_prefix("based_forward"), _backw
 
 
 # The stateful forward: from an initial state (S0, z0) or zero (None), over packed sequences (cu_seqlens) or
-# the batch, always returning the final state; a separate op, so that the plain (q, k, v) op stays as it is.
+# the batch, with the final state (S, z) when output_final_state (else S and z are empty); a separate op, so that
+# the plain (q, k, v) op stays as it is. Its backward takes dS and dz empty where there is no final state, and
+# returns dS0 and dz0 empty where there is no initial state, so that the kernels skip what nobody reads.
 @torch.library.custom_op(add_op_namespace_prefix("based_state_backward"), mutates_args=(), device_types="cuda")
 def based_state_backward_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, dS: torch.Tensor, dz: torch.Tensor,
@@ -95,26 +97,32 @@ def _(q, k, v, do, dS, dz, S0, z0, cu_seqlens, scale):
 
 @torch.library.register_fake(add_op_namespace_prefix("based_state_backward"))
 def _(q, k, v, do, dS, dz, S0, z0, cu_seqlens, scale):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(dS), torch.empty_like(dz)
+    if S0 is None:
+        d_initial = (q.new_empty(0, dtype=torch.float32), q.new_empty(0, dtype=torch.float32))
+    else:
+        d_initial = (torch.empty_like(S0), torch.empty_like(z0))
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), *d_initial
 
 
 @torch.library.custom_op(add_op_namespace_prefix("based_state_forward"), mutates_args=(), device_types="cuda")
 def based_state_forward_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, S0: torch.Tensor | None, z0: torch.Tensor | None,
-    cu_seqlens: torch.Tensor | None, scale: float
+    cu_seqlens: torch.Tensor | None, scale: float, output_final_state: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return based_state_forward_cuda(q, k, v, S0, z0, cu_seqlens, scale)
+    return based_state_forward_cuda(q, k, v, S0, z0, cu_seqlens, scale, output_final_state)
 
 
 @torch.library.register_kernel(add_op_namespace_prefix("based_state_forward"), "cpu")
-def _(q, k, v, S0, z0, cu_seqlens, scale):
+def _(q, k, v, S0, z0, cu_seqlens, scale, output_final_state):
     o, (S, z) = based_forward_reference(q, k, v, scale, initial_state=None if S0 is None else (S0, z0),
                                         output_final_state=True, cu_seqlens=cu_seqlens)
-    return o, S, z
+    return (o, S, z) if output_final_state else (o, S.new_empty(0), z.new_empty(0))
 
 
 @torch.library.register_fake(add_op_namespace_prefix("based_state_forward"))
-def _(q, k, v, S0, z0, cu_seqlens, scale):
+def _(q, k, v, S0, z0, cu_seqlens, scale, output_final_state):
+    if not output_final_state:
+        return torch.empty_like(v), q.new_empty(0, dtype=torch.float32), q.new_empty(0, dtype=torch.float32)
     N = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
     H, K = q.shape[2:]
     P = 1 + K + K * K
@@ -123,7 +131,7 @@ def _(q, k, v, S0, z0, cu_seqlens, scale):
 
 
 def _state_setup_context(ctx, inputs, output):
-    q, k, v, S0, z0, cu_seqlens, scale = inputs
+    q, k, v, S0, z0, cu_seqlens, scale, _ = inputs
     ctx.save_for_backward(q, k, v, S0, z0, cu_seqlens)
     ctx.scale = scale
 
@@ -134,7 +142,7 @@ def _state_backward(ctx, do, dS, dz):
                                                    dz.contiguous(), S0, z0, cu_seqlens, ctx.scale)
     if S0 is None:
         dS0 = dz0 = None
-    return dq, dk, dv, dS0, dz0, None, None
+    return dq, dk, dv, dS0, dz0, None, None, None
 
 
 torch.library.register_autograd(add_op_namespace_prefix("based_state_forward"), _state_backward,
@@ -199,7 +207,7 @@ def based_attention(
         )
     S0, z0 = (None, None) if initial_state is None else (x.contiguous() for x in initial_state)
     o, S, z = based_state_forward_op(q.contiguous(), k.contiguous(), v.contiguous(), S0, z0, cu_seqlens,
-                                     _resolved(q, scale))
+                                     _resolved(q, scale), output_final_state)
     return (o, (S, z)) if output_final_state else o
 
 

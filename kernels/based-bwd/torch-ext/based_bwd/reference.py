@@ -231,24 +231,26 @@ def based_backward_reference(q, k, v, do, scale=None, chunk: int = CHUNK):
 def based_state_backward_reference(q, k, v, do, dS, dz, S0, z0, cu_seqlens, scale=None, chunk: int = CHUNK):
     """Analytic (dq, dk, dv, dS0, dz0) of `based_forward_reference`'s o and final state (S, z), from the initial
     state (S0, z0) ((None, None): zero) over packed sequences cu_seqlens (or None), for their gradients do, dS
-    and dz. dS0 and dz0 are the initial state's gradients (the zero state's where none is given), in the
-    compute dtype; dq, dk, dv in their inputs' dtypes."""
+    and dz (None or empty: the loss does not see the final state). dS0 and dz0 are the initial state's
+    gradients in the compute dtype (empty where none is given); dq, dk, dv in their inputs' dtypes."""
     scale = default_scale(q.shape[-1]) if scale is None else scale
     state = None if S0 is None else (S0, z0)
+    d_final = None if dS is None or dS.numel() == 0 else (dS, dz)
     if cu_seqlens is None:
         c = _Chunks(q, k, v, scale, chunk, state=state)
-        grads = _chunk_grads(c, _chunked(do, chunk, c.q.dtype), (dS, dz))
+        grads = _chunk_grads(c, _chunked(do, chunk, c.q.dtype), d_final)
         dq, dk, dv = (_unchunked(x, c.T) for x in grads[:3])
     else:
         T = q.shape[1]
         index, valid = _packed_rows(cu_seqlens, T)
         rows = [torch.where(valid[..., None, None], x[0][index], 0) for x in (q, k, v, do)]  # (N, L, H, D)
         c = _Chunks(*rows[:3], scale, chunk, valid=valid, state=state)
-        grads = _chunk_grads(c, _chunked(rows[3], chunk, c.q.dtype), (dS, dz))
+        grads = _chunk_grads(c, _chunked(rows[3], chunk, c.q.dtype), d_final)
 
         def packed(x):  # (N, H, n, C, D) chunks of the rows -> (1, T, H, D) at the packed positions
             x = _unchunked(x, c.T)
             return x.new_zeros(T, *x.shape[2:]).index_put((index[valid],), x[valid])[None]
 
         dq, dk, dv = (packed(x) for x in grads[:3])
-    return (scale * dq).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), grads[3], grads[4]
+    dS0, dz0 = grads[3:] if state is not None else (c.q.new_empty(0), c.q.new_empty(0))
+    return (scale * dq).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dS0, dz0

@@ -130,9 +130,9 @@ def _state_scan_kernel(
     state_rows += f
     store_mask = (f < P)[:, None] & (cols < V)[None, :]
     if INITIAL:
-        own = pid_bh.to(tl.int64) * P + f
-        acc = tl.load(init_states + own[:, None] * V + cols[None, :], mask=store_mask, other=0.0)
-        z = tl.load(init_norms + own, mask=f < P, other=0.0)
+        acc = tl.load(init_states + pid_bh.to(tl.int64) * (P * V) + (f[:, None] * V + cols[None, :]), mask=store_mask,
+                      other=0.0)
+        z = tl.load(init_norms + pid_bh.to(tl.int64) * P + f, mask=f < P, other=0.0)
     else:
         acc = tl.zeros([R, BV], dtype=tl.float32)
         z = tl.zeros([R], dtype=tl.float32)
@@ -152,7 +152,7 @@ def _state_scan_kernel(
         phi_t = tl.where((f == 0)[:, None] & inside[None, :], 1.0, phi_t)
         acc += _dot(DOT, phi_t, yy)
         z += tl.sum(phi_t * w[None, :], 1)
-    if FINAL:
+    if FINAL:  # offsets of their own, so that none of the initial load's is held through the loop
         own = pid_bh.to(tl.int64) * P + f
         tl.store(final_states + own[:, None] * V + cols[None, :], acc, mask=store_mask)
         if pid_v == 0:
