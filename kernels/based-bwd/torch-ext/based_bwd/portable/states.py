@@ -73,40 +73,46 @@ def _scan_loads(x, y, w_in, n, ia, ib, linear, quad, cols, T, H, V, K: tl.conste
 
 
 @triton.jit
-def _scan_program(pid_bh, T, H, N, cu_seqlens, chunk_first, C: tl.constexpr, P: tl.constexpr,
+def _scan_program(pid_bh, T, H, N, cu_seqlens, chunk_first, seq_order, C: tl.constexpr, P: tl.constexpr,
                   VARLEN: tl.constexpr):
-    """A scan program's sequence (pid_bh = b H + h, or n H + h for packed sequences): the row of its position 0
-    (`_sequence_row`), its length, the offset of its position 0 in a (B H, T) (or (H, T)) per-position tensor,
-    the row of feature 0 of its first chunk's state, and its chunk count."""
+    """A scan program's sequence: b H + h (packed: n H + h for the program's sequence n = seq_order[pid_bh // H],
+    longest first), the row of its position 0 (`_sequence_row`), its length, the offset of its position 0 in a
+    (B H, T) (or (H, T)) per-position tensor, the row of feature 0 of its first chunk's state, and its chunk
+    count."""
     if VARLEN:
-        seq = pid_bh // H
+        seq = tl.load(seq_order + pid_bh // H)
         h = pid_bh % H
         bos = tl.load(cu_seqlens + seq).to(tl.int64)
         length = (tl.load(cu_seqlens + seq + 1) - bos).to(tl.int32)
         first = tl.load(chunk_first + seq)
-        return bos * H + h, length, h.to(tl.int64) * T + bos, _chunk_state(h, first, N, P), tl.cdiv(length, C)
+        return (seq * H + h, bos * H + h, length, h.to(tl.int64) * T + bos, _chunk_state(h, first, N, P),
+                tl.cdiv(length, C))
     else:
-        return _sequence_row(pid_bh, T, H), T, pid_bh.to(tl.int64) * T, _chunk_state(pid_bh, 0, N, P), N
+        return (pid_bh, _sequence_row(pid_bh, T, H), T, pid_bh.to(tl.int64) * T, _chunk_state(pid_bh, 0, N, P),
+                N)
 
 
 @triton.jit
 def _state_scan_kernel(
     x, y, w_in, states, norms, init_states, init_norms, final_states, final_norms, cu_seqlens, chunk_first,
-    T, H, V, scale, N,
+    seq_order, T, H, V, scale, N,
     K: tl.constexpr, P: tl.constexpr, R: tl.constexpr, BV: tl.constexpr, C: tl.constexpr, REVERSE: tl.constexpr,
     DOT: tl.constexpr, INITIAL: tl.constexpr, FINAL: tl.constexpr, VARLEN: tl.constexpr,
 ):
     """Forward (REVERSE false): x = k, y = v; stores S_n = sum_{m < n} phi_k(K_m)^T V_m and z_n (weights 1).
     Reverse: x = q, y = g; stores dS_n = sum_{m > n} phi_q(Q~_m)^T G_m and dz_n (weights w_in = h).
 
-    INITIAL: the running sum starts from the sequence's (pid_bh's) fp32 init_states / init_norms row block.
+    INITIAL: the running sum starts from the sequence's fp32 init_states / init_norms row block.
     FINAL: the running sum after the last chunk goes to final_states / final_norms.
-    VARLEN: pid_bh = n H + h runs packed sequence n of a B = 1 batch (offsets cu_seqlens), whose chunks' states
-    start at chunk chunk_first[n] of head h in the (H, N, P, V) buffers."""
+    VARLEN: program pid_bh runs head h = pid_bh % H of packed sequence n = seq_order[pid_bh // H] of a B = 1 batch
+    (offsets cu_seqlens), whose chunks' states start at chunk chunk_first[n] of head h in the (H, N, P, V)
+    buffers; its initial and final rows are n H + h's. seq_order puts the longest sequences first, so that the
+    longest serial loops start in the first wave."""
     pid_f = tl.program_id(0)
     pid_v = tl.program_id(1)
     pid_bh = tl.program_id(2)
-    row, T_seq, w_row, state_rows, n_chunks = _scan_program(pid_bh, T, H, N, cu_seqlens, chunk_first, C, P, VARLEN)
+    seq_bh, row, T_seq, w_row, state_rows, n_chunks = _scan_program(pid_bh, T, H, N, cu_seqlens, chunk_first,
+                                                                    seq_order, C, P, VARLEN)
     x += row * K
     y += row * V
     w_in += w_row
@@ -130,9 +136,9 @@ def _state_scan_kernel(
     state_rows += f
     store_mask = (f < P)[:, None] & (cols < V)[None, :]
     if INITIAL:
-        acc = tl.load(init_states + pid_bh.to(tl.int64) * (P * V) + (f[:, None] * V + cols[None, :]), mask=store_mask,
-                      other=0.0)
-        z = tl.load(init_norms + pid_bh.to(tl.int64) * P + f, mask=f < P, other=0.0)
+        block = init_states + seq_bh.to(tl.int64) * (P * V)
+        acc = tl.load(block + (f[:, None] * V + cols[None, :]), mask=store_mask, other=0.0)
+        z = tl.load(init_norms + seq_bh.to(tl.int64) * P + f, mask=f < P, other=0.0)
     else:
         acc = tl.zeros([R, BV], dtype=tl.float32)
         z = tl.zeros([R], dtype=tl.float32)
@@ -153,7 +159,7 @@ def _state_scan_kernel(
         acc += _dot(DOT, phi_t, yy)
         z += tl.sum(phi_t * w[None, :], 1)
     if FINAL:  # offsets of their own, so that none of the initial load's is held through the loop
-        own = pid_bh.to(tl.int64) * P + f
+        own = seq_bh.to(tl.int64) * P + f
         tl.store(final_states + own[:, None] * V + cols[None, :], acc, mask=store_mask)
         if pid_v == 0:
             tl.store(final_norms + own, z, mask=f < P)
@@ -182,12 +188,14 @@ class Packing(NamedTuple):
     """Where the chunks of N packed sequences (B = 1) lie, built on the device from cu_seqlens (no host read):
     cu_seqlens itself (int32), chunk_first (N + 1, int32: sequence n's chunks are chunk_first[n] ..
     chunk_first[n + 1] - 1 of the state buffers), chunk_index (chunks, 2, int32: a chunk's sequence and its
-    place in it; (0, -1) past the last chunk) and `chunks`, the host-side bound (T + N (C - 1)) // C on the
-    chunk count that sizes the buffers and the chunk kernels' grids."""
+    place in it; (0, -1) past the last chunk), seq_order (N, int32: the sequences longest first, the scan's
+    order) and `chunks`, the host-side bound (T + N (C - 1)) // C on the chunk count that sizes the buffers and
+    the chunk kernels' grids."""
 
     cu_seqlens: torch.Tensor
     chunk_first: torch.Tensor
     chunk_index: torch.Tensor
+    seq_order: torch.Tensor
     chunks: int
 
 
@@ -203,7 +211,8 @@ def packing(cu_seqlens: torch.Tensor, T: int, chunk: int) -> Packing:
     real = seq < N
     seq = torch.where(real, seq, 0)
     place = torch.where(real, g - first[seq.long()], -1)
-    return Packing(cu, first, torch.stack([seq, place], 1).contiguous(), chunks)
+    order = torch.argsort(per_seq, descending=True, stable=True).to(torch.int32)
+    return Packing(cu, first, torch.stack([seq, place], 1).contiguous(), order, chunks)
 
 
 def launch(x, y, weights, states, norms, scale: float, *, chunk: int, reverse: bool, rows: int, bv: int,
@@ -221,9 +230,9 @@ def launch(x, y, weights, states, norms, scale: float, *, chunk: int, reverse: b
     BV = min(bv, max(16, triton.next_power_of_2(V)))
     init_states, init_norms = initial if initial is not None else (None, None)
     final_states, final_norms = final if final is not None else (None, None)
-    cu, first = (packing.cu_seqlens, packing.chunk_first) if packing is not None else (None, None)
+    cu, first, order = (None,) * 3 if packing is None else (packing.cu_seqlens, packing.chunk_first, packing.seq_order)
     _state_scan_kernel[(triton.cdiv(P, rows), triton.cdiv(V, BV), BH)](
-        x, y, weights, states, norms, init_states, init_norms, final_states, final_norms, cu, first,
+        x, y, weights, states, norms, init_states, init_norms, final_states, final_norms, cu, first, order,
         T, H, V, scale, N,
         K=K, P=P, R=rows, BV=BV, C=chunk, REVERSE=reverse, DOT=operand_type(x.dtype), INITIAL=initial is not None,
         FINAL=final is not None, VARLEN=packing is not None, num_warps=warps, num_stages=1)
