@@ -6,6 +6,10 @@ The portable forward is two stages (`states`: the forward scan, then `output`), 
 scan, `grads`' dq, the reverse scan, `grads`' dk and dv); `portable_forward` and `portable_backward` launch
 them in order, with the launch plan of `DEFAULT_FORWARD_CONFIG` and `DEFAULT_BACKWARD_CONFIG`. fp16 inputs run
 the bf16 kernels, converted in and out.
+
+`portable_state_forward` and `portable_state_backward` launch the same stages with an initial state, a final state
+and packed sequences (the entry points of the registered `based_state_forward` / `based_state_backward`); they
+fold the public state's rows into the kernels' packed rows and back.
 """
 
 import functools
