@@ -7,6 +7,7 @@ against the spec's reference evaluated in fp32, computed once per shape.
 """
 
 import importlib
+import random
 
 import torch
 
@@ -199,12 +200,74 @@ def decode_side_by_side(kernel, bench, shapes=DECODE_SHAPES, latency_shape=DECOD
     return rows + _decode_latency_rows(kernel, tuple(latency_shape), run_on, bench)
 
 
+# The issue's packed batch: 16 sequences of random lengths (seeded) summing to 65536 tokens, at (H, K) = (16, 16)
+PACKED_SEQUENCES, PACKED_TOKENS, PACKED_HK = 16, 65536, (16, 16)
+PACKED_VS = (64, 128)
+
+
+def packed_lengths(seed: int = 0, total: int = PACKED_TOKENS, n: int = PACKED_SEQUENCES) -> list[int]:
+    """n random lengths >= 1 summing to total."""
+    cuts = sorted(random.Random(seed).sample(range(1, total), n - 1))
+    return [b - a for a, b in zip([0] + cuts, cuts + [total])]
+
+
+def _packed_step(kernel, q, k, v, do, cu_seqlens):
+    """Our training step on packed sequences: based_attention with cu_seqlens, backward through autograd."""
+    ins = [x.detach().requires_grad_(True) for x in (q, k, v)]
+    return torch.autograd.grad(kernel.based_attention(*ins, cu_seqlens=cu_seqlens), ins, do)
+
+
+def _packed_rows(bench, kernel, fla_based, spec) -> list[dict]:
+    """The issue's packed batch, per V: our step on the packed sequences (cu_seqlens), fla's parallel_based
+    forward + backward on the same sequences zero-padded to the longest, rounded up to a multiple of 64 (what a
+    fla user runs; padding at the end changes no real position's output), and our step on an equal-length batch of
+    the same token count. The packed row gets x_vs_fla (fla's time over ours, bar 3) and x_vs_equal_length (bar 0.9). Credited FLOPs: the
+    equal-length batch's step (the spec's canonical_work, times 1.5) on every row; no errors (the tests check
+    the packed path against float64 and the fp32 reference)."""
+    lengths = packed_lengths()
+    L, N, T = -(-max(lengths) // 64) * 64, len(lengths), sum(lengths)  # fla's padded length: a chunk multiple
+    H, K = PACKED_HK
+    scale = K**-0.5
+    cu = torch.tensor([0] + lengths, device="cuda").cumsum(0).to(torch.int32)
+    rows = []
+    for V in PACKED_VS:
+        case = f"packed {N} seqs, {T} tokens (longest {max(lengths)}), (H,K,V)=({H},{K},{V}) bf16 step"
+        equal = (N, T // N, H, K, V)
+        flops = 1.5 * spec.work(*equal)
+        q, k, v, do = spec.make(1, T, H, K, V, 0)
+        ours = _timed_row(bench, case, "based-bwd triton step, packed (cu_seqlens)",
+                          lambda: _packed_step(kernel, q, k, v, do, cu), None, flops)  # noqa: B023
+        rows.append(ours)
+        eq = spec.make(*equal, 0)
+        row = _timed_row(bench, case, f"based-bwd triton step, equal lengths {N} x {T // N}",
+                         lambda: _step(kernel, *eq), None, flops)  # noqa: B023
+        rows.append(row)
+        _speedup(ours, row, "x_vs_equal_length")
+        del eq
+        if fla_based is not None:
+            padded = []
+            for x in (q, k, v, do):
+                out = x.new_zeros(N, L, *x.shape[2:])
+                for n, (a, b) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
+                    out[n, : b - a] = x[0, a:b]
+                padded.append(out)
+            run = _fla_fwd_bwd(fla_based.parallel_based)
+            row = _timed_row(bench, case, f"fla parallel_based fwd+bwd, padded to {N} x {L}",
+                             lambda: run(*padded, scale), None, flops)  # noqa: B023
+            rows.append(row)
+            _speedup(ours, row, "x_vs_fla")
+            del padded
+        del q, k, v, do
+        free()
+    return rows
+
+
 def side_by_side(kernel, bench, decode_shapes=DECODE_SHAPES, decode_latency_shape=DECODE_LATENCY_SHAPE) -> list[dict]:
     """The decode step (`decode_side_by_side`); then at every measure shape: the backward contract (ours, fla
     forward + backward, fla's backward alone, the spec's fp32 reference), the training step (case "... step":
     ours, forward + backward through autograd, beside fla's forward + backward) and the forward alone (case
     "... forward": ours, fla's forwards). Credited FLOPs: the backward the spec's canonical_work, the forward
-    half of it, the step one and a half."""
+    half of it, the step one and a half. Then the issue's packed batch (`_packed_rows`)."""
     rows = decode_side_by_side(kernel, bench, decode_shapes, decode_latency_shape)
     spec = bench.spec("based_backward")
     if spec is None:
@@ -263,13 +326,14 @@ def side_by_side(kernel, bench, decode_shapes=DECODE_SHAPES, decode_latency_shap
                                lambda: spec.ref(q, k, v, do), ref, flops))
         del q, k, v, do, ref, o_ref
         free()
-    return rows
+    return rows + _packed_rows(bench, kernel, fla_based, spec)
 
 
 def compile_cases(kernel, spec):
     """(label, call) pairs for `python -m tools.compile_sm90`: each launch plan the package uses or the
     benchmark times, at every measure shape, on meta tensors, for the backward and the forward; and the
-    backward's fp32 path (IEEE matmuls, the interpreter tests' exact mode) with each K's default plan. The
+    backward's fp32 path (IEEE matmuls, the interpreter tests' exact mode) with each K's default plan; and the
+    stateful forward and backward on the issue's packed batch (`packed_cases`). The
     forward's fp32 mode is the interpreter's alone (CUDA fp32 calls take the reference), and fp16 calls run the
     bf16 kernels."""
     dispatch = submodule(kernel, "dispatch")
@@ -291,6 +355,24 @@ def compile_cases(kernel, spec):
         label = f"forward (B,T,H,K,V)={shape} {str(dtype)[6:]} {config}"
         return label, lambda: dispatch.portable_forward(q, k, v, shape[3] ** -0.5, config)
 
+    def packed_cases(V):
+        """The stateful launches at the issue's packed batch: with an initial and a final state (the plain
+        launches' kernels under their INITIAL, FINAL and VARLEN flags), and without (VARLEN alone)."""
+        H, K = PACKED_HK
+        q, k, v, do = tensors((1, PACKED_TOKENS, H, K, V), torch.bfloat16)
+        N, P = PACKED_SEQUENCES, 1 + K + K * K
+        cu = torch.empty(N + 1, dtype=torch.int32, device="meta")
+        state = (torch.empty(N, H, P, V, device="meta"), torch.empty(N, H, P, device="meta"))
+        shape = f"{N} packed, {PACKED_TOKENS} tokens, (H,K,V)=({H},{K},{V}) bfloat16"
+        yield f"state forward {shape}", lambda: dispatch.portable_state_forward(q, k, v, K**-0.5, state, cu)
+        yield f"state backward {shape}", lambda: dispatch.portable_state_backward(q, k, v, do, state, K**-0.5,
+                                                                                   state, cu)
+        # the packed training step (no state in or out): VARLEN alone
+        yield f"stateless forward {shape}", lambda: dispatch.portable_state_forward(q, k, v, K**-0.5, None, cu,
+                                                                                     output_final_state=False)
+        yield f"stateless backward {shape}", lambda: dispatch.portable_state_backward(q, k, v, do, None, K**-0.5,
+                                                                                       None, cu)
+
     for shape in shapes:
         K = shape[3]
         for config in sorted(set(dispatch.BACKWARD_CONFIG_CHOICES) | {dispatch.DEFAULT_BACKWARD_CONFIG[K]}, key=str):
@@ -300,6 +382,8 @@ def compile_cases(kernel, spec):
     for K in sorted({shape[3] for shape in shapes}):
         first = next(s for s in shapes if s[3] == K)
         yield case(first, torch.float32, dispatch.DEFAULT_BACKWARD_CONFIG[K])
+    for V in PACKED_VS:
+        yield from packed_cases(V)
     yield from _decode_compile_cases(dispatch)
 
 

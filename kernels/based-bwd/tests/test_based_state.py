@@ -187,6 +187,26 @@ def grads64(fn, inputs, weights):
     return torch.autograd.grad(loss, ins)
 
 
+def state_float64(q, k, v, state, cu=None, scale=None):
+    """(o, S, z) in float64 from the initial state (S0, z0): o from the quadratic form per sequence (each packed
+    sequence of cu, or the batch), the final state as the initial one plus sum_j phi(k_j) v_j^T and phi(k_j)."""
+    T = q.shape[1]
+    bounds = list(zip(cu[:-1].tolist(), cu[1:].tolist())) if cu is not None else [(0, T)]
+    os_, Ss, zs = [], [], []
+    for n, (a, b) in enumerate(bounds):
+        rows = slice(n, n + 1) if cu is not None else slice(None)
+        init = (state[0][rows].double(), state[1][rows].double())
+        if a == b:  # an empty sequence passes its state through
+            Ss.append(init[0])
+            zs.append(init[1])
+            continue
+        os_.append(quadratic_form(q[:, a:b], k[:, a:b], v[:, a:b], scale, state=init))
+        pk = phi64(k[:, a:b])
+        Ss.append(init[0] + torch.einsum("bthp,bthv->bhpv", pk, v[:, a:b].double()))
+        zs.append(init[1] + pk.sum(1))
+    return torch.cat(os_, 1), torch.cat(Ss, 0), torch.cat(zs, 0)
+
+
 @pytest.mark.kernels_ci
 @pytest.mark.parametrize("packed", [False, True])
 def test_gradients_match_float64_autograd(based, packed):
@@ -206,16 +226,7 @@ def test_gradients_match_float64_autograd(based, packed):
         return o, S, z
 
     def float64(q, k, v, S0, z0):
-        bounds = list(zip(cu[:-1].tolist(), cu[1:].tolist())) if packed else [(0, T)]
-        os_, Ss, zs = [], [], []
-        for n, (a, b) in enumerate(bounds):
-            rows = slice(n, n + 1) if packed else slice(None)
-            init = (S0[rows], z0[rows])
-            os_.append(quadratic_form(q[:, a:b], k[:, a:b], v[:, a:b], state=init))
-            pk = phi64(k[:, a:b])
-            Ss.append(init[0] + torch.einsum("bthp,bthv->bhpv", pk, v[:, a:b]))
-            zs.append(init[1] + pk.sum(1))
-        return torch.cat(os_, 1), torch.cat(Ss, 0), torch.cat(zs, 0)
+        return state_float64(q, k, v, (S0, z0), cu)
 
     ins = [x.clone().requires_grad_(True) for x in (q, k, v, S0, z0)]
     out = ours(*ins)

@@ -5,7 +5,12 @@ decode step for generation, for the Hugging Face kernels hub."""
 from . import layers
 from .dispatch import kernel_path
 from .op import based_attention, based_backward, based_decode
-from .reference import based_backward_reference, based_decode_reference, based_forward_reference
+from .reference import (
+    based_backward_reference,
+    based_decode_reference,
+    based_forward_reference,
+    based_state_backward_reference,
+)
 
 __all__ = [
     "layers",
@@ -15,5 +20,6 @@ __all__ = [
     "based_backward_reference",
     "based_decode_reference",
     "based_forward_reference",
+    "based_state_backward_reference",
     "kernel_path",
 ]

@@ -7,14 +7,20 @@ The portable forward is two stages (`states`: the forward scan, then `output`), 
 scan, `grads`' dq, the reverse scan, `grads`' dk and dv); `portable_forward` and `portable_backward` launch
 them in order, with the launch plan of `DEFAULT_FORWARD_CONFIG` and `DEFAULT_BACKWARD_CONFIG`. fp16 inputs run
 the bf16 kernels, converted in and out.
+
+`portable_state_forward` and `portable_state_backward` launch the same stages with an initial state, a final state
+and packed sequences (the entry points of the registered `based_state_forward` / `based_state_backward`); they
+fold the public state's rows into the kernels' packed rows and back.
 """
 
+import functools
 from typing import NamedTuple
 
 import torch
 
 from .common.devices import on_device
-from .reference import based_backward_reference, based_decode_reference, based_forward_reference
+from .reference import (based_backward_reference, based_decode_reference, based_forward_reference,
+                        based_state_backward_reference)
 
 
 class BackwardConfig(NamedTuple):
@@ -180,3 +186,186 @@ def portable_forward(q, k, v, scale: float, config: ForwardConfig | None = None)
                       warps=cfg.scan_warps)
         output.launch(q, k, v, S, Z, o, scale, chunk=cfg.chunk, bv=cfg.bv, warps=cfg.warps)
     return o
+
+
+# ---- a state in and out, packed sequences
+
+
+@functools.cache
+def _pairs(K: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The quadratic features' two layouts: the kernels' packed rows, one per pair a <= b row by row
+    (`portable.states`), and the public state's K^2 ordered pairs at a K + b. Returns, per packed row, the
+    ordered indices of (a, b) and of (b, a), and per ordered pair its packed row (all int64, on `device`)."""
+    a, b = torch.triu_indices(K, K, device=device)
+    packed = torch.empty(K, K, dtype=torch.int64, device=device)
+    packed[a, b] = torch.arange(a.numel(), device=device)
+    packed[b, a] = torch.arange(a.numel(), device=device)
+    return a * K + b, b * K + a, packed.flatten()
+
+
+def _fold(x: torch.Tensor, dim: int, K: int, coef: float) -> torch.Tensor:
+    """The packed rows of a public-layout state x (1 + K + K^2 along dim): the constant and linear rows as they
+    are, a pair's row coef (x[ab] + x[ba])."""
+    ab, ba, _ = _pairs(K, x.device)
+    quad = x.narrow(dim, 1 + K, K * K)
+    return torch.cat([x.narrow(dim, 0, 1 + K), (quad.index_select(dim, ab) + quad.index_select(dim, ba)) * coef], dim)
+
+
+def _unfold(x: torch.Tensor, dim: int, K: int, coef: float) -> torch.Tensor:
+    """The public layout of packed rows x (1 + K + K (K + 1) / 2 along dim): ordered pair (a, b) coef times the
+    row of {a, b}."""
+    quad = x.narrow(dim, 1 + K, x.shape[dim] - 1 - K)
+    return torch.cat([x.narrow(dim, 0, 1 + K), quad.index_select(dim, _pairs(K, x.device)[2]) * coef], dim)
+
+
+# How a public state (phi(x) = [1, x, x (x) x / sqrt(2)]) and the kernels' packed rows meet. Forward, the scan
+# sums phi_k(k) = [1, k, k_a k_b once a pair] and the read-outs take every ordered pair's q~_a q~_b / 2: a given
+# state S0 enters as (S0[ab] + S0[ba]) / sqrt(2), and the sum the scan returns leaves as row / sqrt(2) at both
+# orders. Reverse, the scan sums phi_q(q~) = [1, q~, q~_a q~_b / 2 once a pair] and dv, dk read every ordered
+# pair: the final state's gradient dF enters as (dF[ab] + dF[ba]) / (2 sqrt(2)), and the initial state's
+# gradient leaves as sqrt(2) row at both orders.
+_STATE_IN, _STATE_OUT = 2**-0.5, 2**-0.5
+_GRAD_IN, _GRAD_OUT = 2**-1.5, 2**0.5
+
+
+def _packed_state(state, K: int, coef: float):
+    """The fp32 (N H, P', V) and (N H, P') packed rows of a public pair (S (N, H, P, V), z (N, H, P))."""
+    S, z = state
+    return (_fold(S, 2, K, coef).flatten(0, 1).contiguous(), _fold(z, 2, K, coef).flatten(0, 1).contiguous())
+
+
+def _public_state(packed, N: int, H: int, K: int, coef: float):
+    """The public pair (S (N, H, P, V), z (N, H, P)) of the packed fp32 (N H, P', V) and (N H, P') rows."""
+    S, z = (x.unflatten(0, (N, H)) for x in packed)
+    return _unfold(S, 2, K, coef), _unfold(z, 2, K, coef)
+
+
+def _sequences(q, cu_seqlens) -> int:
+    """N: the batch, or the number of packed sequences."""
+    return q.shape[0] if cu_seqlens is None else cu_seqlens.numel() - 1
+
+
+def _none_if_empty(x):
+    """The registered ops pass an absent state (no final state asked for, no initial state given) as an empty
+    tensor: None for it."""
+    return None if x is None or x.numel() == 0 else x
+
+
+def based_state_forward_cuda(q, k, v, S0, z0, cu_seqlens, scale: float, output_final_state: bool):
+    """(o, S, z) on the path `kernel_path` names for CUDA tensors (the portable forward takes any V); S and z
+    empty unless output_final_state."""
+    state = None if S0 is None else (S0, z0)
+    if kernel_path(q) == "reference":
+        o, final = based_forward_reference(q, k, v, scale, initial_state=state, output_final_state=True,
+                                           cu_seqlens=cu_seqlens)
+    else:
+        o, final = portable_state_forward(q, k, v, scale, state, cu_seqlens, output_final_state)
+    empty = q.new_empty(0, dtype=torch.float32)
+    return (o, *final) if output_final_state else (o, empty, empty)
+
+
+def based_state_backward_cuda(q, k, v, do, dS, dz, S0, z0, cu_seqlens, scale: float):
+    """(dq, dk, dv, dS0, dz0) on the path `kernel_path` names for CUDA tensors: dS and dz empty where the forward
+    gave no final state, dS0 and dz0 where it had no initial state. A value size V above the backward kernels'
+    bound takes the reference."""
+    state = None if S0 is None else (S0, z0)
+    d_final = None if _none_if_empty(dS) is None else (dS, dz)
+    if kernel_path(q) == "triton":
+        from .portable.grads import MAX_V
+
+        if v.shape[-1] <= MAX_V:
+            dq, dk, dv, d_initial = portable_state_backward(q, k, v, do, d_final, scale, state, cu_seqlens)
+            empty = q.new_empty(0, dtype=torch.float32)
+            return (dq, dk, dv, *(d_initial or (empty, empty)))
+    return based_state_backward_reference(q, k, v, do, dS, dz, S0, z0, cu_seqlens, scale)
+
+
+def portable_state_forward(q, k, v, scale: float, initial_state=None, cu_seqlens=None, output_final_state=True,
+                           config: ForwardConfig | None = None):
+    """`portable_forward` from an initial state, over packed sequences, and with the final state: returns o and
+    the final (S (N, H, P, V), z (N, H, P)), fp32, P = 1 + K + K^2 (None unless output_final_state).
+
+    initial_state: None (zero) or the fp32 pair (S0, z0) of that layout; cu_seqlens: None or the N + 1 offsets
+    of N sequences packed in a B = 1 batch, read on the device only (the buffers and grids take the bound
+    (T + N (C - 1)) // C on the chunk count). The scan runs from the packed initial state; the steps' sum (its
+    end less its start, in packed rows) is unfolded and added to the given state, which keeps any part of it that
+    the packed rows do not hold (an S0[ab] - S0[ba] no read-out sees)."""
+    from .portable import output, states
+
+    if q.dtype == torch.float16:
+        o, final = portable_state_forward(*(x.to(torch.bfloat16) for x in (q, k, v)), scale, initial_state,
+                                          cu_seqlens, output_final_state, config)
+        return o.to(torch.float16), final
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    N = _sequences(q, cu_seqlens)
+    cfg = config or DEFAULT_FORWARD_CONFIG[K]
+    packing = None if cu_seqlens is None else states.packing(cu_seqlens, T, cfg.chunk)
+    S, Z = states.state_buffers(q, V, cfg.chunk, packing)
+    P = S.shape[2]
+    initial = None if initial_state is None else _packed_state(initial_state, K, _STATE_IN)
+    final = None
+    if output_final_state:
+        final = (torch.empty(N * H, P, V, device=q.device), torch.empty(N * H, P, device=q.device))
+    o = torch.empty_like(v)
+    with on_device(q):
+        states.launch(k, v, Z, S, Z, scale, chunk=cfg.chunk, reverse=False, rows=cfg.scan_rows, bv=cfg.scan_bv,
+                      warps=cfg.scan_warps, initial=initial, final=final, packing=packing)
+        output.launch(q, k, v, S, Z, o, scale, chunk=cfg.chunk, bv=cfg.bv, warps=cfg.warps, packing=packing)
+    if final is None:
+        return o, None
+    if initial is not None:  # the final state is the given one plus the steps' sum, taken apart in packed rows
+        final = tuple(x - x0 for x, x0 in zip(final, initial))
+    S_end, z_end = _public_state(final, N, H, K, _STATE_OUT)
+    if initial_state is not None:
+        S_end, z_end = S_end + initial_state[0], z_end + initial_state[1]
+    return o, (S_end, z_end)
+
+
+def portable_state_backward(q, k, v, do, d_final, scale: float, initial_state=None, cu_seqlens=None,
+                            config: BackwardConfig | None = None):
+    """(dq, dk, dv, (dS0, dz0)) of `portable_state_forward`'s o and final state, for the gradients do of o and
+    d_final = (dS, dz) of the final state (None: the forward gave none); (dS0, dz0), fp32, the initial state's
+    gradients, None where initial_state is None.
+
+    The forward scan starts from the initial state; the reverse scan from the final state's gradient, and its
+    sum over all chunks (its end less its start) is the initial state's gradient through o (the final state's
+    adds directly)."""
+    from .portable import grads, states
+
+    if q.dtype == torch.float16:
+        *got, d_initial = portable_state_backward(*(x.to(torch.bfloat16) for x in (q, k, v, do)), d_final, scale,
+                                                  initial_state, cu_seqlens, config)
+        return (*(x.to(torch.float16) for x in got), d_initial)
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    if V > grads.MAX_V:
+        raise ValueError(f"the fused backward holds V whole in a program: V <= {grads.MAX_V}, got V={V}")
+    N = _sequences(q, cu_seqlens)
+    cfg = config or DEFAULT_BACKWARD_CONFIG[K]
+    packing = None if cu_seqlens is None else states.packing(cu_seqlens, T, cfg.chunk)
+    S, Z = states.state_buffers(q, V, cfg.chunk, packing)
+    P = S.shape[2]
+    h = torch.empty(B * H, T, device=q.device, dtype=torch.float32)
+    g = torch.empty_like(do)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    initial = None if initial_state is None else _packed_state(initial_state, K, _STATE_IN)
+    d_start = None if d_final is None else _packed_state(d_final, K, _GRAD_IN)
+    total = None
+    if initial_state is not None:
+        total = (torch.empty(N * H, P, V, device=q.device), torch.empty(N * H, P, device=q.device))
+    scan = dict(chunk=cfg.chunk, rows=cfg.scan_rows, bv=cfg.scan_bv, warps=cfg.scan_warps, packing=packing)
+    chunk = dict(chunk=cfg.chunk, warps=cfg.warps, registers=cfg.chunk_registers, packing=packing)
+    with on_device(q):
+        states.launch(k, v, h, S, Z, scale, reverse=False, initial=initial, **scan)
+        grads.launch_dq(q, k, v, do, S, Z, h, g, dq, scale, **chunk)
+        states.launch(q, g, h, S, Z, scale, reverse=True, initial=d_start, final=total, **scan)
+        grads.launch_dkdv(q, k, v, g, S, Z, h, dk, dv, scale, **chunk)
+    if total is None:
+        return dq, dk, dv, None
+    if d_start is not None:
+        total = tuple(x - x0 for x, x0 in zip(total, d_start))
+    dS0, dz0 = _public_state(total, N, H, K, _GRAD_OUT)
+    if d_final is not None:
+        dS0, dz0 = dS0 + d_final[0], dz0 + d_final[1]
+    return dq, dk, dv, (dS0, dz0)

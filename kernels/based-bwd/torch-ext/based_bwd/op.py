@@ -1,9 +1,9 @@
 """The registered ops (backward, forward with its autograd link) and the public functions.
 
-`based_attention` with a state or packed sequences runs the eager reference on every device (torch ops; gradients
-through torch autograd; its fused CUDA path is planned). `based_decode` is not a registered op: on CUDA it calls
-`dispatch.based_decode_cuda` (the fused decode kernel, or the reference where autograd records the call), on the
-CPU the reference.
+`based_attention` with a state or packed sequences goes through a second pair of ops, `based_state_forward` and
+`based_state_backward` (fused on CUDA for bf16 and fp16), so that the plain (q, k, v) ops stay as they are.
+`based_decode` is not a registered op: on CUDA it calls `dispatch.based_decode_cuda` (the fused decode kernel, or the
+reference where autograd records the call), on the CPU the reference.
 
 The CUDA implementations come from `dispatch`, which picks each call's path. `based_forward`'s registered autograd calls
 the registered `based_backward` op, so training goes through the same backward as a direct call, and inference
@@ -21,12 +21,21 @@ import torch
 from ._ops import add_op_namespace_prefix
 from .common.autocast import register_autocast
 from .common.differentiation import check_differentiation, no_double_backward
-from .dispatch import based_backward_cuda, based_decode_cuda, based_forward_cuda, written
+from .dispatch import (
+    based_backward_cuda,
+    based_decode_cuda,
+    based_forward_cuda,
+    based_state_backward_cuda,
+    based_state_forward_cuda,
+    kernel_path,
+    written,
+)
 from .reference import (
     MAX_DECODE_TOKENS,
     based_backward_reference,
     based_decode_reference,
     based_forward_reference,
+    based_state_backward_reference,
     default_scale,
 )
 from .validation import check_based_args, check_decode_args, check_state_args
@@ -83,6 +92,81 @@ register_autocast(add_op_namespace_prefix("based_forward"), cuda_16bit=(0, 1, 2)
 register_autocast(add_op_namespace_prefix("based_backward"))
 
 
+# The stateful forward: from an initial state (S0, z0) or zero (None), over packed sequences (cu_seqlens) or
+# the batch, with the final state (S, z) when output_final_state (else S and z are empty); a separate op, so that
+# the plain (q, k, v) op stays as it is. Its backward takes dS and dz empty where there is no final state, and
+# returns dS0 and dz0 empty where there is no initial state, so that the kernels skip what nobody reads.
+@torch.library.custom_op(add_op_namespace_prefix("based_state_backward"), mutates_args=(), device_types="cuda")
+def based_state_backward_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, dS: torch.Tensor, dz: torch.Tensor,
+    S0: torch.Tensor | None, z0: torch.Tensor | None, cu_seqlens: torch.Tensor | None, scale: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return based_state_backward_cuda(q, k, v, do, dS, dz, S0, z0, cu_seqlens, scale)
+
+
+@torch.library.register_kernel(add_op_namespace_prefix("based_state_backward"), "cpu")
+def _(q, k, v, do, dS, dz, S0, z0, cu_seqlens, scale):
+    return based_state_backward_reference(q, k, v, do, dS, dz, S0, z0, cu_seqlens, scale)
+
+
+@torch.library.register_fake(add_op_namespace_prefix("based_state_backward"))
+def _(q, k, v, do, dS, dz, S0, z0, cu_seqlens, scale):
+    if S0 is None:
+        d_initial = (q.new_empty(0, dtype=torch.float32), q.new_empty(0, dtype=torch.float32))
+    else:
+        d_initial = (torch.empty_like(S0), torch.empty_like(z0))
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), *d_initial
+
+
+@torch.library.custom_op(add_op_namespace_prefix("based_state_forward"), mutates_args=(), device_types="cuda")
+def based_state_forward_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, S0: torch.Tensor | None, z0: torch.Tensor | None,
+    cu_seqlens: torch.Tensor | None, scale: float, output_final_state: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return based_state_forward_cuda(q, k, v, S0, z0, cu_seqlens, scale, output_final_state)
+
+
+@torch.library.register_kernel(add_op_namespace_prefix("based_state_forward"), "cpu")
+def _(q, k, v, S0, z0, cu_seqlens, scale, output_final_state):
+    o, (S, z) = based_forward_reference(q, k, v, scale, initial_state=None if S0 is None else (S0, z0),
+                                        output_final_state=True, cu_seqlens=cu_seqlens)
+    return (o, S, z) if output_final_state else (o, S.new_empty(0), z.new_empty(0))
+
+
+@torch.library.register_fake(add_op_namespace_prefix("based_state_forward"))
+def _(q, k, v, S0, z0, cu_seqlens, scale, output_final_state):
+    if not output_final_state:
+        return torch.empty_like(v), q.new_empty(0, dtype=torch.float32), q.new_empty(0, dtype=torch.float32)
+    N = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    H, K = q.shape[2:]
+    P = 1 + K + K * K
+    S = q.new_empty(N, H, P, v.shape[-1], dtype=torch.float32)
+    return torch.empty_like(v), S, q.new_empty(N, H, P, dtype=torch.float32)
+
+
+def _state_setup_context(ctx, inputs, output):
+    q, k, v, S0, z0, cu_seqlens, scale, _ = inputs
+    ctx.save_for_backward(q, k, v, S0, z0, cu_seqlens)
+    ctx.scale = scale
+
+
+def _state_backward(ctx, do, dS, dz):
+    q, k, v, S0, z0, cu_seqlens = ctx.saved_tensors
+    dq, dk, dv, dS0, dz0 = based_state_backward_op(q, k, v, do.to(q.dtype).contiguous(), dS.contiguous(),
+                                                   dz.contiguous(), S0, z0, cu_seqlens, ctx.scale)
+    if S0 is None:
+        dS0 = dz0 = None
+    return dq, dk, dv, dS0, dz0, None, None, None
+
+
+torch.library.register_autograd(add_op_namespace_prefix("based_state_forward"), _state_backward,
+                                setup_context=_state_setup_context)
+torch.library.register_autograd(add_op_namespace_prefix("based_state_backward"),
+                                no_double_backward("based_attention", "based_state_backward"))
+register_autocast(add_op_namespace_prefix("based_state_forward"), cuda_16bit=(0, 1, 2))
+register_autocast(add_op_namespace_prefix("based_state_backward"))
+
+
 def _resolved(q, scale) -> float:
     return default_scale(q.shape[-1]) if scale is None else float(scale)
 
@@ -127,20 +211,29 @@ def based_attention(
       z = sum_j phi(k_j) over the steps before; differentiable. N = B, or the number of packed sequences.
     - output_final_state: also return the state after the last step, as (o, (S, z)), float32.
     - cu_seqlens: the N + 1 offsets (int32/int64, 0 to T, non-decreasing) of N sequences packed along T with
-      B = 1; no sum crosses two of them. Read on the host (a device sync on CUDA).
+      B = 1; no sum crosses two of them. Its argument check reads it on the host (a device sync on CUDA); the
+      kernels read it on the device only.
 
-    These run the eager reference in fp32 on every device, autocast or not, gradients through torch autograd (fused
-    CUDA path: planned; torch.func.grad and double backward work there).
+    With a state or packed sequences, bf16 and fp16 CUDA tensors take the fused kernels forward and backward
+    (`based_state_forward`, `based_state_backward`; V <= 256 backward, wider V the reference), fp32 and CPU
+    tensors the eager reference in fp32, autocast or not, gradients through torch autograd (torch.func.grad and
+    double backward work there; the fused ops are differentiable in reverse mode only).
     """
     check_based_args(q, k, v, scale)
     if initial_state is None and output_final_state is False and cu_seqlens is None:
         check_differentiation("based_attention", q, k, v)
         return based_forward_op(q.contiguous(), k.contiguous(), v.contiguous(), _resolved(q, scale))
     check_state_args(q, v, initial_state, output_final_state, cu_seqlens)
-    return based_forward_reference(
-        q, k, v, _resolved(q, scale),
-        initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens,
-    )
+    if kernel_path(q) == "reference":
+        return based_forward_reference(
+            q, k, v, _resolved(q, scale),
+            initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+        )
+    check_differentiation("based_attention", q, k, v, *(initial_state or ()))
+    S0, z0 = (None, None) if initial_state is None else (x.contiguous() for x in initial_state)
+    o, S, z = based_state_forward_op(q.contiguous(), k.contiguous(), v.contiguous(), S0, z0, cu_seqlens,
+                                     _resolved(q, scale), output_final_state)
+    return (o, (S, z)) if output_final_state else o
 
 
 def based_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state, scale=None, *, out=None):

@@ -34,8 +34,9 @@ are [v, 1]:
 
 Across chunks the same sums go through the reverse state dS = sum_{later i} phi(q~_i) g_i^T and
 dz = sum_{later i} phi(q~_i) h_i, and dq through the forward state S = sum_{earlier j} phi(k_j) v_j^T and
-z = sum_{earlier j} phi(k_j). With a state or packed sequences, gradients come from torch autograd through the
-forward.
+z = sum_{earlier j} phi(k_j). With a state, every reverse state starts from the final state's gradient, and the
+initial state's gradient is that plus the reverse sum over every step (`based_state_backward_reference`); the
+public functions differentiate the forward through torch autograd.
 
 Everything computes in float32, or in float64 for float64 inputs (the tests' exact arithmetic), whatever autocast
 is on (`autocast_off`).
@@ -196,27 +197,67 @@ def based_decode_reference(q, k, v, state, scale=None):
     return torch.stack(out, 1).to(q.dtype), (S, z)
 
 
-@autocast_off
-def based_backward_reference(q, k, v, do, scale=None, chunk: int = CHUNK):
-    """Analytic (dq, dk, dv) of the stateless `based_forward_reference` for the incoming gradient do
-    (B, T, H, V), each in the dtype of its input."""
-    scale = default_scale(q.shape[-1]) if scale is None else scale
-    c = _Chunks(q, k, v, scale, chunk)
-    do_ = _chunked(do, chunk, c.q.dtype)
+def _chunk_grads(c: _Chunks, do_: torch.Tensor, d_final=None):
+    """The analytic backward of the chunked forward `c` for the chunked incoming gradient do_: (dq, dk, dv) as
+    chunks (B, H, N, C, .) and the gradient of the initial state (dS0, dz0). d_final: None or the gradients
+    (dS, dz) of the final state, which every reverse state starts from."""
     r = 1.0 / (c.den + EPS)
     delta = (do_ * c.num).sum(-1) * r  # do . o
     g, h = r[..., None] * do_, -r * delta  # numerator / normaliser adjoints
     ds = ((g @ c.v.transpose(-1, -2) + h[..., None]) * (1 + c.s)).masked_fill(~c.causal, 0)
 
     # reverse states of the chunks after each chunk: dS [B,H,N,P,V], dz [B,H,N,P]
-    dS = _exclusive_cumsum(c.phi_q.transpose(-1, -2) @ g, 2, reverse=True)
-    dz = _exclusive_cumsum((c.phi_q * h[..., None]).sum(-2), 2, reverse=True)
+    step_S, step_z = c.phi_q.transpose(-1, -2) @ g, (c.phi_q * h[..., None]).sum(-2)
+    dS, dz = _exclusive_cumsum(step_S, 2, reverse=True), _exclusive_cumsum(step_z, 2, reverse=True)
+    dS0, dz0 = step_S.sum(2), step_z.sum(2)
+    if d_final is not None:
+        dF, dFz = (x.to(dS.dtype) for x in d_final)
+        dS, dz, dS0, dz0 = dS + dF[:, :, None], dz + dFz[:, :, None], dS0 + dF, dz0 + dFz
 
     dv = c.A.transpose(-1, -2) @ g + c.phi_k @ dS
     dk = ds.transpose(-1, -2) @ c.q + _phi_vjp(c.k, c.v @ dS.transpose(-1, -2) + dz[..., None, :])
     dq_tilde = ds @ c.k + _phi_vjp(c.q, g @ c.S.transpose(-1, -2) + h[..., None] * c.z[..., None, :])
+    return dq_tilde, dk, dv, dS0, dz0
+
+
+@autocast_off
+def based_backward_reference(q, k, v, do, scale=None, chunk: int = CHUNK):
+    """Analytic (dq, dk, dv) of the stateless `based_forward_reference` for the incoming gradient do
+    (B, T, H, V), each in the dtype of its input."""
+    scale = default_scale(q.shape[-1]) if scale is None else scale
+    c = _Chunks(q, k, v, scale, chunk)
+    dq_tilde, dk, dv, _, _ = _chunk_grads(c, _chunked(do, chunk, c.q.dtype))
     return (
         _unchunked(scale * dq_tilde, c.T).to(q.dtype),
         _unchunked(dk, c.T).to(k.dtype),
         _unchunked(dv, c.T).to(v.dtype),
     )
+
+
+@autocast_off
+def based_state_backward_reference(q, k, v, do, dS, dz, S0, z0, cu_seqlens, scale=None, chunk: int = CHUNK):
+    """Analytic (dq, dk, dv, dS0, dz0) of `based_forward_reference`'s o and final state (S, z), from the initial
+    state (S0, z0) ((None, None): zero) over packed sequences cu_seqlens (or None), for their gradients do, dS
+    and dz (None or empty: the loss does not see the final state). dS0 and dz0 are the initial state's
+    gradients in the compute dtype (empty where none is given); dq, dk, dv in their inputs' dtypes."""
+    scale = default_scale(q.shape[-1]) if scale is None else scale
+    state = None if S0 is None else (S0, z0)
+    d_final = None if dS is None or dS.numel() == 0 else (dS, dz)
+    if cu_seqlens is None:
+        c = _Chunks(q, k, v, scale, chunk, state=state)
+        grads = _chunk_grads(c, _chunked(do, chunk, c.q.dtype), d_final)
+        dq, dk, dv = (_unchunked(x, c.T) for x in grads[:3])
+    else:
+        T = q.shape[1]
+        index, valid = _packed_rows(cu_seqlens, T)
+        rows = [torch.where(valid[..., None, None], x[0][index], 0) for x in (q, k, v, do)]  # (N, L, H, D)
+        c = _Chunks(*rows[:3], scale, chunk, valid=valid, state=state)
+        grads = _chunk_grads(c, _chunked(rows[3], chunk, c.q.dtype), d_final)
+
+        def packed(x):  # (N, H, n, C, D) chunks of the rows -> (1, T, H, D) at the packed positions
+            x = _unchunked(x, c.T)
+            return x.new_zeros(T, *x.shape[2:]).index_put((index[valid],), x[valid])[None]
+
+        dq, dk, dv = (packed(x) for x in grads[:3])
+    dS0, dz0 = grads[3:] if state is not None else (c.q.new_empty(0), c.q.new_empty(0))
+    return (scale * dq).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dS0, dz0

@@ -33,8 +33,8 @@ of a dot result (the wgmma miscompile of fla #640).
 import triton
 import triton.language as tl
 
-from .states import _chunk_state, _pair_row
-from .tiles import _EPS, _dot, _load_rows, _sequence_row, _store_rows, operand_type
+from .states import _chunk_at, _pair_row
+from .tiles import _EPS, _dot, _load_rows, _store_rows, operand_type
 
 # V is held whole by a chunk program (delta_i = do_i . o_i needs all of it); wider V takes the reference.
 MAX_V = 256
@@ -107,25 +107,30 @@ def _quad_grad(x, t0, T, row_stride, G, S, Z, w, V, K: tl.constexpr, BK: tl.cons
 
 
 @triton.jit
-def _chunk_program(T, H, N, P: tl.constexpr, C: tl.constexpr):
-    """A chunk kernel's program (grid: chunk n, b H + h): b H + h, the row of its sequence's position 0
-    (`_sequence_row`), the row of its chunk's state (`_chunk_state`) and its first position n C."""
+def _chunk_program(T, H, N, chunk_index, cu_seqlens, P: tl.constexpr, C: tl.constexpr, VARLEN: tl.constexpr):
+    """A chunk kernel's program (grid: chunk n, b H + h): b H + h and `states._chunk_at`'s row of its sequence's
+    position 0, the sequence's length, the offset of its position 0 in a (B H, T) tensor, the row of its chunk's
+    state and its first position."""
     n = tl.program_id(0)
     pid_bh = tl.program_id(1)
-    return pid_bh, _sequence_row(pid_bh, T, H), _chunk_state(pid_bh, n, N, P), n * C
+    row, T_seq, w_row, state, t0 = _chunk_at(n, pid_bh, T, H, N, chunk_index, cu_seqlens, C, P, VARLEN)
+    return pid_bh, row, T_seq, w_row, state, t0
 
 
 @triton.jit
 def _dq_kernel(
-    q, k, v, do, states, norms, h_out, g_out, dq,
+    q, k, v, do, states, norms, h_out, g_out, dq, chunk_index, cu_seqlens,
     T, H, V, scale, N,
     K: tl.constexpr, P: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
-    DOT: tl.constexpr,
+    DOT: tl.constexpr, VARLEN: tl.constexpr,
 ):
-    pid_bh, row, state, t0 = _chunk_program(T, H, N, P, C)
+    pid_bh, row, T, w_row, state, t0 = _chunk_program(T, H, N, chunk_index, cu_seqlens, P, C, VARLEN)
+    if VARLEN:
+        if t0 < 0:
+            return
     q, k, dq = q + row * K, k + row * K, dq + row * K
     v, do, g_out = v + row * V, do + row * V, g_out + row * V
-    h_out += pid_bh.to(tl.int64) * T
+    h_out += w_row
     S, Z = states + state * V, norms + state  # S_n
 
     i_idx = tl.arange(0, C)
@@ -166,15 +171,18 @@ def _dq_kernel(
 
 @triton.jit
 def _dkdv_kernel(
-    q, k, v, g_in, states, norms, h_in, dk, dv,
+    q, k, v, g_in, states, norms, h_in, dk, dv, chunk_index, cu_seqlens,
     T, H, V, scale, N,
     K: tl.constexpr, P: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
-    DOT: tl.constexpr,
+    DOT: tl.constexpr, VARLEN: tl.constexpr,
 ):
-    pid_bh, row, state, t0 = _chunk_program(T, H, N, P, C)
+    pid_bh, row, T, w_row, state, t0 = _chunk_program(T, H, N, chunk_index, cu_seqlens, P, C, VARLEN)
+    if VARLEN:
+        if t0 < 0:
+            return
     q, k, dk = q + row * K, k + row * K, dk + row * K
     v, g_in, dv = v + row * V, g_in + row * V, dv + row * V
-    h_in += pid_bh.to(tl.int64) * T
+    h_in += w_row
     dS, dZ = states + state * V, norms + state  # dS_n
 
     i_idx = tl.arange(0, C)
@@ -205,29 +213,35 @@ def _dkdv_kernel(
     _store_rows(dv, dv_c, t0, T, H * V, V, C, BV)
 
 
-def _chunk_meta(q, states, chunk: int) -> dict:
+def _chunk_meta(q, states, chunk: int, packing) -> dict:
     """The constexpr arguments of both chunk kernels for q (B, T, H, K) and the (B H, N, P, V) states, V at most
-    MAX_V."""
+    MAX_V, and packed sequences' `states.Packing` (or None)."""
     K = q.shape[-1]
     P, V = states.shape[2:]
-    return dict(K=K, P=P, BK=max(16, K), BV=max(16, triton.next_power_of_2(V)), C=chunk, DOT=operand_type(q.dtype))
+    return dict(K=K, P=P, BK=max(16, K), BV=max(16, triton.next_power_of_2(V)), C=chunk, DOT=operand_type(q.dtype),
+                VARLEN=packing is not None)
+
+
+def _packed(packing) -> tuple:
+    """The chunk kernels' chunk_index and cu_seqlens arguments: those of the `states.Packing`, or None."""
+    return (packing.chunk_index, packing.cu_seqlens) if packing is not None else (None, None)
 
 
 def launch_dq(q, k, v, do, states, norms, h, g, dq, scale: float, *, chunk: int, warps: int,
-              registers: int | None) -> None:
+              registers: int | None, packing=None) -> None:
     """dq, and g = r do and the fp32 (B H, T) h for the launches after it, from the forward scan's states and
     norms: one program per (chunk of `chunk` positions, b h) on `warps` warps, ptxas capped at `registers` a
-    thread (None: as many as it wants)."""
+    thread (None: as many as it wants). packing: the `states.Packing` of packed sequences (B = 1), or None."""
     B, T, H, K = q.shape
     BH, N, P, V = states.shape
-    _dq_kernel[(N, BH)](q, k, v, do, states, norms, h, g, dq, T, H, V, scale, N, **_chunk_meta(q, states, chunk),
-                        num_warps=warps, num_stages=1, maxnreg=registers)
+    _dq_kernel[(N, BH)](q, k, v, do, states, norms, h, g, dq, *_packed(packing), T, H, V, scale, N,
+                        **_chunk_meta(q, states, chunk, packing), num_warps=warps, num_stages=1, maxnreg=registers)
 
 
 def launch_dkdv(q, k, v, g, states, norms, h, dk, dv, scale: float, *, chunk: int, warps: int,
-                registers: int | None) -> None:
+                registers: int | None, packing=None) -> None:
     """dk and dv from the reverse scan's states and norms and `launch_dq`'s g and h, launched as `launch_dq`."""
     B, T, H, K = q.shape
     BH, N, P, V = states.shape
-    _dkdv_kernel[(N, BH)](q, k, v, g, states, norms, h, dk, dv, T, H, V, scale, N, **_chunk_meta(q, states, chunk),
-                          num_warps=warps, num_stages=1, maxnreg=registers)
+    _dkdv_kernel[(N, BH)](q, k, v, g, states, norms, h, dk, dv, *_packed(packing), T, H, V, scale, N,
+                          **_chunk_meta(q, states, chunk, packing), num_warps=warps, num_stages=1, maxnreg=registers)

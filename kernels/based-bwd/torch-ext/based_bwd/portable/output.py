@@ -22,8 +22,8 @@ head plus a bf16 tail against q (exact for bf16 inputs).
 import triton
 import triton.language as tl
 
-from .states import _chunk_state, _pair_row
-from .tiles import _EPS, _dot, _load_rows, _sequence_row, _store_rows, operand_type
+from .states import _chunk_at, _pair_row
+from .tiles import _EPS, _dot, _load_rows, _store_rows, operand_type
 
 
 @triton.jit
@@ -45,17 +45,19 @@ def _split_dot(DOT: tl.constexpr, x, Z):
 
 @triton.jit
 def _output_kernel(
-    q, k, v, states, norms, o,
+    q, k, v, states, norms, o, chunk_index, cu_seqlens,
     T, H, V, scale, N,
     K: tl.constexpr, P: tl.constexpr, BK: tl.constexpr, KK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
-    DOT: tl.constexpr,
+    DOT: tl.constexpr, VARLEN: tl.constexpr,
 ):
+    """VARLEN: packed sequences (B = 1), program n the chunk `chunk_index[n]` (`states.Packing`)."""
     n = tl.program_id(0)
     pid_v = tl.program_id(1)
     pid_bh = tl.program_id(2)
-    row = _sequence_row(pid_bh, T, H)
-    state = _chunk_state(pid_bh, n, N, P)
-    t0 = n * C
+    row, T, _, state, t0 = _chunk_at(n, pid_bh, T, H, N, chunk_index, cu_seqlens, C, P, VARLEN)
+    if VARLEN:
+        if t0 < 0:
+            return
     q += row * K
     k += row * K
     v += row * V + pid_v * BV
@@ -97,12 +99,15 @@ def _output_kernel(
     _store_rows(o, num / (den + _EPS)[:, None], t0, T, H * V, nv, C, BV)
 
 
-def launch(q, k, v, states, norms, o, scale: float, *, chunk: int, bv: int, warps: int) -> None:
+def launch(q, k, v, states, norms, o, scale: float, *, chunk: int, bv: int, warps: int, packing=None) -> None:
     """o (B, T, H, V) for q, k (B, T, H, K) and v from the forward scan's states and norms (`states.launch`,
-    chunks of `chunk` positions): a program takes up to `bv` V columns of one chunk, on `warps` warps."""
+    chunks of `chunk` positions): a program takes up to `bv` V columns of one chunk, on `warps` warps.
+    packing: the `states.Packing` of packed sequences (B = 1), or None."""
     B, T, H, K = q.shape
     BH, N, P, V = states.shape
     BV = min(bv, max(16, triton.next_power_of_2(V)))
+    index, cu = (packing.chunk_index, packing.cu_seqlens) if packing is not None else (None, None)
     _output_kernel[(N, triton.cdiv(V, BV), BH)](
-        q, k, v, states, norms, o, T, H, V, scale, N,
-        K=K, P=P, BK=max(16, K), KK=K * K, BV=BV, C=chunk, DOT=operand_type(q.dtype), num_warps=warps, num_stages=1)
+        q, k, v, states, norms, o, index, cu, T, H, V, scale, N,
+        K=K, P=P, BK=max(16, K), KK=K * K, BV=BV, C=chunk, DOT=operand_type(q.dtype), VARLEN=packing is not None,
+        num_warps=warps, num_stages=1)
