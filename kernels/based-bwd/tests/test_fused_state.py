@@ -70,7 +70,7 @@ def check_against_float64(dispatch, q, k, v, state, cu, scale, tol):
         state_cpu = (torch.zeros(N, q.shape[2], P, v.shape[-1]), torch.zeros(N, q.shape[2], P))
     else:
         state_cpu = tuple(x.cpu() for x in state)
-    weights = weights_for(v, state_cpu)
+    weights = weights_for(cpu[2], state_cpu)
     (o, S, z), grads = fused_loss_grads(dispatch, q, k, v, state, cu, tuple(w.to(q.device) for w in weights), scale)
     o_want, S_want, z_want = state_float64(*cpu, state_cpu, cu_cpu, scale)
     assert o.dtype == q.dtype and o.shape == v.shape

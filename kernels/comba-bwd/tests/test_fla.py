@@ -131,21 +131,56 @@ def fla_layer_inputs(B, T, H, HV, K, V, seed, device="cuda"):
     return [q, k, v, p, beta.to(device, torch.bfloat16), g.to(device)], state.to(device)
 
 
+# fla 0.6.0 refuses its own chunk backward under Triton < 3.7.1 on Hopper, where it miscompiles (fla #640).
+FLA_BACKWARD_GUARD = "produces incorrect results for gated chunk_bwd_dqkwg"
+
+
+def fla_backward_or_skip(fn):
+    """fn(), or a skip where fla refuses its backward (FLA_BACKWARD_GUARD): there is nothing of fla's to compare."""
+    try:
+        return fn()
+    except RuntimeError as error:
+        if FLA_BACKWARD_GUARD in str(error):
+            pytest.skip("fla 0.6.0 refuses its chunk_comba backward under Triton < 3.7.1 on Hopper (fla #640)")
+        raise
+
+
+FLA_SHAPES = [(2, 1024, 6, 6, 256, 512), (1, 700, 2, 4, 128, 256)]
+
+
+def chunk_comba_call(fn, x, state):
+    """fn (a chunk_comba) on leaves cloned from x and state: (leaves, o, final state)."""
+    leaves = [t.clone().requires_grad_() for t in (*x, state)]
+    q, k, v, p, beta, g, h0 = leaves
+    o, final = fn(q=q, k=k, v=v, p=p, g=g, beta=beta, initial_state=h0, output_final_state=True,
+                  use_qk_l2norm_in_kernel=True)
+    return leaves, o, final
+
+
 @needs_cuda
-@pytest.mark.parametrize("B,T,H,HV,K,V", [(2, 1024, 6, 6, 256, 512), (1, 700, 2, 4, 128, 256)])
-def test_chunk_comba_matches_flas(comba, fla_ops, B, T, H, HV, K, V):
+@pytest.mark.parametrize("B,T,H,HV,K,V", FLA_SHAPES)
+def test_chunk_comba_forward_matches_flas(comba, fla_ops, B, T, H, HV, K, V):
+    x, state = fla_layer_inputs(B, T, H, HV, K, V, seed=44)
+    with torch.no_grad():
+        _, o, final = chunk_comba_call(comba.fla.chunk_comba, x, state)
+        _, o_fla, final_fla = chunk_comba_call(fla_ops.chunk_comba, x, state)
+    assert rel_err(o, o_fla) < 2e-2 and rel_err(final, final_fla) < 2e-2, (rel_err(o, o_fla), rel_err(final, final_fla))
+
+
+@needs_cuda
+@pytest.mark.parametrize("B,T,H,HV,K,V", FLA_SHAPES)
+def test_chunk_comba_gradients_match_flas(comba, fla_ops, B, T, H, HV, K, V):
     x, state = fla_layer_inputs(B, T, H, HV, K, V, seed=44)
     do = torch.randn(B, T, HV, V, device="cuda", dtype=torch.bfloat16)
     dS = torch.randn(B, HV, K, V, device="cuda")
-    results = []
-    for fn in (comba.fla.chunk_comba, fla_ops.chunk_comba):
-        leaves = [t.clone().requires_grad_() for t in (*x, state)]
-        q, k, v, p, beta, g, h0 = leaves
-        o, final = fn(q=q, k=k, v=v, p=p, g=g, beta=beta, initial_state=h0, output_final_state=True,
-                      use_qk_l2norm_in_kernel=True)
-        grads = torch.autograd.grad((o.float() * do.float()).sum() + (final * dS).sum(), leaves)
-        results.append((o, final, *grads))
-    errs = [rel_err(a, b) for a, b in zip(*results)]
+
+    def gradients(fn):
+        leaves, o, final = chunk_comba_call(fn, x, state)
+        return torch.autograd.grad((o.float() * do.float()).sum() + (final * dS).sum(), leaves)
+
+    ours = gradients(comba.fla.chunk_comba)
+    theirs = fla_backward_or_skip(lambda: gradients(fla_ops.chunk_comba))
+    errs = [rel_err(a, b) for a, b in zip(ours, theirs)]
     assert all(e < 2e-2 for e in errs), errs
 
 
@@ -186,9 +221,10 @@ def test_comba_causal_lm_trains_and_generates_alike(comba):
             tokens = model.generate(prompt, max_new_tokens=16, do_sample=False, use_cache=True)
         return torch.tensor(losses), tokens
 
-    theirs = run(copy.deepcopy(base))
     with comba.fla.use_in_fla():
         ours = run(copy.deepcopy(base))
+    assert ours[0][-1] < 0.5 * ours[0][0], ours[0]  # it learns the pattern on our ops alone
+    theirs = fla_backward_or_skip(lambda: run(copy.deepcopy(base)))
     assert (ours[0] - theirs[0]).abs().max() < 0.05 * theirs[0][0], (ours[0], theirs[0])
     assert torch.equal(ours[1], theirs[1])
 
