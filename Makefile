@@ -15,6 +15,9 @@ LAID := $(KERNELS:%=.hub/.laid-%)
 # (2.12 -> 3.7.0, 2.13 -> 3.7.1, 2.14 -> 3.8, 2.15 -> 3.9). Each is installed alone under .triton/<version>/ and put
 # ahead of .venv's on PYTHONPATH, so that the same torch and tools run under it.
 TRITONS := 3.7.1 3.8.0 3.9.0
+# The GPU architectures of the compile matrix: every launch of the benchmarks for sm_90a (H100 / H200), each kernel
+# configuration once for the others, which the metadata admits (A100, Ada, B200, RTX 50): `tools.compile_offline`.
+ARCHS := sm_90a sm_80 sm_89 sm_100a sm_120a
 NEWEST_TRITON := 3.9.0
 
 .PHONY: help venv build hub demo test lint bench-cpu compile-matrix test-newest-triton ci lock publish-dry-run \
@@ -23,7 +26,7 @@ NEWEST_TRITON := 3.9.0
 help:
 	@echo "make demo             set up, build, lay the Hub cache, load every kernel offline and run it"
 	@echo "make test             set up, build, lay the Hub cache, run the whole test suite"
-	@echo "make compile-matrix   compile every shipped kernel for sm_90a under Triton 3.6.0 and each of $(TRITONS)"
+	@echo "make compile-matrix   compile every shipped kernel for $(ARCHS) under Triton 3.6.0 and each of $(TRITONS)"
 	@echo "make test-newest-triton  the kernels' CPU (interpreter) tests under Triton $(NEWEST_TRITON)"
 	@echo "make lint             the house rules the build does not check (python -m tools.lint)"
 	@echo "make ci               lint, test, compile-matrix and test-newest-triton: what CI's .ci/run calls"
@@ -75,8 +78,9 @@ bench-cpu: hub
 	touch $@
 
 compile-matrix: hub $(TRITONS:%=.triton/%/.installed)
-	$(PY) -m tools.compile_sm90 --no-build
-	set -e; for v in $(TRITONS); do echo "== Triton $$v"; PYTHONPATH=.triton/$$v $(PY) -m tools.compile_sm90 --no-build; done
+	$(PY) -m tools.compile_offline --no-build $(ARCHS:%=--arch %)
+	set -e; for v in $(TRITONS); do echo "== Triton $$v"; \
+		PYTHONPATH=.triton/$$v $(PY) -m tools.compile_offline --no-build $(ARCHS:%=--arch %); done
 
 test-newest-triton: hub .triton/$(NEWEST_TRITON)/.installed
 	PYTHONPATH=.triton/$(NEWEST_TRITON) $(PY) -m pytest -q -p no:cacheprovider kernels

@@ -164,7 +164,7 @@ def side_by_side(kernel, bench) -> list[dict]:
 
 
 def compile_cases(kernel, spec):
-    """(label, call) pairs for `python -m tools.compile_sm90`: each launch plan the package uses or the
+    """(label, call) pairs for `python -m tools.compile_offline`: each launch plan the package uses or the
     benchmark times, at every measure shape, on meta tensors, for the backward and the forward; and the
     backward's fp32 path (IEEE matmuls, the interpreter tests' exact mode) with each K's default plan. The
     forward's fp32 mode is the interpreter's alone (CUDA fp32 calls take the reference), and fp16 calls run the

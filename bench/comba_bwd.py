@@ -28,7 +28,7 @@ SWEEP_SHAPES = [(8, 2048, 32, 128, 128), (16, 2048, 32, 64, 128)]
 # reference (an eager fp32 autograd run) is timed at SEED_SHAPES alone.
 SEED_SHAPES = [HUB.BENCH_SHAPE]
 # The portable reverse scan at K = 128 holds its (128, 64) fp32 dS block, dVn and X of a V block in 255 registers of
-# 4 warps, so that two CTAs share an SM; it spills up to 148 B under the supported Tritons (tools.compile_sm90).
+# 4 warps, so that two CTAs share an SM; it spills up to 148 B under the supported Tritons (tools.compile_offline).
 SPILLS_BY_DESIGN = {"_reverse_scan_kernel": 160}
 
 FLA_STEP = "fla 0.6.0 chunk_comba fwd+bwd (p'=exp(g)p bf16, guard lifted)"
@@ -177,7 +177,7 @@ def side_by_side(kernel, bench, shapes=None, sweep_shapes=None, seed_shapes=None
 
 
 def compile_cases(kernel, spec):
-    """(label, call) pairs for `python -m tools.compile_sm90`: the forward and the backward at every measure shape,
+    """(label, call) pairs for `python -m tools.compile_offline`: the forward and the backward at every measure shape,
     on meta tensors (bf16, g in float32), and the backward's portable Triton stages at the first measure shape of each
     K (what runs where the Gluon path does not: other GPUs, Triton releases it is not verified under)."""
     pipeline = submodule(kernel, "pipeline")
