@@ -36,6 +36,7 @@ measured what a spill costs against the configuration's alternatives, spills sho
 """
 
 import argparse
+import contextlib
 import importlib
 import os
 import re
@@ -143,29 +144,52 @@ class Compiler:
             report["error"] = f"a fast path's kernel launched for {self.arch.name}, which no FAST_PATHS row claims"
         if self.list_only or "error" in report:
             return None
-        try:
-            if fn.is_gluon():  # a Gluon kernel compiles from its own source kind
-                from triton.experimental.gluon._runtime import GluonASTSource as source
-            else:
-                source = ASTSource
-            compiled = triton.compile(source(fn, signature, constexprs, attrs), target=self.target,
-                                      options=options.__dict__)
-            registers, spills = ptxas(compiled.asm["ptx"], self.arch)
-            shared = compiled.metadata.shared
-            report.update(registers=registers, spills=spills, shared=shared,
-                          ctas=ctas_per_sm(registers, options.num_warps, shared, self.arch))
-        except Exception as e:  # noqa: BLE001 - report every failing kernel, not only the first
-            report["error"] = error_text(e)
+        if fn.is_gluon():  # a Gluon kernel compiles from its own source kind
+            from triton.experimental.gluon._runtime import GluonASTSource as source
+        else:
+            source = ASTSource
+        with tempfile.TemporaryFile(mode="w+") as diagnostics:
+            try:
+                with stderr_to(diagnostics):
+                    compiled = triton.compile(source(fn, signature, constexprs, attrs), target=self.target,
+                                              options=options.__dict__)
+                registers, spills = ptxas(compiled.asm["ptx"], self.arch)
+                shared = compiled.metadata.shared
+                report.update(registers=registers, spills=spills, shared=shared,
+                              ctas=ctas_per_sm(registers, options.num_warps, shared, self.arch))
+            except Exception as e:  # noqa: BLE001 - report every failing kernel, not only the first
+                diagnostics.seek(0)
+                report["error"] = error_text(e, diagnostics.read())
+            else:  # what a compile that succeeds prints (warnings) still reaches stderr
+                diagnostics.seek(0)
+                sys.stderr.write(diagnostics.read())
         return None
 
 
-def error_text(error: BaseException) -> str:
+@contextlib.contextmanager
+def stderr_to(file):
+    """Send this process's file descriptor 2 to `file` for the block: where MLIR prints a failed pass's diagnostics
+    (the exception says only that the pass manager failed)."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    os.dup2(file.fileno(), 2)
+    try:
+        yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+def error_text(error: BaseException, diagnostics: str = "") -> str:
     """A compile error in one line: the innermost cause's message (a CompilationError's own text is the source
-    around the failing line; its cause, or the MLIR diagnostics ptxas or the verifier printed, say why)."""
+    around the failing line; its cause, or the MLIR diagnostics ptxas or the verifier printed, say why), and the
+    first error line MLIR printed to stderr during the compile, where there is one."""
     while error.__cause__ is not None:
         error = error.__cause__
     text = str(error.args[-1] if error.args and isinstance(error.args[-1], str) else error)
-    return f"{type(error).__name__}: " + " ".join(text.split())[-300:]
+    printed = next((line.split("error:", 1)[1] for line in diagnostics.splitlines() if "error:" in line), "")
+    return f"{type(error).__name__}: " + " ".join(text.split())[-300:] + (f" ({printed.strip()})" if printed else "")
 
 
 def status(report: dict, arch: Arch, max_spill: int, by_design: dict) -> str:
