@@ -330,14 +330,21 @@ def side_by_side(kernel, bench, decode_shapes=DECODE_SHAPES, decode_latency_shap
 
 
 def compile_cases(kernel, spec):
-    """(label, call) pairs for `python -m tools.compile_sm90`: each launch plan the package uses or the
+    """(label, call) pairs for `python -m tools.compile_offline`: each launch plan the package uses or the
     benchmark times, at every measure shape, on meta tensors, for the backward and the forward; and the
     backward's fp32 path (IEEE matmuls, the interpreter tests' exact mode) with each K's default plan; and the
     stateful forward and backward on the issue's packed batch (`packed_cases`). The
     forward's fp32 mode is the interpreter's alone (CUDA fp32 calls take the reference), and fp16 calls run the
-    bf16 kernels."""
+    bf16 kernels.
+
+    The benchmark's alternatives to the default plans are the H100 / H200's tuning candidates, and the fp32 mode
+    runs on no GPU (CUDA fp32 calls take the reference; it is compiled to hold the interpreter's exact mode to
+    what the compiler takes): both come only where the meta tensors stand for a 9.0 GPU (`common.devices.meta_gpu`).
+    Elsewhere the cases are the default plans, the launches the package makes there (the forward's bv = 128 plan
+    at K = 16 and the fp32 dk/dv kernel need more shared memory than the 99 KB 8.6, 8.9 and 12.0 GPUs give a CTA)."""
     dispatch = submodule(kernel, "dispatch")
     shapes = spec("based_backward").measure_shapes
+    tuning = submodule(kernel, "common.devices").gpu(torch.device("meta")).capability == (9, 0)
 
     def tensors(shape, dtype):
         B, T, H, K, V = shape
@@ -373,13 +380,15 @@ def compile_cases(kernel, spec):
         yield f"stateless backward {shape}", lambda: dispatch.portable_state_backward(q, k, v, do, None, K**-0.5,
                                                                                        None, cu)
 
+    backward_choices = set(dispatch.BACKWARD_CONFIG_CHOICES) if tuning else set()
+    forward_choices = set(dispatch.FORWARD_CONFIG_CHOICES) if tuning else set()
     for shape in shapes:
         K = shape[3]
-        for config in sorted(set(dispatch.BACKWARD_CONFIG_CHOICES) | {dispatch.DEFAULT_BACKWARD_CONFIG[K]}, key=str):
+        for config in sorted(backward_choices | {dispatch.DEFAULT_BACKWARD_CONFIG[K]}, key=str):
             yield case(shape, torch.bfloat16, config)
-        for config in sorted(set(dispatch.FORWARD_CONFIG_CHOICES) | {dispatch.DEFAULT_FORWARD_CONFIG[K]}, key=str):
+        for config in sorted(forward_choices | {dispatch.DEFAULT_FORWARD_CONFIG[K]}, key=str):
             yield forward_case(shape, torch.bfloat16, config)
-    for K in sorted({shape[3] for shape in shapes}):
+    for K in sorted({shape[3] for shape in shapes} if tuning else ()):
         first = next(s for s in shapes if s[3] == K)
         yield case(first, torch.float32, dispatch.DEFAULT_BACKWARD_CONFIG[K])
     for V in PACKED_VS:

@@ -43,7 +43,7 @@ SWEEP_SHAPES = [(8, 2048, 32, 128, 128), (16, 2048, 32, 64, 128)]
 # reference (an eager fp32 autograd run) is timed at SEED_SHAPES alone.
 SEED_SHAPES = [HUB.BENCH_SHAPE]
 # The portable reverse scan at K = 128 holds its (128, 64) fp32 dS block, dVn and X of a V block in 255 registers of
-# 4 warps, so that two CTAs share an SM; it spills up to 148 B under the supported Tritons (tools.compile_sm90), and
+# 4 warps, so that two CTAs share an SM; it spills up to 148 B under the supported Tritons (tools.compile_offline), and
 # 188 B under Triton 3.6 where it also stores the initial state's gradient after its loop (a model's call with a
 # carried state; seeded from the final state's gradient alone it spills as the plain call's does).
 SPILLS_BY_DESIGN = {"_reverse_scan_kernel": 192}
@@ -59,7 +59,7 @@ DECODE_SWEEP = [(8, 1), (16, 1), (8, 2), (16, 2), (16, 4), (32, 4), (32, 8)]
 FLA_STEP = "fla 0.6.0 chunk_comba fwd+bwd (p'=exp(g)p bf16, guard lifted)"
 # (B, T, H, HV, K, V) and whether the call carries a state in and out.
 MODEL_SHAPES = [((8, 2048, 32, 32, 128, 128), True), ((4, 4096, 8, 16, 128, 128), False)]
-# Compiled too (tools.compile_sm90), not measured: the model call's kernels at K = 64.
+# Compiled too (tools.compile_offline), not measured: the model call's kernels at K = 64.
 MODEL_COMPILE_SHAPES = [((16, 2048, 32, 32, 64, 128), True)]
 MODEL_STEP = "comba-bwd step (model call)"
 FLA_MODEL_STEP = "fla 0.6.0 chunk_comba fwd+bwd, same arguments (guard lifted)"
@@ -409,7 +409,7 @@ def side_by_side(kernel, bench, shapes=None, sweep_shapes=None, seed_shapes=None
 
 
 def compile_cases(kernel, spec):
-    """(label, call) pairs for `python -m tools.compile_sm90`: the forward and the backward at every measure shape,
+    """(label, call) pairs for `python -m tools.compile_offline`: the forward and the backward at every measure shape,
     on meta tensors (bf16, g in float32), the backward's portable Triton stages at the first measure shape of each
     K (what runs where the Gluon path does not: other GPUs, Triton releases it is not verified under), a model's
     call, forward and backward, at MODEL_SHAPES and MODEL_COMPILE_SHAPES, and the decode kernel at DECODE_SHAPE in

@@ -223,12 +223,15 @@ def side_by_side(kernel, bench, shapes=None, backward_shapes=None, latency_shape
 
 
 def compile_cases(kernel, spec):
-    """(label, call) pairs for `python -m tools.compile_sm90`: every forward and backward configuration at
+    """(label, call) pairs for `python -m tools.compile_offline`: every forward and backward configuration at
     three card shapes (one chunk a program, several, and the launch-bound one), both window kinds, bf16 and
-    fp32, and at [2, 3008] for SMALL_WINDOWS (labelled "taps"), on meta tensors. band-gluon, which the
-    dispatcher gives only CUDA devices of compute capability 9.0, is launched directly where its rules take the case
-    (`dispatch.gluon_launch`) and it compiles under this Triton (`dispatch.FAST_PATHS`)."""
+    fp32, and at [2, 3008] for SMALL_WINDOWS (labelled "taps"), on meta tensors. The fast paths' configurations
+    come only where `dispatch.FAST_PATHS` runs them on meta tensors (the target claims them and they compile under
+    this Triton); elsewhere the dispatcher would run the portable configurations, which have cases of their own.
+    band-gluon, which the dispatcher gives only CUDA devices, is launched directly where its rules take the case
+    (`dispatch.gluon_launch`)."""
     kernels = submodule(kernel, "dispatch")
+    meta = torch.device("meta")
 
     def case(B, T, left, right, name, dtype, config, backward):
         a = torch.empty(B, H, left + right + 1, T, dtype=dtype, device="meta")
@@ -237,11 +240,13 @@ def compile_cases(kernel, spec):
         direction = "backward" if backward else "forward"
         if config == kernels.BAND_GLUON:
             launch = kernels.gluon_launch(direction, left + right + 1, left, DH, T, B * H, dtype, -1)
-            if launch is None or not kernels.FAST_PATHS.compiles(f"band-gluon {direction}"):
+            if launch is None or not kernels.FAST_PATHS.runs(f"band-gluon {direction}", meta):
                 return None
             tensors = (a, v, torch.empty_like(v), torch.empty_like(a), torch.empty_like(v)) if backward else (
                 a, v, torch.empty_like(v))
             return label, lambda: kernels.launch(launch, tensors)
+        if config == kernels.BAND_TMA and not kernels.FAST_PATHS.runs(f"band-tma {direction}", meta):
+            return None
         if backward:
             return label, lambda: kernels.ldsa_backward_cuda(a, v, torch.empty_like(v), left, right, config=config)
         return label, lambda: kernels.ldsa_forward_cuda(a, v, left, right, config=config)

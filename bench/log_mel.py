@@ -106,10 +106,10 @@ def _stft_rows(kernel, bench, shapes, whisper_shape, sweep_shapes) -> list[dict]
 
 
 def compile_cases(kernel, spec):
-    """(label, call) pairs for `python -m tools.compile_sm90`, on meta tensors: the STFT op with every config its
+    """(label, call) pairs for `python -m tools.compile_offline`, on meta tensors: the STFT op with every config its
     pick table names at every measure shape of the spec, the waveform op's Triton path at 30-s clips for every
-    audio and output dtype, with and without lengths, and the Gluon waveform path where it compiles (also on clips
-    of one tile)."""
+    audio and output dtype, with and without lengths, and the Gluon waveform path where `dispatch.FAST_PATHS` runs it
+    on meta tensors (the target claims it and it compiles under this Triton; also on clips of one tile)."""
     fused = submodule(kernel, "portable.stft")
     waveform = submodule(kernel, "portable.waveform")
     floor = submodule(kernel, "portable.floor")
@@ -136,7 +136,7 @@ def compile_cases(kernel, spec):
     yield waveform_case(80, torch.int16, torch.bfloat16, True)
     yield waveform_case(128, torch.bfloat16, torch.float16, True)
     dispatch = submodule(kernel, "dispatch")
-    if dispatch.FAST_PATHS.compiles("waveform-gluon"):
+    if dispatch.FAST_PATHS.runs("waveform-gluon", torch.device("meta")):
         gluon = submodule(kernel, "hopper.waveform")
         for n_mels, audio_dtype, out_dtype, with_lengths in ((80, torch.float32, torch.float32, False),
                                                              (128, torch.float32, torch.float32, False),

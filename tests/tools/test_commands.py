@@ -7,7 +7,7 @@ import pytest
 
 from tools.common import REPO_ROOT
 
-TOOLS = ("build", "lint", "hub", "lock", "publish", "demo", "gpu_bench", "gpu_profile", "compile_sm90", "results",
+TOOLS = ("build", "lint", "hub", "lock", "publish", "demo", "gpu_bench", "gpu_profile", "compile_offline", "results",
          "vendor", "cards")
 
 

@@ -491,10 +491,10 @@ def test_tma_forward_chunk_parts(ldsa):
 
 def test_small_windows_compile_for_sm90(ldsa):
     """Windows of 2 to 8 taps, every configuration this Triton compiles (the table of fast paths), compiled for
-    sm_90a without a GPU (tools.compile_sm90 on the benchmark's "taps" cases): their 2- and 4-row logits tiles
+    sm_90a without a GPU (tools.compile_offline on the benchmark's "taps" cases): their 2- and 4-row logits tiles
     fail Triton 3.6's thread-locality pass unless padded, which the interpreter cannot see."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    out = subprocess.run([sys.executable, "-m", "tools.compile_sm90", "ldsa", "--match", "taps"], env=env,
+    out = subprocess.run([sys.executable, "-m", "tools.compile_offline", "ldsa", "--match", "taps"], env=env,
                          cwd=Path(testkit.__file__).parent, capture_output=True, text=True)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     kernels = {line.split("|")[2].strip() for line in out.stdout.splitlines() if "taps" in line}

@@ -8,12 +8,11 @@ No tl.trans of a dot result (Triton 3.6 Hopper miscompile, fla #640): every tran
 either loaded transposed from memory or is an elementwise product of loaded data.
 """
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
+from ..common.devices import gpu
 from ..reference import CHUNK, G_FLOOR
 
 BT = tl.constexpr(CHUNK)
@@ -43,12 +42,12 @@ def scan_block(K: int, V: int) -> int:
     return min(V, SCAN_STATE // K)
 
 
-@functools.cache
 def scan_stages(device: torch.device) -> int:
-    """How deep the scans pipeline their chunk loop on `device` (2; 1 where shared memory is too small)."""
-    if device.type != "cuda":
-        return 2  # the interpreter, or an offline compile for sm_90
-    return 2 if torch.cuda.get_device_properties(device).shared_memory_per_block_optin >= PIPELINED_SCAN_SHARED else 1
+    """How deep the scans pipeline their chunk loop on `device` (2; 1 where shared memory is too small; meta tensors:
+    on the GPU they stand for, `devices.meta_gpu`)."""
+    if device.type not in ("cuda", "meta"):
+        return 2  # the interpreter
+    return 2 if gpu(device).shared_per_cta >= PIPELINED_SCAN_SHARED else 1
 
 
 @triton.jit

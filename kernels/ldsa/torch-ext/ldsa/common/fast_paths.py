@@ -5,19 +5,21 @@ on, and the fall-back to the portable Triton path when one fails to compile anyw
 A fast path runs on a CUDA device only where its compute capability and the installed Triton's release (major.minor)
 are both in its row of the package's table (`verified`: its GPU tests passed there); everywhere else the call takes
 the portable Triton kernels, which run on every GPU the package's metadata accepts. `compiles` lists the releases
-under which the offline sm_90a compile (`tools.compile_sm90`, in CI) builds the path; it holds `verified`.
+under which the offline compile (`tools.compile_offline`, in CI, for every architecture the row's capabilities name)
+builds the path; it holds `verified`. Meta tensors take the paths of the GPU they stand for (`devices.meta_gpu`).
 
 A fast path whose first launch of a specialization raises (a compile error) is switched off for the process: the
 call and every later one take the portable path, and one warning names the path, the Triton release and the error.
 Errors of the portable path itself are the caller's.
 """
 
-import functools
 import os
 import warnings
 from typing import NamedTuple
 
 import torch
+
+from .devices import gpu
 
 try:
     import triton
@@ -71,17 +73,18 @@ class FastPaths:
     def compiles_for(self, name: str, device: torch.device) -> bool:
         """Whether path `name` compiles under the installed Triton for CUDA device `device`'s compute capability,
         verified there or not: where a GPU run that verifies it tests and times it."""
-        return (device.type == "cuda" and tuple(capability(device)) in self.paths[name].capabilities
+        return (device.type == "cuda" and gpu(device).capability in self.paths[name].capabilities
                 and self.compiles(name))
 
     def runs(self, name: str, device: torch.device) -> bool:
         """Whether path `name` runs for tensors on `device`: verified for its GPU and this Triton, and not switched
-        off. Meta tensors (an offline compile for sm_90) take every path that compiles under this Triton."""
+        off. Meta tensors (an offline compile) take every path that compiles under this Triton and claims the
+        capability of the GPU they stand for (`devices.meta_gpu`)."""
         if name in self.switched_off:
             return False
         if device.type == "meta":
-            return self.compiles(name)
-        return device.type == "cuda" and self.verified(name, capability(device))
+            return self.compiles(name) and gpu(device).capability in self.paths[name].capabilities
+        return device.type == "cuda" and self.verified(name, gpu(device).capability)
 
     def failed(self, name: str, error: BaseException) -> None:
         """Switch path `name` off for the process after `error` at its launch, with one warning."""
@@ -102,12 +105,6 @@ class FastPaths:
             rows.append(f"| `{path.name}` | {path.summary} | {caps} | {', '.join(path.verified)} | "
                         f"{', '.join(path.compiles)} |")
         return "\n".join(rows)
-
-
-@functools.cache
-def capability(device: torch.device) -> tuple[int, int]:
-    """The compute capability of CUDA device `device` (read once: the dispatch asks it every call)."""
-    return torch.cuda.get_device_capability(device)
 
 
 def falls_back(error: BaseException) -> bool:
