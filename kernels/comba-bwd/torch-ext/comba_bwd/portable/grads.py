@@ -86,7 +86,10 @@ def _k_part(q, k, p, do, dS_in, Vn_in, X_in, dk, gc, glast, bk, scal_base, kb, t
     pk = tl.load(row_ptrs(p, kb * K, t0, HK * K, K))
     dk_c = tl.dot(dR_t, (pk * bk[:, None]).to(tl.bfloat16), acc=dk_c)
     tl.store(row_ptrs(dk, scal_base * K, t0, H * K, K), dk_c.to(dk.dtype.element_ty))
-    return tl.where(r == BT - 1, tl.sum(k_state, 0), 0.0) - k_read - k_state
+    # The chunk's total of k_state is summed as a [1, BT] row into a [1] tensor: a reduction to a scalar of a value
+    # read from tensor memory fails Triton 3.6's TMEM layout pass for sm_100a ("parent layout must have at least
+    # rank >= 2"), while for sm_90a both forms compile to the same code.
+    return tl.where(r == BT - 1, tl.sum(tl.reshape(k_state, [1, BT]), 1), 0.0) - k_read - k_state
 
 
 @triton.jit
