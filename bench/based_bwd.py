@@ -218,12 +218,12 @@ def _packed_step(kernel, q, k, v, do, cu_seqlens):
 
 
 def _packed_rows(bench, kernel, fla_based, spec) -> list[dict]:
-    """The issue's packed batch, per V: our step on the packed sequences (cu_seqlens), fla's parallel_based
-    forward + backward on the same sequences zero-padded to the longest, rounded up to a multiple of 64 (what a
-    fla user runs; padding at the end changes no real position's output), and our step on an equal-length batch of
-    the same token count. The packed row gets x_vs_fla (fla's time over ours, bar 3) and x_vs_equal_length (bar 0.9). Credited FLOPs: the
-    equal-length batch's step (the spec's canonical_work, times 1.5) on every row; no errors (the tests check
-    the packed path against float64 and the fp32 reference)."""
+    """The issue's packed batch, per V: our step on the packed sequences (cu_seqlens), fla's parallel_based forward +
+    backward on the same sequences zero-padded to the longest, rounded up to a multiple of 64 (what a fla user runs;
+    padding at the end changes no real position's output), and our step on an equal-length batch of the same token
+    count. The packed row gets x_vs_fla (fla's time over ours, bar 3) and x_vs_equal_length (bar 0.9). Credited FLOPs:
+    the equal-length batch's step (the spec's canonical_work, times 1.5) on every row; no errors (the tests check the
+    packed path against float64 and the fp32 reference)."""
     lengths = packed_lengths()
     L, N, T = -(-max(lengths) // 64) * 64, len(lengths), sum(lengths)  # fla's padded length: a chunk multiple
     H, K = PACKED_HK
