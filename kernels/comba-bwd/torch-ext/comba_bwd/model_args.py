@@ -3,11 +3,9 @@ grouped value heads, q/k/p L2 normalisation or fla's read order, and `comba_deco
 ValueError naming the argument. Types, dtypes, shapes and devices only; cu_seqlens' offsets are read where the call
 unpacks them (reference.sequence_bounds)."""
 
-import math
-
 import torch
 
-from .common.checks import check_tensor
+from .common.checks import as_scale, check_tensor
 from .reference import READ_ORDERS
 from .validation import SUPPORTED_DTYPES
 
@@ -31,11 +29,7 @@ def check_model_args(q, k, v, p, beta, g, scale, initial_state, output_final_sta
                     ("cu_seqlens", cu_seqlens)):
         if isinstance(x, torch.Tensor) and x.device != q.device:
             raise ValueError(f"{name} must be on q's device {q.device}, got {x.device}")
-    if scale is not None:
-        if isinstance(scale, bool) or not isinstance(scale, (int, float)):
-            raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
-        if not math.isfinite(scale):
-            raise ValueError(f"scale must be finite, got {scale}")
+    as_scale("scale", scale)
     for name, flag in (("output_final_state", output_final_state), ("use_qk_l2norm", use_qk_l2norm)):
         if not isinstance(flag, bool):
             raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
