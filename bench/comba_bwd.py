@@ -44,9 +44,9 @@ SWEEP_SHAPES = [(8, 2048, 32, 128, 128), (16, 2048, 32, 64, 128)]
 SEED_SHAPES = [HUB.BENCH_SHAPE]
 # The portable reverse scan at K = 128 holds its (128, 64) fp32 dS block, dVn and X of a V block in 255 registers of
 # 4 warps, so that two CTAs share an SM; it spills up to 148 B under the supported Tritons (tools.compile_offline), and
-# 188 B under Triton 3.6 where it also stores the initial state's gradient after its loop (a model's call with a
-# carried state; seeded from the final state's gradient alone it spills as the plain call's does).
-SPILLS_BY_DESIGN = {"_reverse_scan_kernel": 192}
+# up to 208 B (Triton 3.8; 188 B under 3.6) where it also stores the initial state's gradient after its loop (a
+# model's call with a carried state; seeded from the final state's gradient alone it spills as the plain call's does).
+SPILLS_BY_DESIGN = {"_reverse_scan_kernel": 224}
 
 # Decode: (B, H, K, V) at one new token, HV = H; the latency batch.
 DECODE_SHAPE = (64, 6, 256, 512)
