@@ -12,18 +12,12 @@ whose entropy, about 1.3 nats a token, is the loss a trained model approaches fr
 
 import copy
 
-import pytest
 import torch
 from torch import nn
 
-from testkit import load, needs_cuda
+from testkit import needs_cuda
 
 VOCAB, D, H, K, V, T = 64, 64, 4, 16, 16, 128
-
-
-@pytest.fixture(scope="module")
-def based():
-    return load("based-bwd")
 
 
 def based_attention_torch(q, k, v, scale):

@@ -8,15 +8,10 @@ import copy
 import pytest
 import torch
 
-from testkit import HAS_CUDA, INTERPRETED, load, needs_cuda, needs_triton, rel_err, spec, submodule
+from testkit import HAS_CUDA, INTERPRETED, needs_cuda, needs_triton, rel_err, spec, submodule
 
 DEVICES = ["cpu"] + (["cuda"] if HAS_CUDA else [])
 SPEC_TOL = 2e-2  # the spec's gate on every gradient, relative Frobenius vs the fp32 spec
-
-
-@pytest.fixture(scope="module")
-def based():
-    return load("based-bwd")
 
 
 def based_float64(q, k, v, scale=None, dtype=torch.float64):
@@ -267,11 +262,6 @@ TRITON_CASES = [
     (2, 96, 1, 16, 16, dict(chunk=32, warps=8, scan_rows=32)),
     (1, 20, 1, 16, 16, {}),
 ]
-
-
-@pytest.fixture(scope="module")
-def dispatch(based):
-    return submodule(based, "dispatch")
 
 
 @pytest.mark.skipif(not INTERPRETED, reason="the fp32 mode checks the kernel's algebra in the interpreter; on CUDA "

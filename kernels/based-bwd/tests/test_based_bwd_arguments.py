@@ -5,13 +5,6 @@ import numpy as np
 import pytest
 import torch
 
-from testkit import load
-
-
-@pytest.fixture(scope="module")
-def based():
-    return load("based-bwd")
-
 
 def inputs():
     gen = torch.Generator().manual_seed(0)

@@ -8,20 +8,10 @@ import pytest
 import torch
 
 from test_based_state import make, prefix_state, recurrence
-from testkit import HAS_CUDA, load, needs_cuda, needs_triton, rel_err, submodule
+from testkit import HAS_CUDA, needs_cuda, needs_triton, rel_err
 
 DEVICE = "cuda" if HAS_CUDA else "cpu"
 BF16_TOL = 1e-2
-
-
-@pytest.fixture(scope="module")
-def based():
-    return load("based-bwd")
-
-
-@pytest.fixture(scope="module")
-def dispatch(based):
-    return submodule(based, "dispatch")
 
 
 def decode_inputs(B, T, H, K, V, dtype, seed=0):

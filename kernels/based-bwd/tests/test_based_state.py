@@ -9,12 +9,7 @@ import math
 import pytest
 import torch
 
-from testkit import HAS_CUDA, load, needs_cuda, rel_err
-
-
-@pytest.fixture(scope="module")
-def based():
-    return load("based-bwd")
+from testkit import needs_cuda, rel_err
 
 
 def phi64(x):

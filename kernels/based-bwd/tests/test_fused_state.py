@@ -12,7 +12,7 @@ import random
 import pytest
 import torch
 
-from testkit import INTERPRETED, load, needs_cuda, needs_triton, rel_err, submodule
+from testkit import INTERPRETED, needs_cuda, needs_triton, rel_err, submodule
 from test_based_state import grads64, lengths_to_cu, make, prefix_state, recurrence, state_float64
 
 TRITON_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -20,16 +20,6 @@ EXACT_TOL = 1e-5  # fp32 inputs: IEEE fp32 matmuls in the interpreter
 BF16_TOL = 2e-2  # bf16 operands and chunk states against float64
 H, V = 1, 8
 RAGGED = [65, 0, 1, 63, 130]  # past a chunk, an empty sequence, a single step, under a chunk, three chunks
-
-
-@pytest.fixture(scope="module")
-def based():
-    return load("based-bwd")
-
-
-@pytest.fixture(scope="module")
-def dispatch(based):
-    return submodule(based, "dispatch")
 
 
 def fused_loss_grads(dispatch, q, k, v, state, cu, weights, scale):

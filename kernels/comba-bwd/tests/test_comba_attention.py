@@ -20,20 +20,10 @@ from test_comba_backward import (
     make_inputs,
     take_the_triton_kernels,
 )
-from testkit import HAS_CUDA, load, needs_cuda, needs_triton, rel_err, spec, submodule
+from testkit import HAS_CUDA, needs_cuda, needs_triton, rel_err, spec
 
 TRITON_DEVICE = "cuda" if HAS_CUDA else "cpu"
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train_causal_lm.py"
-
-
-@pytest.fixture(scope="module")
-def comba():
-    return load("comba-bwd")
-
-
-@pytest.fixture(scope="module")
-def dispatch(comba):
-    return submodule(comba, "dispatch")
 
 
 def spec_forward():

@@ -14,15 +14,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from testkit import HAS_CUDA, load, needs_cuda, needs_triton, rel_err, spec, submodule
+from testkit import HAS_CUDA, needs_cuda, needs_triton, rel_err, spec, submodule
 
 DEVICES = ["cpu"] + (["cuda"] if HAS_CUDA else [])
 NAMES = ("dq", "dk", "dv", "dp", "dbeta", "dg")
-
-
-@pytest.fixture(scope="module")
-def comba():
-    return load("comba-bwd")
 
 
 def make_inputs(B, T, H, K, V, dtype=torch.float32, device="cpu", seed=0):
@@ -362,11 +357,6 @@ def pipeline(comba):
 def portable(comba):
     pytest.importorskip("triton")
     return submodule(comba, "portable")
-
-
-@pytest.fixture(scope="module")
-def dispatch(comba):
-    return submodule(comba, "dispatch")
 
 
 TRITON_DEVICE = "cuda" if HAS_CUDA else "cpu"

@@ -6,13 +6,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from testkit import load
-
-
-@pytest.fixture(scope="module")
-def comba():
-    return load("comba-bwd")
-
 
 def inputs(B=1, T=16, H=2, K=8, V=8):
     gen = torch.Generator().manual_seed(0)

@@ -6,12 +6,7 @@ import pytest
 import torch
 
 from test_model_interface import ORDERS, model_inputs, pack, recurrence64
-from testkit import HAS_CUDA, load, needs_cuda, needs_triton, rel_err, submodule
-
-
-@pytest.fixture(scope="module")
-def comba():
-    return load("comba-bwd")
+from testkit import HAS_CUDA, needs_cuda, needs_triton, rel_err, submodule
 
 
 @pytest.mark.kernels_ci
@@ -99,11 +94,6 @@ TOL = 1e-4 if HAS_CUDA else 1e-5
 def decode(comba):
     pytest.importorskip("triton")
     return submodule(comba, "portable.decode")
-
-
-@pytest.fixture(scope="module")
-def dispatch(comba):
-    return submodule(comba, "dispatch")
 
 
 def on(device, x, state=None):

@@ -16,12 +16,7 @@ import pytest
 import torch
 
 from test_model_interface import model_inputs, pack, recurrence64
-from testkit import load, needs_cuda, rel_err
-
-
-@pytest.fixture(scope="module")
-def comba():
-    return load("comba-bwd")
+from testkit import needs_cuda, rel_err
 
 
 @pytest.fixture(scope="module")

@@ -7,16 +7,11 @@ of every input and of the initial state against the independent float64 token re
 import pytest
 import torch
 
-from testkit import HAS_CUDA, load, needs_cuda, needs_triton, rel_err, submodule
+from testkit import HAS_CUDA, needs_cuda, needs_triton, rel_err, submodule
 from test_model_interface import model_inputs, recurrence64
 
 NAMES = ("dq", "dk", "dv", "dp", "dbeta", "dg", "d_initial_state")
 TRITON_DEVICE = "cuda" if HAS_CUDA else "cpu"
-
-
-@pytest.fixture(scope="module")
-def comba():
-    return load("comba-bwd")
 
 
 @pytest.fixture(scope="module")

@@ -10,14 +10,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from testkit import load, rel_err
+from testkit import rel_err
 
 ORDERS = ("decay_first", "fla")
-
-
-@pytest.fixture(scope="module")
-def comba():
-    return load("comba-bwd")
 
 
 def recurrence64(q, k, v, p, beta, g, scale=None, initial_state=None, read_order="decay_first", l2norm=False):
