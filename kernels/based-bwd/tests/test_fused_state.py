@@ -152,6 +152,20 @@ def test_state_ops_opcheck(based):
         torch.library.opcheck(based.op.based_state_backward_op, args)
 
 
+@needs_triton
+def test_state_entry_points_return_no_aliases(dispatch):
+    """The CUDA entry points of the stateful ops return distinct tensors where a state is absent (a custom op's
+    returns may not alias each other): a packed call without an initial or a final state."""
+    cu = lengths_to_cu([5, 70])
+    q, k, v = make(1, 75, 1, 8, 8, device=TRITON_DEVICE)
+    o, S, z = dispatch.based_state_forward_cuda(q, k, v, None, None, cu.to(q.device), 0.5, False)
+    assert S.numel() == z.numel() == 0 and S is not z
+    empty = [q.new_empty(0, dtype=torch.float32) for _ in range(2)]
+    *_, dS0, dz0 = dispatch.based_state_backward_cuda(q, k, v, torch.ones_like(v), *empty, None, None,
+                                                      cu.to(q.device), 0.5)
+    assert dS0.numel() == dz0.numel() == 0 and dS0 is not dz0
+
+
 # ---- on CUDA: the public function takes the fused path; the issue's sizes
 
 

@@ -260,8 +260,9 @@ def based_state_forward_cuda(q, k, v, S0, z0, cu_seqlens, scale: float, output_f
                                            cu_seqlens=cu_seqlens)
     else:
         o, final = portable_state_forward(q, k, v, scale, state, cu_seqlens, output_final_state)
-    empty = q.new_empty(0, dtype=torch.float32)
-    return (o, *final) if output_final_state else (o, empty, empty)
+    if output_final_state:
+        return (o, *final)
+    return o, q.new_empty(0, dtype=torch.float32), q.new_empty(0, dtype=torch.float32)  # distinct: no aliased returns
 
 
 def based_state_backward_cuda(q, k, v, do, dS, dz, S0, z0, cu_seqlens, scale: float):
@@ -275,8 +276,9 @@ def based_state_backward_cuda(q, k, v, do, dS, dz, S0, z0, cu_seqlens, scale: fl
 
         if v.shape[-1] <= MAX_V:
             dq, dk, dv, d_initial = portable_state_backward(q, k, v, do, d_final, scale, state, cu_seqlens)
-            empty = q.new_empty(0, dtype=torch.float32)
-            return (dq, dk, dv, *(d_initial or (empty, empty)))
+            if d_initial is None:  # distinct empties: a custom op's returns may not alias each other
+                d_initial = (q.new_empty(0, dtype=torch.float32), q.new_empty(0, dtype=torch.float32))
+            return (dq, dk, dv, *d_initial)
     return based_state_backward_reference(q, k, v, do, dS, dz, S0, z0, cu_seqlens, scale)
 
 
