@@ -22,6 +22,10 @@ and written, 2 B HV K V 4 bytes, plus the inputs and o; errors of o and the new 
 in fp32. At B = 1 (DECODE_LATENCY_B) the wall-clock per call of back-to-back calls from Python, beside an empty Triton
 kernel's launch measured in the same run: the floor of any call.
 
+fla's Comba layer's calls (LAYER_CASES, cases "fla layer ..."): `comba_bwd.fla.chunk_comba` beside fla 0.6.0's
+`chunk_comba`, the same arguments as the layer passes (q/k/p L2-normalised inside, fla's read order, cu_seqlens for
+the packed batch), forward and training step: the issue's speed bars.
+
 A model's calls (MODEL_SHAPES, cases "(B,T,H,HV,K,V)=... step"): the training step through `comba_attention` with a
 carried state in and out (the gradients of o and of the final state, all seven gradients checked against autograd
 through the eager fp32 reference), and with value heads grouped two to a key head, beside fla 0.6.0 `chunk_comba`
@@ -29,6 +33,8 @@ called with the same arguments (the state case through the exact adapter; the gr
 p' = exp(g) p would need a p per value head: a speed figure only, no errors). Credited work: the spec's W per value
 head.
 """
+
+import random
 
 import torch
 
@@ -65,6 +71,10 @@ MODEL_STEP = "comba-bwd step (model call)"
 FLA_MODEL_STEP = "fla 0.6.0 chunk_comba fwd+bwd, same arguments (guard lifted)"
 MODEL_GRADS = (*GRADS, "d_initial_state")
 FLA_FORWARD = "fla 0.6.0 chunk_comba forward (p'=exp(g)p bf16, guard lifted)"
+# fla's Comba layer's calls (LAYER_CASES): its default sizes on a padded batch, and a packed batch of 8 sequences of
+# seeded random lengths summing to 32768 with grouped value heads; (B, T, H, HV, K, V) and the packed lengths' count.
+LAYER_CASES = [((4, 4096, 6, 6, 256, 512), None), ((1, 32768, 8, 16, 128, 256), 8)]
+LAYER_IMPL, FLA_LAYER_IMPL = "comba_bwd.fla.chunk_comba", "fla 0.6.0 chunk_comba (guard lifted)"
 
 
 def _fla(bench):
@@ -160,6 +170,78 @@ def _model_rows(kernel, bench, fla, shape, with_state) -> list[dict]:
             row["x_vs_fla"] = fla_row["ms"] / row["ms"]
         rows.append(fla_row)
     free()
+    return rows
+
+
+def _layer_inputs(B, T, H, HV, K, V, n_packed, seed=0):
+    """A Comba layer's call as fla's layer makes it: q, k, p (B, T, H, K) bf16 (normalised inside the call), v
+    (B, T, HV, V) bf16, g (B, T, HV) fp32 <= 0, beta (B, T, HV) bf16 in (0, 1), do, and the int32 offsets of
+    `n_packed` seeded random lengths summing to T (None for a padded batch)."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    randn = lambda *shape: torch.randn(*shape, generator=gen, device="cuda")  # noqa: E731
+    q, k, p, v = randn(B, T, H, K), randn(B, T, H, K), randn(B, T, H, K), randn(B, T, HV, V)
+    g = -torch.nn.functional.softplus(randn(B, T, HV)) / 4
+    beta = randn(B, T, HV).sigmoid()
+    cu = None
+    if n_packed:
+        cuts = sorted(random.Random(seed).sample(range(1, T), n_packed - 1))
+        cu = torch.tensor([0, *cuts, T], device="cuda", dtype=torch.int32)
+    return [x.bfloat16() for x in (q, k, v, p)] + [g, beta.bfloat16()], randn(B, T, HV, V).bfloat16(), cu
+
+
+def _layer_rows(kernel, bench, shape, n_packed) -> list[dict]:
+    """fla's Comba layer's training-and-prefill call at `shape` (LAYER_CASES): `comba_bwd.fla.chunk_comba` and fla's
+    own with the same arguments (use_qk_l2norm_in_kernel, cu_seqlens where packed), the forward under no_grad (case
+    "... forward") and the step, forward and backward through autograd ("... step"). Errors: ours against fla's
+    (two bf16 computations: a cross-check; the tests hold the accuracy). Credited work: the spec's W per value head,
+    W / 2 for the forward and 3 W / 2 for the step."""
+    B, T, H, HV, K, V = shape
+    inputs, do, cu = _layer_inputs(*shape, n_packed)
+    kind = f"packed {n_packed} seqs" if n_packed else "padded batch"
+    case = "fla layer (B,T,H,HV,K,V)=" + ",".join(map(str, shape)) + f" {kind} bf16"
+    work = bench.spec(SPEC).work(B, T, HV, K, V)
+    ours = submodule(kernel, "fla").chunk_comba
+    fla = None
+    if bench.optional("fla") is not None:
+        import fla.ops.common.chunk_o as chunk_o
+        from fla.ops.comba import chunk_comba as fla
+
+        chunk_o.TRITON_ABOVE_3_7_1 = True  # lift the Hopper guard of fla #640: a timing anchor only
+
+    def forward(fn):
+        def run(q, k, v, p, g, beta):
+            with torch.no_grad():
+                return fn(q, k, v, p, g, beta, use_qk_l2norm_in_kernel=True, cu_seqlens=cu)[0]
+        return run
+
+    def step(fn):
+        def run(*args):
+            ins = [x.detach().requires_grad_(True) for x in args]
+            o = fn(*ins, use_qk_l2norm_in_kernel=True, cu_seqlens=cu)[0]
+            return torch.autograd.grad(o, ins, do)
+        return run
+
+    rows = []
+    for label, wrap, flops, names in ((" forward", forward, work / 2, ("o",)),
+                                      (" step", step, 1.5 * work, ("dq", "dk", "dv", "dp", "dg", "dbeta"))):
+        outputs = {}
+
+        def measure(impl, fn):
+            out = wrap(fn)(*inputs)
+            outputs[impl] = [out] if label == " forward" else out  # noqa: B023
+            return tflops_row(case + label, impl, bench.time(lambda: wrap(fn)(*inputs)), flops)  # noqa: B023
+
+        row = attempt(case + label, LAYER_IMPL, lambda: measure(LAYER_IMPL, ours))  # noqa: B023
+        rows.append(row)
+        if fla is not None:
+            fla_row = attempt(case + label, FLA_LAYER_IMPL, lambda: measure(FLA_LAYER_IMPL, fla))  # noqa: B023
+            rows.append(fla_row)
+            if "ms" in row and "ms" in fla_row:
+                row["x_vs_fla"] = fla_row["ms"] / row["ms"]
+                row.update({f"err_vs_fla_{n}": bench.rel_err(a, b)
+                            for n, a, b in zip(names, outputs[LAYER_IMPL], outputs[FLA_LAYER_IMPL])})
+        del outputs
+        free()
     return rows
 
 
@@ -340,13 +422,15 @@ def _decode_latency_rows(kernel, bench, shape, device) -> list[dict]:
 
 
 def side_by_side(kernel, bench, shapes=None, sweep_shapes=None, seed_shapes=None, model_shapes=None, decode_shape=None,
-                 decode_only=False) -> list[dict]:
+                 decode_only=False, layer_cases=None) -> list[dict]:
     """Every measure shape of the spec: our backward, forward and training step with fla chunk_comba's forward and
     forward + backward beside them (if installed); the spec's seed reference at SEED_SHAPES; then the stage sweep at
-    SWEEP_SHAPES; then a model's training step at MODEL_SHAPES; then the decode rows at `decode_shape` (DECODE_SHAPE)
+    SWEEP_SHAPES; then a model's training step at MODEL_SHAPES; then fla's Comba layer's calls at LAYER_CASES
+    (`_layer_rows`); then the decode rows at `decode_shape` (DECODE_SHAPE)
     and its latency at B = DECODE_LATENCY_B. `shapes`/`sweep_shapes`/`seed_shapes`/`model_shapes`/`decode_shape`
     exist for a run cut into one call a shape (model_shapes: [[(B, T, H, HV, K, V), with_state], ...]; a run given
-    `shapes` runs no model shape unless given model_shapes too, and `shapes=[]` no measure shape); `decode_only` runs
+    `shapes` runs no model shape or layer case unless given model_shapes / layer_cases too
+    (layer_cases: [[(B, T, H, HV, K, V), packed sequences or null], ...]), and `shapes=[]` no measure shape); `decode_only` runs
     the decode rows alone."""
     decode_shape = tuple(decode_shape or DECODE_SHAPE)
     decode_rows = lambda: (_decode_rows(kernel, bench, decode_shape, device())  # noqa: E731
@@ -360,6 +444,8 @@ def side_by_side(kernel, bench, shapes=None, sweep_shapes=None, seed_shapes=None
     step = HUB.training_step(kernel)
     if model_shapes is None:
         model_shapes = MODEL_SHAPES if shapes is None else []
+    if layer_cases is None:
+        layer_cases = LAYER_CASES if shapes is None else []
     shapes = [tuple(x) for x in (s.measure_shapes if shapes is None else shapes)]
     sweep_shapes = [tuple(x) for x in (sweep_shapes or SWEEP_SHAPES)] if bench.sweep else []
     seed_shapes = [tuple(x) for x in (SEED_SHAPES if seed_shapes is None else seed_shapes)]
@@ -405,6 +491,8 @@ def side_by_side(kernel, bench, shapes=None, sweep_shapes=None, seed_shapes=None
         free()
     for shape, with_state in model_shapes:
         rows += _model_rows(kernel, bench, fla, tuple(shape), with_state)
+    for shape, n_packed in layer_cases:
+        rows += _layer_rows(kernel, bench, tuple(shape), n_packed)
     return rows + decode_rows()
 
 
