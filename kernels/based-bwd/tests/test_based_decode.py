@@ -53,17 +53,23 @@ def test_fused_decode_fp16(dispatch):
 
 @needs_triton
 @pytest.mark.parametrize("which", ["q", "k", "v"])
-def test_fused_decode_non_finite_token_stays_in_place(dispatch, which):
-    """A NaN in token 1 of sequence 0: sequence 1 (output and state) and sequence 0's token 0 are bit for bit
-    those of the clean call."""
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_fused_decode_non_finite_token_stays_in_place(dispatch, which, bad):
+    """A NaN or inf in token 1 of sequence 0: sequence 1 (output and state) and sequence 0's token 0 are bit for
+    bit those of the clean call, token 1's output is non-finite, and so is the new state of a non-finite k or v
+    (a q enters no state: it stays the clean one)."""
     q, k, v, state = decode_inputs(2, 3, 1, 8, 16, torch.float32, seed=6)
     args = {"q": q, "k": k, "v": v}
     clean, (S_c, z_c) = dispatch.portable_decode(q, k, v, state, 0.3)
     args[which] = args[which].clone()
-    args[which][0, 1, 0, 2] = float("nan")
+    args[which][0, 1, 0, 2] = bad
     o, (S, z) = dispatch.portable_decode(args["q"], args["k"], args["v"], state, 0.3)
     assert torch.equal(o[1], clean[1]) and torch.equal(S[1], S_c[1]) and torch.equal(z[1], z_c[1])
     assert torch.equal(o[0, 0], clean[0, 0]) and not torch.isfinite(o[0, 1]).all()
+    if which == "q":
+        assert torch.equal(S[0], S_c[0]) and torch.equal(z[0], z_c[0])
+    else:
+        assert not torch.isfinite(S[0]).all()
 
 
 @needs_cuda

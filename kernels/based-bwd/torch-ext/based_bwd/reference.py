@@ -21,7 +21,7 @@ rows of a zero-padded batch, one row a sequence, so no sum ever runs across two 
 A non-finite input at step t changes no output before t: the chunk prefix sums exclude a chunk's own increment
 by shifting the inclusive sum (not by subtracting, which turns inf into NaN), and the C x C tile product reads
 the values with their non-finite entries zeroed (a masked weight of 0 times inf is NaN) except in the outputs
-that such an entry reaches (step t and on), which take the plain product.
+that such an entry reaches (step t and on), which take the plain product (`_causal_product`).
 
 `based_decode_reference` is the same map in recurrent form, one step at a time. The backward of the stateless
 forward is the quotient rule written like FlashAttention's: with r_i = 1 / (den_i + 1e-6) and
@@ -37,6 +37,17 @@ dz = sum_{later i} phi(q~_i) h_i, and dq through the forward state S = sum_{earl
 z = sum_{earlier j} phi(k_j). With a state, every reverse state starts from the final state's gradient, and the
 initial state's gradient is that plus the reverse sum over every step (`based_state_backward_reference`); the
 public functions differentiate the forward through torch autograd.
+
+The analytic backward keeps each gradient to the steps it reads. dq_i is o_i's gradient in q_i, which reads the
+steps j <= i, so a non-finite q, k or v at step t changes no dq before t (and a non-finite q or do at t no dq
+but dq_t); dk_j and dv_j gather the gradients of the outputs i >= j, so a non-finite q or do at step t changes
+no dk or dv after t. A non-finite k or v at t makes outputs from t on non-finite, and their gradients reach dk
+(and for a k, dv) at every step of the sequence (IEEE: a zero gradient times a non-finite output is NaN), so dk
+and dv have no such rule for them; nothing crosses into another batch row or packed sequence. The tile products of ds k, A^T g and
+ds^T q~ are `_causal_product`s (the last two in reverse, row j reading the steps i >= j). Autograd through the
+forward (the public functions' CPU and fp32 path with a state or packed sequences) takes torch's products, whose
+masked weights still carry a non-finite k to the earlier steps' dq, and a non-finite q or do to the later
+steps' dk and dv, inside their chunk.
 
 Everything computes in float32, or in float64 for float64 inputs (the tests' exact arithmetic), whatever autocast
 is on (`autocast_off`).
@@ -102,12 +113,14 @@ def _exclusive_cumsum(x: torch.Tensor, dim: int, reverse: bool = False) -> torch
     return torch.cat([torch.zeros_like(inclusive.narrow(dim, 0, 1)), inclusive.narrow(dim, 0, x.shape[dim] - 1)], dim)
 
 
-def _causal_product(A: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """A @ v for the causal tile A (zero above the diagonal) without letting a non-finite v_j reach the rows
-    i < j: the product of the finite part of v, except where a non-finite entry of v sits at or before the row,
-    which takes the plain product."""
+def _causal_product(A: torch.Tensor, v: torch.Tensor, reverse: bool = False) -> torch.Tensor:
+    """A @ v for the causal tile A (zero above the diagonal; reverse: below it, row j reading the rows i >= j)
+    without letting a non-finite v_j reach the rows that do not read it: the product of the finite part of v,
+    except where a non-finite entry of v's column sits in a row that the row reads (at or before it; reverse: at
+    or after it), which takes the plain product."""
     finite = torch.isfinite(v)
-    reached = (~finite).to(torch.int32).cumsum(-2) > 0
+    bad = (~finite).to(torch.int32)
+    reached = (bad.flip(-2).cumsum(-2).flip(-2) if reverse else bad.cumsum(-2)) > 0
     return torch.where(reached, A @ v, A @ torch.where(finite, v, 0))
 
 
@@ -214,9 +227,10 @@ def _chunk_grads(c: _Chunks, do_: torch.Tensor, d_final=None):
         dF, dFz = (x.to(dS.dtype) for x in d_final)
         dS, dz, dS0, dz0 = dS + dF[:, :, None], dz + dFz[:, :, None], dS0 + dF, dz0 + dFz
 
-    dv = c.A.transpose(-1, -2) @ g + c.phi_k @ dS
-    dk = ds.transpose(-1, -2) @ c.q + _phi_vjp(c.k, c.v @ dS.transpose(-1, -2) + dz[..., None, :])
-    dq_tilde = ds @ c.k + _phi_vjp(c.q, g @ c.S.transpose(-1, -2) + h[..., None] * c.z[..., None, :])
+    dv = _causal_product(c.A.transpose(-1, -2), g, reverse=True) + c.phi_k @ dS
+    dk = _causal_product(ds.transpose(-1, -2), c.q, reverse=True)
+    dk = dk + _phi_vjp(c.k, c.v @ dS.transpose(-1, -2) + dz[..., None, :])
+    dq_tilde = _causal_product(ds, c.k) + _phi_vjp(c.q, g @ c.S.transpose(-1, -2) + h[..., None] * c.z[..., None, :])
     return dq_tilde, dk, dv, dS0, dz0
 
 
