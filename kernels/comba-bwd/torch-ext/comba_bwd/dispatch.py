@@ -13,6 +13,7 @@ same plan. The stages (`pipeline`, which imports the kernels) are imported on a 
 triton.
 """
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -139,23 +140,38 @@ def comba_backward_cuda(q, k, v, p, beta, g, do, scale: float):
     return with_fallback(lambda plan: pipeline.run_backward(q, k, v, p, beta, g, do, scale, plan), q, v.shape[-1])
 
 
-def comba_decode_cuda(q, k, v, p, beta, g, state, scale, cu_seqlens, use_qk_l2norm: bool, read_order: str):
-    """(o (B, T, HV, V) in v's dtype, new_state (N, HV, K, V) float32) of a checked decode call without autograd.
-    K in {64, 128, 256}, V in {64, 128, 256, 512} (`portable.decode.takes`): one launch of the fused kernel into new
-    tensors, `state` only read; shapes decide everything, no value is read on the host, so the call can be captured
-    in a CUDA graph. Other sizes: the recurrent reference (`comba_decode_reference`)."""
-    from .portable import decode  # the kernels need triton: imported on a CUDA call's first use
-
+def comba_decode_cuda(q, k, v, p, beta, g, state, scale: float, cu_seqlens, use_qk_l2norm: bool, read_order: str):
+    """(o (B, T, HV, V) in v's dtype, new_state (N, HV, K, V) float32) of a checked decode call without autograd (the
+    registered op's entry point, and the public function's direct call). K in {64, 128, 256}, V in {64, 128, 256, 512}
+    (`portable.decode.takes`): one launch of the fused kernel into new tensors, `state` only read; shapes decide
+    everything, no value is read on the host, so the call can be captured in a CUDA graph. Other sizes: the recurrent
+    reference (`comba_decode_reference`)."""
+    decode = _decode_stage()
     K, V = q.shape[-1], v.shape[-1]
     if not decode.takes(K, V, q.dtype):
         return comba_decode_reference(q, k, v, p, beta, g, state, scale, cu_seqlens=cu_seqlens,
                                       use_qk_l2norm=use_qk_l2norm, read_order=read_order)
-    q, k, v, p, beta, g = (x.contiguous() for x in (q, k, v, p, beta, g))
-    state, cu_seqlens = (None if x is None else x.contiguous() for x in (state, cu_seqlens))
-    N = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    q, k, v, p = q.contiguous(), k.contiguous(), v.contiguous(), p.contiguous()
+    beta, g = beta.contiguous(), g.contiguous()
     o = torch.empty_like(v)
-    new_state = torch.empty(N, v.shape[2], K, V, dtype=torch.float32, device=q.device)
+    if state is None:
+        N = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+        new_state = torch.empty(N, v.shape[2], K, V, dtype=torch.float32, device=q.device)
+    else:
+        state = state.contiguous()
+        new_state = torch.empty_like(state)
+    if cu_seqlens is not None:
+        cu_seqlens = cu_seqlens.contiguous()
     with on_device(q):
         decode.launch(q, k, v, p, beta, g, state, o, new_state, resolve_scale(scale, K), cu_seqlens, use_qk_l2norm,
                       read_order == "fla")
     return o, new_state
+
+
+@functools.cache
+def _decode_stage():
+    """`portable.decode`, imported at the first decode call (the kernels need triton) and then found without the
+    import statement's host time, a share of a launch-bound step."""
+    from .portable import decode
+
+    return decode
