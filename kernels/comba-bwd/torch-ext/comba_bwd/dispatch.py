@@ -23,8 +23,10 @@ from .common.fast_paths import FastPath, FastPaths, falls_back
 from .recurrent import comba_decode_reference
 from .reference import resolve_scale
 
+# The Gluon kernels of the chunked pipeline's stages (`hopper/`), one row: they run together where it says they do.
+CHUNK_GLUON = "chunk-gluon"
 FAST_PATHS = FastPaths("comba-bwd", (
-    FastPath("gluon", "Gluon warpgroup-MMA kernels for bf16 inputs with V = 128: both scans and the gradients at "
+    FastPath(CHUNK_GLUON, "Gluon warpgroup-MMA kernels for bf16 inputs with V = 128: both scans and the gradients at "
              "K = 128; the chunk transform, the forward scan and the gradients (with dv) at K = 64", ((9, 0),),
              verified=("3.6", "3.7", "3.8"), compiles=("3.6", "3.7", "3.8", "3.9")),
 ))
@@ -66,7 +68,7 @@ def gluon_stages(device: torch.device, dtype: torch.dtype, K: int, V: int) -> tu
     """The stages Gluon kernels run for inputs of `dtype` on `device` with these K and V: where FAST_PATHS runs the
     Gluon path (their warpgroup MMA is Hopper's alone; meta tensors, an offline compile for sm_90, under the releases
     it compiles under), with bf16 inputs and V = 128, GLUON_STAGES[K]."""
-    if V != GLUON_V or dtype not in GLUON_DTYPES or K not in GLUON_STAGES or not FAST_PATHS.runs("gluon", device):
+    if V != GLUON_V or dtype not in GLUON_DTYPES or K not in GLUON_STAGES or not FAST_PATHS.runs(CHUNK_GLUON, device):
         return ()
     return GLUON_STAGES[K]
 
@@ -95,7 +97,7 @@ def with_fallback(call, q: torch.Tensor, V: int):
     except Exception as error:
         if not falls_back(error):
             raise
-        FAST_PATHS.failed("gluon", error)
+        FAST_PATHS.failed(CHUNK_GLUON, error)
         if q.is_cuda and not torch.cuda.is_current_stream_capturing():
             torch.cuda.synchronize(q.device)
         return call(plan(q, V))
