@@ -20,6 +20,7 @@ from typing import NamedTuple
 import torch
 
 from .common.devices import on_device
+from .common.direct_calls import stage_module
 from .reference import based_backward_reference, based_forward_reference, based_state_backward_reference
 
 
@@ -114,17 +115,9 @@ def based_decode_cuda(q, k, v, S, z, scale: float, S_out, z_out, config: DecodeC
     q, k, v, S, z = q.contiguous(), k.contiguous(), v.contiguous(), S.contiguous(), z.contiguous()
     o = torch.empty_like(v)
     with on_device(q):
-        _decode_stage().launch(q, k, v, S, z, o, S_out, z_out, scale, bv=cfg.bv, warps=cfg.warps)
+        stage_module(__package__, "portable.decode").launch(q, k, v, S, z, o, S_out, z_out, scale, bv=cfg.bv,
+                                                             warps=cfg.warps)
     return o
-
-
-@functools.cache
-def _decode_stage():
-    """`portable.decode`, imported at the first decode call (triton is imported only where the kernels run) and
-    then found without the import statement's host time, a share of a launch-bound step."""
-    from .portable import decode
-
-    return decode
 
 
 def portable_decode(q, k, v, state, scale: float, config: DecodeConfig | None = None, out=None):

@@ -13,12 +13,12 @@ same plan. The stages (`pipeline`, which imports the kernels) are imported on a 
 triton.
 """
 
-import functools
 from typing import NamedTuple
 
 import torch
 
 from .common.devices import on_device
+from .common.direct_calls import stage_module
 from .common.fast_paths import FastPath, FastPaths, falls_back
 from .recurrent import comba_decode_reference
 from .reference import resolve_scale
@@ -148,7 +148,7 @@ def comba_decode_cuda(q, k, v, p, beta, g, state, scale: float, cu_seqlens, use_
     (`portable.decode.takes`): one launch of the fused kernel into new tensors, `state` only read; shapes decide
     everything, no value is read on the host, so the call can be captured in a CUDA graph. Other sizes: the recurrent
     reference (`comba_decode_reference`)."""
-    decode = _decode_stage()
+    decode = stage_module(__package__, "portable.decode")  # the kernels need triton: imported on first use
     K, V = q.shape[-1], v.shape[-1]
     if not decode.takes(K, V, q.dtype):
         return comba_decode_reference(q, k, v, p, beta, g, state, scale, cu_seqlens=cu_seqlens,
@@ -168,12 +168,3 @@ def comba_decode_cuda(q, k, v, p, beta, g, state, scale: float, cu_seqlens, use_
         decode.launch(q, k, v, p, beta, g, state, o, new_state, resolve_scale(scale, K), cu_seqlens, use_qk_l2norm,
                       read_order == "fla")
     return o, new_state
-
-
-@functools.cache
-def _decode_stage():
-    """`portable.decode`, imported at the first decode call (the kernels need triton) and then found without the
-    import statement's host time, a share of a launch-bound step."""
-    from .portable import decode
-
-    return decode
