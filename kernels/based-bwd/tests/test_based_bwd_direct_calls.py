@@ -174,3 +174,19 @@ def test_cuda_calls_directly_and_repeat_the_first(based, monkeypatch):
     assert all(torch.equal(a, b) for a, b in zip((first[0], *first[1]), (again[0], *again[1])))
     o, _ = based.based_decode(q, k, v.clone().requires_grad_(), state)
     assert o.grad_fn is not None and rel_err(o.detach(), first[0]) < BF16_TOL
+
+
+@pytest.mark.kernels_ci
+def test_vmap_runs_the_reference(based):
+    """Under torch.func.vmap the call runs the reference's torch ops (the registered op, which writes `out`, has no
+    batching rule): the batch of calls equals the calls one by one."""
+    q, k, v, state = decode_inputs(3, 2, 2, 4, 8, torch.float32, seed=9)
+    q, k, v, (S, z) = q.cpu(), k.cpu(), v.cpu(), (x.cpu() for x in state)
+
+    def one(q, k, v, S, z):
+        o, (S1, z1) = based.based_decode(q[None], k[None], v[None], (S[None], z[None]), 0.4)
+        return o[0], S1[0], z1[0]
+
+    got = torch.func.vmap(one)(q, k, v, S, z)
+    for i in range(3):
+        assert all(torch.allclose(a[i], b) for a, b in zip(got, one(q[i], k[i], v[i], S[i], z[i])))

@@ -150,3 +150,18 @@ def test_cuda_calls_directly_and_repeat_the_first(comba, monkeypatch):
         monkeypatch.setattr(op, "comba_decode_op", lambda *args: pytest.fail("the registered op ran"))
         again = comba.comba_decode(*x, state, use_qk_l2norm=True, read_order="fla")
     assert torch.equal(first[0], again[0]) and torch.equal(first[1], again[1])
+
+
+@pytest.mark.kernels_ci
+def test_vmap_runs_the_registered_op_a_sample_at_a_time(comba):
+    """Under torch.func.vmap the registered op runs once a sample (the recurrent reference reads g's values, which
+    vmap cannot batch): the batch of calls equals the calls one by one."""
+    x, state = model_inputs(3, 2, 1, 2, 8, 8, seed=86)
+
+    def one(*args):
+        o, new = comba.comba_decode(*(t[None] for t in args[:6]), args[6][None], read_order="fla")
+        return o[0], new[0]
+
+    got = torch.func.vmap(one)(*x, state)
+    for i in range(3):
+        assert all(torch.allclose(a[i], b) for a, b in zip(got, one(*(t[i] for t in x), state[i])))

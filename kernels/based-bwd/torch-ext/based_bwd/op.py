@@ -273,9 +273,10 @@ def based_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state, scale
     state that shares no memory with it; the new state is written there and `out` is returned as the new state
     (a serving loop alternates two state buffers, one CUDA graph each way, and copies nothing).
 
-    On CUDA one fused kernel launch (every dtype; the reference where autograd records the call), on the CPU the
-    eager reference; neither reads a tensor on the host or allocates by value, so a CUDA graph can capture the
-    call. Differentiable through torch autograd (the reference). Under autocast the arguments are taken as given.
+    On CUDA one fused kernel launch (every dtype; the reference where autograd records the call or a torch.func
+    transform sees it), on the CPU the eager reference; neither reads a tensor on the host or allocates by value, so
+    a CUDA graph can capture the call. Differentiable through torch autograd (the reference). Under autocast the
+    arguments are taken as given.
     """
     signature = _decode_signature(q, k, v, state, scale, out)
     if signature is None or signature not in _checked_decode:
@@ -286,8 +287,9 @@ def based_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state, scale
     if out is not None:
         check_decode_memory(state, out)
     scale = _resolved(q, scale)
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad or S.requires_grad
-                                    or z.requires_grad):
+    # The reference (torch ops) where autograd records the call or a torch.func transform (vmap, grad) sees it.
+    if (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad or S.requires_grad
+                                     or z.requires_grad)) or torch._C._are_functorch_transforms_active():
         o, new = based_decode_reference(q, k, v, (S, z), scale)
         if out is None:
             return o, new

@@ -301,7 +301,7 @@ def comba_decode(q, k, v, p, beta, g, state=None, scale=None, *, cu_seqlens=None
     (`comba_decode_cuda`) at K in {64, 128, 256} and V in {64, 128, 256, 512}: no value is read on the host (the
     offsets of cu_seqlens are not checked there; T is), so the call can be captured in a CUDA graph. Every other
     call runs the recurrent reference (`comba_decode_reference`), differentiable by autograd. Under autocast the
-    arguments are taken as given.
+    arguments are taken as given; under torch.func.vmap the registered op runs once a sample.
     """
     signature = _decode_signature(q, k, v, p, beta, g, state, scale, cu_seqlens, use_qk_l2norm, read_order)
     if signature is None or signature not in _checked_decode:
