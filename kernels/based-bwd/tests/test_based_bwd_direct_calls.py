@@ -43,9 +43,11 @@ def test_direct_route_runs_the_entry_point(based, direct):
     q, k, v, state = decode_inputs(2, 2, 2, 8, 24, torch.bfloat16, seed=3)
     o64, S64, z64 = float64_step(q, k, v, state, 0.3)
     out = tuple(torch.full_like(x, float("nan")) for x in state)
+    transposed = (state[0].transpose(1, 2).contiguous().transpose(1, 2), state[1])  # dense, not row-major
     for _ in range(2):
-        o, (S, z) = based.based_decode(q, k, v, state, 0.3)
-        assert rel_err(o, o64) < BF16_TOL and rel_err(S, S64) < 1e-5 and rel_err(z, z64) < 1e-6
+        for given in (state, transposed):
+            o, (S, z) = based.based_decode(q, k, v, given, 0.3)
+            assert rel_err(o, o64) < BF16_TOL and rel_err(S, S64) < 1e-5 and rel_err(z, z64) < 1e-6
         o, new = based.based_decode(q, k, v, state, 0.3, out=out)
         assert new[0] is out[0] and new[1] is out[1]
         assert rel_err(o, o64) < BF16_TOL and rel_err(out[0], S64) < 1e-5 and rel_err(out[1], z64) < 1e-6

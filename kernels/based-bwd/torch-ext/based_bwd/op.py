@@ -294,7 +294,9 @@ def based_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state, scale
         if out is None:
             return o, new
         return o, _written(new, out)
-    S_out, z_out = (torch.empty_like(S), torch.empty_like(z)) if out is None else out
+    contiguous = torch.contiguous_format  # the kernel writes the new state row-major, whatever the state's layout
+    S_out, z_out = (torch.empty_like(S, memory_format=contiguous), torch.empty_like(z, memory_format=contiguous)
+                    ) if out is None else out
     # A remembered signature holds plain tensors on q's device, none recorded by autograd (above): q decides.
     if calls_directly(q) if signature is not None else calls_directly(q, k, v, S, z, S_out, z_out):
         o = based_decode_cuda(q, k, v, S, z, scale, S_out, z_out)
