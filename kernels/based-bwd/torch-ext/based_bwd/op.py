@@ -325,8 +325,8 @@ def _decode_signature(q, k, v, state, scale, out) -> tuple | None:
             or not (out is None or (type(out) in (tuple, list) and len(out) == 2))):
         return None
     S, z = state
-    if type(q) is not torch.Tensor or type(k) is not torch.Tensor or type(v) is not torch.Tensor or \
-            type(S) is not torch.Tensor or type(z) is not torch.Tensor:
+    if (type(q) is not torch.Tensor or type(k) is not torch.Tensor or type(v) is not torch.Tensor
+            or type(S) is not torch.Tensor or type(z) is not torch.Tensor):
         return None
     signature = (q.shape, k.shape, v.shape, S.shape, z.shape, q.dtype, k.dtype, v.dtype, S.dtype, z.dtype, q.device,
                  k.device, v.device, S.device, z.device, scale)
