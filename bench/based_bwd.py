@@ -156,13 +156,15 @@ def _decode_rows(kernel, bench, shape, run_on) -> list[dict]:
 
 
 def _decode_latency_rows(kernel, shape, run_on, bench) -> list[dict]:
-    """Wall-clock per call at a launch-bound `shape` (`harness.latency_row`): `based_decode`, its CUDA graph
-    replayed, the eager reference step, and the empty-launch floor of the same run; ours gets its distance to the
-    floor and its speed-up over eager."""
+    """Wall-clock per call at a launch-bound `shape` (`harness.latency_row`): `based_decode`, its registered custom op
+    (the dispatch layers the eager call skips), its CUDA graph replayed, the eager reference step, and the
+    empty-launch floor of the same run; ours gets its distance to the floor and its speed-up over eager."""
     B, T, H, K, V = shape
     case = f"decode latency (B,T,H,K,V)=({B},{T},{H},{K},{V}) bf16"
     q, k, v, state = _decode_inputs(kernel, B, T, H, K, V, run_on)
-    calls = {"based_decode (eager call)": lambda: kernel.based_decode(q, k, v, state)}
+    out = tuple(torch.empty_like(x) for x in state)
+    calls = {"based_decode (eager call)": lambda: kernel.based_decode(q, k, v, state),
+             "registered custom op": lambda: kernel.op.based_decode_op(q, k, v, *state, K**-0.5, *out)}
     if run_on == "cuda":
         calls["based_decode in a CUDA graph, replayed"] = _captured(lambda: kernel.based_decode(q, k, v, state))
     calls["eager recurrent step (based_decode_reference)"] = lambda: kernel.based_decode_reference(q, k, v, state)

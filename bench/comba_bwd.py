@@ -404,13 +404,17 @@ def _graph_replay(call):
 
 
 def _decode_latency_rows(kernel, bench, shape, device) -> list[dict]:
-    """Wall-clock per call at B = DECODE_LATENCY_B (`harness.latency_row`): ours (and on CUDA its replay as a captured
-    CUDA graph) and fla's, beside the empty-launch floor of the same run; ours gets `us_over_floor`."""
+    """Wall-clock per call at B = DECODE_LATENCY_B (`harness.latency_row`): ours, its registered custom op (the
+    dispatch layers the eager call skips; grad mode on, no input requiring grad), on CUDA its replay as a captured CUDA
+    graph, and fla's, beside the empty-launch floor of the same run; ours gets `us_over_floor`."""
     _, H, K, V = shape
     B = DECODE_LATENCY_B
     x, state = _decode_inputs(B, H, K, V, device)
     case = f"decode latency T=1 (B,H,K,V)={B},{H},{K},{V} bf16"
     calls = _decode_calls(kernel, bench, x, state)
+    q, k, v, p, beta, g = x
+    calls["registered custom op"] = lambda: kernel.op.comba_decode_op(q, k, v, p, beta, g, state, None, K**-0.5,
+                                                                      True, "fla")
     if device == "cuda":
         calls["comba-bwd decode, one CUDA graph replay"] = _graph_replay(calls["comba-bwd decode"])
     rows = [attempt(case, impl, lambda call=call, impl=impl: latency_row(case, impl, call, device))

@@ -1,5 +1,6 @@
 """The host path of a small eager call: whether it may skip its registered op for the op's CUDA entry point
-(`calls_directly`), and the call signatures whose argument checks passed (`CheckedSignatures`).
+(`calls_directly`), the call signatures whose argument checks passed (`CheckedSignatures`), and the stage modules an
+entry point launches through, found without an import statement (`stage_module`).
 
 A registered custom op costs tens of microseconds of host time a call in torch.library's dispatch layers, and the
 argument checks several more: at launch-bound sizes that is most of a call. Where nothing needs the registered
@@ -7,6 +8,9 @@ op (no autograd graph to record, no compiler, tracer, functorch transform or dis
 a public function calls the entry point the op would run, with the checks it ran the last time it saw the same
 call signature.
 """
+
+import functools
+import importlib
 
 import torch
 
@@ -53,3 +57,12 @@ class CheckedSignatures:
 
     def __len__(self) -> int:
         return len(self._passed)
+
+
+@functools.cache
+def stage_module(package: str, name: str):
+    """The module `name` of `package` (`stage_module(__package__, "portable.decode")`), imported at its first call
+    (stage modules import triton, which CPU torch wheels lack, so a package imports them on a CUDA call's first use)
+    and then found by one cache lookup, where an import statement in the entry point would cost about a microsecond of
+    host time every call."""
+    return importlib.import_module(f"{package}.{name}")

@@ -83,3 +83,13 @@ def test_checked_signatures_are_bounded(direct_calls):
     assert ("a",) in checked and ("b",) in checked and ("c",) not in checked
     checked.add(("c",))  # past the limit the set starts over
     assert len(checked) == 1 and ("c",) in checked and ("a",) not in checked
+
+
+def test_stage_module_imports_once(direct_calls):
+    import json.decoder
+
+    direct_calls.stage_module.cache_clear()
+    assert direct_calls.stage_module("json", "decoder") is json.decoder
+    assert direct_calls.stage_module("json", "decoder") is json.decoder
+    info = direct_calls.stage_module.cache_info()
+    assert info.misses == 1 and info.hits == 1

@@ -18,12 +18,12 @@ COMMON_DIR = REPO_ROOT / "common"
 # common/ file -> the kernels whose packages take a copy of it
 VENDORED = {
     "gluon_compat.py": ("ldsa", "log-mel", "comba-bwd"),
-    "fast_paths.py": ("ldsa", "log-mel", "comba-bwd"),
+    "fast_paths.py": ("ldsa", "log-mel", "based-bwd", "comba-bwd"),
     "tf32.py": ("ldsa", "comba-bwd"),
     "checks.py": ("ldsa", "log-mel", "based-bwd", "comba-bwd"),
     "devices.py": ("ldsa", "log-mel", "based-bwd", "comba-bwd"),
-    "direct_calls.py": ("ldsa", "log-mel"),
-    "launch.py": ("ldsa", "log-mel"),
+    "direct_calls.py": ("ldsa", "log-mel", "based-bwd", "comba-bwd"),
+    "launch.py": ("ldsa", "log-mel", "based-bwd", "comba-bwd"),
     "autocast.py": ("ldsa", "log-mel", "based-bwd", "comba-bwd"),
     "differentiation.py": ("ldsa", "based-bwd", "comba-bwd"),
 }

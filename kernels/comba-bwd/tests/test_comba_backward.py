@@ -461,7 +461,7 @@ def test_gluon_path_that_fails_to_compile_falls_back_once(comba, pipeline, dispa
     later ones) run the Triton kernels: the Gluon stages stood in for by a backward that fails while they run."""
     fast_paths = submodule(comba, "common.fast_paths")
     monkeypatch.setattr(dispatch.FAST_PATHS, "switched_off", {})
-    gluon_on = lambda: "gluon" not in dispatch.FAST_PATHS.switched_off  # noqa: E731
+    gluon_on = lambda: dispatch.CHUNK_GLUON not in dispatch.FAST_PATHS.switched_off  # noqa: E731
     triton_plan = dispatch.plan
     monkeypatch.setattr(dispatch, "plan",
                         lambda q, V: triton_plan(q, V)._replace(gluon=("grads",) if gluon_on() else ()))
@@ -474,7 +474,7 @@ def test_gluon_path_that_fails_to_compile_falls_back_once(comba, pipeline, dispa
 
     monkeypatch.setattr(pipeline, "run_backward", failing_backward)
     inputs = make_inputs(1, 64, 1, 64, 64, device=TRITON_DEVICE)
-    with pytest.warns(fast_paths.FastPathFallback, match="comba-bwd: the gluon path failed to compile"):
+    with pytest.warns(fast_paths.FastPathFallback, match="comba-bwd: the chunk-gluon path failed to compile"):
         grads = dispatch.comba_backward_cuda(*inputs, 0.125)
     assert_grads_close(grads, float64_grads(inputs, 0.125), 1e-2)  # bf16 scratch (A, S_n, Vn, X)
     with warnings.catch_warnings():

@@ -1,7 +1,8 @@
 """Each call's path and plan, in one place: bf16 and fp16 CUDA tensors take the portable Triton kernels
 (`portable/`), fp32 tensors and the CPU the eager reference, and a backward with a value size V above its
 kernels' bound the reference as well. The decode step takes its fused kernel (`portable.decode`) for every dtype
-on CUDA, the reference where autograd records it. The package has no Hopper-only fast paths.
+on CUDA (`based_decode_cuda`; the public function runs the reference where autograd records the call). The package
+has no Hopper-only fast paths.
 
 The portable forward is two stages (`states`: the forward scan, then `output`), the backward four (the forward
 scan, `grads`' dq, the reverse scan, `grads`' dk and dv); `portable_forward` and `portable_backward` launch
@@ -19,8 +20,8 @@ from typing import NamedTuple
 import torch
 
 from .common.devices import on_device
-from .reference import (based_backward_reference, based_decode_reference, based_forward_reference,
-                        based_state_backward_reference)
+from .common.direct_calls import stage_module
+from .reference import based_backward_reference, based_forward_reference, based_state_backward_reference
 
 
 class BackwardConfig(NamedTuple):
@@ -102,40 +103,28 @@ def based_forward_cuda(q, k, v, scale: float):
     return portable_forward(q, k, v, scale)
 
 
-def based_decode_cuda(q, k, v, state, scale: float, out=None):
-    """(o, (S, z)) of the decode step for CUDA tensors: the fused kernel (`portable_decode`), or the reference
-    where autograd records the call (a tensor requires grad under grad mode), since the kernel has no backward.
-    The new state goes to `out` where given (returned as the new state), else to new tensors. Neither path reads a
-    tensor on the host or allocates by value, so a CUDA graph can capture the call."""
-    if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v, *state)):
-        o, new = based_decode_reference(q, k, v, state, scale)
-        return o, (new if out is None else written(new, out))
-    return portable_decode(q, k, v, state, scale, out=out)
-
-
-def written(state, out):
-    """`out` holding `state`: each tensor copied into its buffer."""
-    for buffer, x in zip(out, state):
-        buffer.copy_(x)
-    return tuple(out)
+def based_decode_cuda(q, k, v, S, z, scale: float, S_out, z_out, config: DecodeConfig | None = None):
+    """o (B, T, H, V) in v's dtype of the decode step on CUDA tensors (or CPU tensors, in the Triton interpreter), the
+    new state written to S_out, z_out: one launch of the fused kernel (`portable.decode`), on every dtype, for
+    (B, T, H, K) q, k and (B, T, H, V) v with K in {8, 16}, 1 <= T <= 64, any V, and the state (S (B, H, P, V),
+    z (B, H, P)) float32, which is left as it is; S_out, z_out: contiguous tensors like the state's sharing no
+    memory with it. No tensor is read on the host and nothing is allocated by value, so a CUDA graph can capture
+    the call. `config` overrides DEFAULT_DECODE_CONFIG. The registered op's entry point, and the public function's
+    direct call (checked by it); the decode kernel has no backward: autograd records the reference instead."""
+    cfg = config or DEFAULT_DECODE_CONFIG
+    q, k, v, S, z = q.contiguous(), k.contiguous(), v.contiguous(), S.contiguous(), z.contiguous()
+    o = torch.empty_like(v)
+    with on_device(q):
+        stage_module(__package__, "portable.decode").launch(q, k, v, S, z, o, S_out, z_out, scale, bv=cfg.bv,
+                                                             warps=cfg.warps)
+    return o
 
 
 def portable_decode(q, k, v, state, scale: float, config: DecodeConfig | None = None, out=None):
-    """o (B, T, H, V) in v's dtype and the new state (S, z), float32, from the portable decode kernel, for
-    (B, T, H, K) q, k and (B, T, H, V) v with K in {8, 16}, 1 <= T <= 64, any V, and the state (S (B, H, P, V),
-    z (B, H, P)) float32, which is left as it is. The new state goes to new tensors, or to `out`, a pair of
-    contiguous tensors like the state's sharing no memory with it (returned as the new state). `config`
-    overrides DEFAULT_DECODE_CONFIG. CPU tensors run the kernel in the Triton interpreter."""
-    from .portable import decode  # triton is imported only where the kernels run
-
-    cfg = config or DEFAULT_DECODE_CONFIG
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    S, z = (x.contiguous() for x in state)
-    o = torch.empty_like(v)
-    S_out, z_out = (torch.empty_like(S), torch.empty_like(z)) if out is None else out
-    with on_device(q):
-        decode.launch(q, k, v, S, z, o, S_out, z_out, scale, bv=cfg.bv, warps=cfg.warps)
-    return o, (S_out, z_out)
+    """(o, (S, z)) of `based_decode_cuda` on the launch plan `config` (the tests' and the benchmark's call), the new
+    state in new tensors, or in `out` (returned as the new state)."""
+    S_out, z_out = (torch.empty_like(state[0]), torch.empty_like(state[1])) if out is None else out
+    return based_decode_cuda(q, k, v, *state, scale, S_out, z_out, config), (S_out, z_out)
 
 
 def portable_backward(q, k, v, do, scale: float, config: BackwardConfig | None = None):

@@ -2,8 +2,10 @@
 
 `based_attention` with a state or packed sequences goes through a second pair of ops, `based_state_forward` and
 `based_state_backward` (fused on CUDA for bf16 and fp16), so that the plain (q, k, v) ops stay as they are.
-`based_decode` is not a registered op: on CUDA it calls `dispatch.based_decode_cuda` (the fused decode kernel, or the
-reference where autograd records the call), on the CPU the reference.
+`based_decode` runs the registered `based_decode` op (the fused decode kernel on CUDA, the reference on the CPU), the
+reference where autograd records the call, and an eager call on plain CUDA tensors that needs neither
+(`common.direct_calls.calls_directly`) runs the op's entry point `dispatch.based_decode_cuda` directly, its argument
+checks skipped for a call signature that passed them before.
 
 The CUDA implementations come from `dispatch`, which picks each call's path. `based_forward`'s registered autograd calls
 the registered `based_backward` op, so training goes through the same backward as a direct call, and inference
@@ -21,6 +23,7 @@ import torch
 from ._ops import add_op_namespace_prefix
 from .common.autocast import register_autocast
 from .common.differentiation import check_differentiation, no_double_backward
+from .common.direct_calls import CheckedSignatures, calls_directly
 from .dispatch import (
     based_backward_cuda,
     based_decode_cuda,
@@ -28,7 +31,6 @@ from .dispatch import (
     based_state_backward_cuda,
     based_state_forward_cuda,
     kernel_path,
-    written,
 )
 from .reference import (
     MAX_DECODE_TOKENS,
@@ -38,7 +40,7 @@ from .reference import (
     based_state_backward_reference,
     default_scale,
 )
-from .validation import check_based_args, check_decode_args, check_state_args
+from .validation import check_based_args, check_decode_args, check_decode_memory, check_state_args
 
 
 @torch.library.custom_op(add_op_namespace_prefix("based_backward"), mutates_args=(), device_types="cuda")
@@ -167,6 +169,30 @@ register_autocast(add_op_namespace_prefix("based_state_forward"), cuda_16bit=(0,
 register_autocast(add_op_namespace_prefix("based_state_backward"))
 
 
+# The decode step: the new state written to S_out, z_out (new tensors or the caller's `out`), o returned. Not
+# differentiable: the public function runs the reference where autograd records the call.
+@torch.library.custom_op(add_op_namespace_prefix("based_decode"), mutates_args=("S_out", "z_out"), device_types="cuda")
+def based_decode_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, S: torch.Tensor, z: torch.Tensor, scale: float,
+                    S_out: torch.Tensor, z_out: torch.Tensor) -> torch.Tensor:
+    return based_decode_cuda(q, k, v, S, z, scale, S_out, z_out)
+
+
+@torch.library.register_kernel(add_op_namespace_prefix("based_decode"), "cpu")
+def _(q, k, v, S, z, scale, S_out, z_out):
+    o, (S_new, z_new) = based_decode_reference(q, k, v, (S, z), scale)
+    S_out.copy_(S_new)
+    z_out.copy_(z_new)
+    return o
+
+
+@torch.library.register_fake(add_op_namespace_prefix("based_decode"))
+def _(q, k, v, S, z, scale, S_out, z_out):
+    return torch.empty_like(v)
+
+
+register_autocast(add_op_namespace_prefix("based_decode"))
+
+
 def _resolved(q, scale) -> float:
     return default_scale(q.shape[-1]) if scale is None else float(scale)
 
@@ -247,13 +273,67 @@ def based_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state, scale
     state that shares no memory with it; the new state is written there and `out` is returned as the new state
     (a serving loop alternates two state buffers, one CUDA graph each way, and copies nothing).
 
-    On CUDA one fused kernel launch (every dtype; the reference where autograd records the call), on the CPU the
-    eager reference; neither reads a tensor on the host or allocates by value, so a CUDA graph can capture the
-    call. Differentiable through torch autograd (the reference).
+    On CUDA one fused kernel launch (every dtype; the reference where autograd records the call or a torch.func
+    transform sees it), on the CPU the eager reference; neither reads a tensor on the host or allocates by value, so
+    a CUDA graph can capture the call. Differentiable through torch autograd (the reference). Under autocast the
+    arguments are taken as given.
     """
-    check_decode_args(q, k, v, state, scale, MAX_DECODE_TOKENS, out)
-    state = tuple(state)
-    if q.is_cuda:
-        return based_decode_cuda(q, k, v, state, _resolved(q, scale), out)
-    o, new = based_decode_reference(q, k, v, state, _resolved(q, scale))
-    return o, (new if out is None else written(new, out))
+    signature = _decode_signature(q, k, v, state, scale, out)
+    if signature is None or signature not in _checked_decode:
+        check_decode_args(q, k, v, state, scale, MAX_DECODE_TOKENS, out)
+        if signature is not None:
+            _checked_decode.add(signature)
+    S, z = state
+    if out is not None:
+        check_decode_memory(state, out)
+    scale = _resolved(q, scale)
+    # The reference (torch ops) where autograd records the call or a torch.func transform (vmap, grad) sees it.
+    if (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad or S.requires_grad
+                                     or z.requires_grad)) or torch._C._are_functorch_transforms_active():
+        o, new = based_decode_reference(q, k, v, (S, z), scale)
+        if out is None:
+            return o, new
+        return o, _written(new, out)
+    contiguous = torch.contiguous_format  # the kernel writes the new state row-major, whatever the state's layout
+    S_out, z_out = (torch.empty_like(S, memory_format=contiguous), torch.empty_like(z, memory_format=contiguous)
+                    ) if out is None else out
+    # A remembered signature holds plain tensors on q's device, none recorded by autograd (above): q decides.
+    if calls_directly(q) if signature is not None else calls_directly(q, k, v, S, z, S_out, z_out):
+        o = based_decode_cuda(q, k, v, S, z, scale, S_out, z_out)
+    else:
+        o = based_decode_op(q, k, v, S, z, scale, S_out, z_out)
+    return o, (S_out, z_out)
+
+
+def _written(state, out) -> tuple:
+    """`out` holding `state`: each tensor copied into its buffer (differentiably)."""
+    for buffer, x in zip(out, state):
+        buffer.copy_(x)
+    return tuple(out)
+
+
+# Call signatures of `based_decode` that passed check_decode_args: the checks cost several times the lookup, a share
+# of a decode step's launch-bound budget worth saving.
+_checked_decode = CheckedSignatures()
+
+
+def _decode_signature(q, k, v, state, scale, out) -> tuple | None:
+    """What `check_decode_args` reads of a call of plain tensors, the state and out as tuples or lists and a Python
+    float, int or None scale (None, checked every call, for every other call): the shapes, dtypes and devices, out's
+    strides, and the scale."""
+    if (type(state) not in (tuple, list) or len(state) != 2 or not (scale is None or type(scale) in (float, int))
+            or not (out is None or (type(out) in (tuple, list) and len(out) == 2))):
+        return None
+    S, z = state
+    if (type(q) is not torch.Tensor or type(k) is not torch.Tensor or type(v) is not torch.Tensor
+            or type(S) is not torch.Tensor or type(z) is not torch.Tensor):
+        return None
+    signature = (q.shape, k.shape, v.shape, S.shape, z.shape, q.dtype, k.dtype, v.dtype, S.dtype, z.dtype, q.device,
+                 k.device, v.device, S.device, z.device, scale)
+    if out is None:
+        return signature
+    S_out, z_out = out
+    if type(S_out) is not torch.Tensor or type(z_out) is not torch.Tensor:
+        return None
+    return (*signature, S_out.shape, z_out.shape, S_out.stride(), z_out.stride(), S_out.dtype, z_out.dtype,
+            S_out.device, z_out.device)

@@ -79,7 +79,8 @@ def check_state_args(q, v, initial_state, output_final_state, cu_seqlens) -> Non
 
 def check_decode_args(q, k, v, state, scale, max_tokens: int, out=None) -> None:
     """q, k (B, T, H, K), v (B, T, H, V) with 1 <= T <= max_tokens, the state (S, z) of the B sequences, and out:
-    None, or a pair of contiguous tensors like the state's that shares no memory with it or with each other."""
+    None, or a pair of contiguous tensors like the state's (shapes, dtypes, devices and strides only: whether out
+    shares memory with the state is `check_decode_memory`'s question)."""
     check_based_args(q, k, v, scale)
     if q.shape[1] > max_tokens:
         raise ValueError(f"based_decode takes 1 to {max_tokens} new tokens (q.shape[1]), got {q.shape[1]}: "
@@ -91,22 +92,32 @@ def check_decode_args(q, k, v, state, scale, max_tokens: int, out=None) -> None:
     for name, x in (("out[0] (S)", out[0]), ("out[1] (z)", out[1])):
         if not x.is_contiguous():
             raise ValueError(f"{name} must be contiguous")
-    named = [("state[0] (S)", state[0]), ("state[1] (z)", state[1]), ("out[0] (S)", out[0]), ("out[1] (z)", out[1])]
-    for i, (a_name, a) in enumerate(named):
-        for b_name, b in named[max(i + 1, 2):]:
-            if _overlap(a, b):
-                raise ValueError(f"{b_name} must not share memory with {a_name}: the new state goes to other buffers")
 
 
-def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether the memory spans of a and b (from their lowest to their highest element) meet."""
-    if a.numel() == 0 or b.numel() == 0 or a.device != b.device:
-        return False
+# The pairs of (state[0], state[1], out[0], out[1]) that must not share memory, in the order they are checked.
+_DISJOINT = ((0, 2), (0, 3), (1, 2), (1, 3), (2, 3))
+_DECODE_NAMES = ("state[0] (S)", "state[1] (z)", "out[0] (S)", "out[1] (z)")
 
-    def span(x):
-        start = x.data_ptr()
-        last = sum((n - 1) * st for n, st in zip(x.shape, x.stride()) if st > 0) * x.element_size()
-        return start, start + last + x.element_size()
 
-    (a0, a1), (b0, b1) = span(a), span(b)
-    return a0 < b1 and b0 < a1
+def check_decode_memory(state, out) -> None:
+    """The new state's buffers `out` share no memory with the state or with each other (their memory spans, from
+    the lowest to the highest element, do not meet). For a call `check_decode_args` passed (every tensor non-empty,
+    on one device); it reads the data pointers, so it runs every call. Tensors without memory of their own (meta and
+    fake tensors, a call torch.compile traces) are not checked."""
+    tensors = (*state, *out)
+    if torch.compiler.is_compiling() or any(type(x) is not torch.Tensor or x.is_meta for x in tensors):
+        return
+    spans = [_span(x) for x in tensors]
+    for a, b in _DISJOINT:
+        if spans[a][0] < spans[b][1] and spans[b][0] < spans[a][1]:
+            raise ValueError(f"{_DECODE_NAMES[b]} must not share memory with {_DECODE_NAMES[a]}: the new state goes "
+                             "to other buffers")
+
+
+def _span(x: torch.Tensor) -> tuple[int, int]:
+    """The first byte of x's memory and the byte after its last element."""
+    start = x.data_ptr()
+    if x.is_contiguous():
+        return start, start + x.numel() * x.element_size()
+    last = sum((n - 1) * st for n, st in zip(x.shape, x.stride()) if st > 0) * x.element_size()
+    return start, start + last + x.element_size()

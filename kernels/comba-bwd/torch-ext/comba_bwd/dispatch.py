@@ -18,12 +18,15 @@ from typing import NamedTuple
 import torch
 
 from .common.devices import on_device
+from .common.direct_calls import stage_module
 from .common.fast_paths import FastPath, FastPaths, falls_back
 from .recurrent import comba_decode_reference
 from .reference import resolve_scale
 
+# The Gluon kernels of the chunked pipeline's stages (`hopper/`), one row: they run together where it says they do.
+CHUNK_GLUON = "chunk-gluon"
 FAST_PATHS = FastPaths("comba-bwd", (
-    FastPath("gluon", "Gluon warpgroup-MMA kernels for bf16 inputs with V = 128: both scans and the gradients at "
+    FastPath(CHUNK_GLUON, "Gluon warpgroup-MMA kernels for bf16 inputs with V = 128: both scans and the gradients at "
              "K = 128; the chunk transform, the forward scan and the gradients (with dv) at K = 64", ((9, 0),),
              verified=("3.6", "3.7", "3.8"), compiles=("3.6", "3.7", "3.8", "3.9")),
 ))
@@ -65,7 +68,7 @@ def gluon_stages(device: torch.device, dtype: torch.dtype, K: int, V: int) -> tu
     """The stages Gluon kernels run for inputs of `dtype` on `device` with these K and V: where FAST_PATHS runs the
     Gluon path (their warpgroup MMA is Hopper's alone; meta tensors, an offline compile for sm_90, under the releases
     it compiles under), with bf16 inputs and V = 128, GLUON_STAGES[K]."""
-    if V != GLUON_V or dtype not in GLUON_DTYPES or K not in GLUON_STAGES or not FAST_PATHS.runs("gluon", device):
+    if V != GLUON_V or dtype not in GLUON_DTYPES or K not in GLUON_STAGES or not FAST_PATHS.runs(CHUNK_GLUON, device):
         return ()
     return GLUON_STAGES[K]
 
@@ -94,7 +97,7 @@ def with_fallback(call, q: torch.Tensor, V: int):
     except Exception as error:
         if not falls_back(error):
             raise
-        FAST_PATHS.failed("gluon", error)
+        FAST_PATHS.failed(CHUNK_GLUON, error)
         if q.is_cuda and not torch.cuda.is_current_stream_capturing():
             torch.cuda.synchronize(q.device)
         return call(plan(q, V))
@@ -139,22 +142,28 @@ def comba_backward_cuda(q, k, v, p, beta, g, do, scale: float):
     return with_fallback(lambda plan: pipeline.run_backward(q, k, v, p, beta, g, do, scale, plan), q, v.shape[-1])
 
 
-def comba_decode_cuda(q, k, v, p, beta, g, state, scale, cu_seqlens, use_qk_l2norm: bool, read_order: str):
-    """(o (B, T, HV, V) in v's dtype, new_state (N, HV, K, V) float32) of a checked decode call without autograd.
-    K in {64, 128, 256}, V in {64, 128, 256, 512} (`portable.decode.takes`): one launch of the fused kernel into new
-    tensors, `state` only read; shapes decide everything, no value is read on the host, so the call can be captured
-    in a CUDA graph. Other sizes: the recurrent reference (`comba_decode_reference`)."""
-    from .portable import decode  # the kernels need triton: imported on a CUDA call's first use
-
+def comba_decode_cuda(q, k, v, p, beta, g, state, scale: float, cu_seqlens, use_qk_l2norm: bool, read_order: str):
+    """(o (B, T, HV, V) in v's dtype, new_state (N, HV, K, V) float32) of a checked decode call without autograd (the
+    registered op's entry point, and the public function's direct call). K in {64, 128, 256}, V in {64, 128, 256, 512}
+    (`portable.decode.takes`): one launch of the fused kernel into new tensors, `state` only read; shapes decide
+    everything, no value is read on the host, so the call can be captured in a CUDA graph. Other sizes: the recurrent
+    reference (`comba_decode_reference`)."""
+    decode = stage_module(__package__, "portable.decode")  # the kernels need triton: imported on first use
     K, V = q.shape[-1], v.shape[-1]
     if not decode.takes(K, V, q.dtype):
         return comba_decode_reference(q, k, v, p, beta, g, state, scale, cu_seqlens=cu_seqlens,
                                       use_qk_l2norm=use_qk_l2norm, read_order=read_order)
-    q, k, v, p, beta, g = (x.contiguous() for x in (q, k, v, p, beta, g))
-    state, cu_seqlens = (None if x is None else x.contiguous() for x in (state, cu_seqlens))
-    N = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    q, k, v, p = q.contiguous(), k.contiguous(), v.contiguous(), p.contiguous()
+    beta, g = beta.contiguous(), g.contiguous()
     o = torch.empty_like(v)
-    new_state = torch.empty(N, v.shape[2], K, V, dtype=torch.float32, device=q.device)
+    if state is None:
+        N = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+        new_state = torch.empty(N, v.shape[2], K, V, dtype=torch.float32, device=q.device)
+    else:
+        state = state.contiguous()
+        new_state = torch.empty_like(state)
+    if cu_seqlens is not None:
+        cu_seqlens = cu_seqlens.contiguous()
     with on_device(q):
         decode.launch(q, k, v, p, beta, g, state, o, new_state, resolve_scale(scale, K), cu_seqlens, use_qk_l2norm,
                       read_order == "fla")

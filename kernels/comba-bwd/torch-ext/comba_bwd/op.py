@@ -10,8 +10,10 @@ value heads, the fused Triton kernels on CUDA (`dispatch.comba_state_forward_cud
 `comba_attention` takes them for such a call on CUDA, with q, k and p L2-normalised by torch ops ahead of them where
 asked (differentiated by autograd). A call with packed sequences or fla's read order, one with K or V the kernels are
 not compiled for, and every model call on the CPU run the eager reference (reference.py), differentiated by autograd.
-`comba_decode` runs the fused decode kernel on CUDA without autograd (`dispatch.comba_decode_cuda`), the recurrent
-reference (recurrent.py) otherwise.
+`comba_decode` runs the registered `comba_decode` op (the fused decode kernel on CUDA, `dispatch.comba_decode_cuda`;
+the recurrent reference, recurrent.py, on the CPU), the recurrent reference itself where autograd records the call,
+and an eager call on plain CUDA tensors that needs neither (`common.direct_calls.calls_directly`) runs the op's entry
+point directly, its argument checks skipped for a call signature that passed them before.
 
 Under autocast (`common.autocast`) the ops run with autocast off: on CUDA `comba_forward` takes q, k, v, p in
 autocast's dtype (the fused kernels' 16-bit operands) and beta, g as given, `comba_backward` its arguments as given;
@@ -27,12 +29,13 @@ import torch
 from ._ops import add_op_namespace_prefix
 from .common.autocast import register_autocast
 from .common.differentiation import check_differentiation, no_double_backward
+from .common.direct_calls import CheckedSignatures, calls_directly
 from .dispatch import (comba_backward_cuda, comba_decode_cuda, comba_forward_cuda, comba_state_backward_cuda,
                        comba_state_forward_cuda)
 from .model_args import check_model_args
 from .recurrent import check_decode_tokens, comba_decode_reference
 from .reference import (L2NORM_EPS, comba_backward_reference, comba_forward_reference, comba_state_backward_reference,
-                        comba_state_forward_reference)
+                        comba_state_forward_reference, resolve_scale)
 from .validation import FUSED_SIZES, check_comba_args
 
 Grads = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
@@ -165,6 +168,32 @@ register_autocast(add_op_namespace_prefix("comba_state_forward"), cuda_16bit=(0,
 register_autocast(add_op_namespace_prefix("comba_state_backward"))
 
 
+# The decode step: (o, new_state), both new tensors. Not differentiable: the public function runs the recurrent
+# reference where autograd records the call.
+@torch.library.custom_op(add_op_namespace_prefix("comba_decode"), mutates_args=(), device_types="cuda")
+def comba_decode_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: torch.Tensor, beta: torch.Tensor, g: torch.Tensor,
+    state: Optional[torch.Tensor], cu_seqlens: Optional[torch.Tensor], scale: float, use_qk_l2norm: bool,
+    read_order: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return comba_decode_cuda(q, k, v, p, beta, g, state, scale, cu_seqlens, use_qk_l2norm, read_order)
+
+
+@torch.library.register_kernel(add_op_namespace_prefix("comba_decode"), "cpu")
+def _(q, k, v, p, beta, g, state, cu_seqlens, scale, use_qk_l2norm, read_order):
+    return comba_decode_reference(q, k, v, p, beta, g, state, scale, cu_seqlens=cu_seqlens,
+                                  use_qk_l2norm=use_qk_l2norm, read_order=read_order)
+
+
+@torch.library.register_fake(add_op_namespace_prefix("comba_decode"))
+def _(q, k, v, p, beta, g, state, cu_seqlens, scale, use_qk_l2norm, read_order):
+    N = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    return torch.empty_like(v), v.new_empty((N, v.shape[2], q.shape[-1], v.shape[-1]), dtype=torch.float32)
+
+
+register_autocast(add_op_namespace_prefix("comba_decode"))
+
+
 def _prepare(tensors, scale, K):
     return [x.contiguous() for x in tensors], (K**-0.5 if scale is None else float(scale))
 
@@ -271,12 +300,48 @@ def comba_decode(q, k, v, p, beta, g, state=None, scale=None, *, cu_seqlens=None
     On CUDA without autograd (no input requires grad, or grad mode off: inference) the fused decode kernel runs
     (`comba_decode_cuda`) at K in {64, 128, 256} and V in {64, 128, 256, 512}: no value is read on the host (the
     offsets of cu_seqlens are not checked there; T is), so the call can be captured in a CUDA graph. Every other
-    call runs the recurrent reference (`comba_decode_reference`), differentiable by autograd.
+    call runs the recurrent reference (`comba_decode_reference`), differentiable by autograd. Under autocast the
+    arguments are taken as given; under torch.func.vmap the registered op runs once a sample.
     """
-    check_model_args(q, k, v, p, beta, g, scale, state, True, cu_seqlens, use_qk_l2norm, read_order, "state")
-    if q.is_cuda and not _differentiated(q, k, v, p, beta, g, state):
+    signature = _decode_signature(q, k, v, p, beta, g, state, scale, cu_seqlens, use_qk_l2norm, read_order)
+    if signature is None or signature not in _checked_decode:
+        check_model_args(q, k, v, p, beta, g, scale, state, True, cu_seqlens, use_qk_l2norm, read_order, "state")
         if cu_seqlens is None:
             check_decode_tokens(q.shape[1])
+        if signature is not None:
+            _checked_decode.add(signature)
+    if _differentiated(q, k, v, p, beta, g, state):
+        return comba_decode_reference(q, k, v, p, beta, g, state, scale, cu_seqlens=cu_seqlens,
+                                      use_qk_l2norm=use_qk_l2norm, read_order=read_order)
+    scale = resolve_scale(scale, q.shape[-1])
+    # A remembered signature holds plain tensors on q's device, none recorded by autograd (above): q decides.
+    if calls_directly(q) if signature is not None else calls_directly(
+            q, k, v, p, beta, g, *(x for x in (state, cu_seqlens) if x is not None)):
         return comba_decode_cuda(q, k, v, p, beta, g, state, scale, cu_seqlens, use_qk_l2norm, read_order)
-    return comba_decode_reference(q, k, v, p, beta, g, state, scale, cu_seqlens=cu_seqlens,
-                                  use_qk_l2norm=use_qk_l2norm, read_order=read_order)
+    return comba_decode_op(q, k, v, p, beta, g, state, cu_seqlens, scale, use_qk_l2norm, read_order)
+
+
+# Call signatures of `comba_decode` that passed its argument checks (`check_model_args`, and the token count without
+# cu_seqlens): the checks cost several times the lookup, a share of a decode step's launch-bound budget worth saving.
+_checked_decode = CheckedSignatures()
+
+
+def _decode_signature(q, k, v, p, beta, g, state, scale, cu_seqlens, use_qk_l2norm, read_order) -> tuple | None:
+    """What the checks of `comba_decode` read of a call of plain tensors, a Python float, int or None scale, a bool
+    use_qk_l2norm and a str read_order (None, checked every call, for every other call): the shapes, dtypes and
+    devices, and the scalars."""
+    if (type(q) is not torch.Tensor or type(k) is not torch.Tensor or type(v) is not torch.Tensor
+            or type(p) is not torch.Tensor or type(beta) is not torch.Tensor or type(g) is not torch.Tensor
+            or not (state is None or type(state) is torch.Tensor)
+            or not (cu_seqlens is None or type(cu_seqlens) is torch.Tensor)
+            or not (scale is None or type(scale) in (float, int)) or type(use_qk_l2norm) is not bool
+            or type(read_order) is not str):
+        return None
+    signature = (q.shape, k.shape, v.shape, p.shape, beta.shape, g.shape, q.dtype, k.dtype, v.dtype, p.dtype,
+                 beta.dtype, g.dtype, q.device, k.device, v.device, p.device, beta.device, g.device, scale,
+                 use_qk_l2norm, read_order)
+    if state is not None:
+        signature += (state.shape, state.dtype, state.device)
+    if cu_seqlens is not None:
+        signature += (cu_seqlens.shape, cu_seqlens.dtype, cu_seqlens.device)
+    return (*signature, state is None, cu_seqlens is None)

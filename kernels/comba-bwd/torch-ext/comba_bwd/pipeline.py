@@ -162,7 +162,7 @@ def backward_stages(q, k, v, p, beta, g, do, scale: float, grads=None, plan=None
         stages.append(Stage("reverse_scan", portable.reverse_scan.launch,
                             (q, k, v, p, beta, g, do, A, dS, X, dv, dbeta_v, scale, v_adjoint, d_final, d_initial)))
     if plan.v_adjoint_in_grads:
-        stages.append(Stage("grads", hopper.grads.launch_with_dv, (t, q, beta, g, dq, dk, dv, dp, dbeta, dg, scale)))
+        stages.append(Stage("grads", hopper.grads.launch_grads64, (t, q, beta, g, dq, dk, dv, dp, dbeta, dg, scale)))
     elif "grads" in gluon:
         stages.append(Stage("grads", hopper.grads.launch, (t, q, do, beta, g, dbeta_v, dq, dk, dp, dbeta, dg, scale)))
     else:

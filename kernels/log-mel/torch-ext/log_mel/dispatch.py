@@ -4,10 +4,12 @@ main pass in the Gluon kernel (`hopper/waveform.py`) where its row of FAST_PATHS
 portable Triton kernel (`portable/waveform.py`) everywhere else, or after the Gluon kernel failed to compile (one
 warning, then the Triton kernel for the process); the floor pass (`portable/floor.py`) follows either, each stage's
 launch built once per call shape and run through the kept launcher of `common/launch.py` (no per-call argument
-binding). The kernels' modules are imported on a CUDA call's first use: they need triton."""
+binding). The kernels' modules are imported on a CUDA call's first use (they need triton) and then found without an
+import statement (`common.direct_calls.stage_module`)."""
 
 import torch
 
+from .common.direct_calls import stage_module
 from .common.fast_paths import FastPath, FastPaths, falls_back
 
 FAST_PATHS = FastPaths("log-mel", (
@@ -30,19 +32,15 @@ def waveform_path(audio: torch.Tensor) -> str:
 def log_mel_spectrogram_cuda(stft: torch.Tensor, mel_filters: torch.Tensor) -> torch.Tensor:
     """`log_mel_spectrogram` on validated, contiguous CUDA (or meta) tensors: the band plan, the main pass and the
     floor of `portable/stft.py`, in the tile config its pick table names for the shape."""
-    from .portable import stft as portable_stft
-
-    return portable_stft.launch(stft, mel_filters)
+    return stage_module(__package__, "portable.stft").launch(stft, mel_filters)
 
 
 def whisper_log_mel_cuda(audio: torch.Tensor, lengths: torch.Tensor | None, n_mels: int,
                          out_dtype: torch.dtype) -> torch.Tensor:
     """`whisper_log_mel` on validated, contiguous CUDA (or meta) tensors: the main pass on the path `waveform_path`
     picks, then the floor pass."""
-    from .portable import floor
-
     out, stats, block_f = _waveform_main_pass(audio, lengths, n_mels, out_dtype)
-    floor.launch(out, stats, block_f)
+    stage_module(__package__, "portable.floor").launch(out, stats, block_f)
     return out
 
 
@@ -51,14 +49,10 @@ def _waveform_main_pass(audio: torch.Tensor, lengths: torch.Tensor | None, n_mel
     """(out, stats, block_f) of the main pass in the Gluon kernel where `waveform_path` takes it and it compiles, in
     the portable Triton kernel otherwise."""
     if waveform_path(audio) == "waveform-gluon":
-        from .hopper import waveform as hopper_waveform
-
         try:
-            return hopper_waveform.launch(audio, lengths, n_mels, out_dtype)
+            return stage_module(__package__, "hopper.waveform").launch(audio, lengths, n_mels, out_dtype)
         except Exception as error:
             if not falls_back(error):
                 raise
             FAST_PATHS.failed("waveform-gluon", error)
-    from .portable import waveform as portable_waveform
-
-    return portable_waveform.launch(audio, lengths, n_mels, out_dtype)
+    return stage_module(__package__, "portable.waveform").launch(audio, lengths, n_mels, out_dtype)

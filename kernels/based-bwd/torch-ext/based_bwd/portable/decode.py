@@ -21,9 +21,12 @@ code, converted to fp32 on load; o is stored in v's dtype. The new state goes to
 one (n, h) all read z before any of them may write it, which an in-place update could not guarantee.
 """
 
+import functools
+
 import triton
 import triton.language as tl
 
+from ..common.launch import Launch, launch as run
 from .tiles import _EPS, _sequence_row
 
 _INV_SQRT2 = tl.constexpr(2**-0.5)
@@ -96,10 +99,16 @@ def _decode_kernel(
 def launch(q, k, v, S, z, o, S_out, z_out, scale: float, *, bv: int, warps: int) -> None:
     """o (B, T, H, V) and the new state (S_out, z_out) from contiguous q, k (B, T, H, K), v (B, T, H, V) and the
     state (S (B, H, P, V), z (B, H, P)), fp32, P = 1 + K + K^2, K a power of two; S_out, z_out must not overlap
-    S, z. A program takes up to `bv` V columns of one (b, h), on `warps` warps."""
+    S, z. A program takes up to `bv` V columns of one (b, h), on `warps` warps. The launch is planned once per
+    shape (`plan`) and runs through the kept launcher of `common.launch`."""
     B, T, H, K = q.shape
-    V = v.shape[-1]
+    run(plan(B, T, H, K, v.shape[-1], scale, bv, warps), (q, k, v, S, z, o, S_out, z_out))
+
+
+@functools.cache
+def plan(B: int, T: int, H: int, K: int, V: int, scale: float, bv: int, warps: int) -> Launch:
+    """The decode launch of a call shape and scale (a model has one scale), built once: B H ceil(V / BV) programs of
+    BV = min(bv, V rounded up to a power of two, at least 16) columns."""
     BV = min(bv, max(16, triton.next_power_of_2(V)))
-    _decode_kernel[(B * H * triton.cdiv(V, BV),)](
-        q, k, v, S, z, o, S_out, z_out, T, H, scale,
-        K=K, KK=K * K, V=V, BV=BV, num_warps=warps, num_stages=1)
+    meta = dict(K=K, KK=K * K, V=V, BV=BV, num_stages=1)
+    return Launch(_decode_kernel, B * H * triton.cdiv(V, BV), (T, H, scale), meta, warps, f"bv={BV} warps={warps}")

@@ -532,7 +532,7 @@ def _grads64_gluon_kernel(q_desc, k_desc, p_desc, do_desc, v_desc, s_desc, ds_de
     mbarrier.invalidate(v_bar)
 
 
-def launch_with_dv(t, q, beta, g, dq, dk, dv, dp, dbeta, dg, scale: float):
+def launch_grads64(t, q, beta, g, dq, dk, dv, dp, dbeta, dg, scale: float):
     """As `launch`, at K = 64, with dv (= beta X) and dbeta's v part (v . X) made here, where the reverse
     scan leaves them out: dq, dk, dv, dp, dbeta and dg written in place."""
     B, T, H, K = q.shape

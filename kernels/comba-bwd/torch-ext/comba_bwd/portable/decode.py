@@ -21,10 +21,13 @@ summed into `poison`, which is added to every output from then on.
 Offsets of packed sequences are read on the device and clamped into [0, T], so no offsets reach outside the
 inputs; their order is not checked (the reference's check reads them on the host)."""
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
+from ..common.launch import Launch, launch as run
 from ..reference import L2NORM_EPS
 
 EPS = tl.constexpr(L2NORM_EPS)
@@ -117,12 +120,20 @@ def launch(q, k, v, p, beta, g, state, o, new_state, scale: float, cu_seqlens=No
     """o (B, T, HV, V) and new_state (N, HV, K, V) float32 of contiguous inputs q, k, p (B, T, H, K), v (B, T, HV, V),
     beta, g (B, T, HV), the carried state (N, HV, K, V) float32 or None (zeros) and cu_seqlens (N + 1,) or None
     (N = B). `block` (a power of two dividing V) and `warps` override the V block (`block_v`) and DECODE_WARPS: the
-    tests' small blocks, the harness's sweep."""
+    tests' small blocks, the harness's sweep. The launch is planned once per call shape (`plan`) and runs through the
+    kept launcher of `common.launch`."""
     T, H, K = q.shape[1:]
     HV, V = v.shape[2], v.shape[3]
-    N = new_state.shape[0]
+    run(plan(new_state.shape[0], T, H, HV, K, V, scale, state is not None, cu_seqlens is not None, use_qk_l2norm,
+             read_first, block, warps),
+        (q, k, v, p, beta, g, state, new_state, o, cu_seqlens))
+
+
+@functools.cache
+def plan(N: int, T: int, H: int, HV: int, K: int, V: int, scale: float, has_state: bool, varlen: bool, l2norm: bool,
+         read_first: bool, block: int | None = None, warps: int = DECODE_WARPS) -> Launch:
+    """The decode launch of a call shape and scale (a model has one scale), built once: N HV V / BV programs."""
     BV = block or block_v(K, V)
-    _decode_kernel[(N * HV * (V // BV),)](
-        q, k, v, p, beta, g, state, new_state, o, cu_seqlens, scale, T, H=H, HV=HV,
-        K=K, V=V, BV=BV, HAS_STATE=state is not None, VARLEN=cu_seqlens is not None, L2NORM=use_qk_l2norm,
-        READ_FIRST=read_first, num_warps=warps, num_stages=1)
+    meta = dict(H=H, HV=HV, K=K, V=V, BV=BV, HAS_STATE=has_state, VARLEN=varlen, L2NORM=l2norm, READ_FIRST=read_first,
+                num_stages=1)
+    return Launch(_decode_kernel, N * HV * (V // BV), (scale, T), meta, warps, f"BV={BV} warps={warps}")

@@ -1,0 +1,69 @@
+# Generated from common/direct_calls.py by `python -m tools.vendor`: edit that file, not this copy.
+"""The host path of a small eager call: whether it may skip its registered op for the op's CUDA entry point
+(`calls_directly`), the call signatures whose argument checks passed (`CheckedSignatures`), and the stage modules an
+entry point launches through, found without an import statement (`stage_module`).
+
+A registered custom op costs tens of microseconds of host time a call in torch.library's dispatch layers, and the
+argument checks several more: at launch-bound sizes that is most of a call. Where nothing needs the registered
+op (no autograd graph to record, no compiler, tracer, functorch transform or dispatch mode looking at the call),
+a public function calls the entry point the op would run, with the checks it ran the last time it saw the same
+call signature.
+"""
+
+import functools
+import importlib
+
+import torch
+
+
+def calls_directly(*tensors) -> bool:
+    """Whether an eager call on `tensors` may skip the registered op for its CUDA entry point: nothing intercepts
+    calls (`nothing_intercepts`), CUDA autocast is off (the registered op holds its autocast rule), and every tensor
+    is a plain CUDA tensor (not a FakeTensor or other subclass, not meta), none requiring grad while grad mode is on.
+    Everywhere else the registered op runs, which each of those knows how to handle."""
+    if not nothing_intercepts() or torch.is_autocast_enabled("cuda"):
+        return False
+    grad = torch.is_grad_enabled()
+    for x in tensors:
+        if type(x) is not torch.Tensor or not x.is_cuda or (grad and x.requires_grad):
+            return False
+    return True
+
+
+def nothing_intercepts() -> bool:
+    """No torch.compile tracing, torch.jit trace, functorch transform (vmap, grad) or torch dispatch mode
+    (FakeTensorMode, functionalization, a profiler's mode) active: each of them must see the registered op."""
+    return not (torch.compiler.is_compiling() or torch.jit.is_tracing() or torch._C._len_torch_dispatch_stack()
+                or torch._C._are_functorch_transforms_active())
+
+
+class CheckedSignatures:
+    """Call signatures (hashable tuples of what a function's argument checks read: shapes, dtypes, devices, the
+    scalars and their types) that passed the checks, so that a signature seen before skips them. The checks
+    read nothing else, so a signature that passed once passes again. Bounded for callers with ever-new shapes:
+    past `limit` signatures the set starts over."""
+
+    def __init__(self, limit: int = 4096):
+        self.limit = limit
+        self._passed: set = set()
+
+    def __contains__(self, signature) -> bool:
+        return signature in self._passed
+
+    def add(self, signature) -> None:
+        """Record that `signature` passed the checks."""
+        if len(self._passed) >= self.limit:
+            self._passed.clear()
+        self._passed.add(signature)
+
+    def __len__(self) -> int:
+        return len(self._passed)
+
+
+@functools.cache
+def stage_module(package: str, name: str):
+    """The module `name` of `package` (`stage_module(__package__, "portable.decode")`), imported at its first call
+    (stage modules import triton, which CPU torch wheels lack, so a package imports them on a CUDA call's first use)
+    and then found by one cache lookup, where an import statement in the entry point would cost about a microsecond of
+    host time every call."""
+    return importlib.import_module(f"{package}.{name}")
