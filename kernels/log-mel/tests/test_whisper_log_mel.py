@@ -30,11 +30,18 @@ def waveform(lm):
     return submodule(lm, "portable.waveform")
 
 
-def features(lm, main_pass, audio, lengths, n_mels, out_dtype):
-    """`main_pass` (a waveform module: `portable.waveform` or `hopper.waveform`) and the floor pass on `audio`."""
-    out, stats, block_f = main_pass.launch(audio, lengths, n_mels, out_dtype)
-    submodule(lm, "portable.floor").launch(out, stats, block_f)
+def features(lm, main_pass, audio, lengths, n_mels, out_dtype, with_floor=False):
+    """`main_pass` (a waveform module: `portable.waveform` or `hopper.waveform`) and the floor pass on `audio`, or
+    `with_floor` the main pass with the floor folded into its launch."""
+    out, stats, block_f = main_pass.launch(audio, lengths, n_mels, out_dtype, with_floor=with_floor)
+    if not with_floor:
+        submodule(lm, "portable.floor").launch(out, stats, block_f)
     return out
+
+
+def same_bits(x, y) -> bool:
+    """x and y equal, NaN where the other is NaN."""
+    return torch.equal(x.isnan(), y.isnan()) and torch.equal(x.nan_to_num(), y.nan_to_num())
 
 
 def transformers_features(audio: torch.Tensor, n_mels: int) -> torch.Tensor:
@@ -162,6 +169,49 @@ def test_kernel_matches_float64(lm, waveform, n_mels):
     padded = audio * (torch.arange(8077)[None, :] < lengths[:, None])
     assert max_abs(out, float64_features(padded, n_mels)) <= 1e-4
     assert torch.equal(out[SILENT].cpu(), torch.full_like(out[SILENT].cpu(), -1.5))
+
+
+@needs_triton
+@pytest.mark.kernels_ci
+@pytest.mark.parametrize("n_mels", [80, 128])
+def test_kernel_floor_in_one_launch_or_two(lm, waveform, n_mels, monkeypatch):
+    """The main pass with its floor folded into its launch (floor items taken by ticket, `portable/floor.py`) gives
+    the bits of the main pass and the floor pass in two launches, on speech (with silent stretches the floor
+    reaches), noise, silence (exactly the floor), speech at -80 dB, speech cut short by its length, and speech with
+    a NaN sample (NaN in its own clip only); and it leaves its counters at zero."""
+    floor = submodule(lm, "portable.floor")
+    used = []
+    counters = floor.counters
+    monkeypatch.setattr(floor, "counters", lambda device, B: used.append(counters(device, B)) or used[-1])
+    # 6477 samples: 40 frames, tiles of 16, 16 and 8 frames, two floor items a clip.
+    audio = bench.whisper_batch(6, 6477, "cpu")
+    audio[5, 3000] = float("nan")
+    lengths = torch.tensor([6477, 6477, 6477, 6477, 2100, 6477])
+    one = features(lm, waveform, audio.to(DEVICE), lengths.to(DEVICE), n_mels, torch.float32, with_floor=True)
+    two = features(lm, waveform, audio.to(DEVICE), lengths.to(DEVICE), n_mels, torch.float32)
+    assert same_bits(one, two)
+    padded = audio * (torch.arange(6477)[None, :] < lengths[:, None])
+    assert max_abs(one[:5], float64_features(padded[:5], n_mels)) <= 1e-4
+    assert torch.equal(one[SILENT].cpu(), torch.full_like(one[SILENT].cpu(), -1.5))
+    assert one[5].isnan().any()
+    assert len(used) == 1 and not used[0].any()
+
+
+@needs_triton
+@pytest.mark.kernels_ci
+def test_dispatch_plans(lm):
+    """`whisper_log_mel_cuda` takes either plan by name (the same bits, here on one clip of one tile), the rule's
+    choice by batch size without one, and refuses an unknown name."""
+    dispatch = submodule(lm, "dispatch")
+    limit = dispatch.ONE_LAUNCH_MAX_CLIPS
+    assert [dispatch.waveform_plan(B) for B in (1, limit, limit + 1)] == [dispatch.ONE_LAUNCH, dispatch.ONE_LAUNCH,
+                                                                          dispatch.TWO_LAUNCHES]
+    audio = bench.whisper_batch(1, 1677, DEVICE)
+    one, two = [dispatch.whisper_log_mel_cuda(audio, None, 20, torch.float32, plan=p) for p in dispatch.WAVEFORM_PLANS]
+    assert torch.equal(one, two)
+    assert max_abs(one, float64_features(audio, 20)) <= 1e-4
+    with pytest.raises(ValueError, match="unknown plan 'three-launch'"):
+        dispatch.whisper_log_mel_cuda(audio, None, 20, torch.float32, plan="three-launch")
 
 
 @pytest.mark.kernels_ci

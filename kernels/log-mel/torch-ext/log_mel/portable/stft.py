@@ -264,7 +264,7 @@ def _stft_floor_kernel(out_ptr, stats_ptr, F, NM, n_tiles, n_groups, BLOCK_F: tl
     pid = tl.program_id(0)
     clip = pid // n_groups
     first = (pid % n_groups) * FLOOR_TILES
-    floor = clip_floor(stats_ptr, clip, n_tiles, STATS_CHUNK)
+    floor = clip_floor(stats_ptr, clip, n_tiles, tl.arange(0, STATS_CHUNK))
     stats = stats_ptr + clip.to(tl.int64) * n_tiles * 2
     for tile in range(first, tl.minimum(first + FLOOR_TILES, n_tiles)):
         if tl.load(stats + 2 * tile + 1) < floor:
