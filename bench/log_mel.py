@@ -244,6 +244,8 @@ def waveform_rows(kernel, bench, batches=WAVEFORM_BATCHES, n_samples=30 * 16000)
             impls["whisper_log_mel, fp32"] = (lambda: kernel.whisper_log_mel(audio, n_mels), ref64, fp32_bytes)
             impls["whisper_log_mel, int16 -> bf16"] = (
                 lambda: kernel.whisper_log_mel(pcm, n_mels, out_dtype=torch.bfloat16), pcm_ref64, pcm_bytes)
+            for plan, call in _plans(kernel, audio, n_mels).items():
+                impls[f"whisper_log_mel {plan}, fp32"] = (call, ref64, fp32_bytes)
             if gluon is not None:
                 impls["waveform-gluon kernel, fp32"] = (
                     lambda: _features(gluon, floor, audio, None, n_mels, torch.float32), ref64, fp32_bytes)
@@ -265,7 +267,7 @@ def waveform_rows(kernel, bench, batches=WAVEFORM_BATCHES, n_samples=30 * 16000)
                 if ref is not None:  # the max abs error, against the float64 features in the output's dtype
                     out = fn()
                     row["err"] = max_abs_err(out, ref.to(out.dtype) if out.dtype != torch.float32 else ref)
-                    if name.startswith("whisper_log_mel") or name.startswith("waveform kernel"):
+                    if name.startswith(("whisper_log_mel", "waveform kernel")):
                         row["silent_clip_exact"] = bool((out[2] == -1.5).all()) if B >= 4 else None
                     del out
                 rows.append(row)
@@ -285,9 +287,10 @@ def waveform_rows(kernel, bench, batches=WAVEFORM_BATCHES, n_samples=30 * 16000)
 def latency_rows(kernel, bench, batches=LATENCY_BATCHES, n_samples=30 * 16000) -> list[dict]:
     """The latency table's rows: the empty-launch floor, then at each batch of 30-s clips and 80 and 128 mels the
     wall-clock per eager call (calls back to back, one sync at the end) and GPU time of `whisper_log_mel` in fp32
-    and int16 -> bf16, of its registered custom op (the dispatch layers the public function skips), and of flashmel
-    + torch log/floor beside them (the bar: half its wall-clock at every batch, within 15 us of the floor at one
-    clip)."""
+    and int16 -> bf16, of its registered custom op (the dispatch layers the public function skips), of its CUDA entry
+    point in each plan (`dispatch.WAVEFORM_PLANS`: the floor in the main pass's launch, or a launch of its own; the
+    rows `dispatch.ONE_LAUNCH_MAX_CLIPS` is set from), and of flashmel + torch log/floor beside them (the bar: half
+    its wall-clock at every batch, within 15 us of the floor at one clip)."""
     flashmel = bench.optional("flashmel")
     run_on = device()
     rows = [floor_row(run_on)]
@@ -301,6 +304,7 @@ def latency_rows(kernel, bench, batches=LATENCY_BATCHES, n_samples=30 * 16000) -
                                                                                    out_dtype=torch.bfloat16),
                 "registered custom op, fp32": lambda: kernel.op.whisper_log_mel_op(audio, None, n_mels,
                                                                                    torch.float32),
+                **{f"entry point {plan}, fp32": call for plan, call in _plans(kernel, audio, n_mels).items()},
             }
             if flashmel is not None:
                 _, with_log = _flashmel_log(flashmel, n_mels, run_on)

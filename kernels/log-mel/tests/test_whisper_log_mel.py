@@ -359,6 +359,81 @@ def test_cuda_30s_batch_matches_transformers(lm, n_mels):
     assert max_abs(out_bf16, ref) <= 2e-4 + 2.0**-7
 
 
+@needs_cuda
+@pytest.mark.parametrize("B", [1, 4, 17])
+def test_cuda_plans_agree_on_30s_clips(lm, B):
+    """On 30-s clips each main pass (the Gluon kernel where it compiles, the Triton kernel) gives the same bits with
+    its floor folded into its launch as with the floor pass after it, fp32 and int16 -> bf16, at 80 and 128 mels;
+    silent clips exactly the floor; every kept counter back at zero."""
+    floor = submodule(lm, "portable.floor")
+    mains = [submodule(lm, "portable.waveform")]
+    if submodule(lm, "dispatch").FAST_PATHS.compiles_for("waveform-gluon", torch.device("cuda")):
+        mains.append(submodule(lm, "hopper.waveform"))
+    audio = bench.whisper_batch(B, 480000, "cuda")
+    pcm = (audio * 32768).round().clamp(-32768, 32767).to(torch.int16)
+    for main in mains:
+        for n_mels in (80, 128):
+            for x, out_dtype in ((audio, torch.float32), (pcm, torch.bfloat16)):
+                one = features(lm, main, x, None, n_mels, out_dtype, with_floor=True)
+                assert same_bits(one, features(lm, main, x, None, n_mels, out_dtype)), (main.__name__, n_mels)
+                if B >= 4:
+                    assert torch.equal(one[SILENT].float(), torch.full_like(one[SILENT].float(), -1.5))
+    torch.cuda.synchronize()
+    assert all(not kept.any() for kept in floor._kept_counters.values())
+
+
+@needs_cuda
+def test_cuda_one_launch_on_two_streams(lm):
+    """Folded launches on two streams at once (each stream its own counters) give the two-launch bits, and leave
+    every kept counter at zero."""
+    dispatch = submodule(lm, "dispatch")
+    floor = submodule(lm, "portable.floor")
+    audio = [bench.whisper_batch(4, 160000, "cuda", seed=seed) for seed in (0, 1)]
+    expected = [dispatch.whisper_log_mel_cuda(a, None, 80, torch.float32, plan=dispatch.TWO_LAUNCHES) for a in audio]
+    streams = [torch.cuda.Stream() for _ in audio]
+    for stream in streams:
+        stream.wait_stream(torch.cuda.current_stream())
+    outs = [[], []]
+    for _ in range(20):
+        for i, (a, stream) in enumerate(zip(audio, streams)):
+            with torch.cuda.stream(stream):
+                outs[i].append(dispatch.whisper_log_mel_cuda(a, None, 80, torch.float32, plan=dispatch.ONE_LAUNCH))
+    torch.cuda.synchronize()
+    assert all(torch.equal(out, expected[i]) for i in range(2) for out in outs[i])
+    assert all(not kept.any() for kept in floor._kept_counters.values())
+
+
+@needs_cuda
+@pytest.mark.parametrize("plan", ["one-launch", "two-launch"])
+def test_cuda_graphs_of_each_plan_replay_at_once(lm, plan):
+    """Two graphs captured from one call, each with counters of its own (a fill node), replayed on two streams at
+    once, give the eager result on new inputs."""
+    dispatch = submodule(lm, "dispatch")
+    x = bench.whisper_batch(4, 16000, "cuda")
+
+    def call():
+        return dispatch.whisper_log_mel_cuda(x, None, 80, torch.float32, plan=plan)
+
+    call()
+    torch.cuda.synchronize()
+    graphs = [torch.cuda.CUDAGraph() for _ in range(2)]
+    captured = []
+    for graph in graphs:
+        with torch.cuda.graph(graph):
+            captured.append(call())
+    x.copy_(x.flip(0))
+    streams = [torch.cuda.Stream() for _ in graphs]
+    for stream in streams:
+        stream.wait_stream(torch.cuda.current_stream())
+    for _ in range(3):
+        for graph, stream in zip(graphs, streams):
+            with torch.cuda.stream(stream):
+                graph.replay()
+    torch.cuda.synchronize()
+    expected = call()
+    assert all(torch.equal(out, expected) for out in captured)
+
+
 # ---------------------------------------------------------------------------------------------------------
 # A Whisper model on our features
 
