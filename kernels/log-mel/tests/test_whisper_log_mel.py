@@ -282,15 +282,17 @@ def gluon_waveform(lm):
 
 
 @pytest.mark.parametrize("n_mels", [80, 128, 20])
-def test_gluon_kernel_matches_float64(lm, gluon_waveform, n_mels):
+@pytest.mark.parametrize("with_floor", [False, True])
+def test_gluon_kernel_matches_float64(lm, gluon_waveform, n_mels, with_floor):
     # 8077 samples: 50 frames, tiles at both clip ends; 20000: 125 frames, interior tiles (no reflection) between
-    # ragged ones; a clip 3200 samples long, and one longer than the batch.
+    # ragged ones; a clip 3200 samples long, and one longer than the batch. The floor after the main pass, or in its
+    # launch.
     for n_samples in (8077, 20000):
         audio = bench.whisper_batch(5, n_samples, "cpu")
         lengths = torch.tensor([n_samples, n_samples, n_samples, 3200, n_samples + 900])
         padded = audio * (torch.arange(n_samples)[None, :] < lengths[:, None])
         ref = float64_features(padded, n_mels)
-        out = features(lm, gluon_waveform, audio.cuda(), lengths.cuda(), n_mels, torch.float32)
+        out = features(lm, gluon_waveform, audio.cuda(), lengths.cuda(), n_mels, torch.float32, with_floor)
         assert max_abs(out, ref) <= 1e-4
         assert torch.equal(out[SILENT].cpu(), torch.full_like(out[SILENT].cpu(), -1.5))
 
