@@ -274,8 +274,8 @@ def _waveform_gluon_kernel(audio_ptr, lengths_ptr, operands_ptr, twiddles_ptr, w
                            N_BLOCKS: gl.constexpr, IS_PCM: gl.constexpr, HAS_LENGTHS: gl.constexpr,
                            WITH_FLOOR: gl.constexpr, FLOOR_M: gl.constexpr, STATS_CHUNK: gl.constexpr,
                            FLOOR_TILES: gl.constexpr):
-    """One program per (clip, tile), clip-major (`_waveform_gluon_tile`). WITH_FLOOR: the floor folded in
-    (`portable/floor.py`): B * n_tiles main items, then B * n_groups floor items, taken by ticket."""
+    """One program per (clip, tile), clip-major (`_waveform_gluon_tile`); WITH_FLOOR, one per item of the floor
+    folded in (`portable/floor.py`): B * n_tiles main items, then B * n_groups floor items, taken by ticket."""
     if WITH_FLOOR:
         n_main = B * n_tiles
         item = take_item(counters_ptr, n_main + B * n_groups)
@@ -287,10 +287,10 @@ def _waveform_gluon_kernel(audio_ptr, lengths_ptr, operands_ptr, twiddles_ptr, w
             # The floor's layouts: a step's [FLOOR_M bands, W * J frames] tile, the tile statistics in a vector.
             W: gl.constexpr = gl.num_warps()
             step: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [W, 1], [1, 0])
-            stats: gl.constexpr = gl.BlockedLayout([1], [32], [W], [0])
+            vector: gl.constexpr = gl.BlockedLayout([1], [32], [W], [0])
             floor_group(out_ptr, stats_ptr, counters_ptr, item - n_main, F, NM, n_tiles, n_groups,
                         gl.arange(0, W * J, gl.SliceLayout(0, step)), gl.arange(0, FLOOR_M, gl.SliceLayout(1, step)),
-                        gl.arange(0, STATS_CHUNK, stats), FLOOR_TILES)
+                        gl.arange(0, STATS_CHUNK, vector), FLOOR_TILES)
     else:
         _waveform_gluon_tile(audio_ptr, lengths_ptr, operands_ptr, twiddles_ptr, window_ptr, proj_ptr, plan_ptr,
                              out_ptr, stats_ptr, gl.program_id(0), N, F, NM, n_tiles, J, N_BLOCKS, IS_PCM,

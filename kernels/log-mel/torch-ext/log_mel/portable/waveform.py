@@ -262,8 +262,8 @@ def _waveform_kernel(audio_ptr, lengths_ptr, operands_ptr, twiddles_ptr, window_
                      BLOCK_M: tl.constexpr, NM_PAD: tl.constexpr, K_GROUPS: tl.constexpr, IS_PCM: tl.constexpr,
                      HAS_LENGTHS: tl.constexpr, HW_LOG2: tl.constexpr, WITH_FLOOR: tl.constexpr,
                      FLOOR_M: tl.constexpr, STATS_CHUNK: tl.constexpr, FLOOR_TILES: tl.constexpr):
-    """The main pass, one program per (clip, frame tile), clip-major (`_waveform_tile`). WITH_FLOOR: the floor
-    folded in (`floor.py`): B * n_tiles main items, then B * n_groups floor items, taken by ticket."""
+    """The main pass, one program per (clip, frame tile), clip-major (`_waveform_tile`); WITH_FLOOR, one per item of
+    the floor folded in (`floor.py`): B * n_tiles main items, then B * n_groups floor items, taken by ticket."""
     if WITH_FLOOR:
         n_main = B * n_tiles
         item = take_item(counters_ptr, n_main + B * n_groups)
