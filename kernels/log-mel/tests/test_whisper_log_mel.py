@@ -332,7 +332,7 @@ def test_gluon_fallback_warns_once_and_runs_triton(lm, gluon_waveform, monkeypat
     fast_paths = submodule(lm, "common.fast_paths")
     monkeypatch.setattr(fast_paths, "TRY_UNVERIFIED", True)
 
-    def broken(*args):
+    def broken(*args, **kwargs):
         raise RuntimeError("a compile error")
 
     monkeypatch.setattr(gluon_waveform, "launch", broken)
