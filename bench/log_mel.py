@@ -25,12 +25,21 @@ def _sweep(fused, stft, w):
     return {rule.config.name: (lambda c=rule.config: fused.launch(stft, w, c)) for rule in fused.PICK_TABLE}
 
 
-def _features(main_pass, floor, audio, lengths, n_mels, out_dtype):
+def _features(main_pass, floor, audio, lengths, n_mels, out_dtype, with_floor=False):
     """A `whisper_log_mel` path's features: `main_pass` (the module `portable.waveform` or `hopper.waveform`), then
-    the floor pass (`portable.floor`)."""
-    out, stats, block_f = main_pass.launch(audio, lengths, n_mels, out_dtype)
-    floor.launch(out, stats, block_f)
+    the floor pass (`portable.floor`), or `with_floor` the main pass with the floor folded into its launch."""
+    out, stats, block_f = main_pass.launch(audio, lengths, n_mels, out_dtype, with_floor=with_floor)
+    if not with_floor:
+        floor.launch(out, stats, block_f)
     return out
+
+
+def _plans(kernel, audio, n_mels, out_dtype=torch.float32):
+    """{plan: call} of `whisper_log_mel`'s CUDA entry point in each of `dispatch.WAVEFORM_PLANS` (one launch, the
+    floor folded into the main pass's; two launches), on the path `dispatch.waveform_path` picks."""
+    dispatch = submodule(kernel, "dispatch")
+    return {plan: (lambda p=plan: dispatch.whisper_log_mel_cuda(audio, None, n_mels, out_dtype, plan=p))
+            for plan in dispatch.WAVEFORM_PLANS}
 
 
 def _rows(case, impls, ref, work, bench, compile_ms=None):
@@ -109,7 +118,9 @@ def compile_cases(kernel, spec):
     """(label, call) pairs for `python -m tools.compile_offline`, on meta tensors: the STFT op with every config its
     pick table names at every measure shape of the spec, the waveform op's Triton path at 30-s clips for every
     audio and output dtype, with and without lengths, and the Gluon waveform path where `dispatch.FAST_PATHS` runs it
-    on meta tensors (the target claims it and it compiles under this Triton; also on clips of one tile)."""
+    on meta tensors (the target claims it and it compiles under this Triton; also on clips of one tile); each
+    waveform case in both plans (`dispatch.WAVEFORM_PLANS`): the floor pass after the main pass, and the main pass
+    with the floor folded in ("with floor")."""
     fused = submodule(kernel, "portable.stft")
     waveform = submodule(kernel, "portable.waveform")
     floor = submodule(kernel, "portable.floor")
@@ -124,33 +135,28 @@ def compile_cases(kernel, spec):
         for rule in fused.PICK_TABLE:
             yield case(shape, rule.config)
 
-    def waveform_case(n_mels, audio_dtype, out_dtype, with_lengths):
-        audio = torch.empty(208, 480000, dtype=audio_dtype, device="meta")
-        lengths = torch.empty(208, dtype=torch.int64, device="meta") if with_lengths else None
-        label = (f"waveform {n_mels} mels {str(audio_dtype)[6:]}->{str(out_dtype)[6:]}"
-                 f"{' lengths' if with_lengths else ''} {waveform.DEFAULT_CONFIG.name}")
-        return label, lambda: _features(waveform, floor, audio, lengths, n_mels, out_dtype)
+    def waveform_case(main_pass, name, n_mels, audio_dtype, out_dtype, with_lengths, with_floor, shape=(208, 480000)):
+        audio = torch.empty(shape, dtype=audio_dtype, device="meta")
+        lengths = torch.empty(shape[0], dtype=torch.int64, device="meta") if with_lengths else None
+        label = (f"{name} {n_mels} mels {str(audio_dtype)[6:]}->{str(out_dtype)[6:]}"
+                 f"{' lengths' if with_lengths else ''}{' with floor' if with_floor else ''}")
+        return label, lambda: _features(main_pass, floor, audio, lengths, n_mels, out_dtype, with_floor)
 
-    for n_mels in (80, 128):
-        yield waveform_case(n_mels, torch.float32, torch.float32, False)
-    yield waveform_case(80, torch.int16, torch.bfloat16, True)
-    yield waveform_case(128, torch.bfloat16, torch.float16, True)
+    dtypes = ((80, torch.float32, torch.float32, False), (128, torch.float32, torch.float32, False),
+              (80, torch.int16, torch.bfloat16, True), (128, torch.bfloat16, torch.float16, True))
     dispatch = submodule(kernel, "dispatch")
+    gluon = None
     if dispatch.FAST_PATHS.runs("waveform-gluon", torch.device("meta")):
         gluon = submodule(kernel, "hopper.waveform")
-        for n_mels, audio_dtype, out_dtype, with_lengths in ((80, torch.float32, torch.float32, False),
-                                                             (128, torch.float32, torch.float32, False),
-                                                             (80, torch.int16, torch.bfloat16, True),
-                                                             (128, torch.bfloat16, torch.float16, True)):
-            audio = torch.empty(208, 480000, dtype=audio_dtype, device="meta")
-            lengths = torch.empty(208, dtype=torch.int64, device="meta") if with_lengths else None
-            yield (f"waveform-gluon {n_mels} mels {str(audio_dtype)[6:]}->{str(out_dtype)[6:]}"
-                   f"{' lengths' if with_lengths else ''}",
-                   lambda a=audio, l=lengths, m=n_mels, o=out_dtype: _features(gluon, floor, a, l, m, o))
-        # Half-second clips: one tile a clip.
-        short = torch.empty(3, 8000, dtype=torch.float32, device="meta")
-        yield ("waveform-gluon 80 mels float32->float32 one-tile clips",
-               lambda: _features(gluon, floor, short, None, 80, torch.float32))
+    for with_floor in (False, True):
+        for case in dtypes:
+            yield waveform_case(waveform, f"waveform {waveform.DEFAULT_CONFIG.name}", *case, with_floor)
+        if gluon is not None:
+            for case in dtypes:
+                yield waveform_case(gluon, "waveform-gluon", *case, with_floor)
+            # Half-second clips: one tile a clip.
+            yield waveform_case(gluon, "waveform-gluon one-tile clips", 80, torch.float32, torch.float32, False,
+                                with_floor, (3, 8000))
 
 
 def _transformers_torch_path(mel_filters_t):
@@ -238,6 +244,8 @@ def waveform_rows(kernel, bench, batches=WAVEFORM_BATCHES, n_samples=30 * 16000)
             impls["whisper_log_mel, fp32"] = (lambda: kernel.whisper_log_mel(audio, n_mels), ref64, fp32_bytes)
             impls["whisper_log_mel, int16 -> bf16"] = (
                 lambda: kernel.whisper_log_mel(pcm, n_mels, out_dtype=torch.bfloat16), pcm_ref64, pcm_bytes)
+            for plan, call in _plans(kernel, audio, n_mels).items():
+                impls[f"whisper_log_mel {plan}, fp32"] = (call, ref64, fp32_bytes)
             if gluon is not None:
                 impls["waveform-gluon kernel, fp32"] = (
                     lambda: _features(gluon, floor, audio, None, n_mels, torch.float32), ref64, fp32_bytes)
@@ -259,7 +267,7 @@ def waveform_rows(kernel, bench, batches=WAVEFORM_BATCHES, n_samples=30 * 16000)
                 if ref is not None:  # the max abs error, against the float64 features in the output's dtype
                     out = fn()
                     row["err"] = max_abs_err(out, ref.to(out.dtype) if out.dtype != torch.float32 else ref)
-                    if name.startswith("whisper_log_mel") or name.startswith("waveform kernel"):
+                    if name.startswith(("whisper_log_mel", "waveform kernel")):
                         row["silent_clip_exact"] = bool((out[2] == -1.5).all()) if B >= 4 else None
                     del out
                 rows.append(row)
@@ -279,9 +287,10 @@ def waveform_rows(kernel, bench, batches=WAVEFORM_BATCHES, n_samples=30 * 16000)
 def latency_rows(kernel, bench, batches=LATENCY_BATCHES, n_samples=30 * 16000) -> list[dict]:
     """The latency table's rows: the empty-launch floor, then at each batch of 30-s clips and 80 and 128 mels the
     wall-clock per eager call (calls back to back, one sync at the end) and GPU time of `whisper_log_mel` in fp32
-    and int16 -> bf16, of its registered custom op (the dispatch layers the public function skips), and of flashmel
-    + torch log/floor beside them (the bar: half its wall-clock at every batch, within 15 us of the floor at one
-    clip)."""
+    and int16 -> bf16, of its registered custom op (the dispatch layers the public function skips), of its CUDA entry
+    point in each plan (`dispatch.WAVEFORM_PLANS`: the floor in the main pass's launch, or a launch of its own; the
+    rows `dispatch.ONE_LAUNCH_MAX_CLIPS` is set from), and of flashmel + torch log/floor beside them (the bar: half
+    its wall-clock at every batch, within 15 us of the floor at one clip)."""
     flashmel = bench.optional("flashmel")
     run_on = device()
     rows = [floor_row(run_on)]
@@ -295,6 +304,7 @@ def latency_rows(kernel, bench, batches=LATENCY_BATCHES, n_samples=30 * 16000) -
                                                                                    out_dtype=torch.bfloat16),
                 "registered custom op, fp32": lambda: kernel.op.whisper_log_mel_op(audio, None, n_mels,
                                                                                    torch.float32),
+                **{f"entry point {plan}, fp32": call for plan, call in _plans(kernel, audio, n_mels).items()},
             }
             if flashmel is not None:
                 _, with_log = _flashmel_log(flashmel, n_mels, run_on)

@@ -444,16 +444,15 @@ def test_chunk_list(lm, fused, block_m, block_k, kind, NM, NF):
 @needs_triton
 @pytest.mark.parametrize("kind,NM,NF,F", [("dense", 40, 65, 70), ("empty_bands", 40, 65, 70), ("whisper", 80, 201, 70),
                                           ("triangles", 36, 65, 33), ("dense", 1, 1, 1)])
-def test_fused_flat_loop_filterbanks(lm, fused, kind, NM, NF, F):
-    """Every picked config (all run the flat loop) on filterbanks the picked-config test does not use: dense (several
-    chunks a block), unused bands (one masked chunk), Whisper's; a ragged last tile (F = 70: the flat loop
-    shifts it back over its neighbour), clips shorter than a tile (F = 33, 1) and NM not a multiple of the
-    band block (36: the flat loop reads band NM - 1 for the missing bands). Silent clips stay exact."""
+def test_fused_chunk_loop_filterbanks(lm, fused, kind, NM, NF, F):
+    """Every picked config on filterbanks the picked-config test does not use: dense (several chunks a block),
+    unused bands (one masked chunk), Whisper's; a ragged last tile (F = 70: the chunk loop shifts it back over its
+    neighbour), clips shorter than a tile (F = 33, 1) and NM not a multiple of the band block (36: the chunk loop
+    reads band NM - 1 for the missing bands). Silent clips stay exact."""
     w = lm.mel_filters(NM).to(DEVICE) if kind == "whisper" else filterbank(kind, NM, NF, DEVICE)
     stft = with_silence(speech_stft(3, F, NF, device=DEVICE))
     expected = log_mel_float64(stft, w)
     for config in [rule.config for rule in fused.PICK_TABLE]:
-        assert config.flat
         out = fused.launch(stft, w, config)
         assert rel_err(out, expected) < 1e-6, config.name
         assert torch.equal(out[1], torch.full_like(out[1], -1.5)), config.name

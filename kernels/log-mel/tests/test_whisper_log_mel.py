@@ -30,11 +30,18 @@ def waveform(lm):
     return submodule(lm, "portable.waveform")
 
 
-def features(lm, main_pass, audio, lengths, n_mels, out_dtype):
-    """`main_pass` (a waveform module: `portable.waveform` or `hopper.waveform`) and the floor pass on `audio`."""
-    out, stats, block_f = main_pass.launch(audio, lengths, n_mels, out_dtype)
-    submodule(lm, "portable.floor").launch(out, stats, block_f)
+def features(lm, main_pass, audio, lengths, n_mels, out_dtype, with_floor=False):
+    """`main_pass` (a waveform module: `portable.waveform` or `hopper.waveform`) and the floor pass on `audio`, or
+    `with_floor` the main pass with the floor folded into its launch."""
+    out, stats, block_f = main_pass.launch(audio, lengths, n_mels, out_dtype, with_floor=with_floor)
+    if not with_floor:
+        submodule(lm, "portable.floor").launch(out, stats, block_f)
     return out
+
+
+def same_bits(x, y) -> bool:
+    """x and y equal, NaN where the other is NaN."""
+    return torch.equal(x.isnan(), y.isnan()) and torch.equal(x.nan_to_num(), y.nan_to_num())
 
 
 def transformers_features(audio: torch.Tensor, n_mels: int) -> torch.Tensor:
@@ -164,6 +171,49 @@ def test_kernel_matches_float64(lm, waveform, n_mels):
     assert torch.equal(out[SILENT].cpu(), torch.full_like(out[SILENT].cpu(), -1.5))
 
 
+@needs_triton
+@pytest.mark.kernels_ci
+@pytest.mark.parametrize("n_mels", [80, 128])
+def test_kernel_floor_in_one_launch_or_two(lm, waveform, n_mels, monkeypatch):
+    """The main pass with its floor folded into its launch (floor items taken by ticket, `portable/floor.py`) gives
+    the bits of the main pass and the floor pass in two launches, on speech (with silent stretches the floor
+    reaches), noise, silence (exactly the floor), speech at -80 dB, speech cut short by its length, and speech with
+    a NaN sample (NaN in its own clip only); and it leaves its counters at zero."""
+    floor = submodule(lm, "portable.floor")
+    used = []
+    counters = floor.counters
+    monkeypatch.setattr(floor, "counters", lambda device, B: used.append(counters(device, B)) or used[-1])
+    # 6477 samples: 40 frames, tiles of 16, 16 and 8 frames, two floor items a clip.
+    audio = bench.whisper_batch(6, 6477, "cpu")
+    audio[5, 3000] = float("nan")
+    lengths = torch.tensor([6477, 6477, 6477, 6477, 2100, 6477])
+    one = features(lm, waveform, audio.to(DEVICE), lengths.to(DEVICE), n_mels, torch.float32, with_floor=True)
+    two = features(lm, waveform, audio.to(DEVICE), lengths.to(DEVICE), n_mels, torch.float32)
+    assert same_bits(one, two)
+    padded = audio * (torch.arange(6477)[None, :] < lengths[:, None])
+    assert max_abs(one[:5], float64_features(padded[:5], n_mels)) <= 1e-4
+    assert torch.equal(one[SILENT].cpu(), torch.full_like(one[SILENT].cpu(), -1.5))
+    assert one[5].isnan().any()
+    assert len(used) == 1 and not used[0].any()
+
+
+@needs_triton
+@pytest.mark.kernels_ci
+def test_dispatch_plans(lm):
+    """`whisper_log_mel_cuda` takes either plan by name (the same bits, here on one clip of one tile), the rule's
+    choice by batch size without one, and refuses an unknown name."""
+    dispatch = submodule(lm, "dispatch")
+    limit = dispatch.ONE_LAUNCH_MAX_CLIPS
+    assert [dispatch.waveform_plan(B) for B in (1, limit, limit + 1)] == [dispatch.ONE_LAUNCH, dispatch.ONE_LAUNCH,
+                                                                          dispatch.TWO_LAUNCHES]
+    audio = bench.whisper_batch(1, 1677, DEVICE)
+    one, two = [dispatch.whisper_log_mel_cuda(audio, None, 20, torch.float32, plan=p) for p in dispatch.WAVEFORM_PLANS]
+    assert torch.equal(one, two)
+    assert max_abs(one, float64_features(audio, 20)) <= 1e-4
+    with pytest.raises(ValueError, match="unknown plan 'three-launch'"):
+        dispatch.whisper_log_mel_cuda(audio, None, 20, torch.float32, plan="three-launch")
+
+
 @pytest.mark.kernels_ci
 def test_stage2_bins_cover_every_bin_once(waveform):
     bins, used = waveform.stage2_bins()
@@ -232,15 +282,17 @@ def gluon_waveform(lm):
 
 
 @pytest.mark.parametrize("n_mels", [80, 128, 20])
-def test_gluon_kernel_matches_float64(lm, gluon_waveform, n_mels):
+@pytest.mark.parametrize("with_floor", [False, True])
+def test_gluon_kernel_matches_float64(lm, gluon_waveform, n_mels, with_floor):
     # 8077 samples: 50 frames, tiles at both clip ends; 20000: 125 frames, interior tiles (no reflection) between
-    # ragged ones; a clip 3200 samples long, and one longer than the batch.
+    # ragged ones; a clip 3200 samples long, and one longer than the batch. The floor after the main pass, or in its
+    # launch.
     for n_samples in (8077, 20000):
         audio = bench.whisper_batch(5, n_samples, "cpu")
         lengths = torch.tensor([n_samples, n_samples, n_samples, 3200, n_samples + 900])
         padded = audio * (torch.arange(n_samples)[None, :] < lengths[:, None])
         ref = float64_features(padded, n_mels)
-        out = features(lm, gluon_waveform, audio.cuda(), lengths.cuda(), n_mels, torch.float32)
+        out = features(lm, gluon_waveform, audio.cuda(), lengths.cuda(), n_mels, torch.float32, with_floor)
         assert max_abs(out, ref) <= 1e-4
         assert torch.equal(out[SILENT].cpu(), torch.full_like(out[SILENT].cpu(), -1.5))
 
@@ -280,7 +332,7 @@ def test_gluon_fallback_warns_once_and_runs_triton(lm, gluon_waveform, monkeypat
     fast_paths = submodule(lm, "common.fast_paths")
     monkeypatch.setattr(fast_paths, "TRY_UNVERIFIED", True)
 
-    def broken(*args):
+    def broken(*args, **kwargs):
         raise RuntimeError("a compile error")
 
     monkeypatch.setattr(gluon_waveform, "launch", broken)
@@ -307,6 +359,81 @@ def test_cuda_30s_batch_matches_transformers(lm, n_mels):
     out_bf16 = lm.whisper_log_mel(pcm.cuda(), n_mels, out_dtype=torch.bfloat16)
     ref = transformers_features(pcm.float() / 32768, n_mels)
     assert max_abs(out_bf16, ref) <= 2e-4 + 2.0**-7
+
+
+@needs_cuda
+@pytest.mark.parametrize("B", [1, 4, 17])
+def test_cuda_plans_agree_on_30s_clips(lm, B):
+    """On 30-s clips each main pass (the Gluon kernel where it compiles, the Triton kernel) gives the same bits with
+    its floor folded into its launch as with the floor pass after it, fp32 and int16 -> bf16, at 80 and 128 mels;
+    silent clips exactly the floor; every kept counter back at zero."""
+    floor = submodule(lm, "portable.floor")
+    mains = [submodule(lm, "portable.waveform")]
+    if submodule(lm, "dispatch").FAST_PATHS.compiles_for("waveform-gluon", torch.device("cuda")):
+        mains.append(submodule(lm, "hopper.waveform"))
+    audio = bench.whisper_batch(B, 480000, "cuda")
+    pcm = (audio * 32768).round().clamp(-32768, 32767).to(torch.int16)
+    for main in mains:
+        for n_mels in (80, 128):
+            for x, out_dtype in ((audio, torch.float32), (pcm, torch.bfloat16)):
+                one = features(lm, main, x, None, n_mels, out_dtype, with_floor=True)
+                assert same_bits(one, features(lm, main, x, None, n_mels, out_dtype)), (main.__name__, n_mels)
+                if B >= 4:
+                    assert torch.equal(one[SILENT].float(), torch.full_like(one[SILENT].float(), -1.5))
+    torch.cuda.synchronize()
+    assert all(not kept.any() for kept in floor._kept_counters.values())
+
+
+@needs_cuda
+def test_cuda_one_launch_on_two_streams(lm):
+    """Folded launches on two streams at once (each stream its own counters) give the two-launch bits, and leave
+    every kept counter at zero."""
+    dispatch = submodule(lm, "dispatch")
+    floor = submodule(lm, "portable.floor")
+    audio = [bench.whisper_batch(4, 160000, "cuda", seed=seed) for seed in (0, 1)]
+    expected = [dispatch.whisper_log_mel_cuda(a, None, 80, torch.float32, plan=dispatch.TWO_LAUNCHES) for a in audio]
+    streams = [torch.cuda.Stream() for _ in audio]
+    for stream in streams:
+        stream.wait_stream(torch.cuda.current_stream())
+    outs = [[], []]
+    for _ in range(20):
+        for i, (a, stream) in enumerate(zip(audio, streams)):
+            with torch.cuda.stream(stream):
+                outs[i].append(dispatch.whisper_log_mel_cuda(a, None, 80, torch.float32, plan=dispatch.ONE_LAUNCH))
+    torch.cuda.synchronize()
+    assert all(torch.equal(out, expected[i]) for i in range(2) for out in outs[i])
+    assert all(not kept.any() for kept in floor._kept_counters.values())
+
+
+@needs_cuda
+@pytest.mark.parametrize("plan", ["one-launch", "two-launch"])
+def test_cuda_graphs_of_each_plan_replay_at_once(lm, plan):
+    """Two graphs captured from one call, each with counters of its own (a fill node), replayed on two streams at
+    once, give the eager result on new inputs."""
+    dispatch = submodule(lm, "dispatch")
+    x = bench.whisper_batch(4, 16000, "cuda")
+
+    def call():
+        return dispatch.whisper_log_mel_cuda(x, None, 80, torch.float32, plan=plan)
+
+    call()
+    torch.cuda.synchronize()
+    graphs = [torch.cuda.CUDAGraph() for _ in range(2)]
+    captured = []
+    for graph in graphs:
+        with torch.cuda.graph(graph):
+            captured.append(call())
+    x.copy_(x.flip(0))
+    streams = [torch.cuda.Stream() for _ in graphs]
+    for stream in streams:
+        stream.wait_stream(torch.cuda.current_stream())
+    for _ in range(3):
+        for graph, stream in zip(graphs, streams):
+            with torch.cuda.stream(stream):
+                graph.replay()
+    torch.cuda.synchronize()
+    expected = call()
+    assert all(torch.equal(out, expected) for out in captured)
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -2,10 +2,11 @@
 reference (`reference.py`). `log_mel_spectrogram` on CUDA runs `portable/stft.py`. `whisper_log_mel` on CUDA runs its
 main pass in the Gluon kernel (`hopper/waveform.py`) where its row of FAST_PATHS says it is verified, and in the
 portable Triton kernel (`portable/waveform.py`) everywhere else, or after the Gluon kernel failed to compile (one
-warning, then the Triton kernel for the process); the floor pass (`portable/floor.py`) follows either, each stage's
-launch built once per call shape and run through the kept launcher of `common/launch.py` (no per-call argument
-binding). The kernels' modules are imported on a CUDA call's first use (they need triton) and then found without an
-import statement (`common.direct_calls.stage_module`)."""
+warning, then the Triton kernel for the process). Its floor (`portable/floor.py`) runs in the main pass's launch
+(ONE_LAUNCH) or as a pass of its own after it (TWO_LAUNCHES), by batch size (`waveform_plan`). Each stage's launch is
+built once per call shape and runs through the kept launcher of `common/launch.py` (no per-call argument binding).
+The kernels' modules are imported on a CUDA call's first use (they need triton) and then found without an import
+statement (`common.direct_calls.stage_module`)."""
 
 import torch
 
@@ -29,30 +30,54 @@ def waveform_path(audio: torch.Tensor) -> str:
     return "waveform-gluon" if FAST_PATHS.runs("waveform-gluon", audio.device) else "triton"
 
 
+# The plans of `whisper_log_mel`: its floor folded into the main pass's launch, or launched after it.
+ONE_LAUNCH = "one-launch"
+TWO_LAUNCHES = "two-launch"
+WAVEFORM_PLANS = (ONE_LAUNCH, TWO_LAUNCHES)
+# Batches of up to this many clips take ONE_LAUNCH, larger ones TWO_LAUNCHES. A small call is bound by host time, of
+# which a launch is the largest part; at large batches the folded floor's tickets and counts cost each main program
+# two atomics' latency, where a second launch costs only its gap.
+ONE_LAUNCH_MAX_CLIPS = 16
+
+
+def waveform_plan(B: int) -> str:
+    """The plan `whisper_log_mel` takes for a batch of B clips: ONE_LAUNCH up to ONE_LAUNCH_MAX_CLIPS, else
+    TWO_LAUNCHES."""
+    return ONE_LAUNCH if B <= ONE_LAUNCH_MAX_CLIPS else TWO_LAUNCHES
+
+
 def log_mel_spectrogram_cuda(stft: torch.Tensor, mel_filters: torch.Tensor) -> torch.Tensor:
     """`log_mel_spectrogram` on validated, contiguous CUDA (or meta) tensors: the band plan, the main pass and the
     floor of `portable/stft.py`, in the tile config its pick table names for the shape."""
     return stage_module(__package__, "portable.stft").launch(stft, mel_filters)
 
 
-def whisper_log_mel_cuda(audio: torch.Tensor, lengths: torch.Tensor | None, n_mels: int,
-                         out_dtype: torch.dtype) -> torch.Tensor:
+def whisper_log_mel_cuda(audio: torch.Tensor, lengths: torch.Tensor | None, n_mels: int, out_dtype: torch.dtype,
+                         plan: str | None = None) -> torch.Tensor:
     """`whisper_log_mel` on validated, contiguous CUDA (or meta) tensors: the main pass on the path `waveform_path`
-    picks, then the floor pass."""
-    out, stats, block_f = _waveform_main_pass(audio, lengths, n_mels, out_dtype)
-    stage_module(__package__, "portable.floor").launch(out, stats, block_f)
+    picks, its floor in the plan `plan` names (one of WAVEFORM_PLANS; None: `waveform_plan`'s choice)."""
+    if plan is None:
+        plan = waveform_plan(audio.shape[0])
+    elif plan not in WAVEFORM_PLANS:
+        raise ValueError(f"unknown plan {plan!r}; the plans are {WAVEFORM_PLANS}")
+    with_floor = plan == ONE_LAUNCH
+    out, stats, block_f = _waveform_main_pass(audio, lengths, n_mels, out_dtype, with_floor)
+    if not with_floor:
+        stage_module(__package__, "portable.floor").launch(out, stats, block_f)
     return out
 
 
-def _waveform_main_pass(audio: torch.Tensor, lengths: torch.Tensor | None, n_mels: int,
-                        out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """(out, stats, block_f) of the main pass in the Gluon kernel where `waveform_path` takes it and it compiles, in
-    the portable Triton kernel otherwise."""
+def _waveform_main_pass(audio: torch.Tensor, lengths: torch.Tensor | None, n_mels: int, out_dtype: torch.dtype,
+                        with_floor: bool) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(out, stats, block_f) of the main pass (`with_floor`: its floor folded in) in the Gluon kernel where
+    `waveform_path` takes it and it compiles, in the portable Triton kernel otherwise."""
     if waveform_path(audio) == "waveform-gluon":
         try:
-            return stage_module(__package__, "hopper.waveform").launch(audio, lengths, n_mels, out_dtype)
+            return stage_module(__package__, "hopper.waveform").launch(audio, lengths, n_mels, out_dtype,
+                                                                       with_floor=with_floor)
         except Exception as error:
             if not falls_back(error):
                 raise
             FAST_PATHS.failed("waveform-gluon", error)
-    return stage_module(__package__, "portable.waveform").launch(audio, lengths, n_mels, out_dtype)
+    return stage_module(__package__, "portable.waveform").launch(audio, lengths, n_mels, out_dtype,
+                                                                 with_floor=with_floor)

@@ -99,8 +99,9 @@ def whisper_log_mel(audio: torch.Tensor, n_mels: int = 80, *, lengths: torch.Ten
     Returns (B, n_mels, N // 160) `out_dtype`, contiguous: frames of a periodic Hann window of 400, hop 160,
     centred with reflect padding, the last frame dropped; power, the Slaney filterbank, log10(max(mel, 1e-10)),
     the clip's maximum - 8 as a floor, (x + 4) / 4. On CUDA one fused pass from the samples (DFT and projection
-    as tensor-core products of split 16-bit operands, fp32-accurate; in Gluon on Hopper, see `dispatch`) and a
-    pass that touches only tiles the floor reaches.
+    as tensor-core products of split 16-bit operands, fp32-accurate; in Gluon on Hopper, see `dispatch`) and the
+    floor over only the tiles it reaches, in the same launch up to `dispatch.ONE_LAUNCH_MAX_CLIPS` clips and in a
+    launch of its own above.
     """
     signature = _whisper_signature(audio, n_mels, lengths, out_dtype)
     if signature is None or signature not in _checked:

@@ -17,7 +17,8 @@ and twiddles) stay in registers for the whole tile, and whose intermediate never
    needs only the k2 chunks its mask in the `chunk_plan` marks (20 of 80 at 80 mels, 23 of 128 at 128);
 5. after `Config.frames` frames a warp, the projection mel^T = W^T P^T: [16 bands x 16 bins] x [16 bins x frames]
    products over the block's chunks, then log10, (x + 4) / 4 and the store, and the tile's max and min of the
-   log for the floor pass (`portable/floor.py`, shared with the Triton path).
+   log for the floor (`portable/floor.py`, shared with the Triton path: a pass of its own, or folded into this
+   kernel's launch).
 
 Precision: the DFT products take fp16 operands split into head and tail (three products, fp32-accurate while
 the operand lies in fp16's normal range): each frame's folded samples are scaled by a power of two into
@@ -38,6 +39,8 @@ from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 from .. import whisper
 from ..common.gluon_compat import barrier
 from ..common.launch import Launch, launch as run
+from ..portable import floor
+from ..portable.floor import count_tile, floor_group, take_item
 from ..portable.log10 import log10_scaled
 from ..portable.waveform import dft_tables, pow2_scale, stage2_bins
 
@@ -197,13 +200,13 @@ def _spectra(audio_ptr, window_ptr, operands_ptr, twiddles_ptr, power_s, exps_s,
         barrier()
 
 
-# n_tiles stays a runtime value: specialized to 1 (a clip of one tile) it makes the frame indices constants, on
-# which Triton 3.6's lowering to LLVM fails an assertion.
-@gluon.jit(do_not_specialize=["n_tiles"])
-def _waveform_gluon_kernel(audio_ptr, lengths_ptr, operands_ptr, twiddles_ptr, window_ptr, proj_ptr, plan_ptr,
-                           out_ptr, stats_ptr, N, F, NM, n_tiles, J: gl.constexpr, N_BLOCKS: gl.constexpr,
-                           IS_PCM: gl.constexpr, HAS_LENGTHS: gl.constexpr):
-    """One program per (clip, tile of num_warps * J frames), clip-major; warp w takes the tile's frames w * J + j."""
+@gluon.jit
+def _waveform_gluon_tile(audio_ptr, lengths_ptr, operands_ptr, twiddles_ptr, window_ptr, proj_ptr, plan_ptr, out_ptr,
+                         stats_ptr, item, N, F, NM, n_tiles, J: gl.constexpr, N_BLOCKS: gl.constexpr,
+                         IS_PCM: gl.constexpr, HAS_LENGTHS: gl.constexpr):
+    """Main item `item`, tile item % n_tiles (of num_warps * J frames) of clip item // n_tiles, warp w taking its
+    frames w * J + j: (log10(max(mel, 1e-10)) + 4) / 4 into out (B, NM, F), and the tile's (max, min) of the log
+    into stats."""
     W: gl.constexpr = gl.num_warps()
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[W, 1, 1], instr_shape=[1, 16, 8])
     a_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
@@ -211,9 +214,8 @@ def _waveform_gluon_kernel(audio_ptr, lengths_ptr, operands_ptr, twiddles_ptr, w
     flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[2, 1, 0])
     flat2: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
 
-    pid = gl.program_id(0)
-    clip = pid // n_tiles
-    first = (pid % n_tiles) * (W * J)
+    clip = item // n_tiles
+    first = (item % n_tiles) * (W * J)
     length = N
     if HAS_LENGTHS:
         length = gl.minimum(gl.load(lengths_ptr + clip), N).to(gl.int32)
@@ -258,9 +260,41 @@ def _waveform_gluon_kernel(audio_ptr, lengths_ptr, operands_ptr, twiddles_ptr, w
         # Frames past F repeat frame F - 1; bands past NM (zero weights) must not lower the minimum.
         run_max = gl.maximum(run_max, log_spec)
         run_min = gl.minimum(run_min, gl.where(bands < NM, log_spec, float("inf")))
-    stats = stats_ptr + pid.to(gl.int64) * 2
+    stats = stats_ptr + item.to(gl.int64) * 2
     gl.store(stats, gl.max(gl.max(gl.max(run_max, axis=2), axis=1), axis=0))
     gl.store(stats + 1, gl.min(gl.min(gl.min(run_min, axis=2), axis=1), axis=0))
+
+
+# n_tiles stays a runtime value: specialized to 1 (a clip of one tile) it makes the frame indices constants, on
+# which Triton 3.6's lowering to LLVM fails an assertion. B and n_groups too: specialized to 1 (one clip, clips of
+# at most two tiles) they change the capped kernel's register allocation, and its spills, with the floor folded in.
+@gluon.jit(do_not_specialize=["n_tiles", "B", "n_groups"])
+def _waveform_gluon_kernel(audio_ptr, lengths_ptr, operands_ptr, twiddles_ptr, window_ptr, proj_ptr, plan_ptr,
+                           out_ptr, stats_ptr, counters_ptr, N, F, NM, n_tiles, B, n_groups, J: gl.constexpr,
+                           N_BLOCKS: gl.constexpr, IS_PCM: gl.constexpr, HAS_LENGTHS: gl.constexpr,
+                           WITH_FLOOR: gl.constexpr, FLOOR_M: gl.constexpr, STATS_CHUNK: gl.constexpr,
+                           FLOOR_TILES: gl.constexpr):
+    """One program per (clip, tile), clip-major (`_waveform_gluon_tile`); WITH_FLOOR, one per item of the floor
+    folded in (`portable/floor.py`): B * n_tiles main items, then B * n_groups floor items, taken by ticket."""
+    if WITH_FLOOR:
+        n_main = B * n_tiles
+        item = take_item(counters_ptr, n_main + B * n_groups)
+        if item < n_main:
+            _waveform_gluon_tile(audio_ptr, lengths_ptr, operands_ptr, twiddles_ptr, window_ptr, proj_ptr, plan_ptr,
+                                 out_ptr, stats_ptr, item, N, F, NM, n_tiles, J, N_BLOCKS, IS_PCM, HAS_LENGTHS)
+            count_tile(counters_ptr, item // n_tiles)
+        else:
+            # The floor's layouts: a step's [FLOOR_M bands, W * J frames] tile, the tile statistics in a vector.
+            W: gl.constexpr = gl.num_warps()
+            step: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [W, 1], [1, 0])
+            vector: gl.constexpr = gl.BlockedLayout([1], [32], [W], [0])
+            floor_group(out_ptr, stats_ptr, counters_ptr, item - n_main, F, NM, n_tiles, n_groups,
+                        gl.arange(0, W * J, gl.SliceLayout(0, step)), gl.arange(0, FLOOR_M, gl.SliceLayout(1, step)),
+                        gl.arange(0, STATS_CHUNK, vector), FLOOR_TILES)
+    else:
+        _waveform_gluon_tile(audio_ptr, lengths_ptr, operands_ptr, twiddles_ptr, window_ptr, proj_ptr, plan_ptr,
+                             out_ptr, stats_ptr, gl.program_id(0), N, F, NM, n_tiles, J, N_BLOCKS, IS_PCM,
+                             HAS_LENGTHS)
 
 
 def fragment_order() -> torch.Tensor:
@@ -303,27 +337,34 @@ def _plan(n_mels: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor
 
 
 def launch(audio: torch.Tensor, lengths: torch.Tensor | None, n_mels: int, out_dtype: torch.dtype,
-           config: Config | None = None) -> tuple[torch.Tensor, torch.Tensor, int]:
+           config: Config | None = None, with_floor: bool = False) -> tuple[torch.Tensor, torch.Tensor, int]:
     """The main pass on validated, contiguous audio (B, N) and lengths (B,) int64 on its device, or None:
-    (out, stats, block_f) as `portable.waveform.launch` returns them, for `floor.launch`."""
+    (out, stats, block_f) as `portable.waveform.launch` returns them, for `floor.launch`, or `with_floor` with the
+    floor folded into the same launch."""
     config = config or DEFAULT_CONFIG
     B, N = audio.shape
     operands, twiddles, window = dft_tables(audio.device)
     plan, projection = _plan(n_mels, audio.device)
-    chosen = _launch_plan(B, N, n_mels, audio.dtype == torch.int16, lengths is not None, projection.shape[1], config)
-    n_tiles = chosen.ints[-1]
+    chosen = _launch_plan(B, N, n_mels, audio.dtype == torch.int16, lengths is not None, projection.shape[1], config,
+                          with_floor)
+    n_tiles = chosen.ints[3]
     stats = torch.empty(B, n_tiles, 2, dtype=torch.float32, device=audio.device)
     out = torch.empty(B, n_mels, N // HOP.value, dtype=out_dtype, device=audio.device)
-    run(chosen, (audio, lengths, operands, twiddles, window, projection, plan, out, stats))
+    counters = floor.counters(audio.device, B) if with_floor else None
+    run(chosen, (audio, lengths, operands, twiddles, window, projection, plan, out, stats, counters))
     return out, stats, config.num_warps * config.frames
 
 
 @functools.cache
-def _launch_plan(B: int, N: int, n_mels: int, is_pcm: bool, has_lengths: bool, n_blocks: int,
-                 config: Config) -> Launch:  # fmt: skip
-    """The main pass's launch for a call shape, built once: its grid, integer arguments (N, F, NM, n_tiles) and
-    meta-parameters."""
+def _launch_plan(B: int, N: int, n_mels: int, is_pcm: bool, has_lengths: bool, n_blocks: int, config: Config,
+                 with_floor: bool) -> Launch:  # fmt: skip
+    """The main pass's launch for a call shape, built once: its grid (with_floor: the floor items too), integer
+    arguments (N, F, NM, n_tiles, B, n_groups) and meta-parameters."""
     F = N // HOP.value
     n_tiles = triton.cdiv(F, config.num_warps * config.frames)
-    meta = dict(J=config.frames, N_BLOCKS=n_blocks, IS_PCM=is_pcm, HAS_LENGTHS=has_lengths, maxnreg=config.maxnreg)
-    return Launch(_waveform_gluon_kernel, B * n_tiles, (N, F, n_mels, n_tiles), meta, config.num_warps, config.name)
+    n_groups = floor.groups(n_tiles)
+    meta = dict(J=config.frames, N_BLOCKS=n_blocks, IS_PCM=is_pcm, HAS_LENGTHS=has_lengths, WITH_FLOOR=with_floor,
+                **floor.folded_meta(n_mels), maxnreg=config.maxnreg)
+    programs = B * (n_tiles + n_groups) if with_floor else B * n_tiles
+    return Launch(_waveform_gluon_kernel, programs, (N, F, n_mels, n_tiles, B, n_groups), meta, config.num_warps,
+                  config.name + (" with floor" if with_floor else ""))

@@ -5,17 +5,16 @@ The op is a bandwidth kernel with a small matmul in it: read the complex64 STFT 
 log-mel once. Three stages, run in order by `launch`:
 
 1. `_band_support_kernel` reads the (NM, NF) filterbank and writes, for each block of BLOCK_M bands, the
-   bin range [lo, hi) outside which every weight of the block is exactly zero; for the flat loop (below)
-   `_chunk_list_kernel` turns those into its chunk list. They run on every call (the filterbank is at most
-   400 KB), so no cache can go stale; a dense filterbank gives [0, NF) everywhere and the projection is
-   then simply dense.
-2. The main pass (`_stft_kernel`, one program per (clip, frame tile)): for a tile of BLOCK_F frames and
-   one band block at a time, stream the block's bins [lo, hi) in chunks of BLOCK_K, square and add re/im,
+   bin range [lo, hi) outside which every weight of the block is exactly zero, and `_chunk_list_kernel`
+   turns those into the main pass's chunk list. They run on every call (the filterbank is at most 400 KB),
+   so no cache can go stale; a dense filterbank gives [0, NF) everywhere and the projection is then simply
+   dense.
+2. The main pass (`_stft_kernel`, one program per (clip, frame tile)): for a tile of BLOCK_F frames, one
+   loop over the chunk list, each band block's bins [lo, hi) in chunks of BLOCK_K: square and add re/im,
    project with an fp32 `tl.dot` (`input_precision` "ieee": CUDA-core FMAs; or "tf32x3": three TF32
-   tensor-core products, about fp32-accurate), then write `(log10(max(mel, 1e-10)) + 4) / 4` - the final
-   value whenever the floor does not bite - and keep the tile's max and min of log10. With `Config.flat`
-   the same work runs as one loop over the chunk list `_chunk_list_kernel` builds from the supports,
-   with the block epilogue (log10, store, statistics) only at a block's last chunk.
+   tensor-core products, about fp32-accurate), then at a block's last chunk write
+   `(log10(max(mel, 1e-10)) + 4) / 4` - the final value whenever the floor does not bite - and keep the
+   tile's max and min of log10.
 3. The floor (`_stft_floor_kernel`): the clip's maximum `hi` is the max of its tile maxima (`floor.clip_floor`);
    only tiles whose minimum lies below `hi - 8` are re-read and rewritten as `max(out, (hi - 8 + 4) / 4)`.
    Because `x -> (x + 4) / 4` is monotone in fp32 too, this equals the spec's `(max(x, hi - 8) + 4) / 4` bit
@@ -37,7 +36,7 @@ FLOOR_CHUNK = 1024  # output elements per step of the floor pass
 # Frame tiles a floor-pass program checks: at one a program the pass is thousands of programs of a few loads
 # each, and 8 a program is faster on the H200.
 FLOOR_TILES = 8
-# A chunk entry of the flat loop: first bin, the block's hi and the block in 21-bit fields of an int64, the
+# A chunk entry of the main pass's loop: first bin, the block's hi and the block in 21-bit fields of an int64, the
 # sign bit set at a block's last chunk. One 8-byte load per chunk, no load that depends on another.
 FIELD_BITS = tl.constexpr(21)
 FIELD_MASK = tl.constexpr((1 << FIELD_BITS.value) - 1)
@@ -46,8 +45,7 @@ FIELD_MASK = tl.constexpr((1 << FIELD_BITS.value) - 1)
 @dataclass(frozen=True)
 class Config:
     """Tile sizes of the main pass. block_f and block_m are powers of two; block_k a power of two >= 16
-    (the minimum K of `tl.dot`). num_stages >= 2 pipelines the STFT loads of the bin-chunk loop through
-    cp.async (it only has work when a band block spans several chunks, i.e. for wide band blocks)."""
+    (the minimum K of `tl.dot`)."""
 
     block_f: int = 64  # frames per tile (the M of the projection)
     block_m: int = 8  # mel bands per band block (the N); smaller blocks skip more zero weights
@@ -55,24 +53,22 @@ class Config:
     num_warps: int = 4
     num_stages: int = 1
     precision: str = "tf32x3"  # "tf32x3" (3 TF32 tensor-core products) or "ieee" (CUDA-core fp32); never "tf32"
-    flat: bool = False  # one loop over the tile's chunk list, the next chunk's loads in flight (see _log_mel_tile)
 
     @property
     def name(self) -> str:
-        return (f"{self.block_f}x{self.block_m}x{self.block_k} w{self.num_warps} s{self.num_stages} {self.precision}"
-                + (" flat" if self.flat else ""))
+        return f"{self.block_f}x{self.block_m}x{self.block_k} w{self.num_warps} s{self.num_stages} {self.precision}"
 
 
-# Both picks run the flat loop (one loop over the tile's chunk list, the next chunk's loads in flight), which is
-# faster on the H200 than the nested loop, pipelined or not, at every swept shape. Its epilogue runs only at a
-# block's last chunk and its chunk entries are packed and its loads unmasked, which holds 64x8x16 tiles to 72
-# registers (7 CTAs an SM). The hardware log2 (`log10.log10_clamped`) is level with libdevice's there and a clear
+# The main pass runs one loop over the tile's chunk list, the next chunk's loads in flight, which is faster on the
+# H200 than a loop per band block, pipelined or not, at every swept shape. Its epilogue runs only at a block's last
+# chunk and its chunk entries are packed and its loads unmasked, which holds 64x8x16 tiles to 72 registers (7 CTAs
+# an SM). The hardware log2 (`log10.log10_clamped`) is level with libdevice's there and a clear
 # gain at 64x16x32 (4 CTAs an SM, where issue slots are busier). 16-band blocks of 32-bin chunks take fewer,
 # wider steps (128 registers, 4 CTAs an SM) and are the fastest at NM 128 and at (104, 3000, 401, 80); where the
 # bands are narrower, at (208, 3000, 201, 80), 8-band blocks of 32 bins are faster, and 16-band blocks only
 # level with 8 x 16 ones.
-DEFAULT_CONFIG = Config(block_m=16, block_k=32, flat=True)
-NARROW_BANDS_CONFIG = Config(block_k=32, flat=True)
+DEFAULT_CONFIG = Config(block_m=16, block_k=32)
+NARROW_BANDS_CONFIG = Config(block_k=32)
 
 
 @triton.jit
@@ -96,7 +92,7 @@ def _band_support_kernel(w_ptr, lo_ptr, hi_ptr, NM, NF, BLOCK_M: tl.constexpr, C
 
 @triton.jit
 def _chunk_list_kernel(lo_ptr, hi_ptr, chunks_ptr, n_blocks, BLOCK_K: tl.constexpr, BLOCKS: tl.constexpr):
-    """The flat loop's work list, one program, all blocks at once (BLOCKS: a power of two >= n_blocks):
+    """The main pass's work list, one program, all blocks at once (BLOCKS: a power of two >= n_blocks):
     chunks_ptr[0] = the number of chunks, then one packed int64 entry per chunk (FIELD_BITS), blocks in
     order, each block's [lo, hi) in BLOCK_K steps. An empty block (lo = NF > hi = 0) gets one chunk whose
     loads are all masked, so its bands are still written (silence)."""
@@ -143,88 +139,63 @@ def _unpack_chunk(entry):
 
 
 @triton.jit
-def _log_mel_tile(x_ptr, w_ptr, lo_ptr, hi_ptr, chunks_ptr, out_ptr, clip, tile, F, NF, NM,
-                  BLOCK_F: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-                  PRECISION: tl.constexpr, FLAT: tl.constexpr, SHORT_CLIP: tl.constexpr, STATIC_NF: tl.constexpr,
+def _log_mel_tile(x_ptr, w_ptr, chunks_ptr, out_ptr, clip, tile, F, NM, BLOCK_F: tl.constexpr, BLOCK_M: tl.constexpr,
+                  BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, SHORT_CLIP: tl.constexpr, NF: tl.constexpr,
                   HW_LOG2: tl.constexpr):
     """Write (log10(max(mel, 1e-10)) + 4) / 4 for frames [tile*BLOCK_F, +BLOCK_F) of `clip`; return the
     tile's (max, min) of log10(max(mel, 1e-10)).
 
-    Nested (FLAT false): band block by band block, each block's bins chunk by chunk; a chunk's loads wait
-    on nothing but are issued only when the previous chunk's product is done. Flat: one loop over the
-    tile's chunk list (`_chunk_list_kernel`), each step issuing the next chunk's loads before projecting
-    its own, and a block's output written at its last chunk (STATIC_NF: NF as a compile-time constant;
-    SHORT_CLIP: F < BLOCK_F)."""
-    if FLAT:
-        # Every lane computes a real value of the clip, so the loads need no frame or band mask, the tile's
-        # max and min no mask at all, and only the store is masked: a clip's last tile ends at frame F (it
-        # starts early and rewrites frames of the tile before it with the same values), a clip shorter than
-        # a tile reads frame F - 1 for the frames it lacks, and bands past NM (below) the weights of band
-        # NM - 1. One pointer to the tile's first frame plus affine int32 offsets: with NF a compile-time
-        # constant the rows are immediate offsets of that pointer, not one 64-bit pointer per row (two-pass
-        # at 64x8x16: 72 registers, so 7 CTAs per SM; 64-bit row pointers would cost 96 and allow 5).
-        NF = STATIC_NF
-        frames = tl.arange(0, BLOCK_F)
-        if SHORT_CLIP:  # F < BLOCK_F
-            frame_ok = frames < F
-            frames = tl.minimum(frames, F - 1)
-        else:
-            frame_ok = tl.full((BLOCK_F,), 1, tl.int1)
-        first = clip.to(tl.int64) * F + tl.maximum(tl.minimum(tile * BLOCK_F, F - BLOCK_F), 0)
-        x_rows = x_ptr + first * (2 * NF) + (frames * (2 * NF))[:, None]
-        out_rows = out_ptr + first * NM + (frames * NM)[:, None]
-    else:
-        frames = tile * BLOCK_F + tl.arange(0, BLOCK_F)
+    One loop over the tile's chunk list (`_chunk_list_kernel`), each step issuing the next chunk's loads before
+    projecting its own, and a block's output written at its last chunk (NF a compile-time constant; SHORT_CLIP:
+    F < BLOCK_F).
+
+    Every lane computes a real value of the clip, so the loads need no frame or band mask, the tile's max and min
+    no mask at all, and only the store is masked: a clip's last tile ends at frame F (it starts early and rewrites
+    frames of the tile before it with the same values), a clip shorter than a tile reads frame F - 1 for the
+    frames it lacks, and bands past NM (below) the weights of band NM - 1. One pointer to the tile's first frame
+    plus affine int32 offsets: with NF a compile-time constant the rows are immediate offsets of that pointer, not
+    one 64-bit pointer per row (two-pass at 64x8x16: 72 registers, so 7 CTAs per SM; 64-bit row pointers would
+    cost 96 and allow 5)."""
+    frames = tl.arange(0, BLOCK_F)
+    if SHORT_CLIP:  # F < BLOCK_F
         frame_ok = frames < F
-        rows = clip.to(tl.int64) * F + frames  # int64: B * F * 2 * NF can pass 2**31
-        x_rows = x_ptr + rows[:, None] * (2 * NF)  # the STFT as float32 pairs (re, im)
-        out_rows = out_ptr + rows[:, None] * NM
+        frames = tl.minimum(frames, F - 1)
+    else:
+        frame_ok = tl.full((BLOCK_F,), 1, tl.int1)
+    first = clip.to(tl.int64) * F + tl.maximum(tl.minimum(tile * BLOCK_F, F - BLOCK_F), 0)
+    x_rows = x_ptr + first * (2 * NF) + (frames * (2 * NF))[:, None]  # the STFT as float32 pairs (re, im)
+    out_rows = out_ptr + first * NM + (frames * NM)[:, None]
     lanes = tl.arange(0, BLOCK_M)
     # Elementwise running max/min, reduced once at the end: a reduction per band block would cost two
     # cross-warp exchanges (shared memory and barriers) per block.
     run_max = tl.full((BLOCK_F, BLOCK_M), float("-inf"), tl.float32)
     run_min = tl.full((BLOCK_F, BLOCK_M), float("inf"), tl.float32)
-    if FLAT:
-        everything = tl.full((BLOCK_F,), 1, tl.int1)  # constant-true masks fold away
-        all_bands = tl.full((BLOCK_M,), 1, tl.int1)
-        mel = tl.zeros((BLOCK_F, BLOCK_M), tl.float32)  # reset after each block's last chunk
-        n_chunks = tl.load(chunks_ptr).to(tl.int32)
-        entries = chunks_ptr + 1  # packed (first bin, block's hi, block, last chunk of its block) per chunk
-        entry_next = tl.load(entries)
+    everything = tl.full((BLOCK_F,), 1, tl.int1)  # constant-true masks fold away
+    all_bands = tl.full((BLOCK_M,), 1, tl.int1)
+    mel = tl.zeros((BLOCK_F, BLOCK_M), tl.float32)  # reset after each block's last chunk
+    n_chunks = tl.load(chunks_ptr).to(tl.int32)
+    entries = chunks_ptr + 1  # packed (first bin, block's hi, block, last chunk of its block) per chunk
+    entry_next = tl.load(entries)
+    k0, k_hi, block = _unpack_chunk(entry_next)
+    xy_next, w_next = _load_chunk(x_rows, w_ptr, everything, tl.minimum(block * BLOCK_M + lanes, NM - 1),
+                                  all_bands, k0, k_hi, NF, BLOCK_K)
+    for i in range(0, n_chunks):
+        xy, w, entry = xy_next, w_next, entry_next
+        entry_next = tl.load(entries + tl.minimum(i + 1, n_chunks - 1))  # the last step reloads its own
         k0, k_hi, block = _unpack_chunk(entry_next)
         xy_next, w_next = _load_chunk(x_rows, w_ptr, everything, tl.minimum(block * BLOCK_M + lanes, NM - 1),
                                       all_bands, k0, k_hi, NF, BLOCK_K)
-        for i in range(0, n_chunks):
-            xy, w, entry = xy_next, w_next, entry_next
-            entry_next = tl.load(entries + tl.minimum(i + 1, n_chunks - 1))  # the last step reloads its own
-            k0, k_hi, block = _unpack_chunk(entry_next)
-            xy_next, w_next = _load_chunk(x_rows, w_ptr, everything, tl.minimum(block * BLOCK_M + lanes, NM - 1),
-                                          all_bands, k0, k_hi, NF, BLOCK_K)
-            mel = _project(mel, xy, w, BLOCK_F, BLOCK_K, PRECISION)
-            # A uniform condition: the chunks before a block's last one only load and project.
-            if entry < 0:
-                _, _, block = _unpack_chunk(entry)
-                bands = block * BLOCK_M + lanes
-                log_spec = log10_clamped(mel, HW_LOG2)
-                tl.store(out_rows + bands[None, :], (log_spec + 4.0) * 0.25,
-                         mask=frame_ok[:, None] & (bands < NM)[None, :])
-                run_max = tl.maximum(run_max, log_spec)
-                run_min = tl.minimum(run_min, log_spec)
-                mel = tl.zeros((BLOCK_F, BLOCK_M), tl.float32)
-    else:
-        for block in range(0, tl.cdiv(NM, BLOCK_M)):
+        mel = _project(mel, xy, w, BLOCK_F, BLOCK_K, PRECISION)
+        # A uniform condition: the chunks before a block's last one only load and project.
+        if entry < 0:
+            _, _, block = _unpack_chunk(entry)
             bands = block * BLOCK_M + lanes
-            band_ok = bands < NM
-            k_hi = tl.load(hi_ptr + block)
-            mel = tl.zeros((BLOCK_F, BLOCK_M), tl.float32)
-            for k0 in range(tl.load(lo_ptr + block), k_hi, BLOCK_K):
-                xy, w = _load_chunk(x_rows, w_ptr, frame_ok, bands, band_ok, k0, k_hi, NF, BLOCK_K)
-                mel = _project(mel, xy, w, BLOCK_F, BLOCK_K, PRECISION)
             log_spec = log10_clamped(mel, HW_LOG2)
-            ok = frame_ok[:, None] & band_ok[None, :]
-            tl.store(out_rows + bands[None, :], (log_spec + 4.0) * 0.25, mask=ok)
-            run_max = tl.maximum(run_max, tl.where(ok, log_spec, float("-inf")))
-            run_min = tl.minimum(run_min, tl.where(ok, log_spec, float("inf")))
+            tl.store(out_rows + bands[None, :], (log_spec + 4.0) * 0.25,
+                     mask=frame_ok[:, None] & (bands < NM)[None, :])
+            run_max = tl.maximum(run_max, log_spec)
+            run_min = tl.minimum(run_min, log_spec)
+            mel = tl.zeros((BLOCK_F, BLOCK_M), tl.float32)
     return tl.max(run_max), tl.min(run_min)
 
 
@@ -241,16 +212,15 @@ def _floor_tile(out_ptr, clip, tile, F, NM, floor, BLOCK_F: tl.constexpr, CHUNK:
 
 
 @triton.jit
-def _stft_kernel(x_ptr, w_ptr, lo_ptr, hi_ptr, chunks_ptr, out_ptr, stats_ptr, F, NF, NM, n_tiles,
-                 BLOCK_F: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-                 PRECISION: tl.constexpr, FLAT: tl.constexpr, SHORT_CLIP: tl.constexpr,
-                 STATIC_NF: tl.constexpr, HW_LOG2: tl.constexpr):
+def _stft_kernel(x_ptr, w_ptr, chunks_ptr, out_ptr, stats_ptr, F, NM, n_tiles, BLOCK_F: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, SHORT_CLIP: tl.constexpr,
+                 NF: tl.constexpr, HW_LOG2: tl.constexpr):
     """The main pass: one program per (clip, frame tile), clip-major."""
     pid = tl.program_id(0)
     clip = pid // n_tiles
     tile = pid % n_tiles
-    tile_max, tile_min = _log_mel_tile(x_ptr, w_ptr, lo_ptr, hi_ptr, chunks_ptr, out_ptr, clip, tile, F, NF, NM,
-                                       BLOCK_F, BLOCK_M, BLOCK_K, PRECISION, FLAT, SHORT_CLIP, STATIC_NF, HW_LOG2)
+    tile_max, tile_min = _log_mel_tile(x_ptr, w_ptr, chunks_ptr, out_ptr, clip, tile, F, NM, BLOCK_F, BLOCK_M,
+                                       BLOCK_K, PRECISION, SHORT_CLIP, NF, HW_LOG2)
     stats = stats_ptr + pid.to(tl.int64) * 2
     tl.store(stats, tile_max)
     tl.store(stats + 1, tile_min)
@@ -264,7 +234,7 @@ def _stft_floor_kernel(out_ptr, stats_ptr, F, NM, n_tiles, n_groups, BLOCK_F: tl
     pid = tl.program_id(0)
     clip = pid // n_groups
     first = (pid % n_groups) * FLOOR_TILES
-    floor = clip_floor(stats_ptr, clip, n_tiles, STATS_CHUNK)
+    floor = clip_floor(stats_ptr, clip, n_tiles, tl.arange(0, STATS_CHUNK))
     stats = stats_ptr + clip.to(tl.int64) * n_tiles * 2
     for tile in range(first, tl.minimum(first + FLOOR_TILES, n_tiles)):
         if tl.load(stats + 2 * tile + 1) < floor:
@@ -294,22 +264,19 @@ def pick(B: int, F: int, NF: int, NM: int) -> Config:
     return next(r for r in PICK_TABLE if NF <= r.max_nf and NM <= r.max_nm and F >= r.min_f).config
 
 
-def band_plan(mel_filters: torch.Tensor, block_m: int, block_k: int,
-              flat: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+def band_plan(mel_filters: torch.Tensor, block_m: int, block_k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(support, chunks): support (2, ceil(NM / block_m)) int32, row 0 the first and row 1 one past the last
-    used bin of each band block (`_band_support_kernel`); chunks int64 [1 + L], the flat loop's work list
-    (`_chunk_list_kernel`; L bounds every block's chunk count by NF's), or None unless `flat` (the nested
-    loop reads only the support). Built on every call, so no cache can go stale. Two launches for the flat
-    loop, because one program doing both is slower than the support kernel and the list kernel together."""
+    used bin of each band block (`_band_support_kernel`); chunks int64 [1 + L], the main pass's work list
+    (`_chunk_list_kernel`; L bounds every block's chunk count by NF's). Built on every call, so no cache can go
+    stale. Two launches, because one program doing both is slower than the support kernel and the list kernel
+    together."""
     NM, NF = mel_filters.shape
     n_blocks = triton.cdiv(NM, block_m)
-    if flat and max(NF, n_blocks) > FIELD_MASK.value:
-        raise ValueError(f"the flat loop's chunk entries hold at most {FIELD_MASK.value} bins and band blocks")
+    if max(NF, n_blocks) > FIELD_MASK.value:
+        raise ValueError(f"the main pass's chunk entries hold at most {FIELD_MASK.value} bins and band blocks")
     support = torch.empty(2, n_blocks, dtype=torch.int32, device=mel_filters.device)
     _band_support_kernel[(n_blocks,)](mel_filters, support[0], support[1], NM, NF, BLOCK_M=block_m,
                                       CHUNK=SUPPORT_CHUNK)
-    if not flat:
-        return support, None
     chunks = torch.empty(1 + n_blocks * max(1, triton.cdiv(NF, block_k)), dtype=torch.int64, device=mel_filters.device)
     _chunk_list_kernel[(1,)](support[0], support[1], chunks, n_blocks, BLOCK_K=block_k,
                              BLOCKS=triton.next_power_of_2(n_blocks))
@@ -323,21 +290,16 @@ def launch(stft: torch.Tensor, mel_filters: torch.Tensor, config: Config | None 
     NM = mel_filters.shape[0]
     config = config or pick(B, F, NF, NM)
     x = torch.view_as_real(stft)  # (B, F, NF, 2) float32, same memory
-    # The flat loop reads the chunk list, the nested loop only the support: its chunks is None, which Triton
-    # takes as a constexpr, and the nested loop never reads it.
-    support, chunks = band_plan(mel_filters, config.block_m, config.block_k, config.flat)
+    _, chunks = band_plan(mel_filters, config.block_m, config.block_k)
     n_tiles = triton.cdiv(F, config.block_f)
     stats = torch.empty(B, n_tiles, 2, dtype=torch.float32, device=stft.device)
     out = torch.empty(B, F, NM, dtype=torch.float32, device=stft.device)
     tile_args = dict(BLOCK_F=config.block_f, BLOCK_M=config.block_m, BLOCK_K=config.block_k,
-                     PRECISION=config.precision, FLAT=config.flat,
-                     # The flat loop's specializations; the nested loop takes NF at run time and masks short clips.
-                     SHORT_CLIP=config.flat and F < config.block_f, STATIC_NF=NF if config.flat else 0,
+                     PRECISION=config.precision, SHORT_CLIP=F < config.block_f, NF=NF,
                      # The interpreter (CPU) cannot run inline PTX.
                      HW_LOG2=not triton.knobs.runtime.interpret,
                      num_warps=config.num_warps, num_stages=config.num_stages)
-    _stft_kernel[(B * n_tiles,)](x, mel_filters, support[0], support[1], chunks, out, stats, F, NF, NM, n_tiles,
-                                 **tile_args)
+    _stft_kernel[(B * n_tiles,)](x, mel_filters, chunks, out, stats, F, NM, n_tiles, **tile_args)
     n_groups = triton.cdiv(n_tiles, FLOOR_TILES)
     _stft_floor_kernel[(B * n_groups,)](out, stats, F, NM, n_tiles, n_groups, BLOCK_F=config.block_f,
                                         STATS_CHUNK=STATS_CHUNK, FLOOR_CHUNK=FLOOR_CHUNK, FLOOR_TILES=FLOOR_TILES)

@@ -1,5 +1,6 @@
 """Whisper's log-mel from the waveform in one pass (Triton): the main pass of `whisper_log_mel` on every CUDA GPU
-the Gluon kernel (`hopper/waveform.py`) does not take; the floor pass (`floor.py`) follows it.
+the Gluon kernel (`hopper/waveform.py`) does not take; its floor (`floor.py`) runs as a pass of its own after it, or
+folded into its launch (`with_floor`).
 
 Per tile of BLOCK_F frames of one clip, everything stays on chip from the samples to the output:
 
@@ -19,7 +20,7 @@ Per tile of BLOCK_F frames of one clip, everything stays on chip from the sample
 3. Power, then the mel projection against the filterbank permuted into stage 2's (k1, k2) order, also split
    into three products (the power spans ten decades; a TF32 rounding per term costs up to 1e-4 of the output).
 4. log10(max(mel, 1e-10)), (x + 4) / 4 written in the output dtype, transposed to (B, NM, F); the tile's max
-   and min of the log kept for the floor pass (`floor.py`), which rewrites only tiles the clip's 80 dB floor
+   and min of the log kept for the floor (`floor.py`), which rewrites only tiles the clip's 80 dB floor
    reaches.
 """
 
@@ -33,6 +34,8 @@ import triton.language as tl
 
 from .. import whisper
 from ..common.launch import Launch, launch as run
+from . import floor
+from .floor import count_tile, floor_group, take_item
 from .log10 import log10_scaled
 
 # Globals read inside @triton.jit functions must be constexpr; host code reads their `.value`.
@@ -212,16 +215,13 @@ def _power_tile(audio_ptr, lengths_ptr, operands_ptr, twiddles_ptr, window_ptr, 
 
 
 @triton.jit
-def _waveform_kernel(audio_ptr, lengths_ptr, operands_ptr, twiddles_ptr, window_ptr, proj_ptr, out_ptr,
-                     stats_ptr,
-                     N, F, NM, n_tiles, BLOCK_F: tl.constexpr, BLOCK_M: tl.constexpr,
-                     NM_PAD: tl.constexpr, K_GROUPS: tl.constexpr, IS_PCM: tl.constexpr, HAS_LENGTHS: tl.constexpr,
-                     HW_LOG2: tl.constexpr):
-    """Pass 1, one program per (clip, frame tile), clip-major: (log10(max(mel, 1e-10)) + 4) / 4 into out
+def _waveform_tile(audio_ptr, lengths_ptr, operands_ptr, twiddles_ptr, window_ptr, proj_ptr, out_ptr, stats_ptr, item,
+                   N, F, NM, n_tiles, BLOCK_F: tl.constexpr, BLOCK_M: tl.constexpr, NM_PAD: tl.constexpr,
+                   K_GROUPS: tl.constexpr, IS_PCM: tl.constexpr, HAS_LENGTHS: tl.constexpr, HW_LOG2: tl.constexpr):
+    """Main item `item`, frame tile item % n_tiles of clip item // n_tiles: (log10(max(mel, 1e-10)) + 4) / 4 into out
     (B, NM, F), and the tile's (max, min) of the log into stats."""
-    pid = tl.program_id(0)
-    clip = pid // n_tiles
-    tile = pid % n_tiles
+    clip = item // n_tiles
+    tile = item % n_tiles
     power, e = _power_tile(audio_ptr, lengths_ptr, operands_ptr, twiddles_ptr, window_ptr, clip, tile, N, F,
                            BLOCK_F, IS_PCM, HAS_LENGTHS)
     # The power into [2^14, 2^15) as well (the filterbank arrives times 2^MEL_SHIFT), so that
@@ -251,36 +251,68 @@ def _waveform_kernel(audio_ptr, lengths_ptr, operands_ptr, twiddles_ptr, window_
         # Frames past F repeat frame F - 1; bands past NM (zero weights) must not lower the minimum.
         run_max = tl.maximum(run_max, log_spec)
         run_min = tl.minimum(run_min, tl.where((bands < NM)[None, :], log_spec, float("inf")))
-    stats = stats_ptr + pid.to(tl.int64) * 2
+    stats = stats_ptr + item.to(tl.int64) * 2
     tl.store(stats, tl.max(run_max))
     tl.store(stats + 1, tl.min(run_min))
 
 
+@triton.jit
+def _waveform_kernel(audio_ptr, lengths_ptr, operands_ptr, twiddles_ptr, window_ptr, proj_ptr, out_ptr,
+                     stats_ptr, counters_ptr, N, F, NM, n_tiles, B, n_groups, BLOCK_F: tl.constexpr,
+                     BLOCK_M: tl.constexpr, NM_PAD: tl.constexpr, K_GROUPS: tl.constexpr, IS_PCM: tl.constexpr,
+                     HAS_LENGTHS: tl.constexpr, HW_LOG2: tl.constexpr, WITH_FLOOR: tl.constexpr,
+                     FLOOR_M: tl.constexpr, STATS_CHUNK: tl.constexpr, FLOOR_TILES: tl.constexpr):
+    """The main pass, one program per (clip, frame tile), clip-major (`_waveform_tile`); WITH_FLOOR, one per item of
+    the floor folded in (`floor.py`): B * n_tiles main items, then B * n_groups floor items, taken by ticket."""
+    if WITH_FLOOR:
+        n_main = B * n_tiles
+        item = take_item(counters_ptr, n_main + B * n_groups)
+        if item < n_main:
+            _waveform_tile(audio_ptr, lengths_ptr, operands_ptr, twiddles_ptr, window_ptr, proj_ptr, out_ptr,
+                           stats_ptr, item, N, F, NM, n_tiles, BLOCK_F, BLOCK_M, NM_PAD, K_GROUPS, IS_PCM,
+                           HAS_LENGTHS, HW_LOG2)
+            count_tile(counters_ptr, item // n_tiles)
+        else:
+            floor_group(out_ptr, stats_ptr, counters_ptr, item - n_main, F, NM, n_tiles, n_groups,
+                        tl.arange(0, BLOCK_F), tl.arange(0, FLOOR_M), tl.arange(0, STATS_CHUNK), FLOOR_TILES)
+    else:
+        _waveform_tile(audio_ptr, lengths_ptr, operands_ptr, twiddles_ptr, window_ptr, proj_ptr, out_ptr, stats_ptr,
+                       tl.program_id(0), N, F, NM, n_tiles, BLOCK_F, BLOCK_M, NM_PAD, K_GROUPS, IS_PCM, HAS_LENGTHS,
+                       HW_LOG2)
+
+
 def launch(audio: torch.Tensor, lengths: torch.Tensor | None, n_mels: int, out_dtype: torch.dtype,
-           config: Config | None = None) -> tuple[torch.Tensor, torch.Tensor, int]:
+           config: Config | None = None, with_floor: bool = False) -> tuple[torch.Tensor, torch.Tensor, int]:
     """The main pass on validated, contiguous audio (B, N) (float32, float16, bfloat16 or int16 PCM) and lengths
-    (B,) int64 on its device, or None: (out, stats, block_f), out (B, n_mels, N // 160) in `out_dtype` before the
-    floor, stats (B, n_tiles, 2) the (max, min) of the log in each tile of block_f frames, for `floor.launch`."""
+    (B,) int64 on its device, or None: (out, stats, block_f), out (B, n_mels, N // 160) in `out_dtype`, stats
+    (B, n_tiles, 2) the (max, min) of the log in each tile of block_f frames. out is before the floor, for
+    `floor.launch`, or `with_floor` final: the floor folded into the same launch (`floor.py`)."""
     config = config or DEFAULT_CONFIG
     B, N = audio.shape
     operands, twiddles, window = dft_tables(audio.device)
     proj = _projection(n_mels, audio.device, config.block_m)
-    plan = _plan(B, N, n_mels, audio.dtype == torch.int16, lengths is not None, proj.shape[-1], config)
-    n_tiles = plan.ints[-1]
+    plan = _plan(B, N, n_mels, audio.dtype == torch.int16, lengths is not None, proj.shape[-1], config, with_floor)
+    n_tiles = plan.ints[3]
     stats = torch.empty(B, n_tiles, 2, dtype=torch.float32, device=audio.device)
     out = torch.empty(B, n_mels, N // HOP.value, dtype=out_dtype, device=audio.device)
-    run(plan, (audio, lengths, operands, twiddles, window, proj, out, stats))
+    counters = floor.counters(audio.device, B) if with_floor else None
+    run(plan, (audio, lengths, operands, twiddles, window, proj, out, stats, counters))
     return out, stats, config.block_f
 
 
 @functools.cache
-def _plan(B: int, N: int, n_mels: int, is_pcm: bool, has_lengths: bool, nm_pad: int, config: Config) -> Launch:
-    """The main pass's launch for a call shape, built once: its grid, integer arguments (N, F, NM, n_tiles) and
-    meta-parameters."""
+def _plan(B: int, N: int, n_mels: int, is_pcm: bool, has_lengths: bool, nm_pad: int, config: Config,
+          with_floor: bool) -> Launch:  # fmt: skip
+    """The main pass's launch for a call shape, built once: its grid (with_floor: the floor items too), integer
+    arguments (N, F, NM, n_tiles, B, n_groups) and meta-parameters."""
     F = N // HOP.value
     n_tiles = triton.cdiv(F, config.block_f)
+    n_groups = floor.groups(n_tiles)
     meta = dict(BLOCK_F=config.block_f, BLOCK_M=config.block_m, NM_PAD=nm_pad, K_GROUPS=config.k_groups,
                 IS_PCM=is_pcm, HAS_LENGTHS=has_lengths,
                 # The interpreter (CPU) cannot run inline PTX.
-                HW_LOG2=not triton.knobs.runtime.interpret, num_stages=config.num_stages)
-    return Launch(_waveform_kernel, B * n_tiles, (N, F, n_mels, n_tiles), meta, config.num_warps, config.name)
+                HW_LOG2=not triton.knobs.runtime.interpret, WITH_FLOOR=with_floor, **floor.folded_meta(n_mels),
+                num_stages=config.num_stages)
+    programs = B * (n_tiles + n_groups) if with_floor else B * n_tiles
+    return Launch(_waveform_kernel, programs, (N, F, n_mels, n_tiles, B, n_groups), meta, config.num_warps,
+                  config.name + (" with floor" if with_floor else ""))
