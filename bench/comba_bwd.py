@@ -59,8 +59,10 @@ DECODE_SWEEP = [(8, 1), (16, 1), (8, 2), (16, 2), (16, 4), (32, 4), (32, 8)]
 FLA_STEP = "fla 0.6.0 chunk_comba fwd+bwd (p'=exp(g)p bf16, guard lifted)"
 # (B, T, H, HV, K, V) and whether the call carries a state in and out.
 MODEL_SHAPES = [((8, 2048, 32, 32, 128, 128), True), ((4, 4096, 8, 16, 128, 128), False)]
-# Compiled too (tools.compile_offline), not measured: the model call's kernels at K = 64.
-MODEL_COMPILE_SHAPES = [((16, 2048, 32, 32, 64, 128), True)]
+# Compiled too (tools.compile_offline), not measured: the model call's kernels at K = 64, and with V = 256 and 512
+# (more V blocks in the scans and the output) at either K.
+MODEL_COMPILE_SHAPES = [((16, 2048, 32, 32, 64, 128), True), ((4, 2048, 8, 16, 128, 256), True),
+                        ((4, 2048, 4, 4, 64, 512), True), ((4, 2048, 4, 8, 128, 512), False)]
 MODEL_STEP = "comba-bwd step (model call)"
 FLA_MODEL_STEP = "fla 0.6.0 chunk_comba fwd+bwd, same arguments (guard lifted)"
 MODEL_GRADS = (*GRADS, "d_initial_state")

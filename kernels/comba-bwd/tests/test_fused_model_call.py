@@ -42,12 +42,15 @@ def float64_model_grads(x, state, do, d_final, scale):
     return (*grads, None) if s64 is None else grads
 
 
-SHAPES = [  # B, T, H, HV, K, V: T = 1, 63, 65, 130 with HV = 2H; B = 2 cut in two pieces; K = 128 cuts V in two
+SHAPES = [  # B, T, H, HV, K, V: T = 1, 63, 65, 130 with HV = 2H; B = 2 cut in two pieces; K = 128 cuts V in two;
+    # V = 256 and 512: more V blocks in the scans (4 and 8 at K = 128) and in the output (2 and 4)
     (2, 1, 1, 2, 64, 64),
     (2, 63, 1, 2, 64, 64),
     (1, 65, 2, 4, 64, 128),
     (2, 130, 1, 2, 64, 64),
     (1, 64, 1, 2, 128, 128),
+    (1, 70, 1, 2, 64, 256),
+    (1, 66, 1, 1, 128, 512),
 ]
 
 
@@ -132,7 +135,8 @@ def reference_step(comba, x, state, do, d_final, **kwargs):
 
 @needs_cuda
 @pytest.mark.parametrize("shape,l2norm", [((4, 4096, 6, 6, 128, 128), False), ((2, 1000, 4, 8, 128, 64), True),
-                                          ((2, 577, 2, 4, 64, 128), False)])
+                                          ((2, 577, 2, 4, 64, 128), False), ((2, 1000, 4, 8, 128, 256), True),
+                                          ((1, 777, 2, 2, 64, 512), False), ((1, 600, 2, 4, 128, 512), False)])
 def test_cuda_model_call_with_state_matches_the_reference(comba, shape, l2norm):
     """comba_attention on CUDA (the fused kernels) at fla's layer shapes with a state, and grouped heads with the q/k/p
     normalisation, against the eager reference: o, the final state and all seven gradients within 2e-2."""

@@ -111,7 +111,8 @@ def comba_forward_cuda(q, k, v, p, beta, g, scale: float):
 def comba_state_forward_cuda(q, k, v, p, beta, g, initial_state, scale: float, output_final_state: bool):
     """(o (B, T, HV, V) in v's dtype, final state (B, HV, K, V) fp32, or an empty tensor without output_final_state)
     from initial_state (B, HV, K, V) fp32 or None (zeros); q, k, p (B, T, H, K) and v, beta, g with HV heads, HV a
-    multiple of H, contiguous, K and V in {64, 128}, any T >= 1. The Triton kernels (`plan`'s model plan)."""
+    multiple of H, contiguous, K in {64, 128} and V in {64, 128, 256, 512}, any T >= 1. The Triton kernels (`plan`'s
+    model plan)."""
     from . import pipeline  # the kernels need triton: imported on a CUDA call's first use
 
     out = pipeline.run_forward(q, k, v, p, beta, g, scale, plan(q, v.shape[-1], model=True), initial_state,

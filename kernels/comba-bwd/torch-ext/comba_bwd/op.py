@@ -33,7 +33,7 @@ from .model_args import check_model_args
 from .recurrent import check_decode_tokens, comba_decode_reference
 from .reference import (L2NORM_EPS, comba_backward_reference, comba_forward_reference, comba_state_backward_reference,
                         comba_state_forward_reference)
-from .validation import FUSED_SIZES, check_comba_args
+from .validation import FUSED_MODEL_V, FUSED_SIZES, check_comba_args
 
 Grads = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
@@ -199,11 +199,11 @@ def _is_spec_call(q, v, initial_state, output_final_state, cu_seqlens, use_qk_l2
 
 def _is_fused_model_call(q, v, cu_seqlens, read_order) -> bool:
     """Whether a model's comba_attention call (`_is_spec_call` false) takes the registered model op: CUDA tensors, no
-    packed sequences, the spec's read order and K and V the fused kernels are compiled for. On the CPU the eager
-    reference takes every model call itself (and normalises q, k and p in float32 whatever their dtype)."""
+    packed sequences, the spec's read order, K in FUSED_SIZES and V in FUSED_MODEL_V. On the CPU the eager reference
+    takes every model call itself (and normalises q, k and p in float32 whatever their dtype)."""
     if cu_seqlens is not None or read_order != "decay_first" or not q.is_cuda:
         return False
-    return q.shape[-1] in FUSED_SIZES and v.shape[-1] in FUSED_SIZES
+    return q.shape[-1] in FUSED_SIZES and v.shape[-1] in FUSED_MODEL_V
 
 
 def _l2_normalised(x: torch.Tensor) -> torch.Tensor:
@@ -228,9 +228,10 @@ def comba_attention(q, k, v, p, beta, g, scale=None, *, initial_state=None, outp
     read_order: "decay_first" (the spec's: decay, read, write) or "fla" (read, decay, write).
 
     The spec's call (none of the keyword arguments, H = HV, and on CUDA K, V in {64, 128}) runs the fused kernels on
-    CUDA, forward and backward, and the eager chunked reference on the CPU. A call with a carried state, grouped value
-    heads or q/k/p normalisation (no cu_seqlens, the spec's read order, on CUDA K, V in {64, 128}) runs the fused
-    Triton kernels on CUDA too, the normalisation by torch ops ahead of them. Every other call runs the eager chunked
+    CUDA, forward and backward, and the eager chunked reference on the CPU. Every other call on CUDA with K in
+    {64, 128} and V in {64, 128, 256, 512}, no cu_seqlens and the spec's read order (a carried state, grouped value
+    heads, q/k/p normalisation, V = 256 or 512) runs the fused Triton kernels too (the registered model ops), the
+    normalisation by torch ops ahead of them. Every other call runs the eager chunked
     reference (`comba_forward_reference`) on every device, its backward by autograd through it.
 
     The fused calls under CUDA autocast take q, k, v, p in autocast's dtype (o in that dtype); everything else
