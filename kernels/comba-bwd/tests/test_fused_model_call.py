@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from testkit import HAS_CUDA, needs_cuda, needs_triton, rel_err, submodule
-from test_model_interface import model_inputs, recurrence64
+from test_model_interface import model_inputs, pack, recurrence64
 
 NAMES = ("dq", "dk", "dv", "dp", "dbeta", "dg", "d_initial_state")
 TRITON_DEVICE = "cuda" if HAS_CUDA else "cpu"
@@ -100,12 +100,105 @@ def test_fused_state_call_without_state_equals_the_plain_call(dispatch):
     assert all(torch.equal(a, b) for a, b in zip(grads, dispatch.comba_backward_cuda(*x, do, 0.125)))
 
 
+def packed_kernel_inputs(lengths, H, HV, K, V, seed, device=TRITON_DEVICE):
+    """`kernel_inputs` of len(lengths) sequences cut to `lengths` and packed along T of a batch of one (`pack`):
+    (x, state, do, d_final, offsets), a state and a final state's gradient per sequence."""
+    x, state, do, d_final = kernel_inputs(len(lengths), max(lengths), H, HV, K, V, seed, device=device)
+    (*x, do), offsets = pack([*x, do], lengths)
+    return x, state, do, d_final, offsets.to(device)
+
+
+def sequence_rows(x, offsets, i):
+    """Sequence i's rows (1, n, ...) of a packed (1, T, ...) tensor."""
+    return x[:, offsets[i]:offsets[i + 1]]
+
+
+@needs_triton
+@pytest.mark.kernels_ci
+@pytest.mark.parametrize("lengths,shape", [((70, 1, 0, 64, 33), (1, 2, 64, 64)), ((70, 40), (1, 1, 128, 256))])
+def test_fused_packed_sequences_equal_per_sequence_calls(dispatch, lengths, shape):
+    """Packed sequences (one empty, one of a single step, one of exactly a chunk) through the Triton kernels: o, the
+    final states and every gradient, the initial states' included, equal to each sequence's own call bit for bit (the
+    same chunk layout, each sequence padded at its end), and within 1e-2 (dg 2e-2) of the float64 recurrence; an empty
+    sequence's final state is its initial state, its initial state's gradient the final state's."""
+    x, state, do, d_final, offsets = packed_kernel_inputs(lengths, *shape, seed=12)
+    scale = shape[2] ** -0.5
+    o, final = dispatch.comba_state_forward_cuda(*x, state, scale, True, offsets)
+    grads = dispatch.comba_state_backward_cuda(*x, state, do, d_final, scale, offsets)
+    assert o.shape == x[2].shape and final.shape == state.shape
+    assert [gr.shape for gr in grads] == [t.shape for t in (*x, state)]
+    for i, n in enumerate(lengths):
+        if n == 0:
+            assert torch.equal(final[i], state[i]) and torch.equal(grads[6][i], d_final[i])
+            continue
+        one = [sequence_rows(t, offsets, i) for t in x]
+        do_i, s_i, d_i = sequence_rows(do, offsets, i), state[i:i + 1], d_final[i:i + 1]
+        o1, f1 = dispatch.comba_state_forward_cuda(*one, s_i, scale, True)
+        g1 = dispatch.comba_state_backward_cuda(*one, s_i, do_i, d_i, scale)
+        assert torch.equal(sequence_rows(o, offsets, i), o1) and torch.equal(final[i:i + 1], f1)
+        got = [sequence_rows(gr, offsets, i) for gr in grads[:6]] + [grads[6][i:i + 1]]
+        assert all(torch.equal(a, b) for a, b in zip(got, g1)), i
+        o64, f64 = recurrence64(*(t.cpu() for t in one), scale, s_i.cpu())
+        assert rel_err(o1, o64) < 1e-2 and rel_err(f1, f64) < 1e-2
+        errs = {n: rel_err(a, b) for n, a, b in zip(NAMES, g1, float64_model_grads(one, s_i, do_i, d_i, scale))}
+        # dg sums terms that nearly cancel: 1e-2 for the other gradients, 2e-2 for dg, at bf16
+        assert all(e < (2e-2 if n == "dg" else 1e-2) for n, e in errs.items()), (i, errs)
+
+
+@needs_triton
+@pytest.mark.kernels_ci
+@pytest.mark.parametrize("i,value", [(2, float("nan")), (1, 1e30)])
+def test_fused_garbage_in_one_packed_sequence_stays_there(dispatch, i, value):
+    """A NaN in v, or a huge k, at one step of the middle sequence: o, the final states and every gradient of the
+    other sequences are bit for bit those of the clean call."""
+    x, state, do, d_final, offsets = packed_kernel_inputs((70, 40, 30), 1, 2, 64, 64, seed=13)
+    bad = [t.clone() for t in x]
+    bad[i][0, offsets[1] + 20] = value
+    runs = []
+    for inputs in (x, bad):
+        o, final = dispatch.comba_state_forward_cuda(*inputs, state, 0.125, True, offsets)
+        grads = dispatch.comba_state_backward_cuda(*inputs, state, do, d_final, 0.125, offsets)
+        runs.append((o, *grads[:6], final, grads[6]))
+    for s in (0, 2):
+        for clean, got in zip(*runs):
+            if clean.shape[0] == 1:   # per step: the sequence's rows
+                clean, got = sequence_rows(clean, offsets, s), sequence_rows(got, offsets, s)
+            else:                     # per sequence: its state
+                clean, got = clean[s], got[s]
+            assert torch.equal(clean, got), s
+    assert not torch.equal(sequence_rows(runs[0][0], offsets, 1), sequence_rows(runs[1][0], offsets, 1))
+
+
 @pytest.mark.kernels_ci
 @pytest.mark.parametrize("with_state,final", [(True, True), (False, True), (True, False)])
 def test_model_op_opcheck(comba, with_state, final):
     x, state, do, d_final = kernel_inputs(1, 70, 1, 2, 16, 8, seed=7, with_state=with_state, device="cpu")
     torch.library.opcheck(comba.op.comba_state_forward_op, (*x, state, 0.25, final))
     torch.library.opcheck(comba.op.comba_state_backward_op, (*x, state, do, d_final if final else None, 0.25))
+
+
+@pytest.mark.kernels_ci
+def test_packed_model_op_opcheck(comba):
+    x, state, do, d_final, offsets = packed_kernel_inputs((70, 0, 9), 1, 2, 16, 8, seed=14, device="cpu")
+    torch.library.opcheck(comba.op.comba_state_forward_op, (*x, state, 0.25, True, offsets))
+    torch.library.opcheck(comba.op.comba_state_backward_op, (*x, state, do, d_final, 0.25, offsets))
+
+
+@pytest.mark.kernels_ci
+def test_packed_model_op_trains_every_sequence(comba):
+    """Autograd through the registered model op (its CPU kernels) on packed sequences: every input's gradient and the
+    initial states', through o and the final states, against float64 sequence by sequence."""
+    x, state, do, d_final, offsets = packed_kernel_inputs((70, 9, 64), 1, 2, 16, 8, seed=15, device="cpu")
+    x = [t.float() for t in x]
+    leaves = [t.clone().requires_grad_() for t in (*x, state)]
+    o, final = comba.op.comba_state_forward_op(*leaves[:6], leaves[6], 0.25, True, offsets)
+    got = torch.autograd.grad((o * do.float()).sum() + (final * d_final).sum(), leaves)
+    for i in range(3):
+        one = [sequence_rows(t, offsets, i) for t in x]
+        ref = float64_model_grads(one, state[i:i + 1], sequence_rows(do, offsets, i), d_final[i:i + 1], 0.25)
+        mine = [sequence_rows(gr, offsets, i) for gr in got[:6]] + [got[6][i:i + 1]]
+        errs = {n: rel_err(a, b) for n, a, b in zip(NAMES, mine, ref)}
+        assert all(e < 1e-4 for e in errs.values()), (i, errs)
 
 
 @pytest.mark.kernels_ci
@@ -146,6 +239,25 @@ def test_cuda_model_call_with_state_matches_the_reference(comba, shape, l2norm):
                                      use_qk_l2norm=l2norm)
     got = torch.autograd.grad((o.float() * do.float()).sum() + (final * d_final).sum(), leaves)
     o_ref, final_ref, ref = reference_step(comba, x, state, do, d_final, use_qk_l2norm=l2norm)
+    assert rel_err(o, o_ref) < 2e-2 and rel_err(final, final_ref) < 2e-2
+    errs = {n: rel_err(a, b) for n, a, b in zip(NAMES, got, ref)}
+    assert all(e < 2e-2 for e in errs.values()), errs
+
+
+@needs_cuda
+@pytest.mark.parametrize("shape,l2norm", [((8, 16, 128, 256), True), ((2, 4, 64, 512), False)])
+def test_cuda_packed_call_matches_the_reference(comba, shape, l2norm):
+    """comba_attention on CUDA with packed sequences (the fused kernels) at the issue's packed shape (H, HV, K, V) =
+    (8, 16, 128, 256), 8 sequences of random lengths, and at V = 512, against the eager reference: o, the final states
+    and all seven gradients within 2e-2."""
+    gen = torch.Generator().manual_seed(16)
+    lengths = (torch.rand(8, generator=gen) * 1500).long().add(1).tolist()
+    x, state, do, d_final, offsets = packed_kernel_inputs(lengths, *shape, seed=16, device="cuda")
+    leaves = [t.detach().clone().requires_grad_() for t in (*x, state)]
+    o, final = comba.comba_attention(*leaves[:6], initial_state=leaves[6], output_final_state=True,
+                                     cu_seqlens=offsets, use_qk_l2norm=l2norm)
+    got = torch.autograd.grad((o.float() * do.float()).sum() + (final * d_final).sum(), leaves)
+    o_ref, final_ref, ref = reference_step(comba, x, state, do, d_final, cu_seqlens=offsets, use_qk_l2norm=l2norm)
     assert rel_err(o, o_ref) < 2e-2 and rel_err(final, final_ref) < 2e-2
     errs = {n: rel_err(a, b) for n, a, b in zip(NAMES, got, ref)}
     assert all(e < 2e-2 for e in errs.values()), errs

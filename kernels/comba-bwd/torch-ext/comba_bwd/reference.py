@@ -113,6 +113,18 @@ def sequence_bounds(cu_seqlens: torch.Tensor, T: int) -> list[tuple[int, int]]:
     return list(zip(offsets, offsets[1:]))
 
 
+def unpack(x: torch.Tensor, bounds: list[tuple[int, int]]) -> torch.Tensor:
+    """(1, T, ...) sequences packed at `bounds` (`sequence_bounds`) -> (N, longest, ...), each zero-padded at its
+    end."""
+    longest = max(b - a for a, b in bounds)
+    return torch.stack([torch.cat([x[0, a:b], x.new_zeros(longest - (b - a), *x.shape[2:])]) for a, b in bounds])
+
+
+def repack(x: torch.Tensor, bounds: list[tuple[int, int]]) -> torch.Tensor:
+    """(N, T', ...) one sequence a row -> (1, T, ...) packed at `bounds`: `unpack`'s inverse."""
+    return torch.cat([x[i, :b - a] for i, (a, b) in enumerate(bounds)])[None]
+
+
 class Sequences:
     """A call's inputs as the recurrence takes them: float32, q, k and p L2-normalised if asked and repeated to the
     HV value heads, one row per sequence (packed sequences unpacked) zero-padded in time to `multiple`, g floored,
@@ -139,12 +151,8 @@ class Sequences:
             torch.where(f, x, 0.0) for f, x in zip(finite, (q, k, v, p, beta, g)))
 
     def _unpack(self, x: torch.Tensor) -> torch.Tensor:
-        """(1, T, ...) packed sequences -> (N, longest, ...) zero-padded; x itself without cu_seqlens."""
-        if self.bounds is None:
-            return x
-        longest = max(b - a for a, b in self.bounds)
-        return torch.stack([torch.cat([x[0, a:b], x.new_zeros(longest - (b - a), *x.shape[2:])])
-                            for a, b in self.bounds])
+        """(1, T, ...) packed sequences -> (N, longest, ...) zero-padded (`unpack`); x itself without cu_seqlens."""
+        return x if self.bounds is None else unpack(x, self.bounds)
 
     def outputs(self, o: torch.Tensor, state: torch.Tensor):
         """o (N, Tp, HV, V) -> (B, T, HV, V) with NaN from each first non-finite input on, and the final states
@@ -153,7 +161,7 @@ class Sequences:
         state = torch.where(self.poisoned[:, -1, :, None, None], float("nan"), state)
         if self.bounds is None:
             return o[:, :self.T], state
-        return torch.cat([o[i, :b - a] for i, (a, b) in enumerate(self.bounds)])[None], state
+        return repack(o, self.bounds), state
 
 
 def initial_states(initial_state, N: int, HV: int, K: int, V: int, device) -> torch.Tensor:
@@ -316,22 +324,28 @@ def _chunked_backward(q, k, v, p, beta, g, do, scale, initial_state=None, d_fina
     return dq, dk, dv, dp, dbeta, dg.masked_fill(reset, 0.0), dS
 
 
-def comba_state_forward_reference(q, k, v, p, beta, g, initial_state, scale, output_final_state):
-    """The registered model op's forward (`op.comba_state_forward_op`): `comba_forward_reference` with a carried state
-    and grouped value heads, returning (o, final state (N, HV, K, V) float32, or an empty float32 tensor without
-    output_final_state)."""
+def comba_state_forward_reference(q, k, v, p, beta, g, initial_state, scale, output_final_state, cu_seqlens=None):
+    """The registered model op's forward (`op.comba_state_forward_op`): `comba_forward_reference` with a carried state,
+    grouped value heads and packed sequences, returning (o, final state (N, HV, K, V) float32, or an empty float32
+    tensor without output_final_state)."""
     o, final = comba_forward_reference(q, k, v, p, beta, g, scale, initial_state=initial_state,
-                                       output_final_state=True)
+                                       output_final_state=True, cu_seqlens=cu_seqlens)
     return o, (final if output_final_state else final.new_empty(0))
 
 
 @autocast_off
-def comba_state_backward_reference(q, k, v, p, beta, g, initial_state, do, d_final, scale):
+def comba_state_backward_reference(q, k, v, p, beta, g, initial_state, do, d_final, scale, cu_seqlens=None):
     """The gradients of `comba_state_forward_reference` given do and d_final (the final state's, or None: zero):
     (dq, dk, dv, dp, dbeta, dg, d_initial_state), float32, by the analytic chunked backward with q, k and p repeated
-    to the value heads and their gradients summed over each group; d_initial_state is an empty float32 tensor where
-    initial_state is None. g > 0 raises ValueError."""
+    to the value heads and their gradients summed over each group, packed sequences unpacked to a batch (each
+    zero-padded at its end, which leaves its state as it is) and their gradients packed again; d_initial_state is an
+    empty float32 tensor where initial_state is None. g > 0 raises ValueError."""
     check_log_decay(g)
+    if cu_seqlens is not None:
+        bounds = sequence_bounds(cu_seqlens, q.shape[1])
+        *grads, d_initial = comba_state_backward_reference(*(unpack(x, bounds) for x in (q, k, v, p, beta, g)),
+                                                           initial_state, unpack(do, bounds), d_final, scale)
+        return (*(repack(x, bounds) for x in grads), d_initial)
     B, T, H, K = q.shape
     group = v.shape[2] // H
     keys = [x.repeat_interleave(group, dim=2) for x in (q, k, p)] if group > 1 else [q, k, p]

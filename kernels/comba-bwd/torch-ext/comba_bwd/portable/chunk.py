@@ -118,18 +118,37 @@ def key_head(scal_base, bh, T, H, GROUP: tl.constexpr):
 
 
 @triton.jit
-def part_stride(T, H):
+def part_stride(T, H, PACKED: tl.constexpr = False):
     """B * T * H (T padded to whole chunks), the stride between dbeta_v's parts, one per scan V block: B taken
     from the grid, whose axis 1 is b * H + h in the scans and the chunk kernels alike, rather than passed as one
-    more launch argument."""
-    return tl.num_programs(1) // H * T * H
+    more launch argument; T * H in a scan over packed sequences (PACKED: a batch of one, axis 1 of its grid is
+    sequence * H + h)."""
+    if PACKED:
+        return T * H
+    else:
+        return tl.num_programs(1) // H * T * H
+
+
+@triton.jit
+def scan_range(cu_chunks, N, H, PACKED: tl.constexpr):
+    """(head, first, end) of a scan program: the value head whose rows it reads (b * H + h of the (B * H, ...)
+    scratch) and the chunks [first, end) it runs over. Unpacked, program b * H + h of the grid's axis 1 runs over all
+    N chunks of its row; packed (PACKED: a batch of one whose sequences are laid out chunk-aligned), program
+    s * H + h runs over sequence s's chunks, cu_chunks[s] to cu_chunks[s + 1]. Either way its carried state is row
+    tl.program_id(1) of the (·, H, K, V) states."""
+    pid = tl.program_id(1)
+    if PACKED:
+        seq = pid // H
+        return pid % H, tl.load(cu_chunks + seq), tl.load(cu_chunks + seq + 1)
+    else:
+        return pid, 0, N
 
 
 @triton.jit
 def state_ptrs(state, bh, cv, K: tl.constexpr, V: tl.constexpr):
     """Pointers to the [K, BV] block (columns cv) of head bh's state in a (B, HV, K, V) tensor (a carried state, its
     gradient)."""
-    return state + (bh.to(tl.int64) * K + tl.arange(0, K)[:, None]) * V + cv[None, :]
+    return state + bh.to(tl.int64) * K * V + (tl.arange(0, K)[:, None] * V + cv[None, :])
 
 
 @triton.jit
