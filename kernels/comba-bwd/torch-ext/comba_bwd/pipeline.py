@@ -102,40 +102,42 @@ class Packing(NamedTuple):
 
 
 def state_stages(k, v, p, beta, g, scratch, plan, tiles=None, initial_state=None, final_state=None,
-                 cu_chunks=None) -> list[Stage]:
+                 cu_chunks=None, read_first=False) -> list[Stage]:
     """[transform, forward_scan]: the stages that fill `scratch` = (A, S, Vn) (`state_scratch`) for inputs padded to
     whole chunks, by the kernels `plan` (`dispatch.plan`) picks; `tiles` are the Gluon descriptors
     (`hopper.chunk.tiles`) where the Gluon forward scan runs. The forward scan starts from `initial_state` (B, HV, K, V)
     fp32 (None: zeros) and writes the state after the last chunk into `final_state` where given (a model's plan);
-    with `cu_chunks` (`Packing.cu_chunks`, B = 1) the states are one per packed sequence, (N, HV, K, V). The
-    forward's first two stages, and the backward's where it makes them again."""
+    with `cu_chunks` (`Packing.cu_chunks`, B = 1) the states are one per packed sequence, (N, HV, K, V); read_first
+    takes fla's read order (a model's plan). The forward's first two stages, and the backward's where it makes them
+    again."""
     A, S, Vn = scratch
     if "transform" in plan.gluon:
         transform = Stage("transform", hopper.transform.launch, (k, p, beta, g, A))
     else:
-        transform = Stage("transform", portable.transform.launch, (k, p, beta, g, A))
+        transform = Stage("transform", portable.transform.launch, (k, p, beta, g, A, read_first))
     if "forward_scan" in plan.gluon:
         forward_scan = Stage("forward_scan", hopper.forward_scan.launch, (tiles, k, v, beta, g))
     else:
         forward_scan = Stage("forward_scan", portable.forward_scan.launch,
-                             (k, v, p, beta, g, A, S, Vn, initial_state, final_state, cu_chunks))
+                             (k, v, p, beta, g, A, S, Vn, initial_state, final_state, cu_chunks, read_first))
     return [transform, forward_scan]
 
 
 def forward_stages(q, k, v, p, beta, g, scale: float, plan=None, initial_state=None, final_state=None,
-                   cu_chunks=None) -> tuple[list[Stage], torch.Tensor]:
+                   cu_chunks=None, read_first=False) -> tuple[list[Stage], torch.Tensor]:
     """The forward's stages in order, [transform, forward_scan, output], and o, which they fill.
 
     Inputs contiguous with T a multiple of the chunk, K in {64, 128}, V in {64, 128} (a model's call: 256, 512 too);
-    `plan` is `dispatch.plan`'s for the call; initial_state, final_state and cu_chunks as `state_stages` takes them.
+    `plan` is `dispatch.plan`'s for the call; initial_state, final_state, cu_chunks and read_first as `state_stages`
+    takes them.
     Each stage reads only what earlier stages wrote, so after one full pass any stage can be run (timed) again
     alone."""
     V = v.shape[-1]
-    plan = plan or dispatch.plan(q, V, model=is_model_call(q, v, initial_state, final_state, cu_chunks))
+    plan = plan or dispatch.plan(q, V, model=read_first or is_model_call(q, v, initial_state, final_state, cu_chunks))
     A, S, Vn = scratch = state_scratch(q, v)
     o = torch.empty_like(v)
     t = hopper.chunk.tiles(q, k, p, v, None, A, S, None, Vn, None) if "forward_scan" in plan.gluon else None
-    stages = state_stages(k, v, p, beta, g, scratch, plan, t, initial_state, final_state, cu_chunks)
+    stages = state_stages(k, v, p, beta, g, scratch, plan, t, initial_state, final_state, cu_chunks, read_first)
     stages.append(Stage("output", portable.output.launch, (q, k, beta, g, S, Vn, o, scale)))
     return stages, o
 
@@ -159,18 +161,18 @@ def _call_layout(x: torch.Tensor, T: int, packing) -> torch.Tensor:
 
 
 def run_forward(q, k, v, p, beta, g, scale: float, plan, initial_state=None, output_final_state=False,
-                cu_seqlens=None):
+                cu_seqlens=None, read_first=False):
     """o (B, T, HV, V) in v's dtype by the forward's stages on `plan`, and with output_final_state (o, the state after
     the last step (N, HV, K, V) fp32); the scan starts from initial_state (N, HV, K, V) fp32 (None: zeros). N = B, or
-    the sequences of cu_seqlens ((N + 1,) offsets, B = 1; read on the host, `Packing.of`). Inputs contiguous, any
-    T >= 1."""
+    the sequences of cu_seqlens ((N + 1,) offsets, B = 1; read on the host, `Packing.of`); read_first: fla's read
+    order. Inputs contiguous, any T >= 1."""
     B, T, HV, V = v.shape
     packing = None if cu_seqlens is None else Packing.of(cu_seqlens, T)
     N = B if packing is None else packing.cu_chunks.shape[0] - 1
     inputs = [_stage_layout(x, packing) for x in (q, k, v, p, beta, g)]
     final = q.new_empty(N, HV, q.shape[-1], V, dtype=torch.float32) if output_final_state else None
     stages, o = forward_stages(*inputs, scale, plan, initial_state, final,
-                               None if packing is None else packing.cu_chunks)
+                               None if packing is None else packing.cu_chunks, read_first)
     with on_device(q):
         for stage in stages:
             stage.run()
@@ -179,21 +181,23 @@ def run_forward(q, k, v, p, beta, g, scale: float, plan, initial_state=None, out
 
 
 def backward_stages(q, k, v, p, beta, g, do, scale: float, grads=None, plan=None, initial_state=None, d_final=None,
-                    d_initial=None, cu_chunks=None) -> tuple[list[Stage], tuple]:
+                    d_initial=None, cu_chunks=None, read_first=False) -> tuple[list[Stage], tuple]:
     """The backward's stages in order, [transform, forward_scan, reverse_scan, grads] and dg where the Triton gradient
     kernel runs, and the six gradients, which they fill.
 
     Each stage reads only what earlier stages wrote, so after one full pass any stage can be run (timed) again alone.
-    Inputs contiguous, K in {64, 128}, V in {64, 128} (a model's call: 256, 512 too); the gradients are (dq, dk, dv, dp, dbeta, dg) with dg in float32, padded
-    in time to a multiple of the chunk (run_backward trims them), dq, dk and dp one per value head (`_gradients_like`);
-    `grads`, when given, are contiguous tensors of those shapes and dtypes to write them into; `plan` is
-    `dispatch.plan`'s for the call. A model's call starts the forward scan from initial_state and the reverse scan
-    from d_final, the final state's gradient (each (B, HV, K, V) fp32, None: zeros), and writes the initial state's
-    gradient into d_initial where given; with cu_chunks (`state_stages`) the states are one per packed sequence.
+    Inputs contiguous, K in {64, 128}, V in {64, 128} (a model's call: 256, 512 too); the gradients are
+    (dq, dk, dv, dp, dbeta, dg) with dg in float32, padded in time to a multiple of the chunk (run_backward trims
+    them), dq, dk and dp one per value head (`_gradients_like`); `grads`, when given, are contiguous tensors of those
+    shapes and dtypes to write them into; `plan` is `dispatch.plan`'s for the call. A model's call starts the forward
+    scan from initial_state and the reverse scan from d_final, the final state's gradient (each (B, HV, K, V) fp32,
+    None: zeros), and writes the initial state's gradient into d_initial where given; with cu_chunks (`state_stages`)
+    the states are one per packed sequence; read_first: fla's read order.
     """
     B, T, HV, V = v.shape
     K = q.shape[-1]
-    plan = plan or dispatch.plan(q, V, model=is_model_call(q, v, initial_state, d_final, d_initial, cu_chunks))
+    plan = plan or dispatch.plan(q, V, model=read_first or is_model_call(q, v, initial_state, d_final, d_initial,
+                                                                         cu_chunks))
     q, k, v, p, beta, g, do = (pad_time(x) for x in (q, k, v, p, beta, g, do))
     Tp = q.shape[1]
     BH = B * HV
@@ -208,20 +212,21 @@ def backward_stages(q, k, v, p, beta, g, do, scale: float, grads=None, plan=None
     dbeta_v = torch.empty(NV, *beta.shape, device=dev, dtype=torch.float32)
     dq, dk, dv, dp, dbeta, dg = _gradients_like(q, k, v, p, beta, g) if grads is None else grads
     t = hopper.chunk.tiles(q, k, p, v, do, A, S, dS, Vn, X) if gluon else None
-    stages = state_stages(k, v, p, beta, g, (A, S, Vn), plan, t, initial_state, None, cu_chunks)
+    stages = state_stages(k, v, p, beta, g, (A, S, Vn), plan, t, initial_state, None, cu_chunks, read_first)
     if "reverse_scan" in gluon:
         stages.append(Stage("reverse_scan", hopper.reverse_scan.launch, (t, q, v, beta, g, dv, dbeta_v, scale)))
     else:
         v_adjoint = not plan.v_adjoint_in_grads
         stages.append(Stage("reverse_scan", portable.reverse_scan.launch,
                             (q, k, v, p, beta, g, do, A, dS, X, dv, dbeta_v, scale, v_adjoint, d_final, d_initial,
-                             cu_chunks)))
+                             cu_chunks, read_first)))
     if plan.v_adjoint_in_grads:
         stages.append(Stage("grads", hopper.grads.launch_with_dv, (t, q, beta, g, dq, dk, dv, dp, dbeta, dg, scale)))
     elif "grads" in gluon:
         stages.append(Stage("grads", hopper.grads.launch, (t, q, do, beta, g, dbeta_v, dq, dk, dp, dbeta, dg, scale)))
     else:
-        dgc_parts = torch.empty(3, BH, Tp, device=dev, dtype=torch.float32)  # d gc terms, per gradient part
+        # d gc terms, per gradient part, and in fla's read order the terms of d gr (`portable.dg`)
+        dgc_parts = torch.empty(4 if read_first else 3, BH, Tp, device=dev, dtype=torch.float32)
         stages.append(Stage("grads", portable.grads.launch,
                             (q, k, p, beta, g, do, S, dS, Vn, X, dbeta_v, dq, dk, dp, dbeta, dgc_parts, scale)))
         stages.append(Stage("dg", portable.dg.launch, (dgc_parts, dg)))
@@ -278,11 +283,13 @@ def _sum_groups(x: torch.Tensor, H: int, dtype: torch.dtype) -> torch.Tensor:
     return x.view(B, T, H, HV // H, K).sum(3).to(dtype)
 
 
-def run_backward(q, k, v, p, beta, g, do, scale: float, plan, initial_state=None, d_final=None, cu_seqlens=None):
+def run_backward(q, k, v, p, beta, g, do, scale: float, plan, initial_state=None, d_final=None, cu_seqlens=None,
+                 read_first=False):
     """(dq, dk, dv, dp, dbeta, dg) in their inputs' dtypes (dg float32) by the backward's stages on `plan`, the batch
     cut in plan.pieces; inputs contiguous, any T >= 1. A model's call starts from initial_state, with d_final the
     gradient of the final state (each (N, HV, K, V) fp32 or None: zeros), and, where initial_state is given, returns
-    its gradient (fp32) after the six; N = B, or the sequences of cu_seqlens (as `run_forward` takes it)."""
+    its gradient (fp32) after the six; N = B, or the sequences of cu_seqlens (as `run_forward` takes it);
+    read_first: fla's read order."""
     B, T, H = q.shape[:3]
     packing = None if cu_seqlens is None else Packing.of(cu_seqlens, T)
     inputs = [_stage_layout(x, packing) for x in (q, k, v, p, beta, g, do)]
@@ -295,10 +302,10 @@ def run_backward(q, k, v, p, beta, g, do, scale: float, plan, initial_state=None
     # sequences are a batch of one, one piece, with a state per sequence.
     if packing is None:
         pieces = [backward_stages(*(x[a:b] for x in inputs), scale, tuple(x[a:b] for x in grads), plan,
-                                  *(None if x is None else x[a:b] for x in states))[0]
+                                  *(None if x is None else x[a:b] for x in states), None, read_first)[0]
                   for a, b in zip(cuts, cuts[1:])]
     else:
-        pieces = [backward_stages(*inputs, scale, grads, plan, *states, packing.cu_chunks)[0]]
+        pieces = [backward_stages(*inputs, scale, grads, plan, *states, packing.cu_chunks, read_first)[0]]
     if q.is_cuda:
         _launch_on_streams(pieces, q.device)
     else:
