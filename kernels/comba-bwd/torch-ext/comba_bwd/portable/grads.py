@@ -139,11 +139,16 @@ def _pb_part(k, p, S_in, dS_in, Vn_in, X_in, dbeta_v, dp, dbeta, gc, gr, glast, 
     pk_kt = tl.dot(pk, tl.trans(kk))
     dL_L = dLE * pk_kt * bk[:, None]                                             # dL * L
     rows_h = scal_base + (t0 + r) * H
-    w_term = _store_dp_dbeta(x_s, dLE.to(tl.bfloat16), kk, pk, pk_kt, gr, bk, dbeta_v,
-                             row_ptrs(dp, scal_base * K, t0, H * K, K), dbeta, rows_h, part_stride(N * BT, H), NV)
-    dgc = tl.sum(dL_L, 1) - tl.sum(dL_L, 0) + w_term
-    if READ_FIRST:
-        tl.store(d_read + rows, tl.sum(dL_L, 1) + w_term)
+    if READ_FIRST:  # the terms of d gr, stored apart and counted with d gc's
+        d_gr = tl.sum(dL_L, 1) + _store_dp_dbeta(
+            x_s, dLE.to(tl.bfloat16), kk, pk, pk_kt, gr, bk, dbeta_v, row_ptrs(dp, scal_base * K, t0, H * K, K),
+            dbeta, rows_h, part_stride(N * BT, H), NV)
+        tl.store(d_read + rows, d_gr)
+        dgc = d_gr - tl.sum(dL_L, 0)
+    else:
+        dgc = tl.sum(dL_L, 1) - tl.sum(dL_L, 0) + _store_dp_dbeta(
+            x_s, dLE.to(tl.bfloat16), kk, pk, pk_kt, gc, bk, dbeta_v, row_ptrs(dp, scal_base * K, t0, H * K, K),
+            dbeta, rows_h, part_stride(N * BT, H), NV)
     return dgc + tl.where(r == BT - 1, tl.exp(glast) * tl.sum(s_ds, 0), 0.0)
 
 
