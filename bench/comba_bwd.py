@@ -51,8 +51,10 @@ SEED_SHAPES = [HUB.BENCH_SHAPE]
 # The portable reverse scan at K = 128 holds its (128, 64) fp32 dS block, dVn and X of a V block in 255 registers of
 # 4 warps, so that two CTAs share an SM; it spills up to 148 B under the supported Tritons (tools.compile_offline), and
 # up to 208 B (Triton 3.8; 188 B under 3.6) where it also stores the initial state's gradient after its loop (a
-# model's call with a carried state; seeded from the final state's gradient alone it spills as the plain call's does).
-SPILLS_BY_DESIGN = {"_reverse_scan_kernel": 224}
+# model's call with a carried state; seeded from the final state's gradient alone it spills as the plain call's does),
+# and 236 B (Triton 3.6) over packed sequences with a state, where each program's chunk range is loaded
+# (cu_chunks) and its value head is taken from its flat program index.
+SPILLS_BY_DESIGN = {"_reverse_scan_kernel": 240}
 
 # Decode: (B, H, K, V) at one new token, HV = H; the latency batch.
 DECODE_SHAPE = (64, 6, 256, 512)
@@ -65,8 +67,16 @@ DECODE_SWEEP = [(8, 1), (16, 1), (8, 2), (16, 2), (16, 4), (32, 4), (32, 8)]
 FLA_STEP = "fla 0.6.0 chunk_comba fwd+bwd (p'=exp(g)p bf16, guard lifted)"
 # (B, T, H, HV, K, V) and whether the call carries a state in and out.
 MODEL_SHAPES = [((8, 2048, 32, 32, 128, 128), True), ((4, 4096, 8, 16, 128, 128), False)]
-# Compiled too (tools.compile_offline), not measured: the model call's kernels at K = 64.
-MODEL_COMPILE_SHAPES = [((16, 2048, 32, 32, 64, 128), True)]
+# Compiled too (tools.compile_offline), not measured: the model call's kernels at K = 64, and with V = 256 and 512
+# (more V blocks in the scans and the output) at either K.
+MODEL_COMPILE_SHAPES = [((16, 2048, 32, 32, 64, 128), True), ((4, 2048, 8, 16, 128, 256), True),
+                        ((4, 2048, 4, 4, 64, 512), True), ((4, 2048, 4, 8, 128, 512), False)]
+# Compiled too, not measured: a model's call in fla's read order (the transform, the scans, the gradients and dg take
+# the read's decay), at either K.
+FLA_COMPILE_SHAPES = [((4, 2048, 8, 16, 128, 256), True), ((16, 2048, 32, 32, 64, 128), True)]
+# And the scans over packed sequences at the issue's packed batch, 8 sequences (N) on T rows laid out chunk-aligned
+# (32768 packed rows and their padding), (T, N, H, HV, K, V), in both read orders.
+PACKED_COMPILE_SHAPE = (33280, 8, 8, 16, 128, 256)
 MODEL_STEP = "comba-bwd step (model call)"
 FLA_MODEL_STEP = "fla 0.6.0 chunk_comba fwd+bwd, same arguments (guard lifted)"
 MODEL_GRADS = (*GRADS, "d_initial_state")
@@ -504,7 +514,8 @@ def compile_cases(kernel, spec):
     """(label, call) pairs for `python -m tools.compile_offline`: the forward and the backward at every measure shape,
     on meta tensors (bf16, g in float32), the backward's portable Triton stages at the first measure shape of each
     K (what runs where the Gluon path does not: other GPUs, Triton releases it is not verified under), a model's
-    call, forward and backward, at MODEL_SHAPES and MODEL_COMPILE_SHAPES, and the decode kernel at DECODE_SHAPE in
+    call, forward and backward, at MODEL_SHAPES and MODEL_COMPILE_SHAPES, in fla's read order at FLA_COMPILE_SHAPES
+    and on packed sequences at PACKED_COMPILE_SHAPE, and the decode kernel at DECODE_SHAPE in
     both read orders, with 64 tokens, grouped heads and fp32, and at the smaller K."""
     pipeline = submodule(kernel, "pipeline")
     dispatch = submodule(kernel, "dispatch")
@@ -550,17 +561,38 @@ def compile_cases(kernel, spec):
         return label, lambda: dispatch.comba_decode_cuda(q, k, v, p, beta, g, state, None, offsets, l2norm,
                                                          read_order)
 
-    def model_case(shape, with_state):
+    def model_case(shape, with_state, read_order="decay_first"):
         B, T, H, HV, K, V = shape
         q, k, _, p, _, _, _ = meta_inputs(B, T, H, K, V)
         _, _, v, _, beta, g, do = meta_inputs(B, T, HV, K, V)
         state = torch.empty(B, HV, K, V, dtype=torch.float32, device="meta") if with_state else None
 
         def both():
-            dispatch.comba_state_forward_cuda(q, k, v, p, beta, g, state, K**-0.5, with_state)
-            dispatch.comba_state_backward_cuda(q, k, v, p, beta, g, state, do, state, K**-0.5)
+            dispatch.comba_state_forward_cuda(q, k, v, p, beta, g, state, K**-0.5, with_state, None, read_order)
+            dispatch.comba_state_backward_cuda(q, k, v, p, beta, g, state, do, state, K**-0.5, None, read_order)
 
-        return f"(B,T,H,HV,K,V)={shape} model ({'state' if with_state else 'grouped'})", both
+        order = " fla" if read_order == "fla" else ""
+        return f"(B,T,H,HV,K,V)={shape} model ({'state' if with_state else 'grouped'}){order}", both
+
+    def packed_case(T, N, H, HV, K, V, read_first):
+        """A model's call on N packed sequences as its stages run it, on the chunk-aligned layout (T rows, B = 1,
+        what `pipeline.Packing` makes of the call's offsets, which meta tensors have no values for): the forward's
+        and the backward's stages with a state per sequence, in fla's read order where read_first."""
+        q, k, _, p, _, _, _ = meta_inputs(1, T, H, K, V)
+        _, _, v, _, beta, g, do = meta_inputs(1, T, HV, K, V)
+        state = torch.empty(N, HV, K, V, dtype=torch.float32, device="meta")
+        cu_chunks = torch.empty(N + 1, dtype=torch.int32, device="meta")
+        model = dispatch.plan(q, V, model=True)
+
+        def stages():
+            forward = pipeline.forward_stages(q, k, v, p, beta, g, K**-0.5, model, state, torch.empty_like(state),
+                                              cu_chunks, read_first)[0]
+            backward = pipeline.backward_stages(q, k, v, p, beta, g, do, K**-0.5, None, model, state, state,
+                                                torch.empty_like(state), cu_chunks, read_first)[0]
+            for stage in forward + backward:
+                stage.run()
+
+        return f"(T,N,H,HV,K,V)={(T, N, H, HV, K, V)} model (packed){' fla' * read_first}", stages
 
     shapes = spec(SPEC).measure_shapes
     for shape in shapes:
@@ -576,3 +608,7 @@ def compile_cases(kernel, spec):
         yield portable_case(next(shape for shape in shapes if shape[3] == K))
     for shape, with_state in MODEL_SHAPES + MODEL_COMPILE_SHAPES:
         yield model_case(shape, with_state)
+    for shape, with_state in FLA_COMPILE_SHAPES:
+        yield model_case(shape, with_state, "fla")
+    for read_first in (False, True):
+        yield packed_case(*PACKED_COMPILE_SHAPE, read_first)

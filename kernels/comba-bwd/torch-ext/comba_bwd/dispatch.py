@@ -1,7 +1,8 @@
 """The plan and the path of a comba call, in one place: kernel_path, the fast-path table, which stages Gluon kernels
 take, how the batch is cut, the fall-back from Gluon to Triton, the CUDA entry points `comba_forward_cuda` and
 `comba_backward_cuda`, which run the stages of `pipeline` in order on the plan, `comba_state_forward_cuda` and
-`comba_state_backward_cuda`, a model's call (a carried state, grouped value heads), which the Triton kernels take, and
+`comba_state_backward_cuda`, a model's call (a carried state, grouped value heads, packed sequences, fla's read
+order), which the Triton kernels take, and
 `comba_decode_cuda`, the decode step: the fused recurrent kernel (`portable.decode`) at the sizes it takes, the
 recurrent reference otherwise.
 
@@ -111,25 +112,30 @@ def comba_forward_cuda(q, k, v, p, beta, g, scale: float):
     return with_fallback(lambda plan: pipeline.run_forward(q, k, v, p, beta, g, scale, plan), q, v.shape[-1])
 
 
-def comba_state_forward_cuda(q, k, v, p, beta, g, initial_state, scale: float, output_final_state: bool):
-    """(o (B, T, HV, V) in v's dtype, final state (B, HV, K, V) fp32, or an empty tensor without output_final_state)
-    from initial_state (B, HV, K, V) fp32 or None (zeros); q, k, p (B, T, H, K) and v, beta, g with HV heads, HV a
-    multiple of H, contiguous, K and V in {64, 128}, any T >= 1. The Triton kernels (`plan`'s model plan)."""
+def comba_state_forward_cuda(q, k, v, p, beta, g, initial_state, scale: float, output_final_state: bool,
+                             cu_seqlens=None, read_order: str = "decay_first"):
+    """(o (B, T, HV, V) in v's dtype, final state (N, HV, K, V) fp32, or an empty tensor without output_final_state)
+    from initial_state (N, HV, K, V) fp32 or None (zeros); q, k, p (B, T, H, K) and v, beta, g with HV heads, HV a
+    multiple of H, contiguous, K in {64, 128} and V in {64, 128, 256, 512}, any T >= 1. N = B, or the sequences of
+    cu_seqlens ((N + 1,) offsets of sequences packed in a batch of one), whose offsets are read on the host (checked
+    there: one synchronisation a call) and the sequences laid out chunk-aligned on the device (`pipeline.Packing`).
+    read_order: "decay_first" (the spec's) or "fla". The Triton kernels (`plan`'s model plan)."""
     from . import pipeline  # the kernels need triton: imported on a CUDA call's first use
 
     out = pipeline.run_forward(q, k, v, p, beta, g, scale, plan(q, v.shape[-1], model=True), initial_state,
-                               output_final_state)
+                               output_final_state, cu_seqlens, read_order == "fla")
     return out if output_final_state else (out, v.new_empty(0, dtype=torch.float32))
 
 
-def comba_state_backward_cuda(q, k, v, p, beta, g, initial_state, do, d_final, scale: float):
+def comba_state_backward_cuda(q, k, v, p, beta, g, initial_state, do, d_final, scale: float, cu_seqlens=None,
+                              read_order: str = "decay_first"):
     """(dq, dk, dv, dp, dbeta, dg, d_initial_state) of `comba_state_forward_cuda`'s call, given do and d_final, the
-    gradient of its final state (B, HV, K, V) fp32 or None (zeros); d_initial_state (B, HV, K, V) fp32, or an empty
+    gradient of its final state (N, HV, K, V) fp32 or None (zeros); d_initial_state (N, HV, K, V) fp32, or an empty
     tensor where initial_state is None. The Triton kernels (`plan`'s model plan)."""
     from . import pipeline  # the kernels need triton: imported on a CUDA call's first use
 
     grads = pipeline.run_backward(q, k, v, p, beta, g, do, scale, plan(q, v.shape[-1], model=True), initial_state,
-                                  d_final)
+                                  d_final, cu_seqlens, read_order == "fla")
     return grads if initial_state is not None else (*grads, v.new_empty(0, dtype=torch.float32))
 
 

@@ -5,11 +5,12 @@ reference on CPU tensors; `comba_backward_op` runs the fused backward on CUDA te
 and the eager analytic backward on CPU tensors. The autograd link saves the forward's inputs and calls
 `comba_backward_op`, which makes the chunk transform and the states again. Every op name goes through
 `add_op_namespace_prefix`, so two versions of this kernel can be loaded side by side.
-`comba_state_forward_op` and `comba_state_backward_op` are a model's call: a carried state in and out and grouped
-value heads, the fused Triton kernels on CUDA (`dispatch.comba_state_forward_cuda`) and the eager reference on the CPU.
-`comba_attention` takes them for such a call on CUDA, with q, k and p L2-normalised by torch ops ahead of them where
-asked (differentiated by autograd). A call with packed sequences or fla's read order, one with K or V the kernels are
-not compiled for, and every model call on the CPU run the eager reference (reference.py), differentiated by autograd.
+`comba_state_forward_op` and `comba_state_backward_op` are a model's call: a carried state in and out, grouped
+value heads, packed sequences and either read order, the fused Triton kernels on CUDA
+(`dispatch.comba_state_forward_cuda`) and the eager reference on the CPU. `comba_attention` takes them for such a
+call on CUDA, with q, k and p L2-normalised by torch ops ahead of them where asked (differentiated by autograd). A call
+with K or V the kernels are not compiled for, and every model call on the CPU run the eager reference (reference.py),
+differentiated by autograd.
 `comba_decode` runs the registered `comba_decode` op (the fused decode kernel on CUDA, `dispatch.comba_decode_cuda`;
 the recurrent reference, recurrent.py, on the CPU), the recurrent reference itself where autograd records the call,
 and an eager call on plain CUDA tensors that needs neither (`common.direct_calls.calls_directly`) runs the op's entry
@@ -36,7 +37,7 @@ from .model_args import check_model_args
 from .recurrent import check_decode_tokens, comba_decode_reference
 from .reference import (L2NORM_EPS, comba_backward_reference, comba_forward_reference, comba_state_backward_reference,
                         comba_state_forward_reference, resolve_scale)
-from .validation import FUSED_SIZES, check_comba_args
+from .validation import FUSED_MODEL_V, FUSED_SIZES, check_comba_args
 
 Grads = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
@@ -110,18 +111,20 @@ StateGrads = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch
 def comba_state_backward_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: torch.Tensor, beta: torch.Tensor, g: torch.Tensor,
     initial_state: Optional[torch.Tensor], do: torch.Tensor, d_final: Optional[torch.Tensor], scale: float,
+    cu_seqlens: Optional[torch.Tensor] = None, read_order: str = "decay_first",
 ) -> StateGrads:
-    return comba_state_backward_cuda(q, k, v, p, beta, g, initial_state, do, d_final, scale)
+    return comba_state_backward_cuda(q, k, v, p, beta, g, initial_state, do, d_final, scale, cu_seqlens, read_order)
 
 
 @torch.library.register_kernel(add_op_namespace_prefix("comba_state_backward"), "cpu")
-def _(q, k, v, p, beta, g, initial_state, do, d_final, scale):
-    *grads, d_initial = comba_state_backward_reference(q, k, v, p, beta, g, initial_state, do, d_final, scale)
+def _(q, k, v, p, beta, g, initial_state, do, d_final, scale, cu_seqlens=None, read_order="decay_first"):
+    *grads, d_initial = comba_state_backward_reference(q, k, v, p, beta, g, initial_state, do, d_final, scale,
+                                                       cu_seqlens, read_order)
     return (*_as_input_dtypes(grads, q, beta), d_initial)
 
 
 @torch.library.register_fake(add_op_namespace_prefix("comba_state_backward"))
-def _(q, k, v, p, beta, g, initial_state, do, d_final, scale):
+def _(q, k, v, p, beta, g, initial_state, do, d_final, scale, cu_seqlens=None, read_order="decay_first"):
     like = (q, k, v, p, beta)
     d_initial = v.new_empty(0, dtype=torch.float32) if initial_state is None else torch.empty_like(initial_state)
     return (*(torch.empty_like(x) for x in like), torch.empty_like(g, dtype=torch.float32), d_initial)
@@ -131,33 +134,38 @@ def _(q, k, v, p, beta, g, initial_state, do, d_final, scale):
 def comba_state_forward_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: torch.Tensor, beta: torch.Tensor, g: torch.Tensor,
     initial_state: Optional[torch.Tensor], scale: float, output_final_state: bool,
+    cu_seqlens: Optional[torch.Tensor] = None, read_order: str = "decay_first",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return comba_state_forward_cuda(q, k, v, p, beta, g, initial_state, scale, output_final_state)
+    return comba_state_forward_cuda(q, k, v, p, beta, g, initial_state, scale, output_final_state, cu_seqlens,
+                                    read_order)
 
 
 @torch.library.register_kernel(add_op_namespace_prefix("comba_state_forward"), "cpu")
-def _(q, k, v, p, beta, g, initial_state, scale, output_final_state):
-    return comba_state_forward_reference(q, k, v, p, beta, g, initial_state, scale, output_final_state)
+def _(q, k, v, p, beta, g, initial_state, scale, output_final_state, cu_seqlens=None, read_order="decay_first"):
+    return comba_state_forward_reference(q, k, v, p, beta, g, initial_state, scale, output_final_state, cu_seqlens,
+                                         read_order)
 
 
 @torch.library.register_fake(add_op_namespace_prefix("comba_state_forward"))
-def _(q, k, v, p, beta, g, initial_state, scale, output_final_state):
+def _(q, k, v, p, beta, g, initial_state, scale, output_final_state, cu_seqlens=None, read_order="decay_first"):
     B, _, HV, V = v.shape
-    shape = (B, HV, q.shape[-1], V) if output_final_state else (0,)
+    N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    shape = (N, HV, q.shape[-1], V) if output_final_state else (0,)
     return torch.empty_like(v), v.new_empty(shape, dtype=torch.float32)
 
 
 def _setup_state_context(ctx, inputs, output):
-    *tensors, initial_state, scale, output_final_state = inputs
-    ctx.save_for_backward(*tensors, initial_state)
-    ctx.scale, ctx.output_final_state = scale, output_final_state
+    *tensors, initial_state, scale, output_final_state, cu_seqlens, read_order = inputs
+    ctx.save_for_backward(*tensors, initial_state, cu_seqlens)
+    ctx.scale, ctx.output_final_state, ctx.read_order = scale, output_final_state, read_order
 
 
 def _state_backward(ctx, do, d_final):
-    *tensors, initial_state = ctx.saved_tensors
+    *tensors, initial_state, cu_seqlens = ctx.saved_tensors
     d_final = d_final.contiguous() if ctx.output_final_state and d_final is not None else None
-    *grads, d_initial = comba_state_backward_op(*tensors, initial_state, do.contiguous(), d_final, ctx.scale)
-    return (*grads, None if initial_state is None else d_initial, None, None)
+    *grads, d_initial = comba_state_backward_op(*tensors, initial_state, do.contiguous(), d_final, ctx.scale,
+                                                cu_seqlens, ctx.read_order)
+    return (*grads, None if initial_state is None else d_initial, None, None, None, None)
 
 
 torch.library.register_autograd(add_op_namespace_prefix("comba_state_forward"), _state_backward,
@@ -226,13 +234,11 @@ def _is_spec_call(q, v, initial_state, output_final_state, cu_seqlens, use_qk_l2
     return q.shape[2] == v.shape[2] and (not q.is_cuda or (q.shape[-1] in FUSED_SIZES and v.shape[-1] in FUSED_SIZES))
 
 
-def _is_fused_model_call(q, v, cu_seqlens, read_order) -> bool:
-    """Whether a model's comba_attention call (`_is_spec_call` false) takes the registered model op: CUDA tensors, no
-    packed sequences, the spec's read order and K and V the fused kernels are compiled for. On the CPU the eager
-    reference takes every model call itself (and normalises q, k and p in float32 whatever their dtype)."""
-    if cu_seqlens is not None or read_order != "decay_first" or not q.is_cuda:
-        return False
-    return q.shape[-1] in FUSED_SIZES and v.shape[-1] in FUSED_SIZES
+def _is_fused_model_call(q, v) -> bool:
+    """Whether a model's comba_attention call (`_is_spec_call` false) takes the registered model op: CUDA tensors, K in
+    FUSED_SIZES and V in FUSED_MODEL_V. On the CPU the eager reference takes every model call itself (and normalises
+    q, k and p in float32 whatever their dtype)."""
+    return q.is_cuda and q.shape[-1] in FUSED_SIZES and v.shape[-1] in FUSED_MODEL_V
 
 
 def _l2_normalised(x: torch.Tensor) -> torch.Tensor:
@@ -257,10 +263,12 @@ def comba_attention(q, k, v, p, beta, g, scale=None, *, initial_state=None, outp
     read_order: "decay_first" (the spec's: decay, read, write) or "fla" (read, decay, write).
 
     The spec's call (none of the keyword arguments, H = HV, and on CUDA K, V in {64, 128}) runs the fused kernels on
-    CUDA, forward and backward, and the eager chunked reference on the CPU. A call with a carried state, grouped value
-    heads or q/k/p normalisation (no cu_seqlens, the spec's read order, on CUDA K, V in {64, 128}) runs the fused
-    Triton kernels on CUDA too, the normalisation by torch ops ahead of them. Every other call runs the eager chunked
-    reference (`comba_forward_reference`) on every device, its backward by autograd through it.
+    CUDA, forward and backward, and the eager chunked reference on the CPU. Every other call on CUDA with K in
+    {64, 128} and V in {64, 128, 256, 512} (a carried state, packed sequences, grouped value heads, q/k/p
+    normalisation, fla's read order, V = 256 or 512) runs the fused Triton kernels too (the registered model ops),
+    the normalisation by torch ops ahead of them; with cu_seqlens it reads the offsets on the host (and checks them)
+    once in the forward and once in the backward, a synchronisation a training step affords. Every other call runs
+    the eager chunked reference (`comba_forward_reference`) on every device, its backward by autograd through it.
 
     The fused calls under CUDA autocast take q, k, v, p in autocast's dtype (o in that dtype); everything else
     computes in float32 under autocast. The fused calls are differentiable in reverse mode only: a double backward,
@@ -273,13 +281,13 @@ def comba_attention(q, k, v, p, beta, g, scale=None, *, initial_state=None, outp
         return comba_forward_op(*tensors, scale)
     check_model_args(q, k, v, p, beta, g, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm,
                      read_order)
-    if _is_fused_model_call(q, v, cu_seqlens, read_order):
+    if _is_fused_model_call(q, v):
         check_differentiation("comba_attention", q, k, v, p, beta, g, initial_state)
         if use_qk_l2norm:
             q, k, p = (_l2_normalised(x) for x in (q, k, p))
         tensors, scale = _prepare((q, k, v, p, beta, g), scale, q.shape[-1])
-        state = None if initial_state is None else initial_state.contiguous()
-        o, final = comba_state_forward_op(*tensors, state, scale, output_final_state)
+        state, offsets = (None if x is None else x.contiguous() for x in (initial_state, cu_seqlens))
+        o, final = comba_state_forward_op(*tensors, state, scale, output_final_state, offsets, read_order)
         return (o, final) if output_final_state else o
     return comba_forward_reference(q, k, v, p, beta, g, scale, initial_state=initial_state,
                                    output_final_state=output_final_state, cu_seqlens=cu_seqlens,

@@ -24,6 +24,9 @@ A model's call (`dispatch.plan(..., model=True)`, the Triton kernels only) may c
 the forward scan starts from the initial state and writes the final one; the reverse scan starts from the final
 state's gradient and writes the initial state's. With HV value heads over H key heads (q, k, p), every stage runs
 per value head and reads its key head; dq, dk and dp come per value head (fp32) and are summed over each group here.
+Packed sequences (`cu_seqlens`, a batch of one) are laid out chunk-aligned (`Packing`): each sequence padded at its end
+to whole chunks with zero q, k, v, p, beta and g (and do), which leave its state as it is, so the chunk-parallel
+stages run on that layout unchanged, and each scan program runs over one sequence's chunks from its own state.
 
 This module imports the kernels, so triton: `dispatch` imports it on a CUDA call's first use.
 """
@@ -36,7 +39,7 @@ import torch
 
 from . import dispatch, portable
 from .common.devices import on_device
-from .reference import CHUNK, pad_time
+from .reference import CHUNK, pad_time, sequence_bounds
 
 try:  # Gluon, Triton's explicit-layout dialect; dispatch plans Gluon stages only under releases that have it
     from . import hopper
@@ -67,79 +70,134 @@ def state_scratch(q: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch
     return empty(B * HV, N, CHUNK, CHUNK), empty(B * HV, N, K, V), empty(B * HV, T, V)
 
 
-def state_stages(k, v, p, beta, g, scratch, plan, tiles=None, initial_state=None, final_state=None) -> list[Stage]:
+class Packing(NamedTuple):
+    """Packed sequences laid out chunk-aligned: `rows` (T,) int64, the row of the chunk-aligned layout of each packed
+    row; `cu_chunks` (N + 1,) int32, sequence s on chunks cu_chunks[s] to cu_chunks[s + 1] (the scans' ranges);
+    `T`, the layout's length (whole chunks)."""
+
+    rows: torch.Tensor
+    cu_chunks: torch.Tensor
+    T: int
+
+    @classmethod
+    def of(cls, cu_seqlens: torch.Tensor, T: int) -> "Packing":
+        """The layout of the N sequences of cu_seqlens (N + 1 offsets, 0 to T), each padded at its end to whole
+        chunks. Reads the offsets on the host (`reference.sequence_bounds`, which checks them): one synchronisation
+        a call, which a training step can afford; the rows are made from them on the device."""
+        bounds = sequence_bounds(cu_seqlens, T)
+        lengths = torch.tensor([b - a for a, b in bounds])
+        chunks = torch.cat([lengths.new_zeros(1), ((lengths + CHUNK - 1) // CHUNK).cumsum(0)])
+        shift = (chunks[:-1] * CHUNK - torch.tensor([a for a, _ in bounds])).to(cu_seqlens.device)
+        rows = torch.arange(T, device=cu_seqlens.device) + shift.repeat_interleave(lengths.to(cu_seqlens.device),
+                                                                                  output_size=T)
+        return cls(rows, chunks.to(device=cu_seqlens.device, dtype=torch.int32), int(chunks[-1]) * CHUNK)
+
+    def pad(self, x: torch.Tensor) -> torch.Tensor:
+        """(1, T, ...) packed -> (1, self.T, ...) chunk-aligned, zero on the padding."""
+        return x.new_zeros(1, self.T, *x.shape[2:]).index_copy_(1, self.rows, x)
+
+    def unpad(self, x: torch.Tensor) -> torch.Tensor:
+        """(1, self.T, ...) chunk-aligned -> (1, T, ...) packed, the padding dropped."""
+        return x.index_select(1, self.rows)
+
+
+def state_stages(k, v, p, beta, g, scratch, plan, tiles=None, initial_state=None, final_state=None,
+                 cu_chunks=None, read_first=False) -> list[Stage]:
     """[transform, forward_scan]: the stages that fill `scratch` = (A, S, Vn) (`state_scratch`) for inputs padded to
     whole chunks, by the kernels `plan` (`dispatch.plan`) picks; `tiles` are the Gluon descriptors
     (`hopper.chunk.tiles`) where the Gluon forward scan runs. The forward scan starts from `initial_state` (B, HV, K, V)
-    fp32 (None: zeros) and writes the state after the last chunk into `final_state` where given (a model's plan). The
-    forward's first two stages, and the backward's where it makes them again."""
+    fp32 (None: zeros) and writes the state after the last chunk into `final_state` where given (a model's plan);
+    with `cu_chunks` (`Packing.cu_chunks`, B = 1) the states are one per packed sequence, (N, HV, K, V); read_first
+    takes fla's read order (a model's plan). The forward's first two stages, and the backward's where it makes them
+    again."""
     A, S, Vn = scratch
     if "transform" in plan.gluon:
         transform = Stage("transform", hopper.transform.launch, (k, p, beta, g, A))
     else:
-        transform = Stage("transform", portable.transform.launch, (k, p, beta, g, A))
+        transform = Stage("transform", portable.transform.launch, (k, p, beta, g, A, read_first))
     if "forward_scan" in plan.gluon:
         forward_scan = Stage("forward_scan", hopper.forward_scan.launch, (tiles, k, v, beta, g))
     else:
         forward_scan = Stage("forward_scan", portable.forward_scan.launch,
-                             (k, v, p, beta, g, A, S, Vn, initial_state, final_state))
+                             (k, v, p, beta, g, A, S, Vn, initial_state, final_state, cu_chunks, read_first))
     return [transform, forward_scan]
 
 
-def forward_stages(q, k, v, p, beta, g, scale: float, plan=None, initial_state=None,
-                   final_state=None) -> tuple[list[Stage], torch.Tensor]:
+def forward_stages(q, k, v, p, beta, g, scale: float, plan=None, initial_state=None, final_state=None,
+                   cu_chunks=None, read_first=False) -> tuple[list[Stage], torch.Tensor]:
     """The forward's stages in order, [transform, forward_scan, output], and o, which they fill.
 
-    Inputs contiguous with T a multiple of the chunk, K and V in {64, 128}; `plan` is `dispatch.plan`'s for the call;
-    initial_state and final_state as `state_stages` takes them. Each stage reads only what earlier stages wrote, so
-    after one full pass any stage can be run (timed) again alone."""
+    Inputs contiguous with T a multiple of the chunk, K in {64, 128}, V in {64, 128} (a model's call: 256, 512 too);
+    `plan` is `dispatch.plan`'s for the call; initial_state, final_state, cu_chunks and read_first as `state_stages`
+    takes them.
+    Each stage reads only what earlier stages wrote, so after one full pass any stage can be run (timed) again
+    alone."""
     V = v.shape[-1]
-    plan = plan or dispatch.plan(q, V, model=is_model_call(q, v, initial_state, final_state))
+    plan = plan or dispatch.plan(q, V, model=read_first or is_model_call(q, v, initial_state, final_state, cu_chunks))
     A, S, Vn = scratch = state_scratch(q, v)
     o = torch.empty_like(v)
     t = hopper.chunk.tiles(q, k, p, v, None, A, S, None, Vn, None) if "forward_scan" in plan.gluon else None
-    stages = state_stages(k, v, p, beta, g, scratch, plan, t, initial_state, final_state)
+    stages = state_stages(k, v, p, beta, g, scratch, plan, t, initial_state, final_state, cu_chunks, read_first)
     stages.append(Stage("output", portable.output.launch, (q, k, beta, g, S, Vn, o, scale)))
     return stages, o
 
 
 def is_model_call(q, v, *states) -> bool:
-    """Whether a call with inputs q, v and these state tensors (or None) is a model's: a state in, out or its
-    gradient, or grouped value heads."""
+    """Whether a call with inputs q, v and these state (or packing) tensors (or None) is a model's: a state in, out or
+    its gradient, packed sequences, or grouped value heads."""
     return q.shape[2] != v.shape[2] or any(x is not None for x in states)
 
 
-def run_forward(q, k, v, p, beta, g, scale: float, plan, initial_state=None, output_final_state=False):
+def _stage_layout(x: torch.Tensor, packing) -> torch.Tensor:
+    """x (B, T, ...) in the stages' layout: zero-padded to whole chunks, or chunk-aligned by `packing`."""
+    return pad_time(x) if packing is None else packing.pad(x)
+
+
+def _call_layout(x: torch.Tensor, T: int, packing) -> torch.Tensor:
+    """x (B, T', ...) of the stages' layout back to the call's (B, T, ...)."""
+    if packing is not None:
+        return packing.unpad(x)
+    return x if x.shape[1] == T else x[:, :T].contiguous()
+
+
+def run_forward(q, k, v, p, beta, g, scale: float, plan, initial_state=None, output_final_state=False,
+                cu_seqlens=None, read_first=False):
     """o (B, T, HV, V) in v's dtype by the forward's stages on `plan`, and with output_final_state (o, the state after
-    the last step (B, HV, K, V) fp32); the scan starts from initial_state (B, HV, K, V) fp32 (None: zeros). Inputs
-    contiguous, any T >= 1."""
+    the last step (N, HV, K, V) fp32); the scan starts from initial_state (N, HV, K, V) fp32 (None: zeros). N = B, or
+    the sequences of cu_seqlens ((N + 1,) offsets, B = 1; read on the host, `Packing.of`); read_first: fla's read
+    order. Inputs contiguous, any T >= 1."""
     B, T, HV, V = v.shape
-    inputs = [pad_time(x) for x in (q, k, v, p, beta, g)]
-    final = q.new_empty(B, HV, q.shape[-1], V, dtype=torch.float32) if output_final_state else None
-    stages, o = forward_stages(*inputs, scale, plan, initial_state, final)
+    packing = None if cu_seqlens is None else Packing.of(cu_seqlens, T)
+    N = B if packing is None else packing.cu_chunks.shape[0] - 1
+    inputs = [_stage_layout(x, packing) for x in (q, k, v, p, beta, g)]
+    final = q.new_empty(N, HV, q.shape[-1], V, dtype=torch.float32) if output_final_state else None
+    stages, o = forward_stages(*inputs, scale, plan, initial_state, final,
+                               None if packing is None else packing.cu_chunks, read_first)
     with on_device(q):
         for stage in stages:
             stage.run()
-    o = o if o.shape[1] == T else o[:, :T].contiguous()
+    o = _call_layout(o, T, packing)
     return (o, final) if output_final_state else o
 
 
 def backward_stages(q, k, v, p, beta, g, do, scale: float, grads=None, plan=None, initial_state=None, d_final=None,
-                    d_initial=None) -> tuple[list[Stage], tuple]:
+                    d_initial=None, cu_chunks=None, read_first=False) -> tuple[list[Stage], tuple]:
     """The backward's stages in order, [transform, forward_scan, reverse_scan, grads] and dg where the Triton gradient
     kernel runs, and the six gradients, which they fill.
 
     Each stage reads only what earlier stages wrote, so after one full pass any stage can be run (timed) again alone.
-    Inputs contiguous, K and V in {64, 128}; the gradients are (dq, dk, dv, dp, dbeta, dg) with dg in float32, padded
-    in time to a multiple of the chunk (run_backward trims them), dq, dk and dp one per value head (`_gradients_like`);
-    `grads`, when given, are contiguous tensors of those shapes and dtypes to write them into; `plan` is
-    `dispatch.plan`'s for the call. A model's call starts the forward scan from initial_state and the reverse scan
-    from d_final, the final state's gradient (each (B, HV, K, V) fp32, None: zeros), and writes the initial state's
-    gradient into d_initial where given.
+    Inputs contiguous, K in {64, 128}, V in {64, 128} (a model's call: 256, 512 too); the gradients are
+    (dq, dk, dv, dp, dbeta, dg) with dg in float32, padded in time to a multiple of the chunk (run_backward trims
+    them), dq, dk and dp one per value head (`_gradients_like`); `grads`, when given, are contiguous tensors of those
+    shapes and dtypes to write them into; `plan` is `dispatch.plan`'s for the call. A model's call starts the forward
+    scan from initial_state and the reverse scan from d_final, the final state's gradient (each (B, HV, K, V) fp32,
+    None: zeros), and writes the initial state's gradient into d_initial where given; with cu_chunks (`state_stages`)
+    the states are one per packed sequence; read_first: fla's read order.
     """
     B, T, HV, V = v.shape
     K = q.shape[-1]
-    plan = plan or dispatch.plan(q, V, model=is_model_call(q, v, initial_state, d_final, d_initial))
+    plan = plan or dispatch.plan(q, V, model=read_first or is_model_call(q, v, initial_state, d_final, d_initial,
+                                                                         cu_chunks))
     q, k, v, p, beta, g, do = (pad_time(x) for x in (q, k, v, p, beta, g, do))
     Tp = q.shape[1]
     BH = B * HV
@@ -154,19 +212,21 @@ def backward_stages(q, k, v, p, beta, g, do, scale: float, grads=None, plan=None
     dbeta_v = torch.empty(NV, *beta.shape, device=dev, dtype=torch.float32)
     dq, dk, dv, dp, dbeta, dg = _gradients_like(q, k, v, p, beta, g) if grads is None else grads
     t = hopper.chunk.tiles(q, k, p, v, do, A, S, dS, Vn, X) if gluon else None
-    stages = state_stages(k, v, p, beta, g, (A, S, Vn), plan, t, initial_state)
+    stages = state_stages(k, v, p, beta, g, (A, S, Vn), plan, t, initial_state, None, cu_chunks, read_first)
     if "reverse_scan" in gluon:
         stages.append(Stage("reverse_scan", hopper.reverse_scan.launch, (t, q, v, beta, g, dv, dbeta_v, scale)))
     else:
         v_adjoint = not plan.v_adjoint_in_grads
         stages.append(Stage("reverse_scan", portable.reverse_scan.launch,
-                            (q, k, v, p, beta, g, do, A, dS, X, dv, dbeta_v, scale, v_adjoint, d_final, d_initial)))
+                            (q, k, v, p, beta, g, do, A, dS, X, dv, dbeta_v, scale, v_adjoint, d_final, d_initial,
+                             cu_chunks, read_first)))
     if plan.v_adjoint_in_grads:
         stages.append(Stage("grads", hopper.grads.launch_grads64, (t, q, beta, g, dq, dk, dv, dp, dbeta, dg, scale)))
     elif "grads" in gluon:
         stages.append(Stage("grads", hopper.grads.launch, (t, q, do, beta, g, dbeta_v, dq, dk, dp, dbeta, dg, scale)))
     else:
-        dgc_parts = torch.empty(3, BH, Tp, device=dev, dtype=torch.float32)  # d gc terms, per gradient part
+        # d gc terms, per gradient part, and in fla's read order the terms of d gr (`portable.dg`)
+        dgc_parts = torch.empty(4 if read_first else 3, BH, Tp, device=dev, dtype=torch.float32)
         stages.append(Stage("grads", portable.grads.launch,
                             (q, k, p, beta, g, do, S, dS, Vn, X, dbeta_v, dq, dk, dp, dbeta, dgc_parts, scale)))
         stages.append(Stage("dg", portable.dg.launch, (dgc_parts, dg)))
@@ -223,30 +283,36 @@ def _sum_groups(x: torch.Tensor, H: int, dtype: torch.dtype) -> torch.Tensor:
     return x.view(B, T, H, HV // H, K).sum(3).to(dtype)
 
 
-def run_backward(q, k, v, p, beta, g, do, scale: float, plan, initial_state=None, d_final=None):
+def run_backward(q, k, v, p, beta, g, do, scale: float, plan, initial_state=None, d_final=None, cu_seqlens=None,
+                 read_first=False):
     """(dq, dk, dv, dp, dbeta, dg) in their inputs' dtypes (dg float32) by the backward's stages on `plan`, the batch
     cut in plan.pieces; inputs contiguous, any T >= 1. A model's call starts from initial_state, with d_final the
-    gradient of the final state (each (B, HV, K, V) fp32 or None: zeros), and, where initial_state is given, returns
-    its gradient (fp32) after the six."""
+    gradient of the final state (each (N, HV, K, V) fp32 or None: zeros), and, where initial_state is given, returns
+    its gradient (fp32) after the six; N = B, or the sequences of cu_seqlens (as `run_forward` takes it);
+    read_first: fla's read order."""
     B, T, H = q.shape[:3]
-    inputs = [pad_time(x) for x in (q, k, v, p, beta, g, do)]
+    packing = None if cu_seqlens is None else Packing.of(cu_seqlens, T)
+    inputs = [_stage_layout(x, packing) for x in (q, k, v, p, beta, g, do)]
     grads = _gradients_like(*inputs[:6])
     d_initial = None if initial_state is None else torch.empty_like(initial_state)
     states = (initial_state, d_final, d_initial)
     cuts = [B * i // plan.pieces for i in range(plan.pieces + 1)]
     # Every piece's scratch is allocated before the launches and referenced until the streams are joined, so the
-    # allocator cannot hand one piece's freed scratch to another piece's stream while it still runs.
-    pieces = [backward_stages(*(x[a:b] for x in inputs), scale, tuple(x[a:b] for x in grads), plan,
-                              *(None if x is None else x[a:b] for x in states))[0]
-              for a, b in zip(cuts, cuts[1:])]
+    # allocator cannot hand one piece's freed scratch to another piece's stream while it still runs. Packed
+    # sequences are a batch of one, one piece, with a state per sequence.
+    if packing is None:
+        pieces = [backward_stages(*(x[a:b] for x in inputs), scale, tuple(x[a:b] for x in grads), plan,
+                                  *(None if x is None else x[a:b] for x in states), None, read_first)[0]
+                  for a, b in zip(cuts, cuts[1:])]
+    else:
+        pieces = [backward_stages(*inputs, scale, grads, plan, *states, packing.cu_chunks, read_first)[0]]
     if q.is_cuda:
         _launch_on_streams(pieces, q.device)
     else:
         for stages in pieces:
             for stage in stages:
                 stage.run()
-    if grads[0].shape[1] != T:
-        grads = tuple(x[:, :T].contiguous() for x in grads)
+    grads = tuple(_call_layout(x, T, packing) for x in grads)
     if v.shape[2] != H:
         dq, dk, dv, dp, dbeta, dg = grads
         grads = (_sum_groups(dq, H, q.dtype), _sum_groups(dk, H, q.dtype), dv, _sum_groups(dp, H, q.dtype), dbeta, dg)

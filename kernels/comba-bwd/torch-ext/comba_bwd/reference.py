@@ -113,6 +113,18 @@ def sequence_bounds(cu_seqlens: torch.Tensor, T: int) -> list[tuple[int, int]]:
     return list(zip(offsets, offsets[1:]))
 
 
+def unpack(x: torch.Tensor, bounds: list[tuple[int, int]]) -> torch.Tensor:
+    """(1, T, ...) sequences packed at `bounds` (`sequence_bounds`) -> (N, longest, ...), each zero-padded at its
+    end."""
+    longest = max(b - a for a, b in bounds)
+    return torch.stack([torch.cat([x[0, a:b], x.new_zeros(longest - (b - a), *x.shape[2:])]) for a, b in bounds])
+
+
+def repack(x: torch.Tensor, bounds: list[tuple[int, int]]) -> torch.Tensor:
+    """(N, T', ...) one sequence a row -> (1, T, ...) packed at `bounds`: `unpack`'s inverse."""
+    return torch.cat([x[i, :b - a] for i, (a, b) in enumerate(bounds)])[None]
+
+
 class Sequences:
     """A call's inputs as the recurrence takes them: float32, q, k and p L2-normalised if asked and repeated to the
     HV value heads, one row per sequence (packed sequences unpacked) zero-padded in time to `multiple`, g floored,
@@ -139,12 +151,8 @@ class Sequences:
             torch.where(f, x, 0.0) for f, x in zip(finite, (q, k, v, p, beta, g)))
 
     def _unpack(self, x: torch.Tensor) -> torch.Tensor:
-        """(1, T, ...) packed sequences -> (N, longest, ...) zero-padded; x itself without cu_seqlens."""
-        if self.bounds is None:
-            return x
-        longest = max(b - a for a, b in self.bounds)
-        return torch.stack([torch.cat([x[0, a:b], x.new_zeros(longest - (b - a), *x.shape[2:])])
-                            for a, b in self.bounds])
+        """(1, T, ...) packed sequences -> (N, longest, ...) zero-padded (`unpack`); x itself without cu_seqlens."""
+        return x if self.bounds is None else unpack(x, self.bounds)
 
     def outputs(self, o: torch.Tensor, state: torch.Tensor):
         """o (N, Tp, HV, V) -> (B, T, HV, V) with NaN from each first non-finite input on, and the final states
@@ -153,7 +161,7 @@ class Sequences:
         state = torch.where(self.poisoned[:, -1, :, None, None], float("nan"), state)
         if self.bounds is None:
             return o[:, :self.T], state
-        return torch.cat([o[i, :b - a] for i, (a, b) in enumerate(self.bounds)])[None], state
+        return repack(o, self.bounds), state
 
 
 def initial_states(initial_state, N: int, HV: int, K: int, V: int, device) -> torch.Tensor:
@@ -176,8 +184,9 @@ def _from_chunks(x: torch.Tensor, T: int) -> torch.Tensor:
 
 
 def _chunk_transform(k, p, v, beta, g, read_first=False):
-    """gc, E, L, U, W of every chunk (all (B, H, N, ...) float32). read_first: fla's order, the read's decay
-    exp(gr_i - gc_j) with gr the exclusive cumsum, in L and W."""
+    """gc, gr, E, E_read, L, I + L, U, W of every chunk (all (B, H, N, ...) float32). read_first: fla's order, the
+    read's decay E_read = exp(gr_i - gc_j) (j < i) with gr the exclusive cumsum, in L and W; else gr = gc and
+    E_read = E."""
     gc = g.cumsum(-1)
     C = gc.shape[-1]
     lower = torch.ones(C, C, dtype=torch.bool, device=gc.device).tril()
@@ -193,7 +202,7 @@ def _chunk_transform(k, p, v, beta, g, read_first=False):
     rhs = torch.cat([beta[..., None] * v, (beta * gr.exp())[..., None] * p], dim=-1)
     UW = torch.linalg.solve_triangular(IL, rhs, upper=False, unitriangular=True)
     U, W = UW.split([v.shape[-1], p.shape[-1]], dim=-1)
-    return gc, E, L, IL, U, W
+    return gc, gr, E, E_read, L, IL, U, W
 
 
 def _to_end(gc):
@@ -241,7 +250,7 @@ def comba_forward_reference(q, k, v, p, beta, g, scale=None, *, initial_state=No
     S0 = initial_states(initial_state, x.q.shape[0], HV, K, V, q.device)
     T = x.q.shape[1]
     qc, kc, vc, pc, bc, gcs = (_to_chunks(t) for t in (x.q, x.k, x.v, x.p, x.beta, x.g))
-    gc, E, _, _, U, W = _chunk_transform(kc, pc, vc, bc, gcs, read_first=read_order == "fla")
+    gc, _, E, _, _, _, U, W = _chunk_transform(kc, pc, vc, bc, gcs, read_first=read_order == "fla")
     S, Vn, final = _forward_scan(kc, gc, U, W, S0)
     qs = qc * resolve_scale(scale, K)
     o = (gc.exp()[..., None] * qs) @ S + ((qs @ kc.mT) * E) @ Vn
@@ -261,16 +270,17 @@ def comba_backward_reference(q, k, v, p, beta, g, do, scale=None):
     return _chunked_backward(q, k, v, p, beta, g, do, scale)[:6]
 
 
-def _chunked_backward(q, k, v, p, beta, g, do, scale, initial_state=None, d_final=None):
+def _chunked_backward(q, k, v, p, beta, g, do, scale, initial_state=None, d_final=None, read_first=False):
     """The analytic backward of `comba_backward_reference` from a carried state: (dq, dk, dv, dp, dbeta, dg, the
     initial state's gradient), the scans starting from initial_state and from d_final, the final state's gradient
-    ((B, H, K, V) each, None: zeros)."""
+    ((B, H, K, V) each, None: zeros). read_first: fla's read order, whose L and W take the read's log-decay
+    gr = gc - g: their terms of d gr reach dg as d gc's do, less at the step itself (g_t feeds gr_i for i > t)."""
     T = q.shape[1]
     scale = resolve_scale(scale, q.shape[-1])
     g = floor_log_decay(g)
     reset = g <= G_FLOOR
     q, k, v, p, beta, g, do = (_to_chunks(pad_time(x)) for x in (q, k, v, p, beta, g, do))
-    gc, E, L, IL, U, W = _chunk_transform(k, p, v, beta, g)
+    gc, gr, E, E_read, L, IL, U, W = _chunk_transform(k, p, v, beta, g, read_first)
     S, Vn, _ = _forward_scan(k, gc, U, W, None if initial_state is None else initial_state.float())
     gam = gc.exp()
     gam_last = gam[..., -1]
@@ -299,44 +309,58 @@ def _chunked_backward(q, k, v, p, beta, g, do, scale, initial_state=None, d_fina
     dk_read = scale * (do_vn.mT @ q)
     dk_state = to_end[..., None] * (Vn @ dS_next.mT)
     dL = -(X @ Vn.mT).tril(-1)
-    dR = dL * E                                                # gradient of the raw (beta P) K^T
+    dR = dL * E_read                                           # gradient of the raw (beta P) K^T
     dR_k = dR @ k
-    dp = (beta * gam)[..., None] * Y + beta[..., None] * dR_k
+    gam_read = gr.exp()                                        # the read's decay, W's (gam in the spec's order)
+    dp = (beta * gam_read)[..., None] * Y + beta[..., None] * dR_k
     dk = dk_read + dk_state + dR.mT @ (beta[..., None] * p)
-    dbeta = (v * X).sum(-1) + gam * (p * Y).sum(-1) + (p * dR_k).sum(-1)
+    dbeta = (v * X).sum(-1) + gam_read * (p * Y).sum(-1) + (p * dR_k).sum(-1)
     dL_L = dL * L
-    dgc = (dL_L.sum(-1) - dL_L.sum(-2) + beta * gam * (p * Y).sum(-1)
-           + (q * dq).sum(-1) - (k * (dk_read + dk_state)).sum(-1))
+    d_read = dL_L.sum(-1) + beta * gam_read * (p * Y).sum(-1)  # d gr (part of d gc in the spec's order)
+    dgc = d_read - dL_L.sum(-2) + (q * dq).sum(-1) - (k * (dk_read + dk_state)).sum(-1)
     last = (k * dk_state).sum((-1, -2)) + gam_last * (S * dS_next).sum((-1, -2))
     dgc = torch.cat([dgc[..., :-1], dgc[..., -1:] + last[..., None]], dim=-1)
     dg = dgc.flip(-1).cumsum(-1).flip(-1)                      # g_t feeds every gc_i with i >= t
+    if read_first:
+        dg = dg - d_read                                       # and gr_i only with i > t
     dq, dk, dv, dp, dbeta, dg = (_from_chunks(x, T) for x in (dq, dk, dv, dp, dbeta, dg))
     # At the floor the reverse cumsum leaves only the rounding of terms that cancel; the gradient is exp(g_t)
     # times a finite product, 0 in fp32.
     return dq, dk, dv, dp, dbeta, dg.masked_fill(reset, 0.0), dS
 
 
-def comba_state_forward_reference(q, k, v, p, beta, g, initial_state, scale, output_final_state):
-    """The registered model op's forward (`op.comba_state_forward_op`): `comba_forward_reference` with a carried state
-    and grouped value heads, returning (o, final state (N, HV, K, V) float32, or an empty float32 tensor without
-    output_final_state)."""
+def comba_state_forward_reference(q, k, v, p, beta, g, initial_state, scale, output_final_state, cu_seqlens=None,
+                                  read_order="decay_first"):
+    """The registered model op's forward (`op.comba_state_forward_op`): `comba_forward_reference` with a carried state,
+    grouped value heads, packed sequences and either read order, returning (o, final state (N, HV, K, V) float32, or
+    an empty float32 tensor without output_final_state)."""
     o, final = comba_forward_reference(q, k, v, p, beta, g, scale, initial_state=initial_state,
-                                       output_final_state=True)
+                                       output_final_state=True, cu_seqlens=cu_seqlens, read_order=read_order)
     return o, (final if output_final_state else final.new_empty(0))
 
 
 @autocast_off
-def comba_state_backward_reference(q, k, v, p, beta, g, initial_state, do, d_final, scale):
+def comba_state_backward_reference(q, k, v, p, beta, g, initial_state, do, d_final, scale, cu_seqlens=None,
+                                   read_order="decay_first"):
     """The gradients of `comba_state_forward_reference` given do and d_final (the final state's, or None: zero):
     (dq, dk, dv, dp, dbeta, dg, d_initial_state), float32, by the analytic chunked backward with q, k and p repeated
-    to the value heads and their gradients summed over each group; d_initial_state is an empty float32 tensor where
-    initial_state is None. g > 0 raises ValueError."""
+    to the value heads and their gradients summed over each group, packed sequences unpacked to a batch (each
+    zero-padded at its end, which leaves its state as it is) and their gradients packed again; d_initial_state is an
+    empty float32 tensor where initial_state is None; read_order as `comba_forward_reference` takes it. g > 0 raises
+    ValueError."""
     check_log_decay(g)
+    check_read_order(read_order)
+    if cu_seqlens is not None:
+        bounds = sequence_bounds(cu_seqlens, q.shape[1])
+        *grads, d_initial = comba_state_backward_reference(*(unpack(x, bounds) for x in (q, k, v, p, beta, g)),
+                                                           initial_state, unpack(do, bounds), d_final, scale,
+                                                           read_order=read_order)
+        return (*(repack(x, bounds) for x in grads), d_initial)
     B, T, H, K = q.shape
     group = v.shape[2] // H
     keys = [x.repeat_interleave(group, dim=2) for x in (q, k, p)] if group > 1 else [q, k, p]
     dq, dk, dv, dp, dbeta, dg, d_initial = _chunked_backward(keys[0], keys[1], v, keys[2], beta, g, do, scale,
-                                                             initial_state, d_final)
+                                                             initial_state, d_final, read_order == "fla")
     if group > 1:
         dq, dk, dp = (x.view(B, T, H, group, K).sum(3) for x in (dq, dk, dp))
     if initial_state is None:

@@ -12,6 +12,9 @@ from .common.checks import as_scale, check_tensor
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # Head sizes the fused CUDA backward is compiled for; the eager (CPU) reference takes any size >= 1.
 FUSED_SIZES = (64, 128)
+# The value sizes a model's call (`op.comba_state_forward_op`) takes on the fused CUDA path, at K in FUSED_SIZES: the
+# scans and the output cut V in blocks, so that a larger V takes more programs, not larger ones.
+FUSED_MODEL_V = (64, 128, 256, 512)
 
 
 def check_comba_args(q, k, v, p, beta, g, scale, do=None) -> None:

@@ -2,7 +2,10 @@
 pointers to its rows, the offsets of a chunk-parallel program, and the scans' V blocks and pipeline depth.
 
 Notation as in reference.py: per (b, h) and chunk n, gc the inclusive cumsum of g inside the chunk, gam = exp(gc),
-Gam = exp(gc[-1]), E_ij = exp(gc_i - gc_j) (j <= i).
+Gam = exp(gc[-1]), E_ij = exp(gc_i - gc_j) (j <= i). In fla's read order (READ_FIRST: the state read before the
+step's decay) the read's log-decay is gr = gc - g, the exclusive cumsum: the chunk transform's L and W take
+exp(gr_i - gc_j) (j < i) and exp(gr) where the spec's order takes E and gam, each formed from a difference before
+exp, so every factor stays <= 1 (never as p exp(-g), which overflows at strong decay); everything else is the same.
 
 No tl.trans of a dot result (Triton 3.6 Hopper miscompile, fla #640): every transposed operand of these kernels is
 either loaded transposed from memory or is an elementwise product of loaded data.
@@ -64,17 +67,32 @@ def gates(g, beta, scal_base, t0, H, R: tl.constexpr = BT, offset=None):
 
 
 @triton.jit
-def decay(gc, upper: tl.constexpr, strict: tl.constexpr):
-    """E (lower) or E^T (upper), with the diagonal unless strict; the exponent is masked before exp."""
+def read_log_decay(g, scal_base, t0, H, gc, READ_FIRST: tl.constexpr, R: tl.constexpr = BT):
+    """The log-decay that the read of each of the R rows from t0 sees, given their gc: gc itself in the spec's order,
+    gr = gc - g (g floored, as `gates` floors it) in fla's (READ_FIRST)."""
+    if READ_FIRST:
+        r = tl.arange(0, R)
+        return gc - tl.maximum(tl.load(g + scal_base + (t0 + r) * H).to(tl.float32), FLOOR)
+    else:
+        return gc
+
+
+@triton.jit
+def decay(gc, upper: tl.constexpr, strict: tl.constexpr, read=None):
+    """E (lower) or E^T (upper), with the diagonal unless strict; the exponent is masked before exp. With `read`
+    (`read_log_decay`) the later step's side takes it: exp(read_i - gc_j), the decay of L and dL in fla's order
+    (strict there: on the diagonal read - gc = -g, whose exp may overflow)."""
+    if read is None:
+        read = gc
     i = tl.arange(0, BT)[:, None]
     j = tl.arange(0, BT)[None, :]
     if upper:  # E^T[a, b] = exp(gc_b - gc_a) for b >= a
-        diff = gc[None, :] - gc[:, None]
+        diff = read[None, :] - gc[:, None]
         keep = j >= i
         if strict:
             keep = j > i
     else:
-        diff = gc[:, None] - gc[None, :]
+        diff = read[:, None] - gc[None, :]
         keep = i >= j
         if strict:
             keep = i > j
@@ -118,18 +136,37 @@ def key_head(scal_base, bh, T, H, GROUP: tl.constexpr):
 
 
 @triton.jit
-def part_stride(T, H):
+def part_stride(T, H, PACKED: tl.constexpr = False):
     """B * T * H (T padded to whole chunks), the stride between dbeta_v's parts, one per scan V block: B taken
     from the grid, whose axis 1 is b * H + h in the scans and the chunk kernels alike, rather than passed as one
-    more launch argument."""
-    return tl.num_programs(1) // H * T * H
+    more launch argument; T * H in a scan over packed sequences (PACKED: a batch of one, axis 1 of its grid is
+    sequence * H + h)."""
+    if PACKED:
+        return T * H
+    else:
+        return tl.num_programs(1) // H * T * H
+
+
+@triton.jit
+def scan_range(cu_chunks, N, H, PACKED: tl.constexpr):
+    """(head, first, end) of a scan program: the value head whose rows it reads (b * H + h of the (B * H, ...)
+    scratch) and the chunks [first, end) it runs over. Unpacked, program b * H + h of the grid's axis 1 runs over all
+    N chunks of its row; packed (PACKED: a batch of one whose sequences are laid out chunk-aligned), program
+    s * H + h runs over sequence s's chunks, cu_chunks[s] to cu_chunks[s + 1]. Either way its carried state is row
+    tl.program_id(1) of the (·, H, K, V) states."""
+    pid = tl.program_id(1)
+    if PACKED:
+        seq = pid // H
+        return pid % H, tl.load(cu_chunks + seq), tl.load(cu_chunks + seq + 1)
+    else:
+        return pid, 0, N
 
 
 @triton.jit
 def state_ptrs(state, bh, cv, K: tl.constexpr, V: tl.constexpr):
     """Pointers to the [K, BV] block (columns cv) of head bh's state in a (B, HV, K, V) tensor (a carried state, its
     gradient)."""
-    return state + (bh.to(tl.int64) * K + tl.arange(0, K)[:, None]) * V + cv[None, :]
+    return state + bh.to(tl.int64) * K * V + (tl.arange(0, K)[:, None] * V + cv[None, :])
 
 
 @triton.jit

@@ -1,21 +1,27 @@
 """The forward scan in Triton, the forward's second stage and the backward's recompute of it: per (b, h, V block),
 serial over the chunks, S_n (bf16, the state before chunk n) and Vn = A (beta V) - A (beta gam P) S (bf16) -> HBM, so
 that the chunk-parallel output and gradient kernels read their chunk's state without a scan of their own. A model's
-call starts from a carried state (HAS_S0) and stores the state after the last chunk in fp32 (STORE_FINAL)."""
+call starts from a carried state (HAS_S0) and stores the state after the last chunk in fp32 (STORE_FINAL); packed
+sequences laid out chunk-aligned in a batch of one (PACKED) take a program per sequence, value head and V block, over
+that sequence's chunks (`chunk.scan_range`); fla's read order (READ_FIRST) takes the read's decay in W."""
 
 import triton
 import triton.language as tl
 
 from ..reference import CHUNK
-from .chunk import BT, SCAN_WARPS, group, key_head, row_ptrs, row_ptrs_t, scan_block, scan_chunk, scan_stages, state_ptrs
+from .chunk import (BT, SCAN_WARPS, group, key_head, read_log_decay, row_ptrs, row_ptrs_t, scan_block, scan_chunk,
+                    scan_range, scan_stages, state_ptrs)
 
 @triton.jit
 def _forward_step(k, v, p, beta, g, A, S_out, Vn_out, S, n, bh, scal_base, kb, N, H, HK, cv, K: tl.constexpr,
-                  V: tl.constexpr):
-    """Chunk n of the forward scan: store S_n and Vn, return S_{n+1}."""
+                  V: tl.constexpr, READ_FIRST: tl.constexpr):
+    """Chunk n of the forward scan: store S_n and Vn, return S_{n+1}. W = A (beta gam P) takes the read's decay:
+    exp(gr) in fla's order (READ_FIRST)."""
     T = N * BT
     r = tl.arange(0, BT)
     t0, gc, glast, bk, gam, chunk = scan_chunk(g, beta, S_out, S, n, bh, scal_base, N, H, cv, K, V)
+    if READ_FIRST:
+        gam = tl.exp(read_log_decay(g, scal_base, t0, H, gc, READ_FIRST))
     a = tl.load(A + chunk * BT * BT + r[:, None] * BT + r[None, :])
     vk = tl.load(v + scal_base * V + (t0 + r)[:, None] * (H * V) + cv[None, :])
     pk = tl.load(row_ptrs(p, kb * K, t0, HK * K, K))
@@ -36,27 +42,32 @@ def _forward_step(k, v, p, beta, g, A, S_out, Vn_out, S, n, bh, scal_base, kb, N
 # Gluon forward scan loads them, they make the reverse scan slower.
 @triton.jit(do_not_specialize=["N"])
 def _forward_scan_kernel(k, v, p, beta, g, A, S_out, Vn_out, N, H, K: tl.constexpr, V: tl.constexpr,
-                         BV: tl.constexpr, STAGES: tl.constexpr, S0=None, S_final=None, GROUP: tl.constexpr = 1,
-                         HAS_S0: tl.constexpr = False, STORE_FINAL: tl.constexpr = False):
-    iv, bh = tl.program_id(0), tl.program_id(1)
+                         BV: tl.constexpr, STAGES: tl.constexpr, S0=None, S_final=None, cu_chunks=None,
+                         GROUP: tl.constexpr = 1, HAS_S0: tl.constexpr = False, STORE_FINAL: tl.constexpr = False,
+                         PACKED: tl.constexpr = False, READ_FIRST: tl.constexpr = False):
+    iv = tl.program_id(0)
+    bh, first, end = scan_range(cu_chunks, N, H, PACKED)
     scal_base = (bh // H).to(tl.int64) * N * BT * H + bh % H
     kb, HK = key_head(scal_base, bh, N * BT, H, GROUP)
     cv = iv * BV + tl.arange(0, BV)
     if HAS_S0:
-        S = tl.load(state_ptrs(S0, bh, cv, K, V))
+        S = tl.load(state_ptrs(S0, tl.program_id(1), cv, K, V))
     else:
         S = tl.zeros([K, BV], dtype=tl.float32)
-    for n in tl.range(0, N, num_stages=STAGES):
-        S = _forward_step(k, v, p, beta, g, A, S_out, Vn_out, S, n, bh, scal_base, kb, N, H, HK, cv, K, V)
+    for n in tl.range(first, end, num_stages=STAGES):
+        S = _forward_step(k, v, p, beta, g, A, S_out, Vn_out, S, n, bh, scal_base, kb, N, H, HK, cv, K, V,
+                          READ_FIRST)
     if STORE_FINAL:
-        tl.store(state_ptrs(S_final, bh, cv, K, V), S)
+        tl.store(state_ptrs(S_final, tl.program_id(1), cv, K, V), S)
 
 
-def launch(k, v, p, beta, g, A, S, Vn, initial_state=None, final_state=None):
+def launch(k, v, p, beta, g, A, S, Vn, initial_state=None, final_state=None, cu_chunks=None, read_first=False):
     """S (B * HV, N, K, V) and Vn (B * HV, T, V) of inputs k, p (B, T, H, K), v (B, T, HV, V), beta and g (B, T, HV)
     with T a multiple of the chunk and HV a multiple of H, and their transform A; the scan starts from initial_state
     (B, HV, K, V) fp32 (None: zeros) and, where final_state is given, writes the state after the last chunk there
-    (fp32, like initial_state)."""
+    (fp32, like initial_state). With cu_chunks ((N + 1,) int32, B = 1: sequence s laid out chunk-aligned on chunks
+    cu_chunks[s] to cu_chunks[s + 1]) the states are (N, HV, K, V), one per sequence, each scanned over its chunks.
+    read_first: fla's read order."""
     B, T, HV, V = v.shape
     K = k.shape[-1]
     BV = scan_block(K, V)
@@ -65,6 +76,11 @@ def launch(k, v, p, beta, g, A, S, Vn, initial_state=None, final_state=None):
         state.update(S0=initial_state, HAS_S0=True)
     if final_state is not None:
         state.update(S_final=final_state, STORE_FINAL=True)
-    _forward_scan_kernel[(V // BV, B * HV)](k, v, p, beta, g, A, S, Vn, T // CHUNK, HV, K=K, V=V, BV=BV,
+    if cu_chunks is not None:
+        state.update(cu_chunks=cu_chunks, PACKED=True)
+    if read_first:
+        state.update(READ_FIRST=True)
+    grid = (V // BV, B * HV) if cu_chunks is None else (V // BV, (cu_chunks.shape[0] - 1) * HV)
+    _forward_scan_kernel[grid](k, v, p, beta, g, A, S, Vn, T // CHUNK, HV, K=K, V=V, BV=BV,
                                             STAGES=scan_stages(k.device), **group(k, v), **state,
                                             num_warps=SCAN_WARPS, num_stages=1)

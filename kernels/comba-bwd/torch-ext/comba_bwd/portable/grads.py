@@ -7,7 +7,7 @@ import triton
 import triton.language as tl
 
 from ..reference import CHUNK
-from .chunk import BT, chunk_offsets, decay, gates, group, key_head, part_stride, row_ptrs
+from .chunk import BT, chunk_offsets, decay, gates, group, key_head, part_stride, read_log_decay, row_ptrs
 
 # The gradient parts run 4 warps a program, faster than 8 capped at 128 registers for 2 CTAs an SM, and loop over V
 # in blocks of V_BLOCK.
@@ -50,10 +50,11 @@ def _q_part(q, k, do, S_in, Vn_in, dq, gc, scal_base, kb, t0, chunk, rows, scale
 
 
 @triton.jit
-def _k_part(q, k, p, do, dS_in, Vn_in, X_in, dk, gc, glast, bk, scal_base, kb, t0, chunk, rows, scale, H, HK,
-            K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr):
+def _k_part(q, k, p, do, dS_in, Vn_in, X_in, dk, gc, gr, glast, bk, scal_base, kb, t0, chunk, rows, scale, H, HK,
+            K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, READ_FIRST: tl.constexpr):
     """dk = scale (lower(dO Vn^T) * E)^T Q + (Gam / gam) Vn dS'^T + dR^T (beta P), with dR = dL * E and
-    dL = -strict_lower(X Vn^T) (the chunk transform's K side), stored; returns its terms of d gc."""
+    dL = -strict_lower(X Vn^T) (the chunk transform's K side; in fla's order, READ_FIRST, dR = dL * exp(gr_i - gc_j),
+    gr the read's log-decay), stored; returns its terms of d gc."""
     vn_do = tl.zeros([BT, BT], dtype=tl.float32)                                # (dO Vn^T)^T
     vn_x = tl.zeros([BT, BT], dtype=tl.float32)                                 # (X Vn^T)^T
     vn_ds = tl.zeros([BT, K], dtype=tl.float32)
@@ -73,6 +74,8 @@ def _k_part(q, k, p, do, dS_in, Vn_in, X_in, dk, gc, glast, bk, scal_base, kb, t
     r = tl.arange(0, BT)
     E_t = decay(gc, True, False)
     read = (vn_do * E_t * scale).to(tl.bfloat16)
+    if READ_FIRST:  # L's decay, exp(gr_b - gc_a) for b > a
+        E_t = decay(gc, True, True, gr)
     dR_t = tl.where(r[:, None] < r[None, :], -vn_x * E_t, 0.0).to(tl.bfloat16)
     qk = tl.load(row_ptrs(q, kb * K, t0, HK * K, K)).to(tl.bfloat16)
     kk = tl.load(row_ptrs(k, kb * K, t0, HK * K, K)).to(tl.bfloat16)
@@ -93,12 +96,13 @@ def _k_part(q, k, p, do, dS_in, Vn_in, X_in, dk, gc, glast, bk, scal_base, kb, t
 
 
 @triton.jit
-def _store_dp_dbeta(x_s, dLE, kk, pk, pk_kt, gc, bk, dbeta_v, dp_rows, dbeta, rows_h, n_pos, NV: tl.constexpr):
+def _store_dp_dbeta(x_s, dLE, kk, pk, pk_kt, gr, bk, dbeta_v, dp_rows, dbeta, rows_h, n_pos, NV: tl.constexpr):
     """The transform's P side: dp = beta (gam Y + dLE K) with Y = A^T dW = -X S^T (x_s = X S^T, fp32) and
     dLE = dL * E (bf16), and dbeta = p . (gam Y + dLE K) plus the scans' V-block parts (dbeta_v, NV of them,
-    n_pos apart); stores both and returns dbeta's gate term of d gc, beta gam (p . Y). p . (dLE K) is taken as
-    sum_j dLE_ij (p_i . k_j) from pk_kt = P K^T (fp32), so that no fp32 copy of P stays live."""
-    z = -tl.exp(gc)[:, None] * x_s
+    n_pos apart); stores both and returns dbeta's gate term of the read's log-decay, beta gam (p . Y). gam is
+    exp(gr), the read's decay (gc in the spec's order). p . (dLE K) is taken as sum_j dLE_ij (p_i . k_j) from
+    pk_kt = P K^T (fp32), so that no fp32 copy of P stays live."""
+    z = -tl.exp(gr)[:, None] * x_s
     p_y = tl.sum(pk.to(tl.float32) * z, 1)
     db = p_y + tl.sum(dLE.to(tl.float32) * pk_kt, 1)
     for iv in range(NV):
@@ -110,10 +114,13 @@ def _store_dp_dbeta(x_s, dLE, kk, pk, pk_kt, gc, bk, dbeta_v, dp_rows, dbeta, ro
 
 
 @triton.jit
-def _pb_part(k, p, S_in, dS_in, Vn_in, X_in, dbeta_v, dp, dbeta, gc, glast, bk, scal_base, kb, t0, chunk, rows, N, H,
-             HK, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr):
+def _pb_part(k, p, S_in, dS_in, Vn_in, X_in, dbeta_v, dp, dbeta, gc, gr, glast, bk, scal_base, kb, t0, chunk, rows,
+             N, H, HK, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr, d_read=None,
+             READ_FIRST: tl.constexpr = False):
     """dp and dbeta (A^T dW = -X S^T; the chunk transform's P side), stored; returns their terms of d gc and the
-    decay of the carried state's, Gam <S_n, dS'_n>, on the chunk's last row."""
+    decay of the carried state's, Gam <S_n, dS'_n>, on the chunk's last row. In fla's order (READ_FIRST) L and W take
+    the read's log-decay gr = gc - g: the terms of d gr are returned with d gc's as if gr were gc, and also stored
+    at d_read (the chunk's rows), which dg takes off again (`dg._dg_kernel`)."""
     x_s = tl.zeros([BT, K], dtype=tl.float32)
     x_vn = tl.zeros([BT, BT], dtype=tl.float32)
     s_ds = tl.zeros([K], dtype=tl.float32)                                       # <S_n, dS'_n> by column
@@ -125,23 +132,30 @@ def _pb_part(k, p, S_in, dS_in, Vn_in, X_in, dbeta_v, dp, dbeta, gc, glast, bk, 
         x_vn += tl.dot(xk, tl.load(Vn_in + rows[None, :] * V + cv[:, None]))
         s_ds += tl.sum(s_t.to(tl.float32) * _state_t(dS_in, chunk, cv, K, V).to(tl.float32), 0)
     r = tl.arange(0, BT)
-    E = decay(gc, False, False)
+    E = decay(gc, False, READ_FIRST, gr)                                        # L's decay
     pk = tl.load(row_ptrs(p, kb * K, t0, HK * K, K)).to(tl.bfloat16)
     kk = tl.load(row_ptrs(k, kb * K, t0, HK * K, K)).to(tl.bfloat16)
     dLE = tl.where(r[:, None] > r[None, :], -x_vn * E, 0.0)                      # dL * E
     pk_kt = tl.dot(pk, tl.trans(kk))
     dL_L = dLE * pk_kt * bk[:, None]                                             # dL * L
     rows_h = scal_base + (t0 + r) * H
-    dgc = tl.sum(dL_L, 1) - tl.sum(dL_L, 0) + _store_dp_dbeta(
-        x_s, dLE.to(tl.bfloat16), kk, pk, pk_kt, gc, bk, dbeta_v, row_ptrs(dp, scal_base * K, t0, H * K, K), dbeta,
-        rows_h, part_stride(N * BT, H), NV)
+    if READ_FIRST:  # the terms of d gr, stored apart and counted with d gc's
+        d_gr = tl.sum(dL_L, 1) + _store_dp_dbeta(
+            x_s, dLE.to(tl.bfloat16), kk, pk, pk_kt, gr, bk, dbeta_v, row_ptrs(dp, scal_base * K, t0, H * K, K),
+            dbeta, rows_h, part_stride(N * BT, H), NV)
+        tl.store(d_read + rows, d_gr)
+        dgc = d_gr - tl.sum(dL_L, 0)
+    else:
+        dgc = tl.sum(dL_L, 1) - tl.sum(dL_L, 0) + _store_dp_dbeta(
+            x_s, dLE.to(tl.bfloat16), kk, pk, pk_kt, gc, bk, dbeta_v, row_ptrs(dp, scal_base * K, t0, H * K, K),
+            dbeta, rows_h, part_stride(N * BT, H), NV)
     return dgc + tl.where(r == BT - 1, tl.exp(glast) * tl.sum(s_ds, 0), 0.0)
 
 
 @triton.jit
 def _grads_kernel(q, k, p, beta, g, do, S_in, dS_in, Vn_in, X_in, dbeta_v, dq, dk, dp, dbeta, dgc_parts,
                  scale, N, H, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr,
-                 GROUP: tl.constexpr = 1):
+                 GROUP: tl.constexpr = 1, READ_FIRST: tl.constexpr = False):
     """Every gradient of the chunk but dv: the three parts (_q_part, _k_part, _pb_part) as three programs of one
     launch, next to each other in the grid. They run at the same time, so what two of them read (S, dS', Vn, X,
     dO and the chunk's q, k, p) comes from HBM once and from L2 after, while each program holds the registers of
@@ -149,7 +163,8 @@ def _grads_kernel(q, k, p, beta, g, do, S_in, dS_in, Vn_in, X_in, dbeta_v, dq, d
     the three parts in turn in one program, which spills. Their terms of d gc go to dgc_parts, one row of it a
     part, summed by `dg._dg_kernel`. Each part loads the gates and stores its terms itself: loaded once before the
     branches, the gates would stay live across all three and the kernel would spill more. H value heads, GROUP of
-    them a key head: dq, dk and dp are stored per value head (B, T, H, K), the caller sums each group."""
+    them a key head: dq, dk and dp are stored per value head (B, T, H, K), the caller sums each group. In fla's read
+    order (READ_FIRST) the P part also stores its terms of d gr in a fourth row of dgc_parts."""
     part = tl.program_id(0) % 3
     scal_base, t0, chunk, rows = chunk_offsets(N, H, 3)
     kb, HK = key_head(scal_base, tl.program_id(1), N * BT, H, GROUP)
@@ -160,13 +175,15 @@ def _grads_kernel(q, k, p, beta, g, do, S_in, dS_in, Vn_in, X_in, dbeta_v, dq, d
         tl.store(dgc_parts + rows, dgc)
     elif part == 1:
         gc, glast, bk = gates(g, beta, scal_base, t0, H)
-        dgc = _k_part(q, k, p, do, dS_in, Vn_in, X_in, dk, gc, glast, bk, scal_base, kb, t0, chunk, rows, scale, H, HK,
-                      K, V, BV)
+        gr = read_log_decay(g, scal_base, t0, H, gc, READ_FIRST)
+        dgc = _k_part(q, k, p, do, dS_in, Vn_in, X_in, dk, gc, gr, glast, bk, scal_base, kb, t0, chunk, rows, scale,
+                      H, HK, K, V, BV, READ_FIRST)
         tl.store(dgc_parts + n_pos + rows, dgc)
     else:
         gc, glast, bk = gates(g, beta, scal_base, t0, H)
-        dgc = _pb_part(k, p, S_in, dS_in, Vn_in, X_in, dbeta_v, dp, dbeta, gc, glast, bk, scal_base, kb, t0, chunk,
-                       rows, N, H, HK, K, V, BV, NV)
+        gr = read_log_decay(g, scal_base, t0, H, gc, READ_FIRST)
+        dgc = _pb_part(k, p, S_in, dS_in, Vn_in, X_in, dbeta_v, dp, dbeta, gc, gr, glast, bk, scal_base, kb, t0, chunk,
+                       rows, N, H, HK, K, V, BV, NV, dgc_parts + 3 * n_pos, READ_FIRST)
         tl.store(dgc_parts + 2 * n_pos + rows, dgc)
 
 
@@ -174,10 +191,12 @@ def launch(q, k, p, beta, g, do, S, dS, Vn, X, dbeta_v, dq, dk, dp, dbeta, dgc_p
     """dq, dk, dp (B, T, HV, K), one per value head, and dbeta (written in place), and the three parts' terms of d gc
     in dgc_parts (3, B * HV, T), from the inputs q, k, p (B, T, H, K), do (B, T, HV, V), beta and g (B, T, HV) with T
     a multiple of the chunk and HV a multiple of H, the scans' S, dS' (B * HV, N, K, V), Vn and X (B * HV, T, V), and
-    dbeta's v parts dbeta_v (NV, B, T, HV)."""
+    dbeta's v parts dbeta_v (NV, B, T, HV). dgc_parts of four rows (4, B * HV, T) asks for fla's read order, the
+    fourth row the terms of d gr (`_pb_part`)."""
     B, T, HV, V = do.shape
     K = q.shape[-1]
     N = T // CHUNK
+    order = {"READ_FIRST": True} if dgc_parts.shape[0] == 4 else {}
     _grads_kernel[(3 * N, B * HV)](q, k, p, beta, g, do, S, dS, Vn, X, dbeta_v, dq, dk, dp, dbeta, dgc_parts, scale,
-                                   N, HV, K=K, V=V, BV=min(V_BLOCK, V), NV=dbeta_v.shape[0], **group(q, do),
+                                   N, HV, K=K, V=V, BV=min(V_BLOCK, V), NV=dbeta_v.shape[0], **group(q, do), **order,
                                    num_warps=GRADS_WARPS, num_stages=1, maxnreg=GRADS_MAXNREG[K])

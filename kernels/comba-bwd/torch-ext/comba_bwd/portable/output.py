@@ -9,19 +9,26 @@ import triton.language as tl
 from ..reference import CHUNK
 from .chunk import BT, chunk_offsets, decay, gates, group, key_head, row_ptrs, row_ptrs_t
 
-# Four warps a program, all of V in one program, so that Q K^T is formed once a chunk: 255 registers (no spill) and
-# 48 KB of shared memory at K = V = 128 (sm_90a), two CTAs an SM; V blocks of 64 (three CTAs an SM) are slower.
+# Four warps a program, V in blocks of OUTPUT_BLOCK columns: all of V = 64 or 128 in one program, so that Q K^T is
+# formed once a chunk: 255 registers (no spill) and 48 KB of shared memory at K = V = 128 (sm_90a), two CTAs an SM;
+# V blocks of 64 (three CTAs an SM) are slower. Larger V (256, 512) takes V / OUTPUT_BLOCK programs a chunk, each
+# forming Q K^T again, with the registers and shared memory of the V = 128 program.
 OUTPUT_WARPS = 4
+OUTPUT_BLOCK = 128
 
 
 @triton.jit
 def _output_kernel(q, k, beta, g, S_in, Vn_in, o, scale, N, H, K: tl.constexpr, V: tl.constexpr,
-                   GROUP: tl.constexpr = 1):
-    scal_base, t0, chunk, rows = chunk_offsets(N, H)
+                   BV: tl.constexpr, GROUP: tl.constexpr = 1):
+    """O of one chunk's block of BV columns (V // BV programs a chunk, next to each other in the grid)."""
+    scal_base, t0, chunk, rows = chunk_offsets(N, H, V // BV)
     kb, HK = key_head(scal_base, tl.program_id(1), N * BT, H, GROUP)
     gc, _, _ = gates(g, beta, scal_base, t0, H)
     r = tl.arange(0, BT)
-    cv = tl.arange(0, V)
+    if BV == V:
+        cv = tl.arange(0, V)
+    else:
+        cv = tl.program_id(0) % (V // BV) * BV + tl.arange(0, BV)
     qk = tl.load(row_ptrs(q, kb * K, t0, HK * K, K))
     kt = tl.load(row_ptrs_t(k, kb * K, t0, HK * K, K)).to(tl.bfloat16)
     scores = tl.dot(qk.to(tl.bfloat16), kt) * (scale * decay(gc, False, False))      # scale lower(Q K^T) * E
@@ -38,5 +45,6 @@ def launch(q, k, beta, g, S, Vn, o, scale: float):
     multiple of H, from the forward scan's S (B * HV, N, K, V) and Vn (B * HV, T, V)."""
     B, T, HV, V = o.shape
     N = T // CHUNK
-    _output_kernel[(N, B * HV)](q, k, beta, g, S, Vn, o, scale, N, HV, K=q.shape[-1], V=V, **group(q, o),
-                                num_warps=OUTPUT_WARPS, num_stages=1)
+    BV = min(V, OUTPUT_BLOCK)
+    _output_kernel[(N * (V // BV), B * HV)](q, k, beta, g, S, Vn, o, scale, N, HV, K=q.shape[-1], V=V, BV=BV,
+                                            **group(q, o), num_warps=OUTPUT_WARPS, num_stages=1)

@@ -3,18 +3,21 @@ the chunk transform's adjoint X = A^T dVn of its V block (bf16), with dv = beta 
 (fp32) where the gradient kernel does not make them; dVn never leaves registers. The one solve of the adjoint is this
 transposed one: A^T dW = -X S^T, dL = -strict_lower(X Vn^T) and W^T dVn = (beta gam P)^T X follow from X, so no
 second solve and no A^T dA A^T product. A model's call seeds dS with the gradient of the final state (HAS_DFINAL)
-and stores the gradient of the initial state, dS after the first chunk, in fp32 (STORE_DS0)."""
+and stores the gradient of the initial state, dS after the first chunk, in fp32 (STORE_DS0); packed sequences laid
+out chunk-aligned in a batch of one (PACKED) take a program per sequence, value head and V block, over that
+sequence's chunks (`chunk.scan_range`); fla's read order (READ_FIRST) takes the read's decay in W."""
 
 import triton
 import triton.language as tl
 
 from ..reference import CHUNK
-from .chunk import (BT, SCAN_WARPS, decay, group, key_head, part_stride, row_ptrs, row_ptrs_t, scan_block, scan_chunk,
-                    scan_stages, state_ptrs)
+from .chunk import (BT, SCAN_WARPS, decay, group, key_head, part_stride, read_log_decay, row_ptrs, row_ptrs_t,
+                    scan_block, scan_chunk, scan_range, scan_stages, state_ptrs)
 
 @triton.jit
 def _reverse_step(q, k, v, p, beta, g, do, A, dS_out, X_out, dv, dbeta_v, dS, n, bh, iv, scal_base, kb, scale, N,
-                  H, HK, cv, K: tl.constexpr, V: tl.constexpr, W_FIRST: tl.constexpr, V_ADJOINT: tl.constexpr):
+                  H, HK, cv, K: tl.constexpr, V: tl.constexpr, W_FIRST: tl.constexpr, V_ADJOINT: tl.constexpr,
+                  PACKED: tl.constexpr, READ_FIRST: tl.constexpr):
     """Chunk n of the reverse scan: store dS'_n, X = A^T dVn and, where V_ADJOINT, dv and this V block's part of
     sum_v(v X) (else the gradient kernel makes them from X); return the gradient of the state before the chunk."""
     T = N * BT
@@ -34,6 +37,8 @@ def _reverse_step(q, k, v, p, beta, g, do, A, dS_out, X_out, dv, dbeta_v, dS, n,
     # else W^T dVn = (beta gam P)^T X, which spares the V blocks' programs a product each of them would repeat.
     # Each form is the faster one where it is taken.
     a_t = tl.load(A + chunk * BT * BT + r[None, :] * BT + r[:, None])              # A^T
+    if READ_FIRST:  # W takes the read's decay
+        gam = tl.exp(read_log_decay(g, scal_base, t0, H, gc, READ_FIRST))
     if W_FIRST:
         pt = tl.load(row_ptrs_t(p, kb * K, t0, HK * K, K))
         w_t = tl.dot((pt * -(bk * gam)[None, :]).to(tl.bfloat16), a_t).to(tl.bfloat16)   # -W^T
@@ -48,7 +53,7 @@ def _reverse_step(q, k, v, p, beta, g, do, A, dS_out, X_out, dv, dbeta_v, dS, n,
         vk = tl.load(v + scal_base * V + (t0 + r)[:, None] * (H * V) + cv[None, :]).to(tl.float32)
         tl.store(dv + scal_base * V + (t0 + r)[:, None] * (H * V) + cv[None, :],
                  (bk[:, None] * X).to(dv.dtype.element_ty))
-        tl.store(dbeta_v + iv * part_stride(T, H) + scal_base + (t0 + r) * H, tl.sum(vk * X, 1))
+        tl.store(dbeta_v + iv * part_stride(T, H, PACKED) + scal_base + (t0 + r) * H, tl.sum(vk * X, 1))
     if not W_FIRST:
         pt = tl.load(row_ptrs_t(p, kb * K, t0, HK * K, K))
         dS = tl.dot((pt * -(bk * gam)[None, :]).to(tl.bfloat16), X.to(tl.bfloat16), acc=dS)
@@ -58,30 +63,34 @@ def _reverse_step(q, k, v, p, beta, g, do, A, dS_out, X_out, dv, dbeta_v, dS, n,
 @triton.jit(do_not_specialize=["N"])
 def _reverse_scan_kernel(q, k, v, p, beta, g, do, A, dS_out, X_out, dv, dbeta_v, scale, N, H, K: tl.constexpr,
                          V: tl.constexpr, BV: tl.constexpr, STAGES: tl.constexpr, V_ADJOINT: tl.constexpr,
-                         d_final=None, d_initial=None, GROUP: tl.constexpr = 1, HAS_DFINAL: tl.constexpr = False,
-                         STORE_DS0: tl.constexpr = False):
-    iv, bh = tl.program_id(0), tl.program_id(1)
+                         d_final=None, d_initial=None, cu_chunks=None, GROUP: tl.constexpr = 1,
+                         HAS_DFINAL: tl.constexpr = False, STORE_DS0: tl.constexpr = False,
+                         PACKED: tl.constexpr = False, READ_FIRST: tl.constexpr = False):
+    iv = tl.program_id(0)
+    bh, first, end = scan_range(cu_chunks, N, H, PACKED)
     scal_base = (bh // H).to(tl.int64) * N * BT * H + bh % H
     kb, HK = key_head(scal_base, bh, N * BT, H, GROUP)
     cv = iv * BV + tl.arange(0, BV)
     if HAS_DFINAL:
-        dS = tl.load(state_ptrs(d_final, bh, cv, K, V))
+        dS = tl.load(state_ptrs(d_final, tl.program_id(1), cv, K, V))
     else:
         dS = tl.zeros([K, BV], dtype=tl.float32)
-    for i in tl.range(0, N, num_stages=STAGES):  # chunks N - 1 down to 0
-        dS = _reverse_step(q, k, v, p, beta, g, do, A, dS_out, X_out, dv, dbeta_v, dS, N - 1 - i, bh, iv, scal_base,
-                           kb, scale, N, H, HK, cv, K, V, BV == V, V_ADJOINT)
+    for i in tl.range(0, end - first, num_stages=STAGES):  # chunks end - 1 down to first
+        dS = _reverse_step(q, k, v, p, beta, g, do, A, dS_out, X_out, dv, dbeta_v, dS, end - 1 - i, bh, iv,
+                           scal_base, kb, scale, N, H, HK, cv, K, V, BV == V, V_ADJOINT, PACKED,
+                           READ_FIRST)
     if STORE_DS0:
-        tl.store(state_ptrs(d_initial, bh, cv, K, V), dS)
+        tl.store(state_ptrs(d_initial, tl.program_id(1), cv, K, V), dS)
 
 
 def launch(q, k, v, p, beta, g, do, A, dS, X, dv, dbeta_v, scale: float, v_adjoint: bool, d_final=None,
-           d_initial=None):
+           d_initial=None, cu_chunks=None, read_first=False):
     """dS (B * HV, N, K, V) and X (B * HV, T, V) of inputs q, k, p (B, T, H, K), v, do (B, T, HV, V), beta and g
     (B, T, HV) with T a multiple of the chunk and HV a multiple of H, their transform A; and, where v_adjoint, dv like v
     and dbeta's v parts dbeta_v (V // scan_block(K, V), B, T, HV). The scan starts from d_final, the gradient of the
     final state (B, HV, K, V) fp32 (None: zeros), and, where d_initial is given, writes the gradient of the initial
-    state there (fp32, same shape)."""
+    state there (fp32, same shape). With cu_chunks (packed sequences, `forward_scan.launch`) the states are
+    (N, HV, K, V), one per sequence, each scanned over its chunks. read_first: fla's read order."""
     B, T, HV, V = v.shape
     K = q.shape[-1]
     BV = scan_block(K, V)
@@ -90,6 +99,11 @@ def launch(q, k, v, p, beta, g, do, A, dS, X, dv, dbeta_v, scale: float, v_adjoi
         state.update(d_final=d_final, HAS_DFINAL=True)
     if d_initial is not None:
         state.update(d_initial=d_initial, STORE_DS0=True)
-    _reverse_scan_kernel[(V // BV, B * HV)](q, k, v, p, beta, g, do, A, dS, X, dv, dbeta_v, scale, T // CHUNK, HV,
+    if cu_chunks is not None:
+        state.update(cu_chunks=cu_chunks, PACKED=True)
+    if read_first:
+        state.update(READ_FIRST=True)
+    grid = (V // BV, B * HV) if cu_chunks is None else (V // BV, (cu_chunks.shape[0] - 1) * HV)
+    _reverse_scan_kernel[grid](q, k, v, p, beta, g, do, A, dS, X, dv, dbeta_v, scale, T // CHUNK, HV,
                                             K=K, V=V, BV=BV, STAGES=scan_stages(q.device), V_ADJOINT=v_adjoint,
                                             **group(q, v), **state, num_warps=SCAN_WARPS, num_stages=1)

@@ -8,7 +8,7 @@ import triton.language as tl
 
 from ..common.tf32 import tf32_high
 from ..reference import CHUNK
-from .chunk import BT, chunk_offsets, gates, group, key_head, row_ptrs, row_ptrs_t
+from .chunk import BT, chunk_offsets, gates, group, key_head, read_log_decay, row_ptrs, row_ptrs_t
 
 # One warp a chunk: faster than 2 or 4.
 TRANSFORM_WARPS = 1
@@ -17,11 +17,11 @@ SUB = tl.constexpr(16)  # sub-block of the blocked transform: 4 x 4 blocks of 16
 
 
 @triton.jit
-def _l_block(pk, bk, gc_i, kt, gc_j, DIAGONAL: tl.constexpr):
+def _l_block(pk, bk, gr_i, kt, gc_j, DIAGONAL: tl.constexpr):
     """Block (i, j) of L = strict_lower((beta P) K^T * E) from P and beta on block i's rows (pk bf16 [SUB, K])
-    and K^T on block j's ([K, SUB]), beta applied in fp32 after the product; a
-    diagonal block keeps only its strictly lower part."""
-    diff = gc_i[:, None] - gc_j[None, :]
+    and K^T on block j's ([K, SUB]), beta applied in fp32 after the product; a diagonal block keeps only its
+    strictly lower part. gr_i is the read's log-decay on block i's rows (gc in the spec's order)."""
+    diff = gr_i[:, None] - gc_j[None, :]
     if DIAGONAL:
         diff = tl.where(tl.arange(0, SUB)[:, None] > tl.arange(0, SUB)[None, :], diff, float("-inf"))
     return tl.dot(pk, kt) * bk[:, None] * tl.exp(diff)
@@ -61,10 +61,12 @@ def _store_block(A, a_base, i: tl.constexpr, j: tl.constexpr, blk):
 
 
 @triton.jit
-def _transform_kernel(k, p, beta, g, A, N, H, K: tl.constexpr, GROUP: tl.constexpr = 1):
+def _transform_kernel(k, p, beta, g, A, N, H, K: tl.constexpr, GROUP: tl.constexpr = 1,
+                      READ_FIRST: tl.constexpr = False):
     """A = (I + L)^-1 of one chunk by 16 x 16 blocks, in fp32: the four diagonal blocks D_i by _inv_unit_lower,
     then the off-diagonal blocks from them by block products (_mm, fp32-accurate); stored in A's dtype (bf16
-    for the scans' tensor-core operands, fp32 in the tests). H value heads, GROUP of them a key head."""
+    for the scans' tensor-core operands, fp32 in the tests). H value heads, GROUP of them a key head. In fla's read
+    order (READ_FIRST) L's rows take the read's log-decay gr (`chunk.read_log_decay`)."""
     scal_base, t0, chunk, _ = chunk_offsets(N, H)
     kb, HK = key_head(scal_base, tl.program_id(1), N * BT, H, GROUP)
     kbase = kb * K
@@ -72,6 +74,10 @@ def _transform_kernel(k, p, beta, g, A, N, H, K: tl.constexpr, GROUP: tl.constex
     gc1, off, b1 = gates(g, beta, scal_base, t0 + SUB, H, SUB, off)
     gc2, off, b2 = gates(g, beta, scal_base, t0 + 2 * SUB, H, SUB, off)
     gc3, _, b3 = gates(g, beta, scal_base, t0 + 3 * SUB, H, SUB, off)
+    gr0 = read_log_decay(g, scal_base, t0, H, gc0, READ_FIRST, SUB)
+    gr1 = read_log_decay(g, scal_base, t0 + SUB, H, gc1, READ_FIRST, SUB)
+    gr2 = read_log_decay(g, scal_base, t0 + 2 * SUB, H, gc2, READ_FIRST, SUB)
+    gr3 = read_log_decay(g, scal_base, t0 + 3 * SUB, H, gc3, READ_FIRST, SUB)
     # Every block of L first, so that the P and K tiles are dead before the substitutions, by columns, with P on each
     # block's rows and K^T on each block's columns (loaded transposed) each loaded at its first use. A tile goes to its
     # dot operand layout through shared memory; loaded at its first use, it leaves shared memory at once under every
@@ -79,22 +85,22 @@ def _transform_kernel(k, p, beta, g, A, N, H, K: tl.constexpr, GROUP: tl.constex
     # use, tiles loaded up front would sit there together (32 KB: 6 CTAs an SM, not the 8 that registers allow).
     p0 = tl.load(row_ptrs(p, kbase, t0, HK * K, K, SUB)).to(tl.bfloat16)
     kt = tl.load(row_ptrs_t(k, kbase, t0, HK * K, K, SUB)).to(tl.bfloat16)
-    L00 = _l_block(p0, b0, gc0, kt, gc0, True)
+    L00 = _l_block(p0, b0, gr0, kt, gc0, True)
     p1 = tl.load(row_ptrs(p, kbase, t0 + SUB, HK * K, K, SUB)).to(tl.bfloat16)
-    L10 = _l_block(p1, b1, gc1, kt, gc0, False)
+    L10 = _l_block(p1, b1, gr1, kt, gc0, False)
     p2 = tl.load(row_ptrs(p, kbase, t0 + 2 * SUB, HK * K, K, SUB)).to(tl.bfloat16)
-    L20 = _l_block(p2, b2, gc2, kt, gc0, False)
+    L20 = _l_block(p2, b2, gr2, kt, gc0, False)
     p3 = tl.load(row_ptrs(p, kbase, t0 + 3 * SUB, HK * K, K, SUB)).to(tl.bfloat16)
-    L30 = _l_block(p3, b3, gc3, kt, gc0, False)
+    L30 = _l_block(p3, b3, gr3, kt, gc0, False)
     kt = tl.load(row_ptrs_t(k, kbase, t0 + SUB, HK * K, K, SUB)).to(tl.bfloat16)
-    L11 = _l_block(p1, b1, gc1, kt, gc1, True)
-    L21 = _l_block(p2, b2, gc2, kt, gc1, False)
-    L31 = _l_block(p3, b3, gc3, kt, gc1, False)
+    L11 = _l_block(p1, b1, gr1, kt, gc1, True)
+    L21 = _l_block(p2, b2, gr2, kt, gc1, False)
+    L31 = _l_block(p3, b3, gr3, kt, gc1, False)
     kt = tl.load(row_ptrs_t(k, kbase, t0 + 2 * SUB, HK * K, K, SUB)).to(tl.bfloat16)
-    L22 = _l_block(p2, b2, gc2, kt, gc2, True)
-    L32 = _l_block(p3, b3, gc3, kt, gc2, False)
+    L22 = _l_block(p2, b2, gr2, kt, gc2, True)
+    L32 = _l_block(p3, b3, gr3, kt, gc2, False)
     kt = tl.load(row_ptrs_t(k, kbase, t0 + 3 * SUB, HK * K, K, SUB)).to(tl.bfloat16)
-    L33 = _l_block(p3, b3, gc3, kt, gc3, True)
+    L33 = _l_block(p3, b3, gr3, kt, gc3, True)
     D0 = _inv_unit_lower(L00)
     D1 = _inv_unit_lower(L11)
     D2 = _inv_unit_lower(L22)
@@ -132,10 +138,11 @@ def _transform_kernel(k, p, beta, g, A, N, H, K: tl.constexpr, GROUP: tl.constex
     _store_block(A, a_base, 3, 3, D3)
 
 
-def launch(k, p, beta, g, A):
+def launch(k, p, beta, g, A, read_first: bool = False):
     """A (B * HV, N, 64, 64) of inputs k, p (B, T, H, K) with T a multiple of the chunk, beta and g (B, T, HV), HV a
-    multiple of H, in A's dtype."""
+    multiple of H, in A's dtype; read_first: fla's read order."""
     B, T, HV = beta.shape
     N = T // CHUNK
-    _transform_kernel[(N, B * HV)](k, p, beta, g, A, N, HV, k.shape[-1], **group(k, beta),
+    order = {"READ_FIRST": True} if read_first else {}
+    _transform_kernel[(N, B * HV)](k, p, beta, g, A, N, HV, k.shape[-1], **group(k, beta), **order,
                                    num_warps=TRANSFORM_WARPS, num_stages=1)
