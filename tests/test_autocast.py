@@ -52,7 +52,7 @@ DIFFERENTIABLE = {
 # The calls through a registered op, whose backward op declares its autocast rule too: their backward may run
 # inside the autocast region. The others run the reference's torch ops, whose backward autocast reaches where it
 # runs inside the region (torch's advice: backward outside it).
-BACKWARD_INSIDE = ("ldsa_local_attention", "based_attention", "comba_attention")
+BACKWARD_INSIDE = ("ldsa_local_attention", "based_attention", "based_attention with a state out", "comba_attention")
 
 
 @pytest.mark.kernels_ci

@@ -205,8 +205,9 @@ def state_float64(q, k, v, state, cu=None, scale=None):
 @pytest.mark.kernels_ci
 @pytest.mark.parametrize("packed", [False, True])
 def test_gradients_match_float64_autograd(based, packed):
-    """dq, dk, dv, dS0, dz0 of a loss on o and the final state, through `based_attention` (fp32, torch autograd
-    through the reference) against float64 autograd of the quadratic form and of the recurrence's final state."""
+    """dq, dk, dv, dS0, dz0 of a loss on o and the final state, through `based_attention` (fp32 on the CPU: the
+    reference's analytic backward) against float64 autograd of the quadratic form and of the recurrence's final
+    state."""
     lengths = [70, 1, 59] if packed else [130]
     N, T = (len(lengths), sum(lengths)) if packed else (2, 130)
     B = 1 if packed else N

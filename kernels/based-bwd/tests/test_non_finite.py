@@ -1,7 +1,8 @@
-"""based-bwd's rule for non-finite values (`reference.py` states it), on the eager reference and on the fused
-kernels (`dispatch`'s portable paths: the plain call, the state call and packed sequences), forward and analytic
-backward. A NaN or inf at step t = 100 of a 130-step sequence (inside its second chunk, so that chunk's products
-see it) in q, k, v or the incoming gradient do, against the clean call:
+"""based-bwd's rule for non-finite values (`reference.py` states it), on the eager reference (forward and analytic
+backward), on `based_attention`'s CPU calls differentiated by autograd, and on the fused kernels (`dispatch`'s
+portable paths): the plain call, the state call and packed sequences. A NaN or inf at step t = 100 of a 130-step
+sequence (inside its second chunk, so that chunk's products see it) in q, k, v or the incoming gradient do,
+against the clean call:
 
 - a non-finite q, k or v at step t changes no output before t and no dq before t; the step's output is non-finite;
 - a non-finite q or do at step t changes no dq but dq_t and no dk or dv after t; a non-finite q no final state;
@@ -24,7 +25,8 @@ T, H, K, V = 130, 1, 8, 8
 STEP = 100  # the bad step of the bad sequence
 LENGTHS = [40, T, 20]  # the packed call: the bad sequence between two others
 SCALE = 0.3
-IMPLS = [pytest.param("reference", marks=pytest.mark.kernels_ci), pytest.param("fused", marks=needs_triton)]
+IMPLS = [pytest.param("reference", marks=pytest.mark.kernels_ci), pytest.param("public", marks=pytest.mark.kernels_ci),
+         pytest.param("fused", marks=needs_triton)]
 CALLS = ["plain", "state", "packed"]
 POSITIONS = ("o", "dq", "dk", "dv")  # per position; the others per sequence
 # the interpreter's numpy warns where the kernels compute the NaN they are meant to
@@ -47,7 +49,18 @@ def inputs(call):
 
 def run(impl, based, dispatch, call, q, k, v, do, state, d_final, cu):
     """The outputs and gradients of one call by name (o, dq, dk, dv; with a state also S, z, dS0, dz0), on the
-    CPU: the reference in fp32, the fused kernels on TRITON_DEVICE in DTYPE."""
+    CPU: the reference in fp32, the public function in fp32 through autograd, the fused kernels on TRITON_DEVICE
+    in DTYPE."""
+    if impl == "public":
+        ins = [x.clone().requires_grad_() for x in (q, k, v, *(state or ()))]
+        if call == "plain":
+            outs, d_outs, names = (based.based_attention(*ins, SCALE),), (do,), ("o",)
+        else:
+            o, (S, z) = based.based_attention(*ins[:3], SCALE, initial_state=tuple(ins[3:]), output_final_state=True,
+                                              cu_seqlens=cu)
+            outs, d_outs, names = (o, S, z), (do, *d_final), ("o", "S", "z")
+        grads = torch.autograd.grad(outs, ins, d_outs)
+        return dict(zip((*names, "dq", "dk", "dv", "dS0", "dz0"), (x.detach() for x in (*outs, *grads))))
     if impl == "fused":
         q, k, v, do = (x.to(TRITON_DEVICE, DTYPE) for x in (q, k, v, do))
         state, d_final = ([x.to(TRITON_DEVICE) for x in pair] if pair else None for pair in (state, d_final))

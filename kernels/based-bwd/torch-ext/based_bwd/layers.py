@@ -29,8 +29,8 @@ class BasedVarlenAttention(nn.Module):
     `forward(q, k, v, *, initial_state=None, output_final_state=False, cu_seqlens=None)` -> o, or (o, (S, z))
     with output_final_state: `based_attention` with those keyword arguments (its docstring gives the layouts).
 
-    The host module must carry `scale: float | None`. A call without the keyword arguments takes the fused path of
-    `BasedAttention`; with them, the eager reference on every device (fused CUDA path: planned).
+    The host module must carry `scale: float | None`. A call without the keyword arguments takes the path of
+    `BasedAttention`; with them, the registered state ops (fused on CUDA for bf16 and fp16).
     """
 
     scale: float | None

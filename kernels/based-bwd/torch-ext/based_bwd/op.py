@@ -12,10 +12,11 @@ the registered `based_backward` op, so training goes through the same backward a
 under no_grad through the same forward. Every op name goes through `add_op_namespace_prefix`, so two versions of
 this kernel can be loaded side by side.
 
-Under autocast (`common.autocast`) the ops run with autocast off: on CUDA `based_forward` takes q, k, v in autocast's
-dtype (the fused kernels' 16-bit operands), `based_backward` its arguments as given; on the CPU both take them as
-given and compute in float32. Reverse mode is the only differentiation (`common.differentiation`): a double backward,
-torch.func's grad and jvp transforms and forward-mode AD raise RuntimeError naming the public function.
+Under autocast (`common.autocast`) the ops run with autocast off: on CUDA the two forwards take q, k, v in autocast's
+dtype (the fused kernels' 16-bit operands), the two backwards their arguments as given; on the CPU every op takes
+them as given and computes in float32. Reverse mode is the only differentiation (`common.differentiation`): a
+double backward, torch.func's grad and jvp transforms and forward-mode AD raise RuntimeError naming the public
+function.
 """
 
 import torch
@@ -30,7 +31,6 @@ from .dispatch import (
     based_forward_cuda,
     based_state_backward_cuda,
     based_state_forward_cuda,
-    kernel_path,
 )
 from .reference import (
     MAX_DECODE_TOKENS,
@@ -240,21 +240,15 @@ def based_attention(
       B = 1; no sum crosses two of them. Its argument check reads it on the host (a device sync on CUDA); the
       kernels read it on the device only.
 
-    With a state or packed sequences, bf16 and fp16 CUDA tensors take the fused kernels forward and backward
-    (`based_state_forward`, `based_state_backward`; V <= 256 backward, wider V the reference), fp32 and CPU
-    tensors the eager reference in fp32, autocast or not, gradients through torch autograd (torch.func.grad and
-    double backward work there; the fused ops are differentiable in reverse mode only).
+    With a state or packed sequences the call goes through the registered `based_state_forward` and
+    `based_state_backward`: bf16 and fp16 CUDA tensors take the fused kernels (V <= 256 backward, wider V the
+    reference), fp32 and CPU tensors the eager reference and its analytic backward in fp32, autocast or not.
     """
     check_based_args(q, k, v, scale)
     if initial_state is None and output_final_state is False and cu_seqlens is None:
         check_differentiation("based_attention", q, k, v)
         return based_forward_op(q.contiguous(), k.contiguous(), v.contiguous(), _resolved(q, scale))
     check_state_args(q, v, initial_state, output_final_state, cu_seqlens)
-    if kernel_path(q) == "reference":
-        return based_forward_reference(
-            q, k, v, _resolved(q, scale),
-            initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens,
-        )
     check_differentiation("based_attention", q, k, v, *(initial_state or ()))
     S0, z0 = (None, None) if initial_state is None else (x.contiguous() for x in initial_state)
     o, S, z = based_state_forward_op(q.contiguous(), k.contiguous(), v.contiguous(), S0, z0, cu_seqlens,

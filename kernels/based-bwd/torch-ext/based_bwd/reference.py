@@ -35,19 +35,17 @@ are [v, 1]:
 Across chunks the same sums go through the reverse state dS = sum_{later i} phi(q~_i) g_i^T and
 dz = sum_{later i} phi(q~_i) h_i, and dq through the forward state S = sum_{earlier j} phi(k_j) v_j^T and
 z = sum_{earlier j} phi(k_j). With a state, every reverse state starts from the final state's gradient, and the
-initial state's gradient is that plus the reverse sum over every step (`based_state_backward_reference`); the
-public functions differentiate the forward through torch autograd.
+initial state's gradient is that plus the reverse sum over every step (`based_state_backward_reference`). Every
+path of the package takes its gradients from this backward (the CPU and fp32 ones through the registered ops'
+autograd), none from autograd through the forward.
 
 The analytic backward keeps each gradient to the steps it reads. dq_i is o_i's gradient in q_i, which reads the
 steps j <= i, so a non-finite q, k or v at step t changes no dq before t (and a non-finite q or do at t no dq
 but dq_t); dk_j and dv_j gather the gradients of the outputs i >= j, so a non-finite q or do at step t changes
 no dk or dv after t. A non-finite k or v at t makes outputs from t on non-finite, and their gradients reach dk
 (and for a k, dv) at every step of the sequence (IEEE: a zero gradient times a non-finite output is NaN), so dk
-and dv have no such rule for them; nothing crosses into another batch row or packed sequence. The tile products of ds k, A^T g and
-ds^T q~ are `_causal_product`s (the last two in reverse, row j reading the steps i >= j). Autograd through the
-forward (the public functions' CPU and fp32 path with a state or packed sequences) takes torch's products, whose
-masked weights still carry a non-finite k to the earlier steps' dq, and a non-finite q or do to the later
-steps' dk and dv, inside their chunk.
+and dv have no such rule for them; nothing crosses into another batch row or packed sequence. The tile products
+of ds k, A^T g and ds^T q~ are `_causal_product`s (the last two in reverse, row j reading the steps i >= j).
 
 Everything computes in float32, or in float64 for float64 inputs (the tests' exact arithmetic), whatever autocast
 is on (`autocast_off`).
@@ -175,7 +173,9 @@ def based_forward_reference(
     initial_state: None or the pair (S0 (N, H, P, V), z0 (N, H, P)), P = 1 + K + K^2, with N = B, or the number
     of sequences under cu_seqlens. output_final_state: also return the final state, (o, (S, z)) in the compute
     dtype. cu_seqlens: None or the N + 1 offsets (int32/int64, from 0 to T) of N sequences packed along T of a
-    B = 1 batch. Differentiable in q, k, v and the initial state through torch autograd.
+    B = 1 batch. Differentiable in q, k, v and the initial state through torch autograd (the tests' gradcheck of
+    the formula): its gradients are the analytic backward's on finite inputs only, since torch's products carry a
+    non-finite value across the masked entries of the bad step's chunk.
     """
     scale = default_scale(q.shape[-1]) if scale is None else scale
     if cu_seqlens is None:
