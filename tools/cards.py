@@ -24,8 +24,8 @@ PORTABLE = """The CUDA build's metadata admits compute capability 8.0 and up (8.
 later minor versions), where the portable Triton kernels run under Triton 3.6 to 3.9, the releases torch 2.11 to 2.15
 pin. CI compiles every shipped kernel for sm_90a, and for sm_80, sm_89, sm_100a and sm_120a the kernels a call takes
 there (the portable ones, and a fast path whose row claims the GPU), under 3.6.0, 3.7.1, 3.8.0 and 3.9.0, and runs
-the CPU tests under 3.6.0 and 3.9.0. The GPU tests run on an H200 (torch 2.11), at the commits the table below
-names; under 3.9.0 and on other GPUs, untested, every call takes the portable kernels."""
+the CPU tests under 3.6.0 and 3.9.0. The GPU tests run (torch 2.11) on the GPUs and at the commits the table below
+names; under 3.9.0 and on GPUs it does not name, untested, every call takes the portable kernels."""
 
 FAST = """A fast path runs only where its row says it was verified, elsewhere the portable kernels run; one that still
 fails to compile at its first launch is switched off for the process with one `FastPathFallback` warning naming it
@@ -64,34 +64,42 @@ TRITON_CASES = {
 }
 
 
+def _gpu(device: str) -> str:
+    """A device's short name in the tables: "NVIDIA H100 80GB HBM3" -> "H100"."""
+    words = device.split()
+    return words[1] if len(words) > 1 and words[0] == "NVIDIA" else device
+
+
 def by_triton(kernel: Kernel, rows: list[dict]) -> str:
-    """By Triton release: the kernel's last GPU test run and, where TRITON_CASES names it, each case's time in the last
-    run that measured it under that release, with the runs named (bench/results.jsonl is in run order)."""
+    """By GPU and Triton release: the kernel's last GPU test run and, where TRITON_CASES names it, each case's time in
+    the last run that measured it on that GPU under that release, with the runs named (bench/results.jsonl is in run
+    order)."""
     failed, times, runs = {}, {}, {}
     impl, cases = TRITON_CASES.get(kernel.name, (None, ()))
     for r in rows:
         if r["kernel"] != kernel.name:
             continue
+        platform = (_gpu(r["device"]), r["triton"])
         if r["metric"] == "failed":
-            failed[r["triton"]] = (r["value"], r["sha"])
+            failed[platform] = (r["value"], r["sha"])
         elif (impl and r["impl"].startswith(impl) and r["metric"] == "ms"
               and (cases is None or any(c in r["case"] for c in cases))):
-            times.setdefault(r["case"], {})[r["triton"]] = (r["value"], r["run"])
-    for by_release in times.values():
-        for release, (_, run) in by_release.items():
-            runs.setdefault(release, {})[run] = None
-    releases = sorted(set(failed) | set(runs))
-    out = ["On the H200 (`bench/results.jsonl`), by Triton release: the last GPU test run, and each case's time in",
-           f"the last run that measured it{f' (`{impl}`)' if impl else ''}:", "",
-           "| | " + " | ".join(f"Triton {v}" for v in releases) + " |", "|---" * (len(releases) + 1) + "|"]
+            times.setdefault(r["case"], {})[platform] = (r["value"], r["run"])
+    for by_platform in times.values():
+        for platform, (_, run) in by_platform.items():
+            runs.setdefault(platform, {})[run] = None
+    platforms = sorted(set(failed) | set(runs), key=lambda p: (p[0] != "H200", p))
+    out = ["By GPU and Triton release (`bench/results.jsonl`): the last GPU test run, and each case's time in the last",
+           f"run that measured it{f' (`{impl}`)' if impl else ''}:", "",
+           "| | " + " | ".join(f"{gpu}, Triton {v}" for gpu, v in platforms) + " |", "|---" * (len(platforms) + 1) + "|"]
     out.append("| GPU tests failed | " + " | ".join(
-        f"{failed[v][0]} at `{failed[v][1]}`" if v in failed else "not run" for v in releases) + " |")
+        f"{failed[p][0]} at `{failed[p][1]}`" if p in failed else "not run" for p in platforms) + " |")
     if times:
-        out.append("| times from run | " + " | ".join(", ".join(f"`{run}`" for run in runs.get(v, ())) or "-"
-                                                       for v in releases) + " |")
-    for case, by_release in times.items():
-        out.append(f"| {case}, ms | " + " | ".join(fmt(by_release[v][0]) if v in by_release else "-"
-                                                  for v in releases) + " |")
+        out.append("| times from run | " + " | ".join(", ".join(f"`{run}`" for run in runs.get(p, ())) or "-"
+                                                       for p in platforms) + " |")
+    for case, by_platform in times.items():
+        out.append(f"| {case}, ms | " + " | ".join(fmt(by_platform[p][0]) if p in by_platform else "-"
+                                                  for p in platforms) + " |")
     return "\n".join(out)
 
 

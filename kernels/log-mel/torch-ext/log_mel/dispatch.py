@@ -34,10 +34,10 @@ def waveform_path(audio: torch.Tensor) -> str:
 ONE_LAUNCH = "one-launch"
 TWO_LAUNCHES = "two-launch"
 WAVEFORM_PLANS = (ONE_LAUNCH, TWO_LAUNCHES)
-# Batches of up to this many clips take ONE_LAUNCH, larger ones TWO_LAUNCHES. A small call is bound by host time, of
-# which a launch is the largest part; at large batches the folded floor's tickets and counts cost each main program
-# two atomics' latency, where a second launch costs only its gap.
-ONE_LAUNCH_MAX_CLIPS = 16
+# Batches of up to this many clips take ONE_LAUNCH, larger ones TWO_LAUNCHES. One clip's call is bound by host time,
+# of which a launch is the largest part; from a few clips on the GPU time bounds the call, and the folded floor's items
+# (polling while the main tiles run, two atomics each main program) cost more GPU time than a second launch's gap.
+ONE_LAUNCH_MAX_CLIPS = 1
 
 
 def waveform_plan(B: int) -> str:
