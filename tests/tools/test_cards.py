@@ -56,6 +56,18 @@ def test_by_triton_takes_each_case_from_the_last_run_that_measured_it():
     assert "| X bf16, ms | 4 | 6 |" in table
 
 
+def test_by_triton_gives_each_gpu_its_own_columns():
+    """A run on another GPU under the same release is a column of its own, named by the GPU's short name, after
+    the H200's."""
+    kernel = next(k for k in all_kernels() if k.name == "comba-bwd")
+    impl = "comba-bwd triton"
+    rows = [dict(_row("h100-3333333", "X bf16", impl, 3.0), device="NVIDIA H100 80GB HBM3"),
+            _row("h200-4444444", "X bf16", impl, 2.0)]
+    table = cards.by_triton(kernel, rows)
+    assert "| | H200, Triton 3.6.0 | H100, Triton 3.6.0 |" in table
+    assert "| X bf16, ms | 2 | 3 |" in table
+
+
 def _latency(run, case, impl, us, gpu=None, kernel="log-mel"):
     rows = [dict(_row(run, case, impl, us * 1e-3), kernel=kernel),
             dict(_row(run, case, impl, us), kernel=kernel, metric="us/call")]
