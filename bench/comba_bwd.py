@@ -52,8 +52,9 @@ SEED_SHAPES = [HUB.BENCH_SHAPE]
 # 4 warps, so that two CTAs share an SM; it spills up to 148 B under the supported Tritons (tools.compile_offline), and
 # up to 208 B (Triton 3.8; 188 B under 3.6) where it also stores the initial state's gradient after its loop (a
 # model's call with a carried state; seeded from the final state's gradient alone it spills as the plain call's does),
-# and 236 B (Triton 3.6) over packed sequences with a state, where each program's chunk range is loaded
-# (cu_chunks) and its value head is taken from its flat program index.
+# and up to 240 B over packed sequences with a state at (H, HV, K, V) = (8, 16, 128, 256), where each program's chunk
+# range is loaded (cu_chunks) and its value head taken from its flat program index: 236 B (fla's read order 240)
+# under Triton 3.6, 220 (232) under 3.7.1, 220 (212) under 3.8, 128 (132) under 3.9.
 SPILLS_BY_DESIGN = {"_reverse_scan_kernel": 240}
 
 # Decode: (B, H, K, V) at one new token, HV = H; the latency batch.

@@ -129,9 +129,8 @@ def forward_stages(q, k, v, p, beta, g, scale: float, plan=None, initial_state=N
 
     Inputs contiguous with T a multiple of the chunk, K in {64, 128}, V in {64, 128} (a model's call: 256, 512 too);
     `plan` is `dispatch.plan`'s for the call; initial_state, final_state, cu_chunks and read_first as `state_stages`
-    takes them.
-    Each stage reads only what earlier stages wrote, so after one full pass any stage can be run (timed) again
-    alone."""
+    takes them. Each stage reads only what earlier stages wrote, so after one full pass any stage can be run (timed)
+    again alone."""
     V = v.shape[-1]
     plan = plan or dispatch.plan(q, V, model=read_first or is_model_call(q, v, initial_state, final_state, cu_chunks))
     A, S, Vn = scratch = state_scratch(q, v)
