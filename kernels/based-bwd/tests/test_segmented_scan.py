@@ -46,11 +46,12 @@ def fused_outputs(dispatch, q, k, v, state, cu, scale, final, configs):
     return [o, *(end or ()), *grads, *(d_initial or ())]
 
 
-def test_packing_segment_table(states):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_cuda)])
+def test_packing_segment_table(states, device):
     """The segment table against its definition: sequence n's max(1, ceil(chunks_n / G)) segments numbered
     sequence by sequence, each row (sequence, place), (0, -1) past the last, within the host bound chunks // G + N;
     the chunk table as without segments."""
-    cu = lengths_to_cu(RAGGED)
+    cu = lengths_to_cu(RAGGED).to(device)
     whole = states.packing(cu, sum(RAGGED), CHUNK)
     assert whole.segment_index is None and whole.segment_chunks is None
     for G in (1, 2, 3, 64):
@@ -64,7 +65,8 @@ def test_packing_segment_table(states):
             want += [(n, j) for j in range(max(1, -(-chunks // G)))]
         assert pack.segments == whole.chunks // G + len(RAGGED) >= len(want)
         want += [(0, -1)] * (pack.segments - len(want))
-        assert pack.segment_index.dtype == torch.int32 and pack.segment_index.tolist() == [list(w) for w in want]
+        assert pack.segment_index.dtype == torch.int32 and pack.segment_index.device == cu.device
+        assert pack.segment_index.tolist() == [list(w) for w in want]
     with pytest.raises(ValueError, match="segment_chunks"):
         states.packing(cu, sum(RAGGED), CHUNK, 0)
 
@@ -72,9 +74,9 @@ def test_packing_segment_table(states):
 @pytest.mark.skipif(not INTERPRETED, reason="IEEE fp32 matmuls check the kernels' algebra in the interpreter")
 @pytest.mark.parametrize("G,initial,final", [(1, True, True), (2, True, False), (2, False, True), (1, False, False)])
 def test_segmented_scan_matches_whole_scan(dispatch, G, initial, final):
-    """Segments of G chunks (every sequence of more than G chunks cut, the last of 5 chunks in 3 at G = 2) give
-    the whole scan's o, final state and every gradient, the initial state's included, to fp32 rounding; each of
-    G = 1 and 2 from an initial state and from none, with a final state and without."""
+    """Segments of G chunks (every sequence of more than G chunks cut; the one of 5 chunks in 3 segments at G = 2,
+    the last one short) give the whole scan's o, final state and every gradient, the initial state's included, to
+    fp32 rounding; each of G = 1 and 2 from an initial state and from none, with a final state and without."""
     cu = lengths_to_cu(RAGGED)
     q, k, v = make(1, sum(RAGGED), H, K, V)
     state = prefix_state(len(RAGGED), H, K, V) if initial else None
