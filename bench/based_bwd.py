@@ -6,6 +6,7 @@ TFLOP/s are the spec's credited FLOPs (`canonical_work`, chunk 64) over the time
 against the spec's reference evaluated in fp32, computed once per shape.
 """
 
+import contextlib
 import importlib
 import random
 
@@ -205,6 +206,8 @@ def decode_side_by_side(kernel, bench, shapes=DECODE_SHAPES, latency_shape=DECOD
 # The issue's packed batch: 16 sequences of random lengths (seeded) summing to 65536 tokens, at (H, K) = (16, 16)
 PACKED_SEQUENCES, PACKED_TOKENS, PACKED_HK = 16, 65536, (16, 16)
 PACKED_VS = (64, 128)
+# The packed scans' segment lengths (in chunks) timed beside the default plan's whole-sequence scans
+PACKED_SEGMENT_CHUNKS = (16, 32, 64)
 
 
 def packed_lengths(seed: int = 0, total: int = PACKED_TOKENS, n: int = PACKED_SEQUENCES) -> list[int]:
@@ -219,18 +222,41 @@ def _packed_step(kernel, q, k, v, do, cu_seqlens):
     return torch.autograd.grad(kernel.based_attention(*ins, cu_seqlens=cu_seqlens), ins, do)
 
 
+@contextlib.contextmanager
+def _segmented_plans(dispatch, K: int, segment_chunks: int):
+    """Inside: the default forward and backward plans at K scan packed sequences in segments of `segment_chunks`
+    chunks, so that the public function makes the launches it would with that default."""
+    plans = (dispatch.DEFAULT_FORWARD_CONFIG, dispatch.DEFAULT_BACKWARD_CONFIG)
+    saved = [plan[K] for plan in plans]
+    for plan, config in zip(plans, saved):
+        plan[K] = config._replace(scan_segment_chunks=segment_chunks)
+    try:
+        yield
+    finally:
+        for plan, config in zip(plans, saved):
+            plan[K] = config
+
+
+def _segmented_packed_step(kernel, dispatch, segment_chunks, q, k, v, do, cu_seqlens):
+    """`_packed_step` with the scans in segments of `segment_chunks` chunks (`_segmented_plans`)."""
+    with _segmented_plans(dispatch, q.shape[-1], segment_chunks):
+        return _packed_step(kernel, q, k, v, do, cu_seqlens)
+
+
 def _packed_rows(bench, kernel, fla_based, spec) -> list[dict]:
-    """The issue's packed batch, per V: our step on the packed sequences (cu_seqlens), fla's parallel_based forward +
+    """The issue's packed batch, per V: our step on the packed sequences (cu_seqlens), the same step with the scans
+    in segments of each of PACKED_SEGMENT_CHUNKS chunks (the default plan otherwise), fla's parallel_based forward +
     backward on the same sequences zero-padded to the longest, rounded up to a multiple of 64 (what a fla user runs;
     padding at the end changes no real position's output), and our step on an equal-length batch of the same token
-    count. The packed row gets x_vs_fla (fla's time over ours, bar 3) and x_vs_equal_length (bar 0.9). Credited FLOPs:
-    the equal-length batch's step (the spec's canonical_work, times 1.5) on every row; no errors (the tests check the
-    packed path against float64 and the fp32 reference)."""
+    count. The packed rows get x_vs_equal_length (bar 0.9), the default's also x_vs_fla (fla's time over ours, bar
+    3). Credited FLOPs: the equal-length batch's step (the spec's canonical_work, times 1.5) on every row; no errors
+    (the tests check the packed path against float64 and the fp32 reference)."""
     lengths = packed_lengths()
     L, N, T = -(-max(lengths) // 64) * 64, len(lengths), sum(lengths)  # fla's padded length: a chunk multiple
     H, K = PACKED_HK
     scale = K**-0.5
     cu = torch.tensor([0] + lengths, device="cuda").cumsum(0).to(torch.int32)
+    dispatch = submodule(kernel, "dispatch")
     rows = []
     for V in PACKED_VS:
         case = f"packed {N} seqs, {T} tokens (longest {max(lengths)}), (H,K,V)=({H},{K},{V}) bf16 step"
@@ -240,11 +266,18 @@ def _packed_rows(bench, kernel, fla_based, spec) -> list[dict]:
         ours = _timed_row(bench, case, "based-bwd triton step, packed (cu_seqlens)",
                           lambda: _packed_step(kernel, q, k, v, do, cu), None, flops)  # noqa: B023
         rows.append(ours)
+        segmented = []
+        for G in PACKED_SEGMENT_CHUNKS:
+            run = lambda: _segmented_packed_step(kernel, dispatch, G, q, k, v, do, cu)  # noqa: B023, E731
+            segmented.append(_timed_row(bench, case, f"based-bwd triton step, packed, segments of {G} chunks", run,
+                                        None, flops, config=f"scan_segment_chunks={G}"))
+        rows += segmented
         eq = spec.make(*equal, 0)
         row = _timed_row(bench, case, f"based-bwd triton step, equal lengths {N} x {T // N}",
                          lambda: _step(kernel, *eq), None, flops)  # noqa: B023
         rows.append(row)
-        _speedup(ours, row, "x_vs_equal_length")
+        for own in (ours, *segmented):
+            _speedup(own, row, "x_vs_equal_length")
         del eq
         if fla_based is not None:
             padded = []
@@ -335,7 +368,8 @@ def compile_cases(kernel, spec):
     """(label, call) pairs for `python -m tools.compile_offline`: each launch plan the package uses or the
     benchmark times, at every measure shape, on meta tensors, for the backward and the forward; and the
     backward's fp32 path (IEEE matmuls, the interpreter tests' exact mode) with each K's default plan; and the
-    stateful forward and backward on the issue's packed batch (`packed_cases`). The
+    stateful forward and backward on the issue's packed batch (`packed_cases`), whole and in segments of each of
+    PACKED_SEGMENT_CHUNKS chunks (the segment length is a kernel argument: one compile covers every length). The
     forward's fp32 mode is the interpreter's alone (CUDA fp32 calls take the reference), and fp16 calls run the
     bf16 kernels.
 
@@ -364,23 +398,29 @@ def compile_cases(kernel, spec):
         label = f"forward (B,T,H,K,V)={shape} {str(dtype)[6:]} {config}"
         return label, lambda: dispatch.portable_forward(q, k, v, shape[3] ** -0.5, config)
 
-    def packed_cases(V):
+    def packed_cases(V, segment_chunks=None):
         """The stateful launches at the issue's packed batch: with an initial and a final state (the plain
-        launches' kernels under their INITIAL, FINAL and VARLEN flags), and without (VARLEN alone)."""
+        launches' kernels under their INITIAL, FINAL and VARLEN flags), and without (VARLEN alone); with
+        segment_chunks, the default plans with the scans in segments (SEGMENTED, and the totals' TOTAL_ONLY)."""
         H, K = PACKED_HK
         q, k, v, do = tensors((1, PACKED_TOKENS, H, K, V), torch.bfloat16)
         N, P = PACKED_SEQUENCES, 1 + K + K * K
         cu = torch.empty(N + 1, dtype=torch.int32, device="meta")
         state = (torch.empty(N, H, P, V, device="meta"), torch.empty(N, H, P, device="meta"))
         shape = f"{N} packed, {PACKED_TOKENS} tokens, (H,K,V)=({H},{K},{V}) bfloat16"
-        yield f"state forward {shape}", lambda: dispatch.portable_state_forward(q, k, v, K**-0.5, state, cu)
+        fwd, bwd = dispatch.DEFAULT_FORWARD_CONFIG[K], dispatch.DEFAULT_BACKWARD_CONFIG[K]
+        if segment_chunks is not None:
+            shape += f", segments of {segment_chunks} chunks"
+            fwd, bwd = (c._replace(scan_segment_chunks=segment_chunks) for c in (fwd, bwd))
+        yield f"state forward {shape}", lambda: dispatch.portable_state_forward(q, k, v, K**-0.5, state, cu,
+                                                                                 config=fwd)
         yield f"state backward {shape}", lambda: dispatch.portable_state_backward(q, k, v, do, state, K**-0.5,
-                                                                                   state, cu)
+                                                                                   state, cu, bwd)
         # the packed training step (no state in or out): VARLEN alone
         yield f"stateless forward {shape}", lambda: dispatch.portable_state_forward(q, k, v, K**-0.5, None, cu,
-                                                                                     output_final_state=False)
+                                                                                     False, fwd)
         yield f"stateless backward {shape}", lambda: dispatch.portable_state_backward(q, k, v, do, None, K**-0.5,
-                                                                                       None, cu)
+                                                                                       None, cu, bwd)
 
     backward_choices = set(dispatch.BACKWARD_CONFIG_CHOICES) if tuning else set()
     forward_choices = set(dispatch.FORWARD_CONFIG_CHOICES) if tuning else set()
@@ -395,6 +435,8 @@ def compile_cases(kernel, spec):
         yield case(first, torch.float32, dispatch.DEFAULT_BACKWARD_CONFIG[K])
     for V in PACKED_VS:
         yield from packed_cases(V)
+        for segment_chunks in PACKED_SEGMENT_CHUNKS:
+            yield from packed_cases(V, segment_chunks)
     yield from _decode_compile_cases(dispatch)
 
 

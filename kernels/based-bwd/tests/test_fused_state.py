@@ -22,17 +22,19 @@ H, V = 1, 8
 RAGGED = [65, 0, 1, 63, 130]  # past a chunk, an empty sequence, a single step, under a chunk, three chunks
 
 
-def fused_loss_grads(dispatch, q, k, v, state, cu, weights, scale):
+def fused_loss_grads(dispatch, q, k, v, state, cu, weights, scale, configs=(None, None)):
     """(o, S, z) of the fused forward, and the fused backward's (dq, dk, dv, dS0, dz0) of sum(w * (o, S, z)),
-    its initial state zero where state is None."""
+    its initial state zero where state is None; configs: the forward's and the backward's launch plans (None:
+    the defaults)."""
     if state is None:
         N = q.shape[0] if cu is None else cu.numel() - 1
         P = 1 + q.shape[-1] + q.shape[-1] ** 2
         state = (torch.zeros(N, q.shape[2], P, v.shape[-1], device=q.device),
                  torch.zeros(N, q.shape[2], P, device=q.device))
-    o, (S, z) = dispatch.portable_state_forward(q, k, v, scale, state, cu)
+    o, (S, z) = dispatch.portable_state_forward(q, k, v, scale, state, cu, config=configs[0])
     w_o, w_S, w_z = weights
-    *grads, d_initial = dispatch.portable_state_backward(q, k, v, w_o.to(q.dtype), (w_S, w_z), scale, state, cu)
+    *grads, d_initial = dispatch.portable_state_backward(q, k, v, w_o.to(q.dtype), (w_S, w_z), scale, state, cu,
+                                                         configs[1])
     return (o, S, z), (*grads, *d_initial)
 
 
@@ -50,7 +52,7 @@ def weights_for(v, state, seed=5):
     return tuple(torch.randn(x.shape, generator=gen).to(x.device) for x in (v, *state))
 
 
-def check_against_float64(dispatch, q, k, v, state, cu, scale, tol):
+def check_against_float64(dispatch, q, k, v, state, cu, scale, tol, configs=(None, None)):
     cpu = [x.cpu() for x in (q, k, v)]
     cu_cpu = None if cu is None else cu.cpu()
     zero = state is None
@@ -61,7 +63,8 @@ def check_against_float64(dispatch, q, k, v, state, cu, scale, tol):
     else:
         state_cpu = tuple(x.cpu() for x in state)
     weights = weights_for(cpu[2], state_cpu)
-    (o, S, z), grads = fused_loss_grads(dispatch, q, k, v, state, cu, tuple(w.to(q.device) for w in weights), scale)
+    (o, S, z), grads = fused_loss_grads(dispatch, q, k, v, state, cu, tuple(w.to(q.device) for w in weights), scale,
+                                        configs)
     o_want, S_want, z_want = state_float64(*cpu, state_cpu, cu_cpu, scale)
     assert o.dtype == q.dtype and o.shape == v.shape
     assert S.dtype == z.dtype == torch.float32 and S.shape == state_cpu[0].shape and z.shape == state_cpu[1].shape

@@ -27,7 +27,8 @@ from .reference import based_backward_reference, based_forward_reference, based_
 class BackwardConfig(NamedTuple):
     """The backward's launch plan: the chunk C, the chunk kernels' warps and the registers a thread of theirs
     may use (ptxas' maxnreg; None: as many as it wants); the scans' feature rows and V columns per program and
-    their warps."""
+    their warps; and on packed sequences the scans' segments of at most scan_segment_chunks chunks (None: each
+    sequence scanned whole; `portable.states.Packing`)."""
 
     chunk: int = 64
     warps: int = 4
@@ -35,11 +36,13 @@ class BackwardConfig(NamedTuple):
     scan_rows: int = 64
     scan_bv: int = 64
     scan_warps: int = 8
+    scan_segment_chunks: int | None = None
 
 
 class ForwardConfig(NamedTuple):
     """The forward's launch plan: the chunk C; the output kernel's V columns a program and warps; the scan's
-    feature rows and V columns a program and warps."""
+    feature rows and V columns a program and warps, and on packed sequences its segments of at most
+    scan_segment_chunks chunks (None: each sequence scanned whole; `portable.states.Packing`)."""
 
     chunk: int = 64
     bv: int = 128
@@ -47,6 +50,7 @@ class ForwardConfig(NamedTuple):
     scan_rows: int = 64
     scan_bv: int = 64
     scan_warps: int = 8
+    scan_segment_chunks: int | None = None
 
 
 class DecodeConfig(NamedTuple):
@@ -291,7 +295,7 @@ def portable_state_forward(q, k, v, scale: float, initial_state=None, cu_seqlens
     V = v.shape[-1]
     N = _sequences(q, cu_seqlens)
     cfg = config or DEFAULT_FORWARD_CONFIG[K]
-    packing = None if cu_seqlens is None else states.packing(cu_seqlens, T, cfg.chunk)
+    packing = None if cu_seqlens is None else states.packing(cu_seqlens, T, cfg.chunk, cfg.scan_segment_chunks)
     S, Z = states.state_buffers(q, V, cfg.chunk, packing)
     P = S.shape[2]
     initial = None if initial_state is None else _packed_state(initial_state, K, _STATE_IN)
@@ -334,7 +338,7 @@ def portable_state_backward(q, k, v, do, d_final, scale: float, initial_state=No
         raise ValueError(f"the fused backward holds V whole in a program: V <= {grads.MAX_V}, got V={V}")
     N = _sequences(q, cu_seqlens)
     cfg = config or DEFAULT_BACKWARD_CONFIG[K]
-    packing = None if cu_seqlens is None else states.packing(cu_seqlens, T, cfg.chunk)
+    packing = None if cu_seqlens is None else states.packing(cu_seqlens, T, cfg.chunk, cfg.scan_segment_chunks)
     S, Z = states.state_buffers(q, V, cfg.chunk, packing)
     P = S.shape[2]
     h = torch.empty(B * H, T, device=q.device, dtype=torch.float32)
