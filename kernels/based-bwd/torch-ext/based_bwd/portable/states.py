@@ -217,11 +217,13 @@ def _state_scan_kernel(
         tl.store(totals + own[:, None] * V + cols[None, :], acc, mask=store_mask)
         if pid_v == 0:
             tl.store(total_norms + own, z, mask=f < P)
-    if FINAL:  # offsets of their own, so that none of the initial load's is held through the loop
+    # FINAL: offsets of their own, so that none of the initial load's is held through the loop; the scalar `ends`
+    # joins the masks through tl.where (a block mask & a scalar boolean is int32 in Triton 3.9's interpreter)
+    if FINAL:
         own = seq_bh.to(tl.int64) * P + f
-        tl.store(final_states + own[:, None] * V + cols[None, :], acc, mask=store_mask & ends)
+        tl.store(final_states + own[:, None] * V + cols[None, :], acc, mask=tl.where(ends, store_mask, False))
         if pid_v == 0:
-            tl.store(final_norms + own, z, mask=(f < P) & ends)
+            tl.store(final_norms + own, z, mask=tl.where(ends, f < P, False))
 
 
 def n_features(K: int) -> int:
