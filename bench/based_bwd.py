@@ -8,11 +8,11 @@ against the spec's reference evaluated in fp32, computed once per shape.
 
 import contextlib
 import importlib
-import random
 
 import torch
 
-from .harness import attempt, device, errors, floor_row, free, gbps_row, latency_row, submodule, tflops_row
+from .harness import (attempt, device, errors, floor_row, free, gbps_row, latency_row, random_lengths, submodule,
+                      tflops_row)
 
 GRADS = ("dq", "dk", "dv")
 # The decode step's shapes (B, T, H, K, V): one token of 64 sequences (issue #52's serving shape), 16 tokens of
@@ -210,12 +210,6 @@ PACKED_VS = (64, 128)
 PACKED_SEGMENT_CHUNKS = (16, 32, 64)
 
 
-def packed_lengths(seed: int = 0, total: int = PACKED_TOKENS, n: int = PACKED_SEQUENCES) -> list[int]:
-    """n random lengths >= 1 summing to total."""
-    cuts = sorted(random.Random(seed).sample(range(1, total), n - 1))
-    return [b - a for a, b in zip([0] + cuts, cuts + [total])]
-
-
 def _packed_step(kernel, q, k, v, do, cu_seqlens):
     """Our training step on packed sequences: based_attention with cu_seqlens, backward through autograd."""
     ins = [x.detach().requires_grad_(True) for x in (q, k, v)]
@@ -251,7 +245,7 @@ def _packed_rows(bench, kernel, fla_based, spec) -> list[dict]:
     count. The packed rows get x_vs_equal_length (bar 0.9), the default's also x_vs_fla (fla's time over ours, bar
     3). Credited FLOPs: the equal-length batch's step (the spec's canonical_work, times 1.5) on every row; no errors
     (the tests check the packed path against float64 and the fp32 reference)."""
-    lengths = packed_lengths()
+    lengths = random_lengths(PACKED_SEQUENCES, PACKED_TOKENS)
     L, N, T = -(-max(lengths) // 64) * 64, len(lengths), sum(lengths)  # fla's padded length: a chunk multiple
     H, K = PACKED_HK
     scale = K**-0.5

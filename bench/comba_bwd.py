@@ -34,12 +34,10 @@ p' = exp(g) p would need a p per value head: a speed figure only, no errors). Cr
 head.
 """
 
-import random
-
 import torch
 
-from .harness import (attempt, device, errors, floor_row, free, gbps_row, hub_benchmark, latency_row, submodule,
-                      tflops_row)
+from .harness import (attempt, device, errors, floor_row, free, gbps_row, hub_benchmark, latency_row, random_lengths,
+                      submodule, tflops_row)
 
 SPEC = "comba_backward"
 GRADS = ("dq", "dk", "dv", "dp", "dbeta", "dg")
@@ -88,16 +86,24 @@ LAYER_CASES = [((4, 4096, 6, 6, 256, 512), None), ((1, 32768, 8, 16, 128, 256), 
 LAYER_IMPL, FLA_LAYER_IMPL = "comba_bwd.fla.chunk_comba", "fla 0.6.0 chunk_comba (guard lifted)"
 
 
-def _fla(bench):
-    """(forward, forward + backward) of fla chunk_comba through the exact adapter, or None when fla is not
+def _fla_chunk_comba(bench):
+    """fla 0.6.0's chunk_comba with its Hopper guard (fla #640) lifted, a timing anchor only; None when fla is not
     installed."""
-    fla = bench.optional("fla")
-    if fla is None:
+    if bench.optional("fla") is None:
         return None
     import fla.ops.common.chunk_o as chunk_o
     from fla.ops.comba import chunk_comba
 
-    chunk_o.TRITON_ABOVE_3_7_1 = True  # lift the Hopper guard of fla #640: a timing anchor only
+    chunk_o.TRITON_ABOVE_3_7_1 = True
+    return chunk_comba
+
+
+def _fla(bench):
+    """(forward, forward + backward) of fla chunk_comba through the exact adapter, or None when fla is not
+    installed."""
+    chunk_comba = _fla_chunk_comba(bench)
+    if chunk_comba is None:
+        return None
 
     def forward(q, k, v, p, beta, g):
         p_read = (g.exp()[..., None] * p).to(p.dtype)       # fla reads before the decay; the spec after
@@ -195,8 +201,8 @@ def _layer_inputs(B, T, H, HV, K, V, n_packed, seed=0):
     beta = randn(B, T, HV).sigmoid()
     cu = None
     if n_packed:
-        cuts = sorted(random.Random(seed).sample(range(1, T), n_packed - 1))
-        cu = torch.tensor([0, *cuts, T], device="cuda", dtype=torch.int32)
+        lengths = random_lengths(n_packed, T, seed)
+        cu = torch.tensor([0, *lengths], device="cuda").cumsum(0).to(torch.int32)
     return [x.bfloat16() for x in (q, k, v, p)] + [g, beta.bfloat16()], randn(B, T, HV, V).bfloat16(), cu
 
 
@@ -212,12 +218,7 @@ def _layer_rows(kernel, bench, shape, n_packed) -> list[dict]:
     case = "fla layer (B,T,H,HV,K,V)=" + ",".join(map(str, shape)) + f" {kind} bf16"
     work = bench.spec(SPEC).work(B, T, HV, K, V)
     ours = submodule(kernel, "fla").chunk_comba
-    fla = None
-    if bench.optional("fla") is not None:
-        import fla.ops.common.chunk_o as chunk_o
-        from fla.ops.comba import chunk_comba as fla
-
-        chunk_o.TRITON_ABOVE_3_7_1 = True  # lift the Hopper guard of fla #640: a timing anchor only
+    fla = _fla_chunk_comba(bench)
 
     def forward(fn):
         def run(q, k, v, p, g, beta):

@@ -9,6 +9,7 @@ that one anchor's failure never hides the other rows. `bench` is the run's `tool
 
 import importlib
 import importlib.util
+import random
 import sys
 import time
 import traceback
@@ -40,6 +41,12 @@ def submodule(kernel, name: str):
 def device() -> str:
     """Where the run's tensors go: the GPU, or the CPU of a dry run (Triton under TRITON_INTERPRET=1)."""
     return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def random_lengths(n: int, total: int, seed: int = 0) -> list[int]:
+    """n seeded random lengths >= 1 summing to total: a packed batch's sequences."""
+    cuts = sorted(random.Random(seed).sample(range(1, total), n - 1))
+    return [b - a for a, b in zip([0] + cuts, cuts + [total])]
 
 
 def free() -> None:
