@@ -25,7 +25,7 @@ later minor versions), where the portable Triton kernels run under Triton 3.6 to
 pin. CI compiles every shipped kernel for sm_90a, and for sm_80, sm_89, sm_100a and sm_120a the kernels a call takes
 there (the portable ones, and a fast path whose row claims the GPU), under 3.6.0, 3.7.1, 3.8.0 and 3.9.0, and runs
 the CPU tests under 3.6.0 and 3.9.0. The GPU tests run (torch 2.11) on the GPUs and at the commits the table below
-names; under 3.9.0 and on GPUs it does not name, untested, every call takes the portable kernels."""
+names; on GPUs it does not name, untested, every call takes the portable kernels."""
 
 FAST = """A fast path runs only where its row says it was verified, elsewhere the portable kernels run; one that still
 fails to compile at its first launch is switched off for the process with one `FastPathFallback` warning naming it

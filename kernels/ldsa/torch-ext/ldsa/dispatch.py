@@ -38,15 +38,15 @@ ALL_TRITONS = ("3.6", "3.7", "3.8", "3.9")
 FAST_PATHS = FastPaths("ldsa", (
     FastPath("band-gluon forward", "Gluon, TMA-fed persistent kernel, the band built in mma.sync's registers; "
              "windows of 2-15 taps, calls of 2^18 frames and more", HOPPER,
-             verified=("3.6", "3.7", "3.8"), compiles=ALL_TRITONS),
+             verified=ALL_TRITONS, compiles=ALL_TRITONS),
     FastPath("band-gluon backward", "Gluon, TMA-fed persistent kernel, the bands skewed by shared-memory addressing "
              "(views of other row strides under 3.6 and 3.7, gathers and scatters from 3.8); windows of 2-15 taps, "
-             "calls of 2^18 frames and more", HOPPER, verified=("3.6", "3.7", "3.8"), compiles=ALL_TRITONS),
+             "calls of 2^18 frames and more", HOPPER, verified=ALL_TRITONS, compiles=ALL_TRITONS),
     FastPath("band-tma forward", "Triton, tensor descriptors feeding a persistent pipelined band kernel; calls of "
              "2^18 frames and more that band-gluon does not take", HOPPER,
-             verified=("3.6", "3.7", "3.8"), compiles=ALL_TRITONS),
+             verified=ALL_TRITONS, compiles=ALL_TRITONS),
     FastPath("band-tma backward", "Triton, the same for the backward with 16-bit values", HOPPER,
-             verified=("3.6", "3.7", "3.8"), compiles=ALL_TRITONS),
+             verified=ALL_TRITONS, compiles=ALL_TRITONS),
 ))
 
 

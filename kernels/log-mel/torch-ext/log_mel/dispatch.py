@@ -16,7 +16,7 @@ from .common.fast_paths import FastPath, FastPaths, falls_back
 FAST_PATHS = FastPaths("log-mel", (
     FastPath("waveform-gluon", "`whisper_log_mel` in Gluon: each warp runs frames through both DFT stages as "
              "mma.sync products with the tables in registers, then projects them over each band block's bins",
-             ((9, 0),), verified=("3.6", "3.7", "3.8"), compiles=("3.6", "3.7", "3.8", "3.9")),
+             ((9, 0),), verified=("3.6", "3.7", "3.8", "3.9"), compiles=("3.6", "3.7", "3.8", "3.9")),
 ))
 
 
