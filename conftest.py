@@ -7,6 +7,7 @@ are set here, before anything imports them.
 import os
 from pathlib import Path
 
+import pytest
 import torch
 
 os.environ.setdefault("HF_HUB_CACHE", str(Path(__file__).resolve().parent / ".hub"))
@@ -29,3 +30,13 @@ def pytest_collection_modifyitems(items):
         reasons = " ".join(str(m.kwargs.get("reason", "")) for m in item.iter_markers("skipif"))
         if "CUDA" in reasons or "[cuda" in item.name or "-cuda" in item.name:
             item.add_marker("gpu")
+
+
+@pytest.fixture(autouse=True)
+def _release_cached_gpu_memory(request):
+    """After a `gpu` test, the memory its process's caching allocator keeps goes back to the driver: the test
+    processes of a parallel GPU run (`pytest -n`) share one card, and a process holding its earlier tests' freed
+    blocks runs another out of memory."""
+    yield
+    if request.node.get_closest_marker("gpu") is not None and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
