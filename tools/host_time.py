@@ -210,7 +210,7 @@ def _stub_costs(launch_module) -> dict:
     }
 
 
-def measure(name: str, calls: int = 2000, repeats: int = 5, profile_calls: int = 500) -> Report:
+def measure(name: str, calls: int = 1000, repeats: int = 11, profile_calls: int = 500) -> Report:
     """Host time of case `name` of CASES (see the module docstring)."""
     import importlib
 
@@ -248,8 +248,8 @@ def measure(name: str, calls: int = 2000, repeats: int = 5, profile_calls: int =
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tools.host_time", description=__doc__.split("\n\n")[0])
     parser.add_argument("cases", nargs="*", help=f"cases (default: all of {', '.join(CASES)})")
-    parser.add_argument("--calls", type=int, default=2000, help="back-to-back calls a timed run (default 2000)")
-    parser.add_argument("--repeats", type=int, default=5, help="timed runs; the fastest counts (default 5)")
+    parser.add_argument("--calls", type=int, default=1000, help="back-to-back calls a timed run (default 1000)")
+    parser.add_argument("--repeats", type=int, default=11, help="timed runs; the fastest counts (default 11)")
     parser.add_argument("--top", type=int, default=15, help="functions of the breakdown shown (default 15)")
     args = parser.parse_args(argv)
     unknown = set(args.cases) - set(CASES)

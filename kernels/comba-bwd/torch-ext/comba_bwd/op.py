@@ -345,11 +345,8 @@ def _decode_signature(q, k, v, p, beta, g, state, scale, cu_seqlens, use_qk_l2no
             or not (scale is None or type(scale) in (float, int)) or type(use_qk_l2norm) is not bool
             or type(read_order) is not str):
         return None
-    signature = (q.shape, k.shape, v.shape, p.shape, beta.shape, g.shape, q.dtype, k.dtype, v.dtype, p.dtype,
-                 beta.dtype, g.dtype, q.device, k.device, v.device, p.device, beta.device, g.device, scale,
-                 use_qk_l2norm, read_order)
-    if state is not None:
-        signature += (state.shape, state.dtype, state.device)
-    if cu_seqlens is not None:
-        signature += (cu_seqlens.shape, cu_seqlens.dtype, cu_seqlens.device)
-    return (*signature, state is None, cu_seqlens is None)
+    state_of = None if state is None else (state.shape, state.dtype, state.device)
+    offsets_of = None if cu_seqlens is None else (cu_seqlens.shape, cu_seqlens.dtype, cu_seqlens.device)
+    return (q.shape, k.shape, v.shape, p.shape, beta.shape, g.shape, q.dtype, k.dtype, v.dtype, p.dtype, beta.dtype,
+            g.dtype, q.device, k.device, v.device, p.device, beta.device, g.device, scale, use_qk_l2norm, read_order,
+            state_of, offsets_of)
