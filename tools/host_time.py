@@ -210,6 +210,23 @@ def _stub_costs(launch_module) -> dict:
     }
 
 
+def _keep_freed_memory() -> None:
+    """Make glibc's malloc (under torch's CPU allocator) keep freed memory, as CUDA's caching allocator does: no
+    allocation of the cases' outputs (up to a few MB) then maps fresh pages, whose faults would swing the figures
+    by microseconds from run to run. Elsewhere than glibc nothing changes."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return
+    M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+    mallopt(M_TRIM_THRESHOLD, 1 << 30)
+    mallopt(M_MMAP_THRESHOLD, 1 << 25)  # glibc's largest
+
+
 def measure(name: str, calls: int = 1000, repeats: int = 11, profile_calls: int = 500) -> Report:
     """Host time of case `name` of CASES (see the module docstring)."""
     import importlib
@@ -217,6 +234,7 @@ def measure(name: str, calls: int = 1000, repeats: int = 11, profile_calls: int 
     import torch
     from kernels import get_kernel
 
+    _keep_freed_memory()
     case = CASES[name]
     kernel = get_kernel(f"{HUB_ORG}/{case.kernel}", version=1, trust_remote_code=True)
     launch_module = importlib.import_module(f"{kernel.__name__}.common.launch")
