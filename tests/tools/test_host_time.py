@@ -32,3 +32,25 @@ def test_case_runs_the_eager_cuda_path(name):
 
 def test_every_case_is_tested():
     assert set(ENTRY_POINTS) == set(CASES)
+
+
+def test_a_slower_path_shows_in_the_figures(monkeypatch):
+    """The tool times the package's own functions: 20 us more in the entry point is 20 us more a call."""
+    import importlib
+    import time
+
+    from testkit import load
+
+    op = importlib.import_module(f"{load('ldsa').__name__}.op")
+    entry = op.ldsa_forward_cuda
+
+    def slower(*args, **kwargs):
+        start = time.perf_counter()
+        while time.perf_counter() - start < 20e-6:
+            pass
+        return entry(*args, **kwargs)
+
+    before = measure("ldsa_local_attention", calls=50, repeats=3, profile_calls=5).path_us
+    monkeypatch.setattr(op, "ldsa_forward_cuda", slower)
+    after = measure("ldsa_local_attention", calls=50, repeats=3, profile_calls=5).path_us
+    assert after - before > 15
