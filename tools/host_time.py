@@ -14,11 +14,12 @@ stubbed, so that the call runs the eager CUDA path itself: public function -> th
 
 What is measured is the code that runs, so a later change to the path shows here. The stubs' own time (measured
 alone, times their calls a call) is reported separately and taken out of the path's time. Not included: the device
-launch cost, Triton's compiled launcher (`CompiledKernel.run`, the driver call) and the current-stream query, and
-what `torch.empty` costs on CUDA (the caching allocator): CPU allocations are measured in their place. The Hopper fast
-paths (`FAST_PATHS`) need a CUDA device and do not run: each case measures the portable path. On CPU tensors
-`log_mel`'s folded-floor counters are fresh zeros (`portable.floor.counters`), not the buffer an eager CUDA call
-keeps. Figures are this machine's: compare them with each other, not with GPU wall-clock.
+launch cost, Triton's compiled launcher (`CompiledKernel.run`, the driver call) and the current-stream query,
+torch.cuda.current_device(), and what `torch.empty` costs on CUDA (the caching allocator): CPU allocations are
+measured in their place, with glibc keeping freed memory as the caching allocator does. Branches taken on a CUDA
+device only are not measured either: the Hopper fast paths (each case runs the portable path), `FAST_PATHS.runs`
+past its device-type test, and `log_mel`'s kept folded-floor counters (`portable.floor.counters` makes fresh zeros on
+CPU tensors). Figures are this machine's: compare them with each other, not with GPU wall-clock.
 
 The breakdown is cProfile's (its own overhead inflates Python calls, so read it as shares): per function, its calls
 and its own time a call of the op.
