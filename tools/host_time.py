@@ -163,6 +163,25 @@ class Report:
     launches: float
     breakdown: list
 
+    def layers(self) -> dict:
+        """The breakdown's own time summed by layer (`LAYERS`), as shares of the whole: where a call's time goes."""
+        sums = dict.fromkeys([*LAYERS, "torch and the rest"], 0.0)
+        for label, _, own in self.breakdown:
+            sums[next((layer for layer, test in LAYERS.items() if test(label)), "torch and the rest")] += own
+        whole = sum(sums.values()) or 1.0
+        return {layer: own / whole for layer, own in sums.items()}
+
+
+# The layers of a call, by the breakdown's function labels (a kernel's file, or a torch builtin), first match wins.
+LAYERS = {
+    "op.py (checks, the direct-call decision)": lambda label: label.startswith("op.py:"),
+    "dispatch.py (the entry point)": lambda label: label.startswith("dispatch.py:"),
+    "stage modules (planning, outputs)": lambda label: label.startswith(("portable/", "hopper/")),
+    "common/ (launch, direct calls, devices)": lambda label: label.startswith("common/"),
+    "allocations": lambda label: label.startswith(("<built-in method torch.empty", "<built-in method torch.zeros")),
+    "stubs and the timing loop": lambda label: label.startswith("host_time.py:"),
+}
+
 
 def _per_call_us(fn, calls: int, repeats: int) -> float:
     """The least over `repeats` runs of `calls` back-to-back calls of fn, in µs a call."""
@@ -280,6 +299,7 @@ def main(argv: list[str] | None = None) -> int:
         report = measure(name, args.calls, args.repeats)
         print(f"{name} ({CASES[name].description}): {report.path_us:.1f} us a call on the host path "
               f"(stubs {report.stub_us:.1f} us taken out; {report.launches:g} launch a call)")
+        print("  by layer: " + ", ".join(f"{layer} {share:.0%}" for layer, share in report.layers().items()))
         if args.top:
             print(f"  {'own us':>7}  {'calls':>5}  function")
         for label, ncalls, own in report.breakdown[: args.top]:

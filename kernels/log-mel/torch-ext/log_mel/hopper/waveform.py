@@ -28,7 +28,7 @@ whose range needs no scaling.
 """
 
 import functools
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import triton
@@ -50,8 +50,7 @@ PCM_SCALE = gl.constexpr(whisper.PCM_SCALE)
 BANDS = gl.constexpr(16)  # mel bands a projection block (the projection's M)
 
 
-@dataclass(frozen=True)
-class Config:
+class Config(NamedTuple):
     """frames: the frames a warp transforms before projecting them (the projection's N, 8 or 16); their power
     takes 1 KB of shared memory a frame and warp, 32 KB at 8 frames and 4 warps. maxnreg: a register cap, for more
     resident warps (128 registers a thread and 33 KB let four 4-warp programs share an SM at 8 frames; 168 and 64 KB

@@ -26,7 +26,7 @@ Per tile of BLOCK_F frames of one clip, everything stays on chip from the sample
 
 import functools
 import math
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import triton
@@ -50,8 +50,7 @@ MEL_SHIFT = tl.constexpr(6)
 WINDOW_PAD = 512  # the Hann window, zero past 400 (the masked lanes of the framing read there)
 
 
-@dataclass(frozen=True)
-class Config:
+class Config(NamedTuple):
     """block_f frames a tile (a power of two; the stage products have 16 block_f rows), block_m mel bands a
     step of the projection (a power of two >= 16)."""
 
