@@ -28,6 +28,7 @@ and its own time a call of the op.
 import argparse
 import contextlib
 import cProfile
+import gc
 import os
 import pstats
 import sys
@@ -184,13 +185,20 @@ LAYERS = {
 
 
 def _per_call_us(fn, calls: int, repeats: int) -> float:
-    """The least over `repeats` runs of `calls` back-to-back calls of fn, in µs a call."""
+    """The least over `repeats` runs of `calls` back-to-back calls of fn, in µs a call. Python's cyclic garbage
+    collector is off while they run, as timeit has it: a collection's cost is the whole process's heap (torch,
+    triton), not the call's, and where one lands in a run swung the figures by several µs."""
     best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter_ns()
-        for _ in range(calls):
-            fn()
-        best = min(best, (time.perf_counter_ns() - start) / calls / 1e3)
+    gc.collect()
+    gc.disable()
+    try:
+        for _ in range(repeats):
+            start = time.perf_counter_ns()
+            for _ in range(calls):
+                fn()
+            best = min(best, (time.perf_counter_ns() - start) / calls / 1e3)
+    finally:
+        gc.enable()
     return best
 
 
