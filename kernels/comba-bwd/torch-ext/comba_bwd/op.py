@@ -321,12 +321,12 @@ def comba_decode(q, k, v, p, beta, g, state=None, scale=None, *, cu_seqlens=None
     if _differentiated(q, k, v, p, beta, g, state):
         return comba_decode_reference(q, k, v, p, beta, g, state, scale, cu_seqlens=cu_seqlens,
                                       use_qk_l2norm=use_qk_l2norm, read_order=read_order)
-    scale = resolve_scale(scale, q.shape[-1])
     # A remembered signature holds plain tensors on q's device, none recorded by autograd (above): q decides.
     if calls_directly(q) if signature is not None else calls_directly(
             q, k, v, p, beta, g, *(x for x in (state, cu_seqlens) if x is not None)):
         return comba_decode_cuda(q, k, v, p, beta, g, state, scale, cu_seqlens, use_qk_l2norm, read_order)
-    return comba_decode_op(q, k, v, p, beta, g, state, cu_seqlens, scale, use_qk_l2norm, read_order)
+    return comba_decode_op(q, k, v, p, beta, g, state, cu_seqlens, resolve_scale(scale, q.shape[-1]), use_qk_l2norm,
+                           read_order)
 
 
 # Call signatures of `comba_decode` that passed its argument checks (`check_model_args`, and the token count without
