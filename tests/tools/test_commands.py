@@ -8,7 +8,7 @@ import pytest
 from tools.common import REPO_ROOT
 
 TOOLS = ("build", "lint", "hub", "lock", "publish", "demo", "gpu_bench", "gpu_profile", "compile_offline", "results",
-         "vendor", "cards")
+         "vendor", "cards", "host_time")
 
 
 @pytest.mark.parametrize("tool", TOOLS)

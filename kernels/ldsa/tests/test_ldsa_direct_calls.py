@@ -70,6 +70,20 @@ def test_direct_route_raises_as_the_op_does(ldsa, direct, bad, exc, match):
 
 
 @pytest.mark.kernels_ci
+@pytest.mark.parametrize("dual", [0, 1])
+def test_direct_route_refuses_forward_mode_ad(ldsa, direct, dual):
+    """A dual tensor reaches the direct route (no transform or compiler intercepts it): it raises there too, before
+    any launch."""
+    import torch.autograd.forward_ad as forward_ad
+
+    tensors = list(make(1, 2, 8, 16, 2, 1, device="cpu"))
+    with forward_ad.dual_level():
+        tensors[dual] = forward_ad.make_dual(tensors[dual], torch.ones_like(tensors[dual]))
+        with pytest.raises(RuntimeError, match="^ldsa_local_attention: forward-mode AD"):
+            ldsa.ldsa_local_attention(*tensors, 2, 1)
+
+
+@pytest.mark.kernels_ci
 def test_a_signature_seen_before_skips_the_checks(ldsa, monkeypatch):
     """Every change the checks read (dtype, shape, device, window) checks again; the same call does not."""
     op = submodule(ldsa, "op")

@@ -148,12 +148,13 @@ def comba_backward_cuda(q, k, v, p, beta, g, do, scale: float):
     return with_fallback(lambda plan: pipeline.run_backward(q, k, v, p, beta, g, do, scale, plan), q, v.shape[-1])
 
 
-def comba_decode_cuda(q, k, v, p, beta, g, state, scale: float, cu_seqlens, use_qk_l2norm: bool, read_order: str):
+def comba_decode_cuda(q, k, v, p, beta, g, state, scale: float | None, cu_seqlens, use_qk_l2norm: bool,
+                      read_order: str):
     """(o (B, T, HV, V) in v's dtype, new_state (N, HV, K, V) float32) of a checked decode call without autograd (the
-    registered op's entry point, and the public function's direct call). K in {64, 128, 256}, V in {64, 128, 256, 512}
-    (`portable.decode.takes`): one launch of the fused kernel into new tensors, `state` only read; shapes decide
-    everything, no value is read on the host, so the call can be captured in a CUDA graph. Other sizes: the recurrent
-    reference (`comba_decode_reference`)."""
+    registered op's entry point, and the public function's direct call, which hands its scale over unresolved: None
+    is K ** -0.5). K in {64, 128, 256}, V in {64, 128, 256, 512} (`portable.decode.takes`): one launch of the fused
+    kernel into new tensors, `state` only read; shapes decide everything, no value is read on the host, so the call
+    can be captured in a CUDA graph. Other sizes: the recurrent reference (`comba_decode_reference`)."""
     decode = stage_module(__package__, "portable.decode")  # the kernels need triton: imported on first use
     K, V = q.shape[-1], v.shape[-1]
     if not decode.takes(K, V, q.dtype):

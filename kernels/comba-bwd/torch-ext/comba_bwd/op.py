@@ -321,12 +321,12 @@ def comba_decode(q, k, v, p, beta, g, state=None, scale=None, *, cu_seqlens=None
     if _differentiated(q, k, v, p, beta, g, state):
         return comba_decode_reference(q, k, v, p, beta, g, state, scale, cu_seqlens=cu_seqlens,
                                       use_qk_l2norm=use_qk_l2norm, read_order=read_order)
-    scale = resolve_scale(scale, q.shape[-1])
     # A remembered signature holds plain tensors on q's device, none recorded by autograd (above): q decides.
     if calls_directly(q) if signature is not None else calls_directly(
             q, k, v, p, beta, g, *(x for x in (state, cu_seqlens) if x is not None)):
         return comba_decode_cuda(q, k, v, p, beta, g, state, scale, cu_seqlens, use_qk_l2norm, read_order)
-    return comba_decode_op(q, k, v, p, beta, g, state, cu_seqlens, scale, use_qk_l2norm, read_order)
+    return comba_decode_op(q, k, v, p, beta, g, state, cu_seqlens, resolve_scale(scale, q.shape[-1]), use_qk_l2norm,
+                           read_order)
 
 
 # Call signatures of `comba_decode` that passed its argument checks (`check_model_args`, and the token count without
@@ -345,11 +345,8 @@ def _decode_signature(q, k, v, p, beta, g, state, scale, cu_seqlens, use_qk_l2no
             or not (scale is None or type(scale) in (float, int)) or type(use_qk_l2norm) is not bool
             or type(read_order) is not str):
         return None
-    signature = (q.shape, k.shape, v.shape, p.shape, beta.shape, g.shape, q.dtype, k.dtype, v.dtype, p.dtype,
-                 beta.dtype, g.dtype, q.device, k.device, v.device, p.device, beta.device, g.device, scale,
-                 use_qk_l2norm, read_order)
-    if state is not None:
-        signature += (state.shape, state.dtype, state.device)
-    if cu_seqlens is not None:
-        signature += (cu_seqlens.shape, cu_seqlens.dtype, cu_seqlens.device)
-    return (*signature, state is None, cu_seqlens is None)
+    state_of = None if state is None else (state.shape, state.dtype, state.device)
+    offsets_of = None if cu_seqlens is None else (cu_seqlens.shape, cu_seqlens.dtype, cu_seqlens.device)
+    return (q.shape, k.shape, v.shape, p.shape, beta.shape, g.shape, q.dtype, k.dtype, v.dtype, p.dtype, beta.dtype,
+            g.dtype, q.device, k.device, v.device, p.device, beta.device, g.device, scale, use_qk_l2norm, read_order,
+            state_of, offsets_of)

@@ -15,7 +15,7 @@ import torch
 
 from ._ops import add_op_namespace_prefix
 from .common.autocast import register_autocast
-from .common.differentiation import check_differentiation, no_double_backward
+from .common.differentiation import check_differentiation, check_forward_ad, no_double_backward
 from .common.direct_calls import CheckedSignatures, calls_directly
 from .dispatch import ldsa_backward_cuda, ldsa_forward_cuda
 from .reference import ldsa_backward_reference, ldsa_forward_reference
@@ -89,11 +89,12 @@ def ldsa_local_attention(a_logits: torch.Tensor, v: torch.Tensor, left: int, rig
     CPU autocast as given. Non-contiguous inputs are copied to contiguous ones.
     """
     signature = _check_args_once(a_logits, v, left, right)
-    check_differentiation("ldsa_local_attention", a_logits, v)
     left, right = int(left), int(right)  # numpy integers pass the check; the registered op takes Python ints
     a_logits, v = a_logits.contiguous(), v.contiguous()
-    if calls_directly(a_logits, v):
+    if calls_directly(a_logits, v):  # no torch.func transform or compiler sees the call: forward AD alone is left
+        check_forward_ad("ldsa_local_attention", a_logits, v)
         return ldsa_forward_cuda(a_logits, v, left, right, signature=signature)
+    check_differentiation("ldsa_local_attention", a_logits, v)
     return ldsa_forward_op(a_logits, v, left, right)
 
 

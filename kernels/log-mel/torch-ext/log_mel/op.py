@@ -118,13 +118,9 @@ def whisper_log_mel(audio: torch.Tensor, n_mels: int = 80, *, lengths: torch.Ten
 
 
 # Call signatures of both public functions that passed their argument checks: the checks cost more host time than the
-# lookup, a share of a small call's launch-bound budget worth saving.
+# lookup, a share of a small call's launch-bound budget worth saving. Each signature holds whether the checks' no-grad
+# rule applies (grad mode on and an input requiring grad: then they raise, and the signature never passes).
 _checked = CheckedSignatures()
-
-
-def _needs_grad(*tensors: torch.Tensor) -> bool:
-    """Whether the checks' no-grad rule applies to the call (then it raises, and the signature never passes)."""
-    return torch.is_grad_enabled() and any(x.requires_grad for x in tensors)
 
 
 def _spectrogram_signature(stft, mel_filters) -> tuple | None:
@@ -132,7 +128,7 @@ def _spectrogram_signature(stft, mel_filters) -> tuple | None:
     if type(stft) is not torch.Tensor or type(mel_filters) is not torch.Tensor:
         return None
     return ("log_mel_spectrogram", stft.shape, stft.dtype, stft.device, mel_filters.shape, mel_filters.dtype,
-            mel_filters.device, _needs_grad(stft, mel_filters))
+            mel_filters.device, torch.is_grad_enabled() and (stft.requires_grad or mel_filters.requires_grad))
 
 
 def _whisper_signature(audio, n_mels, lengths, out_dtype) -> tuple | None:
@@ -142,5 +138,5 @@ def _whisper_signature(audio, n_mels, lengths, out_dtype) -> tuple | None:
             or not (lengths is None or type(lengths) is torch.Tensor)):
         return None
     lengths_of = None if lengths is None else (lengths.shape, lengths.dtype, lengths.device)
-    return ("whisper_log_mel", audio.shape, audio.dtype, audio.device, _needs_grad(audio), n_mels, out_dtype,
-            lengths_of)
+    return ("whisper_log_mel", audio.shape, audio.dtype, audio.device, torch.is_grad_enabled() and audio.requires_grad,
+            n_mels, out_dtype, lengths_of)

@@ -30,6 +30,13 @@ def check_differentiation(public_name: str, *tensors: torch.Tensor) -> None:
             f"{public_name}: torch.func's grad and jvp transforms (grad, vjp, jacrev, jacfwd, hessian, jvp) are not "
             "supported; differentiate it with torch.autograd (loss.backward(), torch.autograd.grad)"
         )
+    check_forward_ad(public_name, *tensors)
+
+
+def check_forward_ad(public_name: str, *tensors: torch.Tensor) -> None:
+    """Raise RuntimeError where a tensor carries a forward-mode tangent: the one way of differentiating that
+    `check_differentiation` refuses and a call that `direct_calls.calls_directly` takes may still meet (no torch.func
+    transform is active there, nor a compiler)."""
     if forward_ad._current_level >= 0 and any(forward_ad.unpack_dual(x).tangent is not None for x in tensors):
         raise RuntimeError(f"{public_name}: forward-mode AD (a dual tensor) is not supported; use reverse mode")
 

@@ -28,7 +28,7 @@ whose range needs no scaling.
 """
 
 import functools
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import triton
@@ -50,8 +50,7 @@ PCM_SCALE = gl.constexpr(whisper.PCM_SCALE)
 BANDS = gl.constexpr(16)  # mel bands a projection block (the projection's M)
 
 
-@dataclass(frozen=True)
-class Config:
+class Config(NamedTuple):
     """frames: the frames a warp transforms before projecting them (the projection's N, 8 or 16); their power
     takes 1 KB of shared memory a frame and warp, 32 KB at 8 frames and 4 warps. maxnreg: a register cap, for more
     resident warps (128 registers a thread and 33 KB let four 4-warp programs share an SM at 8 frames; 168 and 64 KB
@@ -343,14 +342,15 @@ def launch(audio: torch.Tensor, lengths: torch.Tensor | None, n_mels: int, out_d
     floor folded into the same launch."""
     config = config or DEFAULT_CONFIG
     B, N = audio.shape
-    operands, twiddles, window = dft_tables(audio.device)
-    plan, projection = _plan(n_mels, audio.device)
+    device = audio.device  # read once: each read builds a torch.device
+    operands, twiddles, window = dft_tables(device)
+    plan, projection = _plan(n_mels, device)
     chosen = _launch_plan(B, N, n_mels, audio.dtype == torch.int16, lengths is not None, projection.shape[1], config,
                           with_floor)
     n_tiles = chosen.ints[3]
-    stats = torch.empty(B, n_tiles, 2, dtype=torch.float32, device=audio.device)
-    out = torch.empty(B, n_mels, N // HOP.value, dtype=out_dtype, device=audio.device)
-    counters = floor.counters(audio.device, B) if with_floor else None
+    stats = torch.empty(B, n_tiles, 2, dtype=torch.float32, device=device)
+    out = torch.empty(B, n_mels, N // HOP.value, dtype=out_dtype, device=device)
+    counters = floor.counters(device, B) if with_floor else None
     run(chosen, (audio, lengths, operands, twiddles, window, projection, plan, out, stats, counters))
     return out, stats, config.num_warps * config.frames
 

@@ -26,7 +26,7 @@ Per tile of BLOCK_F frames of one clip, everything stays on chip from the sample
 
 import functools
 import math
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import triton
@@ -50,8 +50,7 @@ MEL_SHIFT = tl.constexpr(6)
 WINDOW_PAD = 512  # the Hann window, zero past 400 (the masked lanes of the framing read there)
 
 
-@dataclass(frozen=True)
-class Config:
+class Config(NamedTuple):
     """block_f frames a tile (a power of two; the stage products have 16 block_f rows), block_m mel bands a
     step of the projection (a power of two >= 16)."""
 
@@ -289,13 +288,14 @@ def launch(audio: torch.Tensor, lengths: torch.Tensor | None, n_mels: int, out_d
     `floor.launch`, or `with_floor` final: the floor folded into the same launch (`floor.py`)."""
     config = config or DEFAULT_CONFIG
     B, N = audio.shape
-    operands, twiddles, window = dft_tables(audio.device)
-    proj = _projection(n_mels, audio.device, config.block_m)
+    device = audio.device  # read once: each read builds a torch.device
+    operands, twiddles, window = dft_tables(device)
+    proj = _projection(n_mels, device, config.block_m)
     plan = _plan(B, N, n_mels, audio.dtype == torch.int16, lengths is not None, proj.shape[-1], config, with_floor)
     n_tiles = plan.ints[3]
-    stats = torch.empty(B, n_tiles, 2, dtype=torch.float32, device=audio.device)
-    out = torch.empty(B, n_mels, N // HOP.value, dtype=out_dtype, device=audio.device)
-    counters = floor.counters(audio.device, B) if with_floor else None
+    stats = torch.empty(B, n_tiles, 2, dtype=torch.float32, device=device)
+    out = torch.empty(B, n_mels, N // HOP.value, dtype=out_dtype, device=device)
+    counters = floor.counters(device, B) if with_floor else None
     run(plan, (audio, lengths, operands, twiddles, window, proj, out, stats, counters))
     return out, stats, config.block_f
 
