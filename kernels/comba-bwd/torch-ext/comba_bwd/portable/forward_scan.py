@@ -6,9 +6,10 @@ sequences laid out chunk-aligned in a batch of one (PACKED) take a program per s
 that sequence's chunks (`chunk.scan_range`); fla's read order (READ_FIRST) takes the read's decay in W.
 
 A non-finite input at step t reaches no row of Vn before t: A's rows from the chunk's first non-finite k, p, beta or
-g on are NaN (`transform`), A's products take the finite part of their operands beta V and beta gam P
-(`common.finite.finite_part`), and Vn is NaN from the first row of either that holds a non-finite entry on
-(`common.finite.reached`); the state after the chunk, which sums all of Vn's rows, is then NaN as well."""
+g on are NaN (`transform`), which carries those to Vn's rows; A's products take the finite part of their operands
+beta V and beta gam P (`common.finite.finite_part`), and Vn is NaN from beta V's first row holding a non-finite entry
+on (`common.finite.reached`: v, the one input A does not see). The state after the chunk, which sums all of Vn's
+rows, is then NaN as well (in the program's V block)."""
 
 import triton
 import triton.language as tl
@@ -33,12 +34,12 @@ def _forward_step(k, v, p, beta, g, A, S_out, Vn_out, S, n, bh, scal_base, kb, N
     pk = tl.load(row_ptrs(p, kb * K, t0, HK * K, K))
     # Both products accumulate into the other term in place, so that no second [BT | K, BV] fp32 tile is live (the
     # scan does not spill at K = 64).
-    bv, v_edge = finite_part(vk * bk[:, None], BT, False)
-    bp, p_edge = finite_part(pk * -(bk * gam)[:, None], BT, False)
-    U = tl.dot(a, bv.to(tl.bfloat16))                                     # A (beta V)
-    W_neg = tl.dot(a, bp.to(tl.bfloat16))                                 # -A (beta gam P)
+    bv, v_edge = finite_part((vk * bk[:, None]).to(tl.bfloat16), BT, False)
+    bp, _ = finite_part((pk * -(bk * gam)[:, None]).to(tl.bfloat16), BT, False)  # rows holding one: NaN in A
+    U = tl.dot(a, bv)                                                     # A (beta V)
+    W_neg = tl.dot(a, bp)                                                 # -A (beta gam P)
     Vn = tl.dot(W_neg.to(tl.bfloat16), S.to(tl.bfloat16), acc=U)
-    Vn = reached(Vn, tl.minimum(v_edge, p_edge), BT, False).to(tl.bfloat16)
+    Vn = reached(Vn, v_edge, BT, False).to(tl.bfloat16)
     tl.store(Vn_out + (bh.to(tl.int64) * T + t0 + r)[:, None] * V + cv[None, :], Vn.to(Vn_out.dtype.element_ty))
     kt = tl.load(row_ptrs_t(k, kb * K, t0, HK * K, K))
     kt_to_end = (kt * tl.exp(glast - gc)[None, :]).to(tl.bfloat16)       # (K * Gam / gam)^T

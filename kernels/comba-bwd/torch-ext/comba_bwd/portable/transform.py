@@ -7,8 +7,9 @@ A non-finite input at step t reaches no row of A before t (`reference.py` states
 finite (`common.finite.finite_part`: a masked weight of 0 times a non-finite k_j, or a non-finite row's entries,
 would reach the earlier rows through the solve's products), and A's rows from the chunk's first step with a
 non-finite k, p, beta or g (g = -inf excepted) on are stored NaN (`common.finite.reached`), which carries the value
-to every later use of those rows; on a clean chunk that is an isfinite select on L and on the loaded tiles, their
-reduction to one row, and a select at the store."""
+to every later use of those rows. The step is found in the diagonal blocks of (beta P) K^T, whose row t holds
+k_t, p_t and beta_t, and in g as stored (`chunk.gate_edge`): on a clean chunk the guard is isfinite selects on
+16 x 16 blocks, five reductions to one row and a select at the store."""
 
 import triton
 import triton.language as tl
@@ -26,15 +27,24 @@ SUB = tl.constexpr(16)  # sub-block of the blocked transform: 4 x 4 blocks of 16
 
 @triton.jit
 def _l_block(pk, bk, gr_i, kt, gc_j, DIAGONAL: tl.constexpr):
-    """Block (i, j) of L = strict_lower((beta P) K^T * E) from P and beta on block i's rows (pk bf16 [SUB, K])
+    """(Block (i, j) of L = strict_lower((beta P) K^T * E), the first of its rows whose (beta P) K^T holds a
+    non-finite entry on or below the diagonal, SUB if none) from P and beta on block i's rows (pk bf16 [SUB, K])
     and K^T on block j's ([K, SUB]), beta applied in fp32 after the product; a diagonal block keeps only its
-    strictly lower part. gr_i is the read's log-decay on block i's rows (gc in the spec's order). Its non-finite
-    entries are zeroed: their rows are NaN in A (`_transform_kernel`)."""
+    strictly lower part. gr_i is the read's log-decay on block i's rows (gc in the spec's order). The block's
+    non-finite entries are zeroed: their rows are NaN in A (`_transform_kernel`). A diagonal block's row r holds
+    p_r, beta_r and k_r in (beta P) K^T's diagonal entry, so the diagonal blocks' rows see every non-finite k, p and
+    beta of the chunk at its own step."""
+    pkb = tl.dot(pk, kt) * bk[:, None]
     diff = gr_i[:, None] - gc_j[None, :]
     if DIAGONAL:
-        diff = tl.where(tl.arange(0, SUB)[:, None] > tl.arange(0, SUB)[None, :], diff, float("-inf"))
-    block, _ = finite_part(tl.dot(pk, kt) * bk[:, None] * tl.exp(diff), SUB, False)
-    return block
+        r = tl.arange(0, SUB)
+        diff = tl.where(r[:, None] > r[None, :], diff, float("-inf"))
+        pkb_seen = tl.where(r[:, None] >= r[None, :], pkb, 0.0)
+    else:
+        pkb_seen = pkb
+    _, edge = finite_part(pkb_seen, SUB, False)
+    block, _ = finite_part(pkb * tl.exp(diff), SUB, False)
+    return block, edge
 
 
 @triton.jit
@@ -73,14 +83,6 @@ def _store_block(A, a_base, i: tl.constexpr, j: tl.constexpr, blk, edge):
 
 
 @triton.jit
-def _tile_edge(edge, x, first, TRANSPOSED: tl.constexpr = False):
-    """min(edge, the chunk row of x's first row holding a non-finite entry), x a block of SUB rows from chunk row
-    `first` ([K, SUB] where TRANSPOSED)."""
-    _, e = finite_part(x, SUB, False, TRANSPOSED)
-    return tl.where(e < SUB, tl.minimum(edge, e + first), edge)  # e = SUB: none
-
-
-@triton.jit
 def _transform_kernel(k, p, beta, g, A, N, H, K: tl.constexpr, GROUP: tl.constexpr = 1,
                       READ_FIRST: tl.constexpr = False):
     """A = (I + L)^-1 of one chunk by 16 x 16 blocks, in fp32: the four diagonal blocks D_i by _inv_unit_lower,
@@ -106,31 +108,27 @@ def _transform_kernel(k, p, beta, g, A, N, H, K: tl.constexpr, GROUP: tl.constex
     # supported Triton (8 KB at K = 128), where from 3.7, which moves each read of such a buffer to the tile's first
     # use, tiles loaded up front would sit there together (32 KB: 6 CTAs an SM, not the 8 that registers allow).
     p0 = tl.load(row_ptrs(p, kbase, t0, HK * K, K, SUB)).to(tl.bfloat16)
-    edge = _tile_edge(edge, p0, 0)
     kt = tl.load(row_ptrs_t(k, kbase, t0, HK * K, K, SUB)).to(tl.bfloat16)
-    edge = _tile_edge(edge, kt, 0, True)
-    L00 = _l_block(p0, b0, gr0, kt, gc0, True)
+    L00, e0 = _l_block(p0, b0, gr0, kt, gc0, True)
     p1 = tl.load(row_ptrs(p, kbase, t0 + SUB, HK * K, K, SUB)).to(tl.bfloat16)
-    edge = _tile_edge(edge, p1, SUB)
-    L10 = _l_block(p1, b1, gr1, kt, gc0, False)
+    L10, _ = _l_block(p1, b1, gr1, kt, gc0, False)
     p2 = tl.load(row_ptrs(p, kbase, t0 + 2 * SUB, HK * K, K, SUB)).to(tl.bfloat16)
-    edge = _tile_edge(edge, p2, 2 * SUB)
-    L20 = _l_block(p2, b2, gr2, kt, gc0, False)
+    L20, _ = _l_block(p2, b2, gr2, kt, gc0, False)
     p3 = tl.load(row_ptrs(p, kbase, t0 + 3 * SUB, HK * K, K, SUB)).to(tl.bfloat16)
-    edge = _tile_edge(edge, p3, 3 * SUB)
-    L30 = _l_block(p3, b3, gr3, kt, gc0, False)
+    L30, _ = _l_block(p3, b3, gr3, kt, gc0, False)
     kt = tl.load(row_ptrs_t(k, kbase, t0 + SUB, HK * K, K, SUB)).to(tl.bfloat16)
-    edge = _tile_edge(edge, kt, SUB, True)
-    L11 = _l_block(p1, b1, gr1, kt, gc1, True)
-    L21 = _l_block(p2, b2, gr2, kt, gc1, False)
-    L31 = _l_block(p3, b3, gr3, kt, gc1, False)
+    L11, e1 = _l_block(p1, b1, gr1, kt, gc1, True)
+    L21, _ = _l_block(p2, b2, gr2, kt, gc1, False)
+    L31, _ = _l_block(p3, b3, gr3, kt, gc1, False)
     kt = tl.load(row_ptrs_t(k, kbase, t0 + 2 * SUB, HK * K, K, SUB)).to(tl.bfloat16)
-    edge = _tile_edge(edge, kt, 2 * SUB, True)
-    L22 = _l_block(p2, b2, gr2, kt, gc2, True)
-    L32 = _l_block(p3, b3, gr3, kt, gc2, False)
+    L22, e2 = _l_block(p2, b2, gr2, kt, gc2, True)
+    L32, _ = _l_block(p3, b3, gr3, kt, gc2, False)
     kt = tl.load(row_ptrs_t(k, kbase, t0 + 3 * SUB, HK * K, K, SUB)).to(tl.bfloat16)
-    edge = _tile_edge(edge, kt, 3 * SUB, True)
-    L33 = _l_block(p3, b3, gr3, kt, gc3, True)
+    L33, e3 = _l_block(p3, b3, gr3, kt, gc3, True)
+    edge = tl.minimum(edge, tl.where(e0 < SUB, e0, BT))
+    edge = tl.minimum(edge, tl.where(e1 < SUB, e1 + SUB, BT))
+    edge = tl.minimum(edge, tl.where(e2 < SUB, e2 + 2 * SUB, BT))
+    edge = tl.minimum(edge, tl.where(e3 < SUB, e3 + 3 * SUB, BT))
     D0 = _inv_unit_lower(L00)
     D1 = _inv_unit_lower(L11)
     D2 = _inv_unit_lower(L22)
