@@ -1,7 +1,7 @@
 """comba-bwd's rule for non-finite values (`reference.py` states it), on the eager reference (forward and analytic
 backward), on `comba_attention`'s CPU calls differentiated by autograd, and on the fused kernels (`dispatch`'s
 Triton path): the plain call, the model call (a carried state, grouped value heads, fla's read order) and packed
-sequences (a carried state, the spec's read order). A NaN or inf at step t = 100 of a 130-step sequence (inside its
+sequences (a carried state, the spec's read order). A NaN or inf at step t = 100 of a 110-step sequence (inside its
 second chunk, so that chunk's products see it) in q, k, v, p, beta or g does, against the clean call:
 
 - no output before t changes, and the step's output is non-finite;
@@ -25,7 +25,7 @@ from test_model_interface import model_inputs, pack
 
 TRITON_DEVICE = "cuda" if HAS_CUDA else "cpu"
 DTYPE = torch.bfloat16 if HAS_CUDA else torch.float32
-T, K, V = 130, 64, 64
+T, K, V = 110, 64, 64  # two chunks, the bad step inside the second
 STEP = 100  # the bad step of the bad sequence
 LENGTHS = [40, T, 20]  # the packed call: the bad sequence between two others
 SCALE = 0.3
