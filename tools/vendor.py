@@ -26,6 +26,7 @@ VENDORED = {
     "launch.py": ("ldsa", "log-mel", "based-bwd", "comba-bwd"),
     "autocast.py": ("ldsa", "log-mel", "based-bwd", "comba-bwd"),
     "differentiation.py": ("ldsa", "based-bwd", "comba-bwd"),
+    "finite.py": ("based-bwd", "comba-bwd"),
 }
 HEADER = "# Generated from common/{name} by `python -m tools.vendor`: edit that file, not this copy.\n"
 INIT = ("# Generated from common/ by `python -m tools.vendor`.\n"

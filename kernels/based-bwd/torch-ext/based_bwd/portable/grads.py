@@ -30,7 +30,7 @@ type. Where a product wants the other orientation of an operand, it takes tl.tra
 of a dot result (the wgmma miscompile of fla #640).
 
 Non-finite values keep to the steps that read them (`reference.py` states the rule). The causal chunk products
-A v and ds k (dq) take their operand's finite part (`tiles._finite_part`) and are NaN from the chunk's first row
+A v and ds k (dq) take their operand's finite part (`common.finite`) and are NaN from the chunk's first row
 holding a non-finite entry on, as A^T g and ds^T q~ (dk, dv) are in reverse, up to its last. v's and g's finite
 parts also feed g v^T and v g^T, whose rows that read a non-finite entry are NaN through num, delta and h anyway;
 s and s^T take q and k as they are, since their masked entries are selected away, not multiplied.
@@ -39,8 +39,9 @@ s and s^T take q and k as they are, since their masked entries are selected away
 import triton
 import triton.language as tl
 
+from ..common.finite import finite_part, reached
 from .states import _chunk_at, _pair_row
-from .tiles import _EPS, _dot, _finite_part, _load_rows, _reached, _store_rows, operand_type
+from .tiles import _EPS, _dot, _load_rows, _store_rows, operand_type
 
 # V is held whole by a chunk program (delta_i = do_i . o_i needs all of it); wider V takes the reference.
 MAX_V = 256
@@ -146,8 +147,8 @@ def _dq_kernel(
     q_c = _load_rows(q, t0, T, H * K, K, C, BK)
     k_c = _load_rows(k, t0, T, H * K, K, C, BK)
     k_t = tl.trans(k_c)
-    k_fin, k_edge = _finite_part(k_c, C, False)  # the operand of ds k; s takes k as it is
-    v_c, v_edge = _finite_part(_load_rows(v, t0, T, H * V, V, C, BV), C, False)
+    k_fin, k_edge = finite_part(k_c, C, False)  # the operand of ds k; s takes k as it is
+    v_c, v_edge = finite_part(_load_rows(v, t0, T, H * V, V, C, BV), C, False)
     do_c = _load_rows(do, t0, T, H * V, V, C, BV)
     lin_mask = (kc < K)[:, None] & (vc < V)[None, :]
     S0 = tl.load(S + vc, mask=vc < V, other=0.0).to(tl.float32)
@@ -161,7 +162,7 @@ def _dq_kernel(
     num = S0[None, :] + scale * _dot(DOT, q_c, S1) + _dot(DOT, A, v_c)
     den = z0 + scale * tl.sum(q_c.to(tl.float32) * z1[None, :], 1) + tl.sum(A, 1)
     num, den = _quad_readout(num, den, 0.5 * scale * scale, q_c, q, t0, T, H * K, S, Z, V, K, BK, BV, C, DOT)
-    num = _reached(num, v_edge, C, False)  # through delta and h, every later use of those rows
+    num = reached(num, v_edge, C, False)  # through delta and h, every later use of those rows
     r = 1.0 / (den + _EPS)
     delta = r * tl.sum(do_c.to(tl.float32) * num, 1)
 
@@ -174,7 +175,7 @@ def _dq_kernel(
     ds = tl.where(causal, (_dot(DOT, g, tl.trans(v_c)) + hn[:, None]) * (1.0 + s), 0.0)
     dqs = _dot(DOT, ds, k_fin) + _dot(DOT, g, tl.trans(S1)) + hn[:, None] * z1[None, :]
     dqs += scale * _quad_grad(q, t0, T, H * K, g, S, Z, hn, V, K, BK, BV, C, DOT)
-    dqs = _reached(dqs, k_edge, C, False)
+    dqs = reached(dqs, k_edge, C, False)
     _store_rows(dq, scale * dqs, t0, T, H * K, K, C, BK)
 
 
@@ -199,11 +200,11 @@ def _dkdv_kernel(
     vc = tl.arange(0, BV)
     kc = tl.arange(0, BK)
     q_c = _load_rows(q, t0, T, H * K, K, C, BK)
-    q_fin, q_edge = _finite_part(q_c, C, True)  # the operand of ds^T q~; s^T takes q as it is
+    q_fin, q_edge = finite_part(q_c, C, True)  # the operand of ds^T q~; s^T takes q as it is
     k_c = _load_rows(k, t0, T, H * K, K, C, BK)
     v_c = _load_rows(v, t0, T, H * V, V, C, BV)
     hn = _load_vec(h_in, t0, T, C)
-    g, g_edge = _finite_part(_load_rows(g_in, t0, T, H * V, V, C, BV), C, True)
+    g, g_edge = finite_part(_load_rows(g_in, t0, T, H * V, V, C, BV), C, True)
     lin_mask = (kc < K)[:, None] & (vc < V)[None, :]
     dS0 = tl.load(dS + vc, mask=vc < V, other=0.0).to(tl.float32)
     dS1 = tl.load(dS + (1 + kc)[:, None] * V + vc[None, :], mask=lin_mask, other=0.0)
@@ -219,8 +220,8 @@ def _dkdv_kernel(
                          C, DOT)[0]
     ones = tl.full([C], 1.0, tl.float32)
     dk_c += 2.0 * _quad_grad(k, t0, T, H * K, v_c, dS, dZ, ones, V, K, BK, BV, C, DOT)
-    dv_c = _reached(dv_c, g_edge, C, True)
-    dk_c = _reached(dk_c, q_edge, C, True)
+    dv_c = reached(dv_c, g_edge, C, True)
+    dk_c = reached(dk_c, q_edge, C, True)
     _store_rows(dk, dk_c, t0, T, H * K, K, C, BK)
     _store_rows(dv, dv_c, t0, T, H * V, V, C, BV)
 

@@ -15,7 +15,7 @@ product: q~ (x) q~ is formed in registers as an outer product reshaped to K^2 co
 gathered from the packed state by the load.
 
 A non-finite value at step t reaches no row before t: the C x C product A v takes v's finite part and the rows
-from the chunk's first non-finite v on are NaN (`tiles._finite_part`); a non-finite k or q reaches the rows that
+from the chunk's first non-finite v on are NaN (`common.finite`); a non-finite k or q reaches the rows that
 read it through s, whose masked entries are selected away, not multiplied.
 
 Precision: matmuls take bf16 operands (the inputs', the state's and the features' rounding) with fp32
@@ -26,8 +26,9 @@ head plus a bf16 tail against q (exact for bf16 inputs).
 import triton
 import triton.language as tl
 
+from ..common.finite import finite_part, reached
 from .states import _chunk_at, _pair_row
-from .tiles import _EPS, _dot, _finite_part, _load_rows, _reached, _store_rows, operand_type
+from .tiles import _EPS, _dot, _load_rows, _store_rows, operand_type
 
 
 @triton.jit
@@ -78,7 +79,7 @@ def _output_kernel(
     # K real ones
     q_c = _load_rows(q, t0, T, H * K, K, C, BK)
     k_c = _load_rows(k, t0, T, H * K, K, C, BK)
-    v_c, v_edge = _finite_part(_load_rows(v, t0, T, H * V, nv, C, BV), C, False)
+    v_c, v_edge = finite_part(_load_rows(v, t0, T, H * V, nv, C, BV), C, False)
     if BK == K:
         q_k = q_c
     else:
@@ -97,7 +98,7 @@ def _output_kernel(
     A = tl.where(causal, 1.0 + s + 0.5 * s * s, 0.0)
     q2 = _outer_rows(q_k, 0.5 * scale * scale, KK, C, DOT)
     num = S0[None, :] + scale * _dot(DOT, q_c, S1) + _dot(DOT, q2, S2) + _dot(DOT, A, v_c)
-    num = _reached(num, v_edge, C, False)
+    num = reached(num, v_edge, C, False)
     q32 = q_c.to(tl.float32)
     den = z0 + tl.sum(q32 * (scale * z1[None, :] + (0.5 * scale * scale) * _split_dot(DOT, q_c, Z2)), 1)
     den += tl.sum(A, 1)

@@ -1,17 +1,8 @@
 """Tile helpers the stage kernels share: row-tile loads and stores of (B, T, H, D) tensors, the sequence offset
-of a (b, h) program, the matmul in the kernels' operand type (and that type for an input dtype), the guard of a
-causal product against non-finite values, and the normaliser's epsilon.
-
-A causal product A @ x over a chunk (A zero above its diagonal, row i reading the rows j <= i of x; REVERSE: zero
-below it, row i reading the rows j >= i) must not carry a non-finite x_j to the rows that do not read it, as a
-masked weight of 0 times inf is NaN (`reference.py` states the rule). Its operand is x with the non-finite entries
-zeroed (`_finite_part`, applied where x is loaded, so that the operand goes to shared memory as an unguarded one
-would), and the finished sum is NaN in every row that reads one: from the chunk's first row holding a non-finite
-entry on (REVERSE: up to its last), in every column (`_reached`, applied to the sum after the product accumulates
-into it, so that the product keeps accumulating in place). The reference's product is non-finite only in the
-columns that hold one; a per-column edge would hold a vector in the accumulator's layout (32 registers a thread
-at 128 columns on 4 warps), the row edge holds one. On a clean chunk the guard is an isfinite select on the
-operand, a reduction of it to one row index, and a select on the sum.
+of a (b, h) program, the matmul in the kernels' operand type (and that type for an input dtype), and the
+normaliser's epsilon. The guard of a causal product against non-finite values is `common.finite`'s (`reference.py`
+states the rule); the reference's product is non-finite only in the columns that hold one, the guard's in the whole
+row.
 """
 
 
@@ -52,31 +43,6 @@ def _dot(DOT: tl.constexpr, a, b):
     if DOT == tl.float32:
         return tl.dot(a.to(DOT), b.to(DOT), input_precision="ieee")
     return tl.dot(a.to(DOT), b.to(DOT))
-
-
-@triton.jit
-def _finite_part(x, C: tl.constexpr, REVERSE: tl.constexpr):
-    """(x [C, W] with its non-finite entries zeroed, the first of its rows holding one (C if none; REVERSE: the
-    last, -1 if none)): the operand of a causal product, and the edge `_reached` takes."""
-    finite = tl.abs(x.to(tl.float32)) < float("inf")  # false for NaN
-    rows = tl.arange(0, C)[:, None]
-    if REVERSE:
-        edge = tl.max(tl.max(tl.where(finite, -1, rows), 1), 0)
-    else:
-        edge = tl.min(tl.min(tl.where(finite, C, rows), 1), 0)
-    return tl.where(finite, x, 0.0), edge
-
-
-@triton.jit
-def _reached(y, edge, C: tl.constexpr, REVERSE: tl.constexpr):
-    """y [C, W], a sum holding a causal product of `_finite_part`'s operand, NaN in the rows that read the
-    operand's non-finite entries: rows >= edge (REVERSE: rows <= edge)."""
-    rows = tl.arange(0, C)
-    if REVERSE:
-        reached = rows <= edge
-    else:
-        reached = rows >= edge
-    return tl.where(reached[:, None], float("nan"), y)
 
 
 @triton.jit

@@ -67,6 +67,18 @@ def gates(g, beta, scal_base, t0, H, R: tl.constexpr = BT, offset=None):
 
 
 @triton.jit
+def gate_edge(g, beta, scal_base, t0, H, R: tl.constexpr = BT):
+    """The first of the R rows from t0 whose beta is non-finite or whose g is NaN or +inf (g = -inf is a reset), R if
+    none: read from the values as stored, since `gates`' floor may take a NaN to FLOOR (a GPU's max returns the
+    number)."""
+    r = tl.arange(0, R)
+    gk = tl.load(g + scal_base + (t0 + r) * H).to(tl.float32)
+    bk = tl.load(beta + scal_base + (t0 + r) * H).to(tl.float32)
+    finite = (gk < float("inf")) & (tl.abs(bk) < float("inf"))
+    return tl.min(tl.where(finite, R, r), 0)
+
+
+@triton.jit
 def read_log_decay(g, scal_base, t0, H, gc, READ_FIRST: tl.constexpr, R: tl.constexpr = BT):
     """The log-decay that the read of each of the R rows from t0 sees, given their gc: gc itself in the spec's order,
     gr = gc - g (g floored, as `gates` floors it) in fla's (READ_FIRST)."""

@@ -3,11 +3,18 @@ serial over the chunks, S_n (bf16, the state before chunk n) and Vn = A (beta V)
 that the chunk-parallel output and gradient kernels read their chunk's state without a scan of their own. A model's
 call starts from a carried state (HAS_S0) and stores the state after the last chunk in fp32 (STORE_FINAL); packed
 sequences laid out chunk-aligned in a batch of one (PACKED) take a program per sequence, value head and V block, over
-that sequence's chunks (`chunk.scan_range`); fla's read order (READ_FIRST) takes the read's decay in W."""
+that sequence's chunks (`chunk.scan_range`); fla's read order (READ_FIRST) takes the read's decay in W.
+
+A non-finite input at step t reaches no row of Vn before t: A's rows from the chunk's first non-finite k, p, beta or
+g on are NaN (`transform`), which carries those to Vn's rows; A's products take the finite part of their operands
+beta V and beta gam P (`common.finite.finite_part`), and Vn is NaN from beta V's first row holding a non-finite entry
+on (`common.finite.reached`: v, the one input A does not see). The state after the chunk, which sums all of Vn's
+rows, is then NaN as well (in the program's V block)."""
 
 import triton
 import triton.language as tl
 
+from ..common.finite import finite_part, reached
 from ..reference import CHUNK
 from .chunk import (BT, SCAN_WARPS, group, key_head, read_log_decay, row_ptrs, row_ptrs_t, scan_block, scan_chunk,
                     scan_range, scan_stages, state_ptrs)
@@ -27,9 +34,12 @@ def _forward_step(k, v, p, beta, g, A, S_out, Vn_out, S, n, bh, scal_base, kb, N
     pk = tl.load(row_ptrs(p, kb * K, t0, HK * K, K))
     # Both products accumulate into the other term in place, so that no second [BT | K, BV] fp32 tile is live (the
     # scan does not spill at K = 64).
-    U = tl.dot(a, (vk * bk[:, None]).to(tl.bfloat16))                      # A (beta V)
-    W_neg = tl.dot(a, (pk * -(bk * gam)[:, None]).to(tl.bfloat16))         # -A (beta gam P)
-    Vn = tl.dot(W_neg.to(tl.bfloat16), S.to(tl.bfloat16), acc=U).to(tl.bfloat16)
+    bv, v_edge = finite_part((vk * bk[:, None]).to(tl.bfloat16), BT, False)
+    bp, _ = finite_part((pk * -(bk * gam)[:, None]).to(tl.bfloat16), BT, False)  # rows holding one: NaN in A
+    U = tl.dot(a, bv)                                                     # A (beta V)
+    W_neg = tl.dot(a, bp)                                                 # -A (beta gam P)
+    Vn = tl.dot(W_neg.to(tl.bfloat16), S.to(tl.bfloat16), acc=U)
+    Vn = reached(Vn, v_edge, BT, False).to(tl.bfloat16)
     tl.store(Vn_out + (bh.to(tl.int64) * T + t0 + r)[:, None] * V + cv[None, :], Vn.to(Vn_out.dtype.element_ty))
     kt = tl.load(row_ptrs_t(k, kb * K, t0, HK * K, K))
     kt_to_end = (kt * tl.exp(glast - gc)[None, :]).to(tl.bfloat16)       # (K * Gam / gam)^T

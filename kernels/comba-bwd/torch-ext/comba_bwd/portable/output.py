@@ -1,11 +1,18 @@
 """The forward's output in Triton, chunk-parallel: per (b, h, chunk), O = scale [(gam Q) S_n + (lower(Q K^T) * E) Vn],
 from the chunk-start states S_n and the corrected values Vn that the forward scan (`forward_scan`) leaves in HBM. Both
 products accumulate into one fp32 [64, V] tile; Q K^T's scale and decay are applied in fp32 ahead of its rounding to
-bf16."""
+bf16.
+
+A non-finite input at step t reaches no row of O before t: Q K^T takes K's finite part and the product with Vn Vn's
+(`common.finite.finite_part`: a masked weight of 0 times a non-finite k_j or Vn_j would reach the rows before j),
+and O is NaN from Vn's first row holding a non-finite entry on (`common.finite.reached`), which the forward scan
+makes NaN from the chunk's first non-finite k, v, p, beta or g on; a non-finite q reaches its own row.
+"""
 
 import triton
 import triton.language as tl
 
+from ..common.finite import finite_part, reached
 from ..reference import CHUNK
 from .chunk import BT, chunk_offsets, decay, gates, group, key_head, row_ptrs, row_ptrs_t
 
@@ -30,13 +37,14 @@ def _output_kernel(q, k, beta, g, S_in, Vn_in, o, scale, N, H, K: tl.constexpr, 
     else:
         cv = tl.program_id(0) % (V // BV) * BV + tl.arange(0, BV)
     qk = tl.load(row_ptrs(q, kb * K, t0, HK * K, K))
-    kt = tl.load(row_ptrs_t(k, kb * K, t0, HK * K, K)).to(tl.bfloat16)
-    scores = tl.dot(qk.to(tl.bfloat16), kt) * (scale * decay(gc, False, False))      # scale lower(Q K^T) * E
+    kt, _ = finite_part(tl.load(row_ptrs_t(k, kb * K, t0, HK * K, K)), BT, False, True)
+    scores = tl.dot(qk.to(tl.bfloat16), kt.to(tl.bfloat16)) * (scale * decay(gc, False, False))  # lower(Q K^T) E
     q_gam = (qk * (scale * tl.exp(gc))[:, None]).to(tl.bfloat16)                       # scale gam Q
     s = tl.load(S_in + (chunk * K + tl.arange(0, K)[:, None]) * V + cv[None, :]).to(tl.bfloat16)
-    vn = tl.load(Vn_in + rows[:, None] * V + cv[None, :]).to(tl.bfloat16)
+    vn, vn_edge = finite_part(tl.load(Vn_in + rows[:, None] * V + cv[None, :]), BT, False)
     out = tl.dot(q_gam, s)
-    out = tl.dot(scores.to(tl.bfloat16), vn, acc=out)
+    out = tl.dot(scores.to(tl.bfloat16), vn.to(tl.bfloat16), acc=out)
+    out = reached(out, vn_edge, BT, False)
     tl.store(o + scal_base * V + (t0 + r)[:, None] * (H * V) + cv[None, :], out.to(o.dtype.element_ty))
 
 

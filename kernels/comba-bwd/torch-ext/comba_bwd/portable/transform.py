@@ -1,14 +1,23 @@
 """The chunk transform in Triton: A = (I + L)^-1 of each chunk, L = strict_lower((beta P) K^T * E), solved in fp32
 by 16 x 16 blocks, one warp a chunk, and stored in A's dtype (bf16, a tensor-core operand of the scans, as fla uses
 it; beta and the decay are applied to the other operand there). A lives in HBM: solved in the scans, it would sit on
-their serial path."""
+their serial path.
+
+A non-finite input at step t reaches no row of A before t (`reference.py` states the rule): L's entries are taken
+finite (`common.finite.finite_part`: a masked weight of 0 times a non-finite k_j, or a non-finite row's entries,
+would reach the earlier rows through the solve's products), and A's rows from the chunk's first step with a
+non-finite k, p, beta or g (g = -inf excepted) on are stored NaN (`common.finite.reached`), which carries the value
+to every later use of those rows. The step is found in the diagonal blocks of (beta P) K^T, whose row t holds
+k_t, p_t and beta_t, and in g as stored (`chunk.gate_edge`): on a clean chunk the guard is isfinite selects on
+16 x 16 blocks, five reductions to one row and a select at the store."""
 
 import triton
 import triton.language as tl
 
+from ..common.finite import finite_part, reached
 from ..common.tf32 import tf32_high
 from ..reference import CHUNK
-from .chunk import BT, chunk_offsets, gates, group, key_head, read_log_decay, row_ptrs, row_ptrs_t
+from .chunk import BT, chunk_offsets, gate_edge, gates, group, key_head, read_log_decay, row_ptrs, row_ptrs_t
 
 # One warp a chunk: faster than 2 or 4.
 TRANSFORM_WARPS = 1
@@ -18,13 +27,24 @@ SUB = tl.constexpr(16)  # sub-block of the blocked transform: 4 x 4 blocks of 16
 
 @triton.jit
 def _l_block(pk, bk, gr_i, kt, gc_j, DIAGONAL: tl.constexpr):
-    """Block (i, j) of L = strict_lower((beta P) K^T * E) from P and beta on block i's rows (pk bf16 [SUB, K])
+    """(Block (i, j) of L = strict_lower((beta P) K^T * E), the first of its rows whose (beta P) K^T holds a
+    non-finite entry on or below the diagonal, SUB if none) from P and beta on block i's rows (pk bf16 [SUB, K])
     and K^T on block j's ([K, SUB]), beta applied in fp32 after the product; a diagonal block keeps only its
-    strictly lower part. gr_i is the read's log-decay on block i's rows (gc in the spec's order)."""
+    strictly lower part. gr_i is the read's log-decay on block i's rows (gc in the spec's order). The block's
+    non-finite entries are zeroed: their rows are NaN in A (`_transform_kernel`). A diagonal block's row r holds
+    p_r, beta_r and k_r in (beta P) K^T's diagonal entry, so the diagonal blocks' rows see every non-finite k, p and
+    beta of the chunk at its own step."""
+    pkb = tl.dot(pk, kt) * bk[:, None]
     diff = gr_i[:, None] - gc_j[None, :]
     if DIAGONAL:
-        diff = tl.where(tl.arange(0, SUB)[:, None] > tl.arange(0, SUB)[None, :], diff, float("-inf"))
-    return tl.dot(pk, kt) * bk[:, None] * tl.exp(diff)
+        r = tl.arange(0, SUB)
+        diff = tl.where(r[:, None] > r[None, :], diff, float("-inf"))
+        pkb_seen = tl.where(r[:, None] >= r[None, :], pkb, 0.0)
+    else:
+        pkb_seen = pkb
+    _, edge = finite_part(pkb_seen, SUB, False)
+    block, _ = finite_part(pkb * tl.exp(diff), SUB, False)
+    return block, edge
 
 
 @triton.jit
@@ -55,8 +75,10 @@ def _mm(a, b):
 
 
 @triton.jit
-def _store_block(A, a_base, i: tl.constexpr, j: tl.constexpr, blk):
+def _store_block(A, a_base, i: tl.constexpr, j: tl.constexpr, blk, edge):
+    """Block (i, j) of A, NaN on the chunk's rows from `edge` on."""
     r = tl.arange(0, SUB)
+    blk = reached(blk, edge - i * SUB, SUB, False)
     tl.store(A + a_base + (r + i * SUB)[:, None] * BT + (r + j * SUB)[None, :], blk.to(A.dtype.element_ty))
 
 
@@ -66,7 +88,8 @@ def _transform_kernel(k, p, beta, g, A, N, H, K: tl.constexpr, GROUP: tl.constex
     """A = (I + L)^-1 of one chunk by 16 x 16 blocks, in fp32: the four diagonal blocks D_i by _inv_unit_lower,
     then the off-diagonal blocks from them by block products (_mm, fp32-accurate); stored in A's dtype (bf16
     for the scans' tensor-core operands, fp32 in the tests). H value heads, GROUP of them a key head. In fla's read
-    order (READ_FIRST) L's rows take the read's log-decay gr (`chunk.read_log_decay`)."""
+    order (READ_FIRST) L's rows take the read's log-decay gr (`chunk.read_log_decay`). A's rows from the chunk's
+    first step with a non-finite k, p, beta or g on are NaN (the module docstring)."""
     scal_base, t0, chunk, _ = chunk_offsets(N, H)
     kb, HK = key_head(scal_base, tl.program_id(1), N * BT, H, GROUP)
     kbase = kb * K
@@ -78,6 +101,7 @@ def _transform_kernel(k, p, beta, g, A, N, H, K: tl.constexpr, GROUP: tl.constex
     gr1 = read_log_decay(g, scal_base, t0 + SUB, H, gc1, READ_FIRST, SUB)
     gr2 = read_log_decay(g, scal_base, t0 + 2 * SUB, H, gc2, READ_FIRST, SUB)
     gr3 = read_log_decay(g, scal_base, t0 + 3 * SUB, H, gc3, READ_FIRST, SUB)
+    edge = gate_edge(g, beta, scal_base, t0, H)
     # Every block of L first, so that the P and K tiles are dead before the substitutions, by columns, with P on each
     # block's rows and K^T on each block's columns (loaded transposed) each loaded at its first use. A tile goes to its
     # dot operand layout through shared memory; loaded at its first use, it leaves shared memory at once under every
@@ -85,22 +109,26 @@ def _transform_kernel(k, p, beta, g, A, N, H, K: tl.constexpr, GROUP: tl.constex
     # use, tiles loaded up front would sit there together (32 KB: 6 CTAs an SM, not the 8 that registers allow).
     p0 = tl.load(row_ptrs(p, kbase, t0, HK * K, K, SUB)).to(tl.bfloat16)
     kt = tl.load(row_ptrs_t(k, kbase, t0, HK * K, K, SUB)).to(tl.bfloat16)
-    L00 = _l_block(p0, b0, gr0, kt, gc0, True)
+    L00, e0 = _l_block(p0, b0, gr0, kt, gc0, True)
     p1 = tl.load(row_ptrs(p, kbase, t0 + SUB, HK * K, K, SUB)).to(tl.bfloat16)
-    L10 = _l_block(p1, b1, gr1, kt, gc0, False)
+    L10, _ = _l_block(p1, b1, gr1, kt, gc0, False)
     p2 = tl.load(row_ptrs(p, kbase, t0 + 2 * SUB, HK * K, K, SUB)).to(tl.bfloat16)
-    L20 = _l_block(p2, b2, gr2, kt, gc0, False)
+    L20, _ = _l_block(p2, b2, gr2, kt, gc0, False)
     p3 = tl.load(row_ptrs(p, kbase, t0 + 3 * SUB, HK * K, K, SUB)).to(tl.bfloat16)
-    L30 = _l_block(p3, b3, gr3, kt, gc0, False)
+    L30, _ = _l_block(p3, b3, gr3, kt, gc0, False)
     kt = tl.load(row_ptrs_t(k, kbase, t0 + SUB, HK * K, K, SUB)).to(tl.bfloat16)
-    L11 = _l_block(p1, b1, gr1, kt, gc1, True)
-    L21 = _l_block(p2, b2, gr2, kt, gc1, False)
-    L31 = _l_block(p3, b3, gr3, kt, gc1, False)
+    L11, e1 = _l_block(p1, b1, gr1, kt, gc1, True)
+    L21, _ = _l_block(p2, b2, gr2, kt, gc1, False)
+    L31, _ = _l_block(p3, b3, gr3, kt, gc1, False)
     kt = tl.load(row_ptrs_t(k, kbase, t0 + 2 * SUB, HK * K, K, SUB)).to(tl.bfloat16)
-    L22 = _l_block(p2, b2, gr2, kt, gc2, True)
-    L32 = _l_block(p3, b3, gr3, kt, gc2, False)
+    L22, e2 = _l_block(p2, b2, gr2, kt, gc2, True)
+    L32, _ = _l_block(p3, b3, gr3, kt, gc2, False)
     kt = tl.load(row_ptrs_t(k, kbase, t0 + 3 * SUB, HK * K, K, SUB)).to(tl.bfloat16)
-    L33 = _l_block(p3, b3, gr3, kt, gc3, True)
+    L33, e3 = _l_block(p3, b3, gr3, kt, gc3, True)
+    edge = tl.minimum(edge, tl.where(e0 < SUB, e0, BT))
+    edge = tl.minimum(edge, tl.where(e1 < SUB, e1 + SUB, BT))
+    edge = tl.minimum(edge, tl.where(e2 < SUB, e2 + 2 * SUB, BT))
+    edge = tl.minimum(edge, tl.where(e3 < SUB, e3 + 3 * SUB, BT))
     D0 = _inv_unit_lower(L00)
     D1 = _inv_unit_lower(L11)
     D2 = _inv_unit_lower(L22)
@@ -120,22 +148,22 @@ def _transform_kernel(k, p, beta, g, A, N, H, K: tl.constexpr, GROUP: tl.constex
 
     a_base = chunk * BT * BT
     zero = tl.zeros([SUB, SUB], dtype=tl.float32)
-    _store_block(A, a_base, 0, 0, D0)
-    _store_block(A, a_base, 0, 1, zero)
-    _store_block(A, a_base, 0, 2, zero)
-    _store_block(A, a_base, 0, 3, zero)
-    _store_block(A, a_base, 1, 0, A10)
-    _store_block(A, a_base, 1, 1, D1)
-    _store_block(A, a_base, 1, 2, zero)
-    _store_block(A, a_base, 1, 3, zero)
-    _store_block(A, a_base, 2, 0, A20)
-    _store_block(A, a_base, 2, 1, A21)
-    _store_block(A, a_base, 2, 2, D2)
-    _store_block(A, a_base, 2, 3, zero)
-    _store_block(A, a_base, 3, 0, A30)
-    _store_block(A, a_base, 3, 1, A31)
-    _store_block(A, a_base, 3, 2, A32)
-    _store_block(A, a_base, 3, 3, D3)
+    _store_block(A, a_base, 0, 0, D0, edge)
+    _store_block(A, a_base, 0, 1, zero, edge)
+    _store_block(A, a_base, 0, 2, zero, edge)
+    _store_block(A, a_base, 0, 3, zero, edge)
+    _store_block(A, a_base, 1, 0, A10, edge)
+    _store_block(A, a_base, 1, 1, D1, edge)
+    _store_block(A, a_base, 1, 2, zero, edge)
+    _store_block(A, a_base, 1, 3, zero, edge)
+    _store_block(A, a_base, 2, 0, A20, edge)
+    _store_block(A, a_base, 2, 1, A21, edge)
+    _store_block(A, a_base, 2, 2, D2, edge)
+    _store_block(A, a_base, 2, 3, zero, edge)
+    _store_block(A, a_base, 3, 0, A30, edge)
+    _store_block(A, a_base, 3, 1, A31, edge)
+    _store_block(A, a_base, 3, 2, A32, edge)
+    _store_block(A, a_base, 3, 3, D3, edge)
 
 
 def launch(k, p, beta, g, A, read_first: bool = False):
