@@ -64,8 +64,22 @@ def test_import_violations(path: Path) -> list[str]:
     return found
 
 
+def test_name_violations() -> list[str]:
+    """Test modules sharing a file name: pytest imports each test folder's modules by their bare names (the
+    folders are not packages), so the second one of a name fails to collect."""
+    seen: dict[str, Path] = {}
+    found = []
+    for path in sorted([*(REPO_ROOT / "tests").rglob("test_*.py"), *(REPO_ROOT / "kernels").glob("*/tests/test_*.py")]):
+        first = seen.setdefault(path.name, path)
+        if first is not path:
+            found.append(f"{path.relative_to(REPO_ROOT)}: a test module of the same name as "
+                         f"{first.relative_to(REPO_ROOT)}: pytest collects only one of them")
+    return found
+
+
 def violations(kernels: list[Kernel]) -> list[str]:
     found = [v for k in kernels for f in shipped_files(k) for v in history_violations(f)]
+    found += test_name_violations()
     for folder in ("tools", "bench"):
         found += [v for f in sorted((REPO_ROOT / folder).rglob("*.py")) for v in test_import_violations(f)]
     found += [f"{p.relative_to(REPO_ROOT)}: stale vendored copy: run `python -m tools.vendor`" for p in vendor.stale()]

@@ -38,6 +38,15 @@ def test_tools_and_the_harness_import_no_test_helper(tmp_path, monkeypatch):
     assert [v.split(": ", 1)[0] for v in lint.test_import_violations(sample)] == ["tool.py:2", "tool.py:3"]
 
 
+def test_two_test_modules_of_one_name_are_flagged(tmp_path, monkeypatch):
+    monkeypatch.setattr(lint, "REPO_ROOT", tmp_path)
+    for folder, name in (("kernels/a/tests", "test_same.py"), ("kernels/b/tests", "test_same.py"),
+                         ("kernels/b/tests", "test_other.py"), ("tests", "test_top.py")):
+        (tmp_path / folder).mkdir(parents=True, exist_ok=True)
+        (tmp_path / folder / name).write_text("")
+    assert [v.split(": ", 1)[0] for v in lint.test_name_violations()] == ["kernels/b/tests/test_same.py"]
+
+
 def test_the_repo_passes_the_lint():
     out = subprocess.run([sys.executable, "-m", "tools.lint"], cwd=REPO_ROOT, capture_output=True, text=True)
     assert out.returncode == 0 and "lint: 0 violations" in out.stdout, out.stdout + out.stderr
