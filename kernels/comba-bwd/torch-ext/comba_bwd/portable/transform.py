@@ -10,8 +10,10 @@ from ..common.tf32 import tf32_high
 from ..reference import CHUNK
 from .chunk import BT, chunk_offsets, gates, group, key_head, read_log_decay, row_ptrs, row_ptrs_t
 
-# One warp a chunk: faster than 2 or 4.
-TRANSFORM_WARPS = 1
+# Warps a chunk by K. One warp at K = 64 and 128: faster than 2 or 4. At K = 256 a warp's [16, K] tiles of P and
+# K^T (each dot operand whole in every warp) spill about 1.4 KB at one warp and about 250 B at four
+# (tools.compile_offline, sm_90a); eight spill a little less but leave one CTA an SM.
+TRANSFORM_WARPS = {64: 1, 128: 1, 256: 4}
 
 SUB = tl.constexpr(16)  # sub-block of the blocked transform: 4 x 4 blocks of 16 x 16 per chunk
 
@@ -145,4 +147,4 @@ def launch(k, p, beta, g, A, read_first: bool = False):
     N = T // CHUNK
     order = {"READ_FIRST": True} if read_first else {}
     _transform_kernel[(N, B * HV)](k, p, beta, g, A, N, HV, k.shape[-1], **group(k, beta), **order,
-                                   num_warps=TRANSFORM_WARPS, num_stages=1)
+                                   num_warps=TRANSFORM_WARPS[k.shape[-1]], num_stages=1)
