@@ -53,11 +53,10 @@ SEED_SHAPES = [HUB.BENCH_SHAPE]
 # and up to 240 B over packed sequences with a state at (H, HV, K, V) = (8, 16, 128, 256), where each program's chunk
 # range is loaded (cu_chunks) and its value head taken from its flat program index: 236 B (fla's read order 240)
 # under Triton 3.6, 220 (232) under 3.7.1, 220 (212) under 3.8, 128 (132) under 3.9.
-# At K = 256 the chunk transform and the reverse scan hold the chunk's whole [16 | 64, K] tiles of k, p (and q) while
-# they multiply (`portable.transform`, `portable.chunk.SCAN_BLOCK`): under Triton 3.6 the transform spills up to 288 B
-# (fla's read order; 244 in the spec's), the reverse scan up to 604 B (packed sequences at fla's layer sizes; 448
-# without a carried state), the forward scan up to 184 B. These bounds are those of K = 256.
-SPILLS_BY_DESIGN = {"_reverse_scan_kernel": 610, "_transform_kernel": 290, "_forward_scan_kernel": 190}
+# At K = 256 the scans hold the chunk's whole [64, K] tiles of k, p (and q) while they multiply
+# (`portable.chunk.SCAN_BLOCK`): under Triton 3.6 the reverse scan spills up to 604 B (packed sequences at fla's
+# layer sizes; 448 without a carried state), the forward scan up to 184 B. These two bounds are those of K = 256.
+SPILLS_BY_DESIGN = {"_reverse_scan_kernel": 610, "_forward_scan_kernel": 190}
 
 # Decode: (B, H, K, V) at one new token, HV = H; the latency batch.
 DECODE_SHAPE = (64, 6, 256, 512)

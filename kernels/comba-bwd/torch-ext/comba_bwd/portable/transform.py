@@ -10,23 +10,32 @@ from ..common.tf32 import tf32_high
 from ..reference import CHUNK
 from .chunk import BT, chunk_offsets, gates, group, key_head, read_log_decay, row_ptrs, row_ptrs_t
 
-# Warps a chunk by K. One warp at K = 64 and 128: faster than 2 or 4. At K = 256 a warp's [16, K] tiles of P and
-# K^T (each dot operand whole in every warp) spill about 1.4 KB at one warp and about 250 B at four
-# (tools.compile_offline, sm_90a); eight spill a little less but leave one CTA an SM.
-TRANSFORM_WARPS = {64: 1, 128: 1, 256: 4}
+# One warp a chunk: faster than 2 or 4.
+TRANSFORM_WARPS = 1
+# The columns of P and K in one slice of L's products, by K: all of K at 64 and 128; at K = 256 four slices of 64,
+# each product accumulated over them, beta and the decay applied after the last (`_l_block`). Each dot operand is
+# whole in every warp, so whole [16, 256] tiles spill about 1.4 KB at one warp (250 B at four), slices of 128 about
+# 700 B, slices of 64 under 50 B (tools.compile_offline, sm_90a).
+TRANSFORM_SLICE = {64: 64, 128: 128, 256: 64}
 
 SUB = tl.constexpr(16)  # sub-block of the blocked transform: 4 x 4 blocks of 16 x 16 per chunk
 
 
 @triton.jit
-def _l_block(pk, bk, gr_i, kt, gc_j, DIAGONAL: tl.constexpr):
+def _l_block(pk, bk, gr_i, kt, gc_j, DIAGONAL: tl.constexpr, acc=None, LAST: tl.constexpr = True):
     """Block (i, j) of L = strict_lower((beta P) K^T * E) from P and beta on block i's rows (pk bf16 [SUB, K])
     and K^T on block j's ([K, SUB]), beta applied in fp32 after the product; a diagonal block keeps only its
-    strictly lower part. gr_i is the read's log-decay on block i's rows (gc in the spec's order)."""
-    diff = gr_i[:, None] - gc_j[None, :]
-    if DIAGONAL:
-        diff = tl.where(tl.arange(0, SUB)[:, None] > tl.arange(0, SUB)[None, :], diff, float("-inf"))
-    return tl.dot(pk, kt) * bk[:, None] * tl.exp(diff)
+    strictly lower part. gr_i is the read's log-decay on block i's rows (gc in the spec's order). On slices of K
+    (`TRANSFORM_SLICE`) pk and kt are one slice: the product accumulates into acc, that of the earlier slices, and
+    beta and the decay are applied after the LAST."""
+    if LAST:
+        diff = gr_i[:, None] - gc_j[None, :]
+        if DIAGONAL:
+            diff = tl.where(tl.arange(0, SUB)[:, None] > tl.arange(0, SUB)[None, :], diff, float("-inf"))
+        block = tl.dot(pk, kt, acc) * bk[:, None] * tl.exp(diff)
+    else:
+        block = tl.dot(pk, kt, acc)
+    return block
 
 
 @triton.jit
@@ -63,7 +72,7 @@ def _store_block(A, a_base, i: tl.constexpr, j: tl.constexpr, blk):
 
 
 @triton.jit
-def _transform_kernel(k, p, beta, g, A, N, H, K: tl.constexpr, GROUP: tl.constexpr = 1,
+def _transform_kernel(k, p, beta, g, A, N, H, K: tl.constexpr, KS: tl.constexpr, GROUP: tl.constexpr = 1,
                       READ_FIRST: tl.constexpr = False):
     """A = (I + L)^-1 of one chunk by 16 x 16 blocks, in fp32: the four diagonal blocks D_i by _inv_unit_lower,
     then the off-diagonal blocks from them by block products (_mm, fp32-accurate); stored in A's dtype (bf16
@@ -85,24 +94,27 @@ def _transform_kernel(k, p, beta, g, A, N, H, K: tl.constexpr, GROUP: tl.constex
     # dot operand layout through shared memory; loaded at its first use, it leaves shared memory at once under every
     # supported Triton (8 KB at K = 128), where from 3.7, which moves each read of such a buffer to the tile's first
     # use, tiles loaded up front would sit there together (32 KB: 6 CTAs an SM, not the 8 that registers allow).
-    p0 = tl.load(row_ptrs(p, kbase, t0, HK * K, K, SUB)).to(tl.bfloat16)
-    kt = tl.load(row_ptrs_t(k, kbase, t0, HK * K, K, SUB)).to(tl.bfloat16)
-    L00 = _l_block(p0, b0, gr0, kt, gc0, True)
-    p1 = tl.load(row_ptrs(p, kbase, t0 + SUB, HK * K, K, SUB)).to(tl.bfloat16)
-    L10 = _l_block(p1, b1, gr1, kt, gc0, False)
-    p2 = tl.load(row_ptrs(p, kbase, t0 + 2 * SUB, HK * K, K, SUB)).to(tl.bfloat16)
-    L20 = _l_block(p2, b2, gr2, kt, gc0, False)
-    p3 = tl.load(row_ptrs(p, kbase, t0 + 3 * SUB, HK * K, K, SUB)).to(tl.bfloat16)
-    L30 = _l_block(p3, b3, gr3, kt, gc0, False)
-    kt = tl.load(row_ptrs_t(k, kbase, t0 + SUB, HK * K, K, SUB)).to(tl.bfloat16)
-    L11 = _l_block(p1, b1, gr1, kt, gc1, True)
-    L21 = _l_block(p2, b2, gr2, kt, gc1, False)
-    L31 = _l_block(p3, b3, gr3, kt, gc1, False)
-    kt = tl.load(row_ptrs_t(k, kbase, t0 + 2 * SUB, HK * K, K, SUB)).to(tl.bfloat16)
-    L22 = _l_block(p2, b2, gr2, kt, gc2, True)
-    L32 = _l_block(p3, b3, gr3, kt, gc2, False)
-    kt = tl.load(row_ptrs_t(k, kbase, t0 + 3 * SUB, HK * K, K, SUB)).to(tl.bfloat16)
-    L33 = _l_block(p3, b3, gr3, kt, gc3, True)
+    # By slices of KS columns of P and K (`TRANSFORM_SLICE`): one slice up to K = 128, four at K = 256.
+    L00, L10, L20, L30, L11, L21, L31, L22, L32, L33 = None, None, None, None, None, None, None, None, None, None
+    for ks in tl.static_range(0, K, KS):
+        p0 = tl.load(row_ptrs(p, kbase + ks, t0, HK * K, KS, SUB)).to(tl.bfloat16)
+        kt = tl.load(row_ptrs_t(k, kbase + ks, t0, HK * K, KS, SUB)).to(tl.bfloat16)
+        L00 = _l_block(p0, b0, gr0, kt, gc0, True, L00, ks + KS == K)
+        p1 = tl.load(row_ptrs(p, kbase + ks, t0 + SUB, HK * K, KS, SUB)).to(tl.bfloat16)
+        L10 = _l_block(p1, b1, gr1, kt, gc0, False, L10, ks + KS == K)
+        p2 = tl.load(row_ptrs(p, kbase + ks, t0 + 2 * SUB, HK * K, KS, SUB)).to(tl.bfloat16)
+        L20 = _l_block(p2, b2, gr2, kt, gc0, False, L20, ks + KS == K)
+        p3 = tl.load(row_ptrs(p, kbase + ks, t0 + 3 * SUB, HK * K, KS, SUB)).to(tl.bfloat16)
+        L30 = _l_block(p3, b3, gr3, kt, gc0, False, L30, ks + KS == K)
+        kt = tl.load(row_ptrs_t(k, kbase + ks, t0 + SUB, HK * K, KS, SUB)).to(tl.bfloat16)
+        L11 = _l_block(p1, b1, gr1, kt, gc1, True, L11, ks + KS == K)
+        L21 = _l_block(p2, b2, gr2, kt, gc1, False, L21, ks + KS == K)
+        L31 = _l_block(p3, b3, gr3, kt, gc1, False, L31, ks + KS == K)
+        kt = tl.load(row_ptrs_t(k, kbase + ks, t0 + 2 * SUB, HK * K, KS, SUB)).to(tl.bfloat16)
+        L22 = _l_block(p2, b2, gr2, kt, gc2, True, L22, ks + KS == K)
+        L32 = _l_block(p3, b3, gr3, kt, gc2, False, L32, ks + KS == K)
+        kt = tl.load(row_ptrs_t(k, kbase + ks, t0 + 3 * SUB, HK * K, KS, SUB)).to(tl.bfloat16)
+        L33 = _l_block(p3, b3, gr3, kt, gc3, True, L33, ks + KS == K)
     D0 = _inv_unit_lower(L00)
     D1 = _inv_unit_lower(L11)
     D2 = _inv_unit_lower(L22)
@@ -146,5 +158,6 @@ def launch(k, p, beta, g, A, read_first: bool = False):
     B, T, HV = beta.shape
     N = T // CHUNK
     order = {"READ_FIRST": True} if read_first else {}
-    _transform_kernel[(N, B * HV)](k, p, beta, g, A, N, HV, k.shape[-1], **group(k, beta), **order,
-                                   num_warps=TRANSFORM_WARPS[k.shape[-1]], num_stages=1)
+    K = k.shape[-1]
+    _transform_kernel[(N, B * HV)](k, p, beta, g, A, N, HV, K, TRANSFORM_SLICE[K], **group(k, beta), **order,
+                                   num_warps=TRANSFORM_WARPS, num_stages=1)
