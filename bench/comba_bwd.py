@@ -53,7 +53,11 @@ SEED_SHAPES = [HUB.BENCH_SHAPE]
 # and up to 240 B over packed sequences with a state at (H, HV, K, V) = (8, 16, 128, 256), where each program's chunk
 # range is loaded (cu_chunks) and its value head taken from its flat program index: 236 B (fla's read order 240)
 # under Triton 3.6, 220 (232) under 3.7.1, 220 (212) under 3.8, 128 (132) under 3.9.
-SPILLS_BY_DESIGN = {"_reverse_scan_kernel": 240}
+# At K = 256 the scans hold the chunk's whole [64, K] tiles of k, p (and q) while they multiply
+# (`portable.chunk.SCAN_BLOCK`): the reverse scan spills up to 604 B under Triton 3.6 and 648 B under 3.8 (packed
+# sequences at fla's layer sizes; 448 and 524 without a carried state), the forward scan, whose operands pass the
+# non-finite guard, up to 216 B (packed sequences). These two bounds are those of K = 256.
+SPILLS_BY_DESIGN = {"_reverse_scan_kernel": 656, "_forward_scan_kernel": 224}
 
 # Decode: (B, H, K, V) at one new token, HV = H; the latency batch.
 DECODE_SHAPE = (64, 6, 256, 512)
@@ -66,16 +70,22 @@ DECODE_SWEEP = [(8, 1), (16, 1), (8, 2), (16, 2), (16, 4), (32, 4), (32, 8)]
 FLA_STEP = "fla 0.6.0 chunk_comba fwd+bwd (p'=exp(g)p bf16, guard lifted)"
 # (B, T, H, HV, K, V) and whether the call carries a state in and out.
 MODEL_SHAPES = [((8, 2048, 32, 32, 128, 128), True), ((4, 4096, 8, 16, 128, 128), False)]
-# Compiled too (tools.compile_offline), not measured: the model call's kernels at K = 64, and with V = 256 and 512
-# (more V blocks in the scans and the output) at either K.
+# Compiled too (tools.compile_offline), not measured: the model call's kernels at K = 64, with V = 256 and 512
+# (more V blocks in the scans and the output) at either K, and at K = 256 (fla's layer default, V = 512, and grouped
+# heads at V = 64 and 128, one output block).
 MODEL_COMPILE_SHAPES = [((16, 2048, 32, 32, 64, 128), True), ((4, 2048, 8, 16, 128, 256), True),
-                        ((4, 2048, 4, 4, 64, 512), True), ((4, 2048, 4, 8, 128, 512), False)]
+                        ((4, 2048, 4, 4, 64, 512), True), ((4, 2048, 4, 8, 128, 512), False),
+                        ((4, 2048, 6, 6, 256, 512), True), ((4, 2048, 4, 8, 256, 128), False),
+                        ((4, 2048, 4, 8, 256, 64), True)]
 # Compiled too, not measured: a model's call in fla's read order (the transform, the scans, the gradients and dg take
-# the read's decay), at either K.
-FLA_COMPILE_SHAPES = [((4, 2048, 8, 16, 128, 256), True), ((16, 2048, 32, 32, 64, 128), True)]
+# the read's decay), at every K.
+FLA_COMPILE_SHAPES = [((4, 2048, 8, 16, 128, 256), True), ((16, 2048, 32, 32, 64, 128), True),
+                      ((4, 2048, 6, 6, 256, 512), True)]
 # And the scans over packed sequences at the issue's packed batch, 8 sequences (N) on T rows laid out chunk-aligned
-# (32768 packed rows and their padding), (T, N, H, HV, K, V), in both read orders.
-PACKED_COMPILE_SHAPE = (33280, 8, 8, 16, 128, 256)
+# (32768 packed rows and their padding), (T, N, H, HV, K, V), in both read orders, and at fla's layer sizes.
+PACKED_COMPILE_SHAPES = [(33280, 8, 8, 16, 128, 256), (33280, 8, 6, 6, 256, 512)]
+# The plain call (no state, equal heads) at K = 256, which only the portable kernels take: (B, T, H, K, V).
+PLAIN_COMPILE_SHAPES = [(4, 2048, 8, 256, 128), (4, 2048, 8, 256, 64)]
 MODEL_STEP = "comba-bwd step (model call)"
 FLA_MODEL_STEP = "fla 0.6.0 chunk_comba fwd+bwd, same arguments (guard lifted)"
 MODEL_GRADS = (*GRADS, "d_initial_state")
@@ -517,8 +527,8 @@ def compile_cases(kernel, spec):
     on meta tensors (bf16, g in float32), the backward's portable Triton stages at the first measure shape of each
     K (what runs where the Gluon path does not: other GPUs, Triton releases it is not verified under), a model's
     call, forward and backward, at MODEL_SHAPES and MODEL_COMPILE_SHAPES, in fla's read order at FLA_COMPILE_SHAPES
-    and on packed sequences at PACKED_COMPILE_SHAPE, and the decode kernel at DECODE_SHAPE in
-    both read orders, with 64 tokens, grouped heads and fp32, and at the smaller K."""
+    and on packed sequences at PACKED_COMPILE_SHAPES, the plain call at PLAIN_COMPILE_SHAPES, and the decode kernel at
+    DECODE_SHAPE in both read orders, with 64 tokens, grouped heads and fp32, and at the smaller K."""
     pipeline = submodule(kernel, "pipeline")
     dispatch = submodule(kernel, "dispatch")
 
@@ -612,5 +622,8 @@ def compile_cases(kernel, spec):
         yield model_case(shape, with_state)
     for shape, with_state in FLA_COMPILE_SHAPES:
         yield model_case(shape, with_state, "fla")
-    for read_first in (False, True):
-        yield packed_case(*PACKED_COMPILE_SHAPE, read_first)
+    for shape in PACKED_COMPILE_SHAPES:
+        for read_first in (False, True):
+            yield packed_case(*shape, read_first)
+    for shape in PLAIN_COMPILE_SHAPES:
+        yield case(shape)

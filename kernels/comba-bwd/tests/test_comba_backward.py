@@ -299,7 +299,7 @@ def test_cuda_errors(comba):
     with pytest.raises(ValueError, match="must be on q's device"):
         comba.comba_backward(*inputs[:6], inputs[6].cpu())
     small = make_inputs(1, 64, 2, 32, 64, torch.bfloat16, "cuda")
-    with pytest.raises(ValueError, match="K and V in \\(64, 128\\)"):
+    with pytest.raises(ValueError, match="K in \\(64, 128, 256\\) and V in \\(64, 128\\)"):
         comba.comba_backward(*small)
 
 
@@ -488,7 +488,8 @@ def test_gluon_path_that_fails_to_compile_falls_back_once(comba, pipeline, dispa
 def test_gluon_rule(dispatch):
     """Gluon kernels take bf16 inputs with V = 128 on Hopper (and meta tensors, for the offline compile): the scans and
     the gradients at K = 128, the transform, the forward scan and the gradients at K = 64; never float16 (they would
-    read the bf16 scratch as float16) or float32, V = 64, nor CPU tensors (the interpreter runs the Triton kernels).
+    read the bf16 scratch as float16) or float32, V = 64, K = 256, nor CPU tensors (the interpreter runs the Triton
+    kernels).
     Where they take a call the batch is not cut in pieces; at K = 64 the gradient kernel makes dv."""
     takes = dispatch.gluon_stages
     meta, cpu = torch.device("meta"), torch.device("cpu")
@@ -496,12 +497,14 @@ def test_gluon_rule(dispatch):
     assert takes(meta, torch.bfloat16, 64, 128) == ("transform", "forward_scan", "grads")
     assert not any(takes(meta, dtype, K, V) for dtype, K, V in
                    [(torch.float16, 128, 128), (torch.float32, 128, 128), (torch.float16, 64, 128),
-                    (torch.bfloat16, 128, 64), (torch.bfloat16, 64, 64), (torch.bfloat16, 32, 128)])
+                    (torch.bfloat16, 128, 64), (torch.bfloat16, 64, 64), (torch.bfloat16, 32, 128),
+                    (torch.bfloat16, 256, 128)])
     assert not takes(cpu, torch.bfloat16, 128, 128) and not takes(cpu, torch.bfloat16, 64, 128)
     q = lambda device, K, B=4: torch.empty(B, 64, 2, K, device=device, dtype=torch.bfloat16)  # noqa: E731
     assert dispatch.plan(q(meta, 128), 128) == (takes(meta, torch.bfloat16, 128, 128), False, 1)
     assert dispatch.plan(q(meta, 64), 128) == (takes(meta, torch.bfloat16, 64, 128), True, 1)
     assert dispatch.plan(q(meta, 64), 64) == ((), False, 2)
+    assert dispatch.plan(q(meta, 256), 128) == ((), False, 2)  # K = 256: the Triton kernels alone
     assert dispatch.plan(q(cpu, 128), 128) == ((), False, 2)
     assert dispatch.plan(q(cpu, 128, B=1), 128).pieces == 1
 

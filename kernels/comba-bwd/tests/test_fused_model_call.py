@@ -44,7 +44,8 @@ def float64_model_grads(x, state, do, d_final, scale, read_order="decay_first"):
 
 
 SHAPES = [  # B, T, H, HV, K, V: T = 1, 63, 65, 130 with HV = 2H; B = 2 cut in two pieces; K = 128 cuts V in two;
-    # V = 256 and 512: more V blocks in the scans (4 and 8 at K = 128) and in the output (2 and 4)
+    # V = 256 and 512: more V blocks in the scans (4 and 8 at K = 128) and in the output (2 and 4); K = 256: V = 64 in
+    # four scan blocks and two blocks of the gradients' V loop
     (2, 1, 1, 2, 64, 64),
     (2, 63, 1, 2, 64, 64),
     (1, 65, 2, 4, 64, 128),
@@ -52,6 +53,7 @@ SHAPES = [  # B, T, H, HV, K, V: T = 1, 63, 65, 130 with HV = 2H; B = 2 cut in t
     (1, 64, 1, 2, 128, 128),
     (1, 70, 1, 2, 64, 256),
     (1, 66, 1, 1, 128, 512),
+    (1, 70, 1, 2, 256, 64),
 ]
 
 
@@ -92,9 +94,10 @@ def test_fused_grouped_heads_without_state_match_float64(dispatch):
 
 @needs_triton
 @pytest.mark.kernels_ci
-def test_fused_state_call_without_state_equals_the_plain_call(dispatch):
+@pytest.mark.parametrize("K", [64, 256])
+def test_fused_state_call_without_state_equals_the_plain_call(dispatch, K):
     """The model's plan with no state and equal heads runs the plain call's kernels: the same o and gradients."""
-    x, _, do, _ = kernel_inputs(1, 65, 2, 2, 64, 64, seed=6, with_state=False)
+    x, _, do, _ = kernel_inputs(1, 65, 2, 2, K, 64, seed=6, with_state=False)
     o, _ = dispatch.comba_state_forward_cuda(*x, None, 0.125, False)
     assert torch.equal(o, dispatch.comba_forward_cuda(*x, 0.125))
     grads = dispatch.comba_state_backward_cuda(*x, None, do, None, 0.125)
@@ -105,6 +108,7 @@ FLA_SHAPES = [  # B, T, H, HV, K, V: fla's read order, the chunk transform's and
     (2, 63, 1, 2, 64, 64),
     (1, 130, 1, 2, 64, 128),
     (1, 70, 1, 1, 128, 256),
+    (1, 65, 1, 1, 256, 64),
 ]
 
 
@@ -169,7 +173,8 @@ def sequence_rows(x, offsets, i):
 @pytest.mark.kernels_ci
 @pytest.mark.parametrize("lengths,shape,order", [((70, 1, 0, 64, 33), (1, 2, 64, 64), "decay_first"),
                                                  ((70, 40), (1, 1, 128, 256), "decay_first"),
-                                                 ((65, 0, 9), (1, 2, 64, 128), "fla")])
+                                                 ((65, 0, 9), (1, 2, 64, 128), "fla"),
+                                                 ((66, 9), (1, 1, 256, 64), "fla")])
 def test_fused_packed_sequences_equal_per_sequence_calls(dispatch, lengths, shape, order):
     """Packed sequences (one empty, one of a single step, one of exactly a chunk) through the Triton kernels: o, the
     final states and every gradient, the initial states' included, equal to each sequence's own call bit for bit (the
@@ -290,12 +295,13 @@ def reference_step(comba, x, state, do, d_final, **kwargs):
     ((2, 577, 2, 4, 64, 128), False, "decay_first"), ((2, 1000, 4, 8, 128, 256), True, "decay_first"),
     ((1, 777, 2, 2, 64, 512), False, "decay_first"), ((1, 600, 2, 4, 128, 512), False, "decay_first"),
     ((4, 4096, 6, 6, 128, 128), True, "fla"), ((2, 1000, 4, 8, 128, 256), True, "fla"),
-    ((1, 777, 2, 4, 64, 512), False, "fla"),
+    ((1, 777, 2, 4, 64, 512), False, "fla"), ((2, 1000, 6, 6, 256, 512), True, "fla"),
+    ((2, 577, 2, 4, 256, 128), False, "decay_first"), ((1, 300, 2, 2, 256, 64), True, "decay_first"),
 ])
 def test_cuda_model_call_with_state_matches_the_reference(comba, shape, l2norm, order):
-    """comba_attention on CUDA (the fused kernels) at fla's layer shapes with a state, and grouped heads with the q/k/p
-    normalisation, in either read order, against the eager reference: o, the final state and all seven gradients
-    within 2e-2."""
+    """comba_attention on CUDA (the fused kernels) at fla's layer shapes with a state (K = 256, V = 512 its default),
+    and grouped heads with the q/k/p normalisation, in either read order, against the eager reference: o, the final
+    state and all seven gradients within 2e-2."""
     x, state, do, d_final = kernel_inputs(*shape, seed=9, device="cuda")
     leaves = [t.detach().clone().requires_grad_() for t in (*x, state)]
     o, final = comba.comba_attention(*leaves[:6], initial_state=leaves[6], output_final_state=True,
@@ -310,11 +316,12 @@ def test_cuda_model_call_with_state_matches_the_reference(comba, shape, l2norm, 
 @needs_cuda
 @pytest.mark.parametrize("shape,l2norm,order", [((8, 16, 128, 256), True, "fla"),
                                                 ((8, 16, 128, 256), False, "decay_first"),
-                                                ((2, 4, 64, 512), False, "fla")])
+                                                ((2, 4, 64, 512), False, "fla"),
+                                                ((2, 2, 256, 512), True, "fla")])
 def test_cuda_packed_call_matches_the_reference(comba, shape, l2norm, order):
     """comba_attention on CUDA with packed sequences (the fused kernels) at the issue's packed shape (H, HV, K, V) =
-    (8, 16, 128, 256), 8 sequences of random lengths, and at V = 512, in either read order, against the eager
-    reference: o, the final states and all seven gradients within 2e-2."""
+    (8, 16, 128, 256), 8 sequences of random lengths, and at V = 512 (K = 64 and 256), in either read order, against
+    the eager reference: o, the final states and all seven gradients within 2e-2."""
     gen = torch.Generator().manual_seed(16)
     lengths = (torch.rand(8, generator=gen) * 1500).long().add(1).tolist()
     x, state, do, d_final, offsets = packed_kernel_inputs(lengths, *shape, seed=16, device="cuda")

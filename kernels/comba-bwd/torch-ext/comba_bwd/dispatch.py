@@ -105,8 +105,8 @@ def with_fallback(call, q: torch.Tensor, V: int):
 
 
 def comba_forward_cuda(q, k, v, p, beta, g, scale: float):
-    """o (B, T, H, V) in v's dtype; inputs contiguous, K and V in {64, 128}, any T >= 1. A Gluon kernel that fails to
-    compile switches the Gluon path off and the call runs the Triton kernels (`with_fallback`)."""
+    """o (B, T, H, V) in v's dtype; inputs contiguous, K in {64, 128, 256}, V in {64, 128}, any T >= 1. A Gluon
+    kernel that fails to compile switches the Gluon path off and the call runs the Triton kernels (`with_fallback`)."""
     from . import pipeline  # the kernels need triton: imported on a CUDA call's first use
 
     return with_fallback(lambda plan: pipeline.run_forward(q, k, v, p, beta, g, scale, plan), q, v.shape[-1])
@@ -116,7 +116,7 @@ def comba_state_forward_cuda(q, k, v, p, beta, g, initial_state, scale: float, o
                              cu_seqlens=None, read_order: str = "decay_first"):
     """(o (B, T, HV, V) in v's dtype, final state (N, HV, K, V) fp32, or an empty tensor without output_final_state)
     from initial_state (N, HV, K, V) fp32 or None (zeros); q, k, p (B, T, H, K) and v, beta, g with HV heads, HV a
-    multiple of H, contiguous, K in {64, 128} and V in {64, 128, 256, 512}, any T >= 1. N = B, or the sequences of
+    multiple of H, contiguous, K in {64, 128, 256} and V in {64, 128, 256, 512}, any T >= 1. N = B, or the sequences of
     cu_seqlens ((N + 1,) offsets of sequences packed in a batch of one), whose offsets are read on the host (checked
     there: one synchronisation a call) and the sequences laid out chunk-aligned on the device (`pipeline.Packing`).
     read_order: "decay_first" (the spec's) or "fla". The Triton kernels (`plan`'s model plan)."""
@@ -140,9 +140,9 @@ def comba_state_backward_cuda(q, k, v, p, beta, g, initial_state, do, d_final, s
 
 
 def comba_backward_cuda(q, k, v, p, beta, g, do, scale: float):
-    """(dq, dk, dv, dp, dbeta, dg) in their inputs' dtypes (dg float32); inputs contiguous, K, V in {64, 128}, any
-    T >= 1. A Gluon kernel that fails to compile switches the Gluon path off and the call runs the Triton kernels
-    (`with_fallback`)."""
+    """(dq, dk, dv, dp, dbeta, dg) in their inputs' dtypes (dg float32); inputs contiguous, K in {64, 128, 256}, V in
+    {64, 128}, any T >= 1. A Gluon kernel that fails to compile switches the Gluon path off and the call runs the
+    Triton kernels (`with_fallback`)."""
     from . import pipeline  # the kernels need triton: imported on a CUDA call's first use
 
     return with_fallback(lambda plan: pipeline.run_backward(q, k, v, p, beta, g, do, scale, plan), q, v.shape[-1])

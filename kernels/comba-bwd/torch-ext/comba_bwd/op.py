@@ -37,7 +37,7 @@ from .model_args import check_model_args
 from .recurrent import check_decode_tokens, comba_decode_reference
 from .reference import (L2NORM_EPS, comba_backward_reference, comba_forward_reference, comba_state_backward_reference,
                         comba_state_forward_reference, resolve_scale)
-from .validation import FUSED_MODEL_V, FUSED_SIZES, check_comba_args
+from .validation import FUSED_K, FUSED_MODEL_V, FUSED_V, check_comba_args
 
 Grads = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
@@ -231,14 +231,14 @@ def _is_spec_call(q, v, initial_state, output_final_state, cu_seqlens, use_qk_l2
         return False
     if not (isinstance(q, torch.Tensor) and isinstance(v, torch.Tensor) and q.dim() == v.dim() == 4):
         return True  # check_comba_args names the bad argument
-    return q.shape[2] == v.shape[2] and (not q.is_cuda or (q.shape[-1] in FUSED_SIZES and v.shape[-1] in FUSED_SIZES))
+    return q.shape[2] == v.shape[2] and (not q.is_cuda or (q.shape[-1] in FUSED_K and v.shape[-1] in FUSED_V))
 
 
 def _is_fused_model_call(q, v) -> bool:
     """Whether a model's comba_attention call (`_is_spec_call` false) takes the registered model op: CUDA tensors, K in
-    FUSED_SIZES and V in FUSED_MODEL_V. On the CPU the eager reference takes every model call itself (and normalises
+    FUSED_K and V in FUSED_MODEL_V. On the CPU the eager reference takes every model call itself (and normalises
     q, k and p in float32 whatever their dtype)."""
-    return q.is_cuda and q.shape[-1] in FUSED_SIZES and v.shape[-1] in FUSED_MODEL_V
+    return q.is_cuda and q.shape[-1] in FUSED_K and v.shape[-1] in FUSED_MODEL_V
 
 
 def _l2_normalised(x: torch.Tensor) -> torch.Tensor:
@@ -262,9 +262,9 @@ def comba_attention(q, k, v, p, beta, g, scale=None, *, initial_state=None, outp
     use_qk_l2norm: L2-normalise q, k and p first (x / sqrt(sum(x^2) + 1e-6), as fla's use_qk_l2norm_in_kernel).
     read_order: "decay_first" (the spec's: decay, read, write) or "fla" (read, decay, write).
 
-    The spec's call (none of the keyword arguments, H = HV, and on CUDA K, V in {64, 128}) runs the fused kernels on
-    CUDA, forward and backward, and the eager chunked reference on the CPU. Every other call on CUDA with K in
-    {64, 128} and V in {64, 128, 256, 512} (a carried state, packed sequences, grouped value heads, q/k/p
+    The spec's call (none of the keyword arguments, H = HV, and on CUDA K in {64, 128, 256}, V in {64, 128}) runs the
+    fused kernels on CUDA, forward and backward, and the eager chunked reference on the CPU. Every other call on CUDA
+    with K in {64, 128, 256} and V in {64, 128, 256, 512} (a carried state, packed sequences, grouped value heads, q/k/p
     normalisation, fla's read order, V = 256 or 512) runs the fused Triton kernels too (the registered model ops),
     the normalisation by torch ops ahead of them; with cu_seqlens it reads the offsets on the host (and checks them)
     once in the forward and once in the backward, a synchronisation a training step affords. Every other call runs

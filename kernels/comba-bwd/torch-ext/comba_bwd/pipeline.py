@@ -127,10 +127,10 @@ def forward_stages(q, k, v, p, beta, g, scale: float, plan=None, initial_state=N
                    cu_chunks=None, read_first=False) -> tuple[list[Stage], torch.Tensor]:
     """The forward's stages in order, [transform, forward_scan, output], and o, which they fill.
 
-    Inputs contiguous with T a multiple of the chunk, K in {64, 128}, V in {64, 128} (a model's call: 256, 512 too);
-    `plan` is `dispatch.plan`'s for the call; initial_state, final_state, cu_chunks and read_first as `state_stages`
-    takes them. Each stage reads only what earlier stages wrote, so after one full pass any stage can be run (timed)
-    again alone."""
+    Inputs contiguous with T a multiple of the chunk, K in {64, 128, 256}, V in {64, 128} (a model's call: 256, 512
+    too); `plan` is `dispatch.plan`'s for the call; initial_state, final_state, cu_chunks and read_first as
+    `state_stages` takes them. Each stage reads only what earlier stages wrote, so after one full pass any stage can
+    be run (timed) again alone."""
     V = v.shape[-1]
     plan = plan or dispatch.plan(q, V, model=read_first or is_model_call(q, v, initial_state, final_state, cu_chunks))
     A, S, Vn = scratch = state_scratch(q, v)
@@ -185,7 +185,7 @@ def backward_stages(q, k, v, p, beta, g, do, scale: float, grads=None, plan=None
     kernel runs, and the six gradients, which they fill.
 
     Each stage reads only what earlier stages wrote, so after one full pass any stage can be run (timed) again alone.
-    Inputs contiguous, K in {64, 128}, V in {64, 128} (a model's call: 256, 512 too); the gradients are
+    Inputs contiguous, K in {64, 128, 256}, V in {64, 128} (a model's call: 256, 512 too); the gradients are
     (dq, dk, dv, dp, dbeta, dg) with dg in float32, padded in time to a multiple of the chunk (run_backward trims
     them), dq, dk and dp one per value head (`_gradients_like`); `grads`, when given, are contiguous tensors of those
     shapes and dtypes to write them into; `plan` is `dispatch.plan`'s for the call. A model's call starts the forward

@@ -10,10 +10,12 @@ import torch
 from .common.checks import as_scale, check_tensor
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-# Head sizes the fused CUDA backward is compiled for; the eager (CPU) reference takes any size >= 1.
-FUSED_SIZES = (64, 128)
-# The value sizes a model's call (`op.comba_state_forward_op`) takes on the fused CUDA path, at K in FUSED_SIZES: the
-# scans and the output cut V in blocks, so that a larger V takes more programs, not larger ones.
+# Sizes the fused CUDA kernels are compiled for; the eager (CPU) reference takes any size >= 1. FUSED_K: the key size
+# K of q, k and p; FUSED_V: the value size V of the spec's call; FUSED_MODEL_V: the value sizes a model's call
+# (`op.comba_state_forward_op`) takes, the scans and the output cutting V in blocks, so that a larger V takes more
+# programs, not larger ones.
+FUSED_K = (64, 128, 256)
+FUSED_V = (64, 128)
 FUSED_MODEL_V = (64, 128, 256, 512)
 
 
@@ -50,8 +52,8 @@ def check_comba_args(q, k, v, p, beta, g, scale, do=None) -> None:
             raise ValueError(f"{name} must be (B, T, H) = ({B}, {T}, {H}), got {tuple(x.shape)}")
     if do is not None and do.shape != v.shape:
         raise ValueError(f"do must have v's shape {tuple(v.shape)}, got {tuple(do.shape)}")
-    if q.is_cuda and (K not in FUSED_SIZES or V not in FUSED_SIZES):
+    if q.is_cuda and (K not in FUSED_K or V not in FUSED_V):
         raise ValueError(
-            f"the CUDA kernel supports K and V in {FUSED_SIZES}, got K={K}, V={V} "
+            f"the CUDA kernel supports K in {FUSED_K} and V in {FUSED_V}, got K={K}, V={V} "
             "(the CPU reference accepts any size)"
         )

@@ -21,15 +21,17 @@ from ..reference import CHUNK, G_FLOOR
 BT = tl.constexpr(CHUNK)
 FLOOR = tl.constexpr(G_FLOOR)  # the log-decay floor of reference.G_FLOOR: -inf is a hard reset
 
-# The scans cut V across their programs in blocks of SCAN_STATE // K columns (at most V), so that a program's
-# (K, block) state has 128 x 64 entries at either K. At K = 64 one program then takes all of V = 128 and loads
+# The scans cut V across their programs in blocks of SCAN_BLOCK[K] columns (at most V), so that a program's
+# (K, block) state has 128 x 64 entries at K = 64 and 128. At K = 64 one program then takes all of V = 128 and loads
 # the chunk's q, k, p and A once instead of twice, which is faster; blocks of 32 at K = 128 (twice the programs)
-# are slower than 64.
-SCAN_STATE = 128 * 64
+# are slower than 64. At K = 256 the chunk's [64, K] tiles of q, k and p take the registers a larger state would:
+# blocks of 16 spill least (tools.compile_offline, sm_90a: 32 and 8 warps spill more, 8 warps more than 4).
+SCAN_BLOCK = {64: 128, 128: 64, 256: 16}
 SCAN_WARPS = 4
 
-# The pipelined reverse scan takes 115 KB of shared memory (either K, its state block being the same size):
-# more than a block may have on sm_86 / sm_89 (99 KB), where the scans run unpipelined (64 KB at most).
+# The pipelined reverse scan takes 115 KB of shared memory at K = 64 and 128 (its state block being the same size),
+# 131 KB at K = 256: more than a block may have on sm_86 / sm_89 (99 KB), where the scans run unpipelined (64 KB at
+# most at K = 64 and 128, 43 KB at K = 256); sm_80's 163 KB take either.
 PIPELINED_SCAN_SHARED = 116 * 1024
 
 
@@ -41,8 +43,8 @@ def group(keys: torch.Tensor, values: torch.Tensor) -> dict:
 
 
 def scan_block(K: int, V: int) -> int:
-    """The V columns of one scan program (`SCAN_STATE`)."""
-    return min(V, SCAN_STATE // K)
+    """The V columns of one scan program (`SCAN_BLOCK`)."""
+    return min(V, SCAN_BLOCK[K])
 
 
 def scan_stages(device: torch.device) -> int:

@@ -9,15 +9,18 @@ import triton.language as tl
 from ..reference import CHUNK
 from .chunk import BT, chunk_offsets, decay, gates, group, key_head, part_stride, read_log_decay, row_ptrs
 
-# The gradient parts run 4 warps a program, faster than 8 capped at 128 registers for 2 CTAs an SM, and loop over V
-# in blocks of V_BLOCK.
-GRADS_WARPS = 4
-V_BLOCK = 64
+# The gradient parts run GRADS_WARPS[K] warps a program and loop over V in blocks of V_BLOCK[K]. At K = 64 and 128,
+# 4 warps, faster than 8 capped at 128 registers for 2 CTAs an SM, and blocks of 64. At K = 256 the parts' [64, K]
+# fp32 accumulators (dO S^T, Vn dS'^T, X S^T) take 8 warps not to spill, and blocks of 32 keep the pipelined V loop
+# within the 99 KB a CTA has on sm_86, sm_89 and sm_120 (blocks of 64 take 112 KB).
+GRADS_WARPS = {64: 4, 128: 4, 256: 8}
+V_BLOCK = {64: 64, 128: 64, 256: 32}
 
 # The gradient kernel's register cap by K. At K = 64 its shared memory (64 KB) lets 3 CTAs share an SM if each
 # takes at most 168 registers, which is faster though it spills more (a cap of 200, still 2 CTAs an SM, is
-# slower than none). At K = 128 its 80 KB allow 2 CTAs whatever the cap, and a cap of 168 spills heavily.
-GRADS_MAXNREG = {64: 168, 128: None}
+# slower than none). At K = 128 its 80 KB allow 2 CTAs whatever the cap, and a cap of 168 spills heavily; K = 256
+# (8 warps) is uncapped.
+GRADS_MAXNREG = {64: 168, 128: None, 256: None}
 
 @triton.jit
 def _state_t(state, chunk, cv, K: tl.constexpr, V: tl.constexpr):
@@ -198,5 +201,5 @@ def launch(q, k, p, beta, g, do, S, dS, Vn, X, dbeta_v, dq, dk, dp, dbeta, dgc_p
     N = T // CHUNK
     order = {"READ_FIRST": True} if dgc_parts.shape[0] == 4 else {}
     _grads_kernel[(3 * N, B * HV)](q, k, p, beta, g, do, S, dS, Vn, X, dbeta_v, dq, dk, dp, dbeta, dgc_parts, scale,
-                                   N, HV, K=K, V=V, BV=min(V_BLOCK, V), NV=dbeta_v.shape[0], **group(q, do), **order,
-                                   num_warps=GRADS_WARPS, num_stages=1, maxnreg=GRADS_MAXNREG[K])
+                                   N, HV, K=K, V=V, BV=min(V_BLOCK[K], V), NV=dbeta_v.shape[0], **group(q, do), **order,
+                                   num_warps=GRADS_WARPS[K], num_stages=1, maxnreg=GRADS_MAXNREG[K])

@@ -16,12 +16,14 @@ from ..common.finite import finite_part, reached
 from ..reference import CHUNK
 from .chunk import BT, chunk_offsets, decay, gates, group, key_head, row_ptrs, row_ptrs_t
 
-# Four warps a program, V in blocks of OUTPUT_BLOCK columns: all of V = 64 or 128 in one program, so that Q K^T is
-# formed once a chunk: 255 registers (no spill) and 48 KB of shared memory at K = V = 128 (sm_90a), two CTAs an SM;
-# V blocks of 64 (three CTAs an SM) are slower. Larger V (256, 512) takes V / OUTPUT_BLOCK programs a chunk, each
-# forming Q K^T again, with the registers and shared memory of the V = 128 program.
+# Four warps a program, V in blocks of OUTPUT_BLOCK[K] columns: all of V = 64 or 128 in one program at K = 64 and
+# 128, so that Q K^T is formed once a chunk: 255 registers (no spill) and 48 KB of shared memory at K = V = 128
+# (sm_90a), two CTAs an SM; V blocks of 64 (three CTAs an SM) are slower. Larger V (256, 512) takes V / OUTPUT_BLOCK
+# programs a chunk, each forming Q K^T again, with the registers and shared memory of the V = 128 program. At
+# K = 256 blocks of 64 keep the (K, block) state tile within the registers (252, no spill, sm_90a), where blocks of
+# 128 spill at four warps.
 OUTPUT_WARPS = 4
-OUTPUT_BLOCK = 128
+OUTPUT_BLOCK = {64: 128, 128: 128, 256: 64}
 
 
 @triton.jit
@@ -53,6 +55,7 @@ def launch(q, k, beta, g, S, Vn, o, scale: float):
     multiple of H, from the forward scan's S (B * HV, N, K, V) and Vn (B * HV, T, V)."""
     B, T, HV, V = o.shape
     N = T // CHUNK
-    BV = min(V, OUTPUT_BLOCK)
-    _output_kernel[(N * (V // BV), B * HV)](q, k, beta, g, S, Vn, o, scale, N, HV, K=q.shape[-1], V=V, BV=BV,
+    K = q.shape[-1]
+    BV = min(V, OUTPUT_BLOCK[K])
+    _output_kernel[(N * (V // BV), B * HV)](q, k, beta, g, S, Vn, o, scale, N, HV, K=K, V=V, BV=BV,
                                             **group(q, o), num_warps=OUTPUT_WARPS, num_stages=1)

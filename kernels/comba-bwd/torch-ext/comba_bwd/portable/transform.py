@@ -21,20 +21,24 @@ from .chunk import BT, chunk_offsets, gate_edge, gates, group, key_head, read_lo
 
 # One warp a chunk: faster than 2 or 4.
 TRANSFORM_WARPS = 1
+# The columns of P and K in one slice of L's products, by K: all of K at 64 and 128; at K = 256 four slices of 64,
+# the products summed over them before `_l_block` applies beta and the decay. Each dot operand is whole in every
+# warp: whole [16, 256] tiles would spill at one warp, slices of 64 keep within its registers.
+TRANSFORM_SLICE = {64: 64, 128: 128, 256: 64}
 
 SUB = tl.constexpr(16)  # sub-block of the blocked transform: 4 x 4 blocks of 16 x 16 per chunk
 
 
 @triton.jit
-def _l_block(pk, bk, gr_i, kt, gc_j, DIAGONAL: tl.constexpr):
+def _l_block(pk, bk, gr_i, gc_j, DIAGONAL: tl.constexpr):
     """(Block (i, j) of L = strict_lower((beta P) K^T * E), the first of its rows whose (beta P) K^T holds a
-    non-finite entry on or below the diagonal, SUB if none) from P and beta on block i's rows (pk bf16 [SUB, K])
-    and K^T on block j's ([K, SUB]), beta applied in fp32 after the product; a diagonal block keeps only its
-    strictly lower part. gr_i is the read's log-decay on block i's rows (gc in the spec's order). The block's
-    non-finite entries are zeroed: their rows are NaN in A (`_transform_kernel`). A diagonal block's row r holds
-    p_r, beta_r and k_r in (beta P) K^T's diagonal entry, so the diagonal blocks' rows see every non-finite k, p and
-    beta of the chunk at its own step."""
-    pkb = tl.dot(pk, kt) * bk[:, None]
+    non-finite entry on or below the diagonal, SUB if none) from pk = P K^T on block i's rows and block j's columns
+    (fp32 [SUB, SUB], summed over the slices of K), beta on block i's rows applied in fp32 after the product; a
+    diagonal block keeps only its strictly lower part. gr_i is the read's log-decay on block i's rows (gc in the
+    spec's order). The block's non-finite entries are zeroed: their rows are NaN in A (`_transform_kernel`). A
+    diagonal block's row r holds p_r, beta_r and k_r in (beta P) K^T's diagonal entry, so the diagonal blocks' rows
+    see every non-finite k, p and beta of the chunk at its own step."""
+    pkb = pk * bk[:, None]
     diff = gr_i[:, None] - gc_j[None, :]
     if DIAGONAL:
         r = tl.arange(0, SUB)
@@ -83,7 +87,7 @@ def _store_block(A, a_base, i: tl.constexpr, j: tl.constexpr, blk, edge):
 
 
 @triton.jit
-def _transform_kernel(k, p, beta, g, A, N, H, K: tl.constexpr, GROUP: tl.constexpr = 1,
+def _transform_kernel(k, p, beta, g, A, N, H, K: tl.constexpr, KS: tl.constexpr, GROUP: tl.constexpr = 1,
                       READ_FIRST: tl.constexpr = False):
     """A = (I + L)^-1 of one chunk by 16 x 16 blocks, in fp32: the four diagonal blocks D_i by _inv_unit_lower,
     then the off-diagonal blocks from them by block products (_mm, fp32-accurate); stored in A's dtype (bf16
@@ -107,24 +111,39 @@ def _transform_kernel(k, p, beta, g, A, N, H, K: tl.constexpr, GROUP: tl.constex
     # dot operand layout through shared memory; loaded at its first use, it leaves shared memory at once under every
     # supported Triton (8 KB at K = 128), where from 3.7, which moves each read of such a buffer to the tile's first
     # use, tiles loaded up front would sit there together (32 KB: 6 CTAs an SM, not the 8 that registers allow).
-    p0 = tl.load(row_ptrs(p, kbase, t0, HK * K, K, SUB)).to(tl.bfloat16)
-    kt = tl.load(row_ptrs_t(k, kbase, t0, HK * K, K, SUB)).to(tl.bfloat16)
-    L00, e0 = _l_block(p0, b0, gr0, kt, gc0, True)
-    p1 = tl.load(row_ptrs(p, kbase, t0 + SUB, HK * K, K, SUB)).to(tl.bfloat16)
-    L10, _ = _l_block(p1, b1, gr1, kt, gc0, False)
-    p2 = tl.load(row_ptrs(p, kbase, t0 + 2 * SUB, HK * K, K, SUB)).to(tl.bfloat16)
-    L20, _ = _l_block(p2, b2, gr2, kt, gc0, False)
-    p3 = tl.load(row_ptrs(p, kbase, t0 + 3 * SUB, HK * K, K, SUB)).to(tl.bfloat16)
-    L30, _ = _l_block(p3, b3, gr3, kt, gc0, False)
-    kt = tl.load(row_ptrs_t(k, kbase, t0 + SUB, HK * K, K, SUB)).to(tl.bfloat16)
-    L11, e1 = _l_block(p1, b1, gr1, kt, gc1, True)
-    L21, _ = _l_block(p2, b2, gr2, kt, gc1, False)
-    L31, _ = _l_block(p3, b3, gr3, kt, gc1, False)
-    kt = tl.load(row_ptrs_t(k, kbase, t0 + 2 * SUB, HK * K, K, SUB)).to(tl.bfloat16)
-    L22, e2 = _l_block(p2, b2, gr2, kt, gc2, True)
-    L32, _ = _l_block(p3, b3, gr3, kt, gc2, False)
-    kt = tl.load(row_ptrs_t(k, kbase, t0 + 3 * SUB, HK * K, K, SUB)).to(tl.bfloat16)
-    L33, e3 = _l_block(p3, b3, gr3, kt, gc3, True)
+    # P K^T by blocks, summed over slices of KS columns of P and K (`TRANSFORM_SLICE`): one slice up to K = 128, four
+    # at K = 256.
+    PK00, PK10, PK20, PK30, PK11 = None, None, None, None, None
+    PK21, PK31, PK22, PK32, PK33 = None, None, None, None, None
+    for ks in tl.static_range(0, K, KS):
+        p0 = tl.load(row_ptrs(p, kbase + ks, t0, HK * K, KS, SUB)).to(tl.bfloat16)
+        kt = tl.load(row_ptrs_t(k, kbase + ks, t0, HK * K, KS, SUB)).to(tl.bfloat16)
+        PK00 = tl.dot(p0, kt, PK00)
+        p1 = tl.load(row_ptrs(p, kbase + ks, t0 + SUB, HK * K, KS, SUB)).to(tl.bfloat16)
+        PK10 = tl.dot(p1, kt, PK10)
+        p2 = tl.load(row_ptrs(p, kbase + ks, t0 + 2 * SUB, HK * K, KS, SUB)).to(tl.bfloat16)
+        PK20 = tl.dot(p2, kt, PK20)
+        p3 = tl.load(row_ptrs(p, kbase + ks, t0 + 3 * SUB, HK * K, KS, SUB)).to(tl.bfloat16)
+        PK30 = tl.dot(p3, kt, PK30)
+        kt = tl.load(row_ptrs_t(k, kbase + ks, t0 + SUB, HK * K, KS, SUB)).to(tl.bfloat16)
+        PK11 = tl.dot(p1, kt, PK11)
+        PK21 = tl.dot(p2, kt, PK21)
+        PK31 = tl.dot(p3, kt, PK31)
+        kt = tl.load(row_ptrs_t(k, kbase + ks, t0 + 2 * SUB, HK * K, KS, SUB)).to(tl.bfloat16)
+        PK22 = tl.dot(p2, kt, PK22)
+        PK32 = tl.dot(p3, kt, PK32)
+        kt = tl.load(row_ptrs_t(k, kbase + ks, t0 + 3 * SUB, HK * K, KS, SUB)).to(tl.bfloat16)
+        PK33 = tl.dot(p3, kt, PK33)
+    L00, e0 = _l_block(PK00, b0, gr0, gc0, True)
+    L10, _ = _l_block(PK10, b1, gr1, gc0, False)
+    L20, _ = _l_block(PK20, b2, gr2, gc0, False)
+    L30, _ = _l_block(PK30, b3, gr3, gc0, False)
+    L11, e1 = _l_block(PK11, b1, gr1, gc1, True)
+    L21, _ = _l_block(PK21, b2, gr2, gc1, False)
+    L31, _ = _l_block(PK31, b3, gr3, gc1, False)
+    L22, e2 = _l_block(PK22, b2, gr2, gc2, True)
+    L32, _ = _l_block(PK32, b3, gr3, gc2, False)
+    L33, e3 = _l_block(PK33, b3, gr3, gc3, True)
     edge = tl.minimum(edge, tl.where(e0 < SUB, e0, BT))
     edge = tl.minimum(edge, tl.where(e1 < SUB, e1 + SUB, BT))
     edge = tl.minimum(edge, tl.where(e2 < SUB, e2 + 2 * SUB, BT))
@@ -172,5 +191,6 @@ def launch(k, p, beta, g, A, read_first: bool = False):
     B, T, HV = beta.shape
     N = T // CHUNK
     order = {"READ_FIRST": True} if read_first else {}
-    _transform_kernel[(N, B * HV)](k, p, beta, g, A, N, HV, k.shape[-1], **group(k, beta), **order,
+    K = k.shape[-1]
+    _transform_kernel[(N, B * HV)](k, p, beta, g, A, N, HV, K, TRANSFORM_SLICE[K], **group(k, beta), **order,
                                    num_warps=TRANSFORM_WARPS, num_stages=1)
