@@ -49,6 +49,14 @@ def spec(name: str):
     return specs.spec(name)
 
 
+def sequences(x: torch.Tensor, cu: torch.Tensor | None, per_position: bool) -> list:
+    """x cut into its sequences: the packed sequences of a per-position tensor of a packed call (`cu` its
+    sequence boundaries), else the batch rows."""
+    if cu is None or not per_position:
+        return list(x)
+    return [x[0, a:b] for a, b in zip(cu[:-1].tolist(), cu[1:].tolist())]
+
+
 def patch_interpreter() -> None:
     """Fixes to Triton 3.6's interpreter so that kernels run on CPU tensors as they do on the GPU.
 

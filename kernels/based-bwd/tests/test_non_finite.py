@@ -13,10 +13,12 @@ against the clean call:
 
 The fused kernels run in the Triton interpreter on CPU tensors in fp32 (IEEE fp32 matmuls) and in bf16 on CUDA."""
 
+import functools
+
 import pytest
 import torch
 
-from testkit import HAS_CUDA, needs_triton, submodule
+from testkit import HAS_CUDA, needs_triton, sequences, submodule
 from test_based_state import lengths_to_cu, make, prefix_state
 
 TRITON_DEVICE = "cuda" if HAS_CUDA else "cpu"
@@ -84,24 +86,10 @@ def run(impl, based, dispatch, call, q, k, v, do, state, d_final, cu):
     return {name: x.cpu().float() for name, x in got.items()}
 
 
-def sequences(x, name, cu):
-    """x cut into its sequences: the batch rows, or the packed sequences of a per-position tensor."""
-    if cu is None or name not in POSITIONS:
-        return list(x)
-    return [x[0, a:b] for a, b in zip(cu[:-1].tolist(), cu[1:].tolist())]
-
-
 @pytest.fixture(scope="module")
 def clean_runs(based, dispatch):
     """The clean call's results per (impl, call), computed once."""
-    cache = {}
-
-    def get(impl, call):
-        if (impl, call) not in cache:
-            cache[impl, call] = run(impl, based, dispatch, call, *inputs(call))
-        return cache[impl, call]
-
-    return get
+    return functools.cache(lambda impl, call: run(impl, based, dispatch, call, *inputs(call)))
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -119,7 +107,8 @@ def test_non_finite_step_stays_in_place(based, dispatch, clean_runs, impl, call,
     clean = clean_runs(impl, call)
     seq = 1  # the bad sequence
     for name in got:
-        parts, clean_parts = sequences(got[name], name, cu), sequences(clean[name], name, cu)
+        per_position = name in POSITIONS
+        parts, clean_parts = sequences(got[name], cu, per_position), sequences(clean[name], cu, per_position)
         for n in range(len(parts)):
             if n != seq:
                 assert torch.equal(parts[n], clean_parts[n]), f"{name} of sequence {n}"
@@ -131,7 +120,7 @@ def test_non_finite_step_stays_in_place(based, dispatch, clean_runs, impl, call,
         if which == "q" and name in ("S", "z"):
             assert torch.equal(x, x_clean), f"{name}: q reaches no state"
     if which != "do":
-        assert not torch.isfinite(sequences(got["o"], "o", cu)[seq][STEP]).all()
+        assert not torch.isfinite(sequences(got["o"], cu, True)[seq][STEP]).all()
     if impl == "fused":
         reference = run("reference", based, dispatch, call, *(x.to(DTYPE).float() for x in args.values()), state,
                         d_final, cu)

@@ -17,10 +17,12 @@ earlier step reaches them, so a non-zero output gradient makes every gradient of
 The fused kernels run in the Triton interpreter on CPU tensors in fp32 and in bf16 on CUDA; K = V = 64, the smallest
 size they take (V = 64 keeps the Gluon kernels out: they run at V = 128 only)."""
 
+import functools
+
 import pytest
 import torch
 
-from testkit import HAS_CUDA, needs_triton, submodule
+from testkit import HAS_CUDA, needs_triton, sequences, submodule
 from test_model_interface import model_inputs, pack
 
 TRITON_DEVICE = "cuda" if HAS_CUDA else "cpu"
@@ -93,24 +95,10 @@ def run(impl, comba, dispatch, call, x, do, state, d_final, cu):
     return {name: t.detach().cpu().float() for name, t in zip(names, got)}
 
 
-def sequences(t, name, cu):
-    """t cut into its sequences: the batch rows, or the packed sequences of a per-position tensor."""
-    if cu is None or name not in POSITIONS:
-        return list(t)
-    return [t[0, a:b] for a, b in zip(cu[:-1].tolist(), cu[1:].tolist())]
-
-
 @pytest.fixture(scope="module")
 def clean_runs(comba, dispatch):
     """The clean call's results per (impl, call), computed once."""
-    cache = {}
-
-    def get(impl, call):
-        if (impl, call) not in cache:
-            cache[impl, call] = run(impl, comba, dispatch, call, *inputs(call))
-        return cache[impl, call]
-
-    return get
+    return functools.cache(lambda impl, call: run(impl, comba, dispatch, call, *inputs(call)))
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -128,11 +116,12 @@ def test_non_finite_step_stays_in_place(comba, dispatch, clean_runs, impl, call,
     clean = clean_runs(impl, call)
     seq = 1  # the bad sequence
     for name in got:
-        parts, clean_parts = sequences(got[name], name, cu), sequences(clean[name], name, cu)
+        per_position = name in POSITIONS
+        parts, clean_parts = sequences(got[name], cu, per_position), sequences(clean[name], cu, per_position)
         for n in range(len(parts)):
             if n != seq:
                 assert torch.equal(parts[n], clean_parts[n]), f"{name} of sequence {n}"
-    o, o_clean = sequences(got["o"], "o", cu)[seq], sequences(clean["o"], "o", cu)[seq]
+    o, o_clean = sequences(got["o"], cu, True)[seq], sequences(clean["o"], cu, True)[seq]
     assert torch.equal(o[:STEP], o_clean[:STEP]), "o before the bad step"
     assert not torch.isfinite(o[STEP, head]).all(), "o at the bad step"
     if head > 0 and which not in ("q", "k", "p"):  # the value heads that do not read the bad value
