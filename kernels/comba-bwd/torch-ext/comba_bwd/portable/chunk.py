@@ -24,9 +24,9 @@ FLOOR = tl.constexpr(G_FLOOR)  # the log-decay floor of reference.G_FLOOR: -inf 
 # The scans cut V across their programs in blocks of SCAN_BLOCK[K] columns (at most V), so that a program's
 # (K, block) state has 128 x 64 entries at K = 64 and 128. At K = 64 one program then takes all of V = 128 and loads
 # the chunk's q, k, p and A once instead of twice, which is faster; blocks of 32 at K = 128 (twice the programs)
-# are slower than 64. At K = 256 the chunk's [64, K] tiles of q, k and p take the registers a larger state would:
-# blocks of 16 spill least (tools.compile_offline, sm_90a: 32 and 8 warps spill more, 8 warps more than 4).
-SCAN_BLOCK = {64: 128, 128: 64, 256: 16}
+# are slower than 64. At K = 256 the blocks stay 64 wide: Triton 3.6 miscompiles both scans on sm_90 with blocks of
+# 16 or 32 there (wrong outputs, out-of-range shared-memory reads under compute-sanitizer).
+SCAN_BLOCK = {64: 128, 128: 64, 256: 64}
 SCAN_WARPS = 4
 
 # The pipelined reverse scan takes 115 KB of shared memory at K = 64 and 128 (its state block being the same size),
