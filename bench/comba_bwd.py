@@ -53,11 +53,13 @@ SEED_SHAPES = [HUB.BENCH_SHAPE]
 # and up to 240 B over packed sequences with a state at (H, HV, K, V) = (8, 16, 128, 256), where each program's chunk
 # range is loaded (cu_chunks) and its value head taken from its flat program index: 236 B (fla's read order 240)
 # under Triton 3.6, 220 (232) under 3.7.1, 220 (212) under 3.8, 128 (132) under 3.9.
-# At K = 256 the scans hold the chunk's whole [64, K] tiles of k, p (and q) while they multiply
-# (`portable.chunk.SCAN_BLOCK`): the reverse scan spills up to 604 B under Triton 3.6 and 648 B under 3.8 (packed
-# sequences at fla's layer sizes; 448 and 524 without a carried state), the forward scan, whose operands pass the
-# non-finite guard, up to 216 B (packed sequences). These two bounds are those of K = 256.
-SPILLS_BY_DESIGN = {"_reverse_scan_kernel": 656, "_forward_scan_kernel": 224}
+# At K = 256 (case labels holding ", 256, ") both scans hold the chunk's whole [64, K] tiles of k, p (and q) beside
+# a [K, 64] state block (`portable.chunk.SCAN_BLOCK`: narrower blocks miscompile under Triton 3.6 on sm_90) and spill
+# far more: the forward scan up to 1336 B (Triton 3.6.0; 1324 under 3.7.1, 1200 under 3.8.0, 360 under 3.9.0), the
+# reverse scan up to 2028 B (3.6.0; 1960 under 3.7.1, 1996 under 3.8.0, 852 under 3.9.0). Blocking the scans over K
+# is what removes them.
+SPILLS_BY_DESIGN = {"_reverse_scan_kernel": 240, ("_forward_scan_kernel", ", 256, "): 1536,
+                    ("_reverse_scan_kernel", ", 256, "): 2304}
 
 # Decode: (B, H, K, V) at one new token, HV = H; the latency batch.
 DECODE_SHAPE = (64, 6, 256, 512)

@@ -31,7 +31,8 @@ CTA (it can never launch there), or spills more than --max-spill bytes for sm_90
 register count to ptxas; a launch that caps it (maxnreg) trades spills for occupancy on purpose, on the strength of a
 GPU measurement, and shows as "capped". A kernel whose spills are such a trade made by its design rather than a cap
 (one warpgroup of 255 registers, say, so that two CTAs share an SM) is named, with the bytes it may spill, in its
-harness's SPILLS_BY_DESIGN, and shows as "by design" within them. On the other architectures, where no GPU has
+harness's SPILLS_BY_DESIGN (by its name, or by its name and a text of the case labels the bound covers), and shows
+as "by design" within them. On the other architectures, where no GPU has
 measured what a spill costs against the configuration's alternatives, spills show as "spills" and fail nothing.
 """
 
@@ -205,9 +206,20 @@ def status(report: dict, arch: Arch, max_spill: int, by_design: dict) -> str:
         return "capped"
     if report["spills"] <= max_spill:
         return "ok"
-    if report["spills"] <= by_design.get(report["kernel"], 0):
+    if report["spills"] <= spills_by_design(report, by_design):
         return "by design"
     return "SPILLS" if arch.name == BENCHMARKED else "spills"
+
+
+def spills_by_design(report: dict, by_design: dict) -> int:
+    """The spill bytes the design of the report's kernel accepts at its case: the largest of its SPILLS_BY_DESIGN
+    entries, each keyed by the kernel's name (every case) or by (name, text of the case labels it covers)."""
+    def covers(key) -> bool:
+        if isinstance(key, str):
+            return key == report["kernel"]
+        return key[0] == report["kernel"] and key[1] in report["case"]
+
+    return max((allowed for key, allowed in by_design.items() if covers(key)), default=0)
 
 
 def stand_for(package, arch: Arch) -> bool:

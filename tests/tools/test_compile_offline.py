@@ -10,7 +10,7 @@ import pytest
 
 import testkit
 from tools.common import REPO_ROOT, all_kernels
-from tools.compile_offline import ARCHS, ctas_per_sm
+from tools.compile_offline import ARCHS, ctas_per_sm, spills_by_design
 from tools.gpu_bench import load_harness, load_kernel
 
 
@@ -37,6 +37,17 @@ def test_ctas_per_sm_by_arch():
 
 
 @pytest.mark.skipif(not testkit.has_spec("audio_mel_spectrogram_fused"), reason="the log-mel spec is absent")
+def test_spills_by_design_by_kernel_and_by_case():
+    """An entry keyed by a kernel's name bounds its spills at every case; one keyed by (name, label text) only at
+    the cases whose label holds the text; the largest entry that covers a case counts."""
+    by_design = {"_scan": 240, ("_scan", ", 256, "): 2048, ("_other", "packed"): 64}
+    assert spills_by_design({"kernel": "_scan", "case": "(4, 2048, 8, 128, 128)"}, by_design) == 240
+    assert spills_by_design({"kernel": "_scan", "case": "(4, 2048, 8, 256, 128)"}, by_design) == 2048
+    assert spills_by_design({"kernel": "_other", "case": "(4, 2048, 8, 256, 128)"}, by_design) == 0
+    assert spills_by_design({"kernel": "_other", "case": "model (packed)"}, by_design) == 64
+    assert spills_by_design({"kernel": "_grads", "case": "model (packed)"}, by_design) == 0
+
+
 def test_one_log_mel_case_compiles():
     """One shape and config of log-mel through the tool (its cases come from the spec's shapes): its main
     kernel's row carries registers and CTAs."""

@@ -29,10 +29,10 @@ FLOOR = tl.constexpr(G_FLOOR)  # the log-decay floor of reference.G_FLOOR: -inf 
 SCAN_BLOCK = {64: 128, 128: 64, 256: 64}
 SCAN_WARPS = 4
 
-# The pipelined reverse scan takes 115 KB of shared memory at K = 64 and 128 (its state block being the same size),
-# 131 KB at K = 256: more than a block may have on sm_86 / sm_89 (99 KB), where the scans run unpipelined (64 KB at
-# most at K = 64 and 128, 43 KB at K = 256); sm_80's 163 KB take either.
-PIPELINED_SCAN_SHARED = 116 * 1024
+# The shared memory the pipelined scans need by K (the reverse scan's, the larger): 113 KB at K = 64 and 128 (their
+# state blocks being the same size), more than a block may have on sm_86 / sm_89 / sm_120 (99 KB); 177 KB at K = 256,
+# more than sm_80's 163 KB too. Where a block has less, the scans run unpipelined (STAGES = 1).
+PIPELINED_SCAN_SHARED = {64: 116 * 1024, 128: 116 * 1024, 256: 177 * 1024}
 
 
 def group(keys: torch.Tensor, values: torch.Tensor) -> dict:
@@ -47,12 +47,12 @@ def scan_block(K: int, V: int) -> int:
     return min(V, SCAN_BLOCK[K])
 
 
-def scan_stages(device: torch.device) -> int:
-    """How deep the scans pipeline their chunk loop on `device` (2; 1 where shared memory is too small; meta tensors:
-    on the GPU they stand for, `devices.meta_gpu`)."""
+def scan_stages(device: torch.device, K: int) -> int:
+    """How deep the scans pipeline their chunk loop at K on `device` (2; 1 where a block's shared memory is smaller
+    than PIPELINED_SCAN_SHARED[K]; meta tensors: on the GPU they stand for, `devices.meta_gpu`)."""
     if device.type not in ("cuda", "meta"):
         return 2  # the interpreter
-    return 2 if gpu(device).shared_per_cta >= PIPELINED_SCAN_SHARED else 1
+    return 2 if gpu(device).shared_per_cta >= PIPELINED_SCAN_SHARED[K] else 1
 
 
 @triton.jit

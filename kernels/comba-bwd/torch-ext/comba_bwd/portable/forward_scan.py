@@ -92,5 +92,5 @@ def launch(k, v, p, beta, g, A, S, Vn, initial_state=None, final_state=None, cu_
         state.update(READ_FIRST=True)
     grid = (V // BV, B * HV) if cu_chunks is None else (V // BV, (cu_chunks.shape[0] - 1) * HV)
     _forward_scan_kernel[grid](k, v, p, beta, g, A, S, Vn, T // CHUNK, HV, K=K, V=V, BV=BV,
-                                            STAGES=scan_stages(k.device), **group(k, v), **state,
+                                            STAGES=scan_stages(k.device, K), **group(k, v), **state,
                                             num_warps=SCAN_WARPS, num_stages=1)

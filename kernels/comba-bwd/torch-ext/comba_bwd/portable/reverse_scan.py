@@ -105,5 +105,5 @@ def launch(q, k, v, p, beta, g, do, A, dS, X, dv, dbeta_v, scale: float, v_adjoi
         state.update(READ_FIRST=True)
     grid = (V // BV, B * HV) if cu_chunks is None else (V // BV, (cu_chunks.shape[0] - 1) * HV)
     _reverse_scan_kernel[grid](q, k, v, p, beta, g, do, A, dS, X, dv, dbeta_v, scale, T // CHUNK, HV,
-                                            K=K, V=V, BV=BV, STAGES=scan_stages(q.device), V_ADJOINT=v_adjoint,
+                                            K=K, V=V, BV=BV, STAGES=scan_stages(q.device, K), V_ADJOINT=v_adjoint,
                                             **group(q, v), **state, num_warps=SCAN_WARPS, num_stages=1)
