@@ -4,11 +4,13 @@ public function to the launch, per call, and where that time goes.
 Each case calls a public function of a built kernel (loaded like model code does, `get_kernel` from the local Hub
 cache `.hub/`, so rebuild with `make hub` after editing torch-ext) on CPU tensors, with only the CUDA-only pieces
 stubbed, so that the call runs the eager CUDA path itself: public function -> the CUDA entry point of `dispatch`
-(`<op>_cuda`) -> the stage module's launch -> `common.launch.launch`. The stubs:
+(`<op>_cuda`) -> the stage module's launch -> `common.launch.launch`, or where the package keeps direct calls
+(`common.direct_calls.DirectCalls`), public function -> the kept direct call of the signature, which its first call
+keeps -> `common.launch.kept_launcher`'s launch. The stubs:
 
 - `torch.Tensor.is_cuda` answers True (a Python property in place of torch's C getter);
-- `torch.cuda.current_device()` answers the CPU tensors' device index (None), so that `devices.on_device` finds the
-  launch on the current device;
+- `torch.cuda.current_device()` and `torch._C._cuda_getDevice()` (what a kept direct call asks) answer the CPU
+  tensors' device index (None), so that every launch finds its tensors on the current device;
 - the package's kept launchers (`common.launch._compiled`) hold a no-op launcher and stream lookup for each
   specialization the case launches, so that every launch takes the kept-launcher path of a warm CUDA call.
 
@@ -114,6 +116,11 @@ def _stub_current_device():
     return None
 
 
+def _stub_get_device():
+    """Stands for torch._C._cuda_getDevice(): the CPU tensors' device index."""
+    return None
+
+
 def _stub_is_cuda(tensor) -> bool:
     """Stands for torch.Tensor.is_cuda."""
     return True
@@ -131,16 +138,30 @@ class _Recorder(dict):
         return hit
 
 
+def _direct_calls(package: str) -> list:
+    """The package's kept direct calls (`common.direct_calls.DirectCalls`, held by its dispatch module)."""
+    import importlib
+
+    kind = importlib.import_module(f"{package}.common.direct_calls").DirectCalls
+    return [calls for calls in vars(importlib.import_module(f"{package}.dispatch")).values() if isinstance(calls, kind)]
+
+
 @contextlib.contextmanager
 def cuda_stubs(launch_module):
     """The stubs above in place (`launch_module`: the package's `common.launch`); the kept launchers a plain dict
     of the recorded stubs after the first call (`_Recorder`), so that lookups cost what a real dict's do. Everything
-    is put back on exit."""
+    is put back on exit, and the package's kept direct calls, which the stubs' launchers are kept in, are forgotten
+    on entry and on exit."""
     import torch
 
-    saved = (torch.Tensor.__dict__.get("is_cuda"), torch.cuda.current_device, launch_module._compiled)
+    direct_calls = _direct_calls(launch_module.__package__.rpartition(".")[0])
+    for calls in direct_calls:
+        calls.clear()
+    saved = (torch.Tensor.__dict__.get("is_cuda"), torch.cuda.current_device, launch_module._compiled,
+             torch._C.__dict__.get("_cuda_getDevice"))
     torch.Tensor.is_cuda = property(_stub_is_cuda)
     torch.cuda.current_device = _stub_current_device
+    torch._C._cuda_getDevice = _stub_get_device
     launch_module._compiled = _Recorder()
     try:
         yield
@@ -151,6 +172,12 @@ def cuda_stubs(launch_module):
             torch.Tensor.is_cuda = saved[0]
         torch.cuda.current_device = saved[1]
         launch_module._compiled = saved[2]
+        if saved[3] is None:
+            del torch._C._cuda_getDevice
+        else:
+            torch._C._cuda_getDevice = saved[3]
+        for calls in direct_calls:
+            calls.clear()
 
 
 @dataclass
@@ -218,7 +245,8 @@ def _label(filename: str, line: int, name: str) -> str:
     return f"{Path(filename).name}:{name}"
 
 
-_STUBS = {_stub_launcher.__name__, _stub_stream.__name__, _stub_current_device.__name__, _stub_is_cuda.__name__}
+_STUBS = {_stub_launcher.__name__, _stub_stream.__name__, _stub_current_device.__name__, _stub_get_device.__name__,
+          _stub_is_cuda.__name__}
 
 
 def _stub_costs(launch_module) -> dict:
@@ -233,6 +261,7 @@ def _stub_costs(launch_module) -> dict:
     return {
         _stub_is_cuda.__name__: _per_call_us(lambda: x.is_cuda, n, 3),
         _stub_current_device.__name__: _per_call_us(_stub_current_device, n, 3),
+        _stub_get_device.__name__: _per_call_us(_stub_get_device, n, 3),
         _stub_stream.__name__: _per_call_us(lambda: stream_of(None), n, 3),
         _stub_launcher.__name__: _per_call_us(lambda: run(*args), n, 3),
     }

@@ -5,8 +5,9 @@ the Triton kernels under the interpreter."""
 
 import pytest
 import torch
+from torch.utils.flop_counter import FlopCounterMode
 
-from testkit import HAS_CUDA, load, needs_cuda, needs_triton, rel_err, submodule
+from testkit import HAS_CUDA, load, needs_cuda, needs_triton, recorded_launches, rel_err, submodule
 
 DEVICE = "cuda" if HAS_CUDA else "cpu"
 
@@ -98,6 +99,50 @@ def test_a_signature_seen_before_skips_the_checks(ldsa, monkeypatch):
         for _ in range(2):
             op._check_args_once(*args)
         assert len(count) == i + 1
+
+
+@pytest.mark.kernels_ci
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_kept_direct_call_launches_what_the_first_call_did(ldsa, monkeypatch, dtype):
+    """From a signature's second call on, the kept direct call (`dispatch.DIRECT_FORWARDS`) launches the kernel the
+    entry point launched, with the same arguments, without the entry point (CUDA's path, taken on CPU tensors under
+    `tools.host_time`'s stubs)."""
+    op = submodule(ldsa, "op")
+    a, v = make(2, 2, 16, 40, 3, 2, dtype, device="cpu")
+    entry = op.ldsa_forward_cuda
+    entered = []
+    monkeypatch.setattr(op, "ldsa_forward_cuda", lambda *args: entered.append(1) or entry(*args))
+    with torch.no_grad():
+        first, kept, again = recorded_launches(ldsa, lambda: ldsa.ldsa_local_attention(a, v, 3, 2), calls=3)
+    assert len(first) == 1 and kept == first and again == first and entered == [1]
+    assert first[0][9:12] == ((dtype, (2, 2, 6, 40)), (dtype, (2, 2, 16, 40)), (dtype, (2, 2, 16, 40)))
+    assert not submodule(ldsa, "dispatch").DIRECT_FORWARDS  # forgotten with the stubs
+
+
+@pytest.mark.kernels_ci
+def test_calls_the_kept_direct_call_cannot_prove_take_the_other_routes(ldsa, monkeypatch):
+    """A signature's later call that is off 16 bytes or non-contiguous takes the entry point; one that requires grad
+    or runs under a dispatch mode the registered op (here the CPU reference, which launches nothing): none takes the
+    kept direct call."""
+    op = submodule(ldsa, "op")
+    a, v = make(2, 2, 16, 41, 3, 2, torch.bfloat16, device="cpu")
+    entry = op.ldsa_forward_cuda
+    entered = []
+    monkeypatch.setattr(op, "ldsa_forward_cuda", lambda *args: entered.append(1) or entry(*args))
+    off = torch.empty(2 * 2 * 16 * 41 + 1, dtype=torch.bfloat16)[1:].view(2, 2, 16, 41).copy_(v)
+    strided = torch.empty(2, 2, 16, 82, dtype=torch.bfloat16)[..., ::2].copy_(v)
+    grad = v.clone().requires_grad_()
+
+    def calls():
+        ldsa.ldsa_local_attention(a, v, 3, 2)
+        ldsa.ldsa_local_attention(a, off, 3, 2)
+        ldsa.ldsa_local_attention(a, strided, 3, 2)
+        ldsa.ldsa_local_attention(a, grad, 3, 2)
+        with FlopCounterMode(display=False):
+            ldsa.ldsa_local_attention(a, v, 3, 2)
+
+    first, second = recorded_launches(ldsa, calls)
+    assert len(first) == len(second) == 3 and entered == [1, 1, 1, 1, 1]  # the second round's first call is kept
 
 
 @needs_cuda

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from testkit import HAS_CUDA, load, needs_cuda, needs_triton, submodule
+from testkit import HAS_CUDA, load, needs_cuda, needs_triton, recorded_launches, submodule
 
 DEVICE = "cuda" if HAS_CUDA else "cpu"
 _BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "benchmark.py"
@@ -123,6 +123,32 @@ def test_spectrogram_direct_route_raises_as_the_op_does(lm, direct):
         lm.log_mel_spectrogram(stft, w.double())
     with pytest.raises(ValueError, match="stft requires grad"):
         lm.log_mel_spectrogram(torch.zeros(2, 4, 33, dtype=torch.complex64, requires_grad=True), w)
+
+
+@pytest.mark.kernels_ci
+@pytest.mark.parametrize("path", ["triton", "waveform-gluon"])
+@pytest.mark.parametrize("B,lengths", [(1, None), (2, None), (2, [1677, 900])], ids=["1clip", "2clips", "lengths"])
+def test_a_kept_direct_call_launches_what_the_first_call_did(lm, monkeypatch, path, B, lengths):
+    """From a signature's second call on, the kept direct call (`dispatch.DIRECT_WHISPER`) launches the kernels the
+    entry point launched (the main pass with its floor folded in at 1 clip, then the floor pass above), with the same
+    arguments, without the entry point (CUDA's path on either main pass, taken on CPU tensors under
+    `tools.host_time`'s stubs)."""
+    op, dispatch = submodule(lm, "op"), submodule(lm, "dispatch")
+    monkeypatch.setattr(dispatch, "waveform_path", lambda audio: path)
+    entry = op.whisper_log_mel_cuda
+    entered = []
+    monkeypatch.setattr(op, "whisper_log_mel_cuda", lambda *args: entered.append(1) or entry(*args))
+    audio = bench.whisper_batch(B, 1677, "cpu")
+    if lengths is not None:
+        lengths = torch.tensor(lengths)
+    first, kept = recorded_launches(lm, lambda: lm.whisper_log_mel(audio, 20, lengths=lengths,
+                                                                     out_dtype=torch.bfloat16))
+    assert len(first) == (1 if B == 1 else 2) and kept == first and entered == [1]
+    main = first[0][9:]
+    assert main[0] == (torch.float32, (B, 1677)) and main[1] == (None if lengths is None else (torch.int64, (B,)))
+    out = (torch.bfloat16, (B, 20, 10))
+    assert out in main and (B == 1) == ((torch.int32, (1 + B,)) in main)  # the folded floor's counters
+    assert not dispatch.DIRECT_WHISPER  # forgotten with the stubs
 
 
 @pytest.mark.kernels_ci

@@ -17,8 +17,8 @@ import torch
 from ._ops import add_op_namespace_prefix
 from .common.autocast import register_autocast
 from .common.devices import on_device
-from .common.direct_calls import CheckedSignatures, calls_directly
-from .dispatch import log_mel_spectrogram_cuda, whisper_log_mel_cuda
+from .common.direct_calls import CheckedSignatures, calls_directly, launches_directly
+from .dispatch import DIRECT_WHISPER, log_mel_spectrogram_cuda, whisper_log_mel_cuda, whisper_log_mel_direct
 from .reference import log_mel_spectrogram_reference, whisper_log_mel_reference
 from .validation import check_log_mel_args, check_whisper_args, lengths_on
 from .whisper import HOP_LENGTH, N_FFT
@@ -103,7 +103,19 @@ def whisper_log_mel(audio: torch.Tensor, n_mels: int = 80, *, lengths: torch.Ten
     floor over only the tiles it reaches, in the same launch up to `dispatch.ONE_LAUNCH_MAX_CLIPS` clips and in a
     launch of its own above.
     """
+    if type(audio) is torch.Tensor and type(n_mels) is int and type(out_dtype) is torch.dtype:
+        if lengths is None:
+            if launches_directly(audio):
+                whisper = DIRECT_WHISPER.get((audio.shape, audio.dtype, audio.device, n_mels, out_dtype))
+                if whisper is not None:
+                    return whisper(audio, None)
+        elif type(lengths) is torch.Tensor and launches_directly(audio, lengths):
+            whisper = DIRECT_WHISPER.get((audio.shape, audio.dtype, audio.device, n_mels, out_dtype, lengths.shape,
+                                          lengths.dtype, lengths.device))
+            if whisper is not None:
+                return whisper(audio, lengths)
     signature = _whisper_signature(audio, n_mels, lengths, out_dtype)
+    given = lengths
     if signature is None or signature not in _checked:
         n_mels, lengths = check_whisper_args(audio, n_mels, lengths, out_dtype, N_FFT)
         if signature is not None:
@@ -113,7 +125,13 @@ def whisper_log_mel(audio: torch.Tensor, n_mels: int = 80, *, lengths: torch.Ten
     audio = audio.contiguous()
     if calls_directly(audio) if lengths is None else calls_directly(audio, lengths):
         with on_device(audio):
-            return whisper_log_mel_cuda(audio, lengths, n_mels, out_dtype)
+            out = whisper_log_mel_cuda(audio, lengths, n_mels, out_dtype)
+        if signature is not None and (lengths is None or lengths is given):  # given lengths as the kernels read them
+            key = (audio.shape, audio.dtype, audio.device, n_mels, out_dtype)
+            if lengths is not None:
+                key += (lengths.shape, lengths.dtype, lengths.device)
+            DIRECT_WHISPER.keep(key, whisper_log_mel_direct(audio, lengths, n_mels, out_dtype))
+        return out
     return whisper_log_mel_op(audio, lengths, n_mels, out_dtype)
 
 
