@@ -86,11 +86,22 @@ def _ldsa(kernel):
     return lambda: kernel.ldsa_local_attention(a, v, left, right)
 
 
-def _whisper(kernel):
+def _whisper(clips: int):
+    def make(kernel):
+        import torch
+
+        audio = torch.randn(clips, 30 * 16000) * 0.1
+        return lambda: kernel.whisper_log_mel(audio, 80)
+
+    return make
+
+
+def _spectrogram(kernel):
     import torch
 
-    audio = torch.randn(1, 30 * 16000) * 0.1
-    return lambda: kernel.whisper_log_mel(audio, 80)
+    stft = torch.randn(1, 3000, 201, dtype=torch.complex64)
+    mel_filters = kernel.mel_filters(80)
+    return lambda: kernel.log_mel_spectrogram(stft, mel_filters)
 
 
 CASES = {
@@ -98,7 +109,9 @@ CASES = {
     "comba_decode": Case("comba-bwd", "B=1 T=1 (H,K,V)=(6,256,512) bf16, fla order, l2norm, no grad", _comba_decode,
                          True, 1),
     "ldsa_local_attention": Case("ldsa", "[B,T]=[16,256] H=8 Dh=64 W=15 causal bf16 forward, no grad", _ldsa, True, 1),
-    "whisper_log_mel": Case("log-mel", "1 clip of 30 s, 80 mels, fp32", _whisper, False, 1),
+    "whisper_log_mel": Case("log-mel", "1 clip of 30 s, 80 mels, fp32", _whisper(1), False, 1),
+    "whisper_log_mel_16": Case("log-mel", "16 clips of 30 s, 80 mels, fp32", _whisper(16), False, 2),
+    "log_mel_spectrogram": Case("log-mel", "1 clip of 3000 frames, 201 bins, 80 mels", _spectrogram, False, 4),
 }
 
 

@@ -14,6 +14,8 @@ ENTRY_POINTS = {
     "comba_decode": ("dispatch.py:comba_decode_cuda", "common/launch.py:launch"),
     "ldsa_local_attention": ("dispatch.py:ldsa_forward_kept", "common/launch.py:launch_kept"),
     "whisper_log_mel": ("dispatch.py:whisper_log_mel_kept", "common/launch.py:launch_kept"),
+    "whisper_log_mel_16": ("dispatch.py:whisper_log_mel_kept", "common/launch.py:launch_kept"),
+    "log_mel_spectrogram": ("portable/stft.py:log_mel_spectrogram_kept", "common/launch.py:launch_kept"),
 }
 
 

@@ -145,6 +145,25 @@ def test_calls_the_kept_direct_call_cannot_prove_take_the_other_routes(ldsa, mon
     assert len(first) == len(second) == 3 and entered == [1, 1, 1, 1, 1]  # the second round's first call is kept
 
 
+@pytest.mark.kernels_ci
+def test_the_eager_backward_launches_without_the_registered_op(ldsa, monkeypatch):
+    """autograd's backward of an eager call runs `ldsa_backward_cuda` directly (CUDA's path, taken on CPU tensors
+    under `tools.host_time`'s stubs, the forward's registered op running the CPU reference); with create_graph it
+    takes the registered backward op, whose reference launches nothing."""
+    op = submodule(ldsa, "op")
+    monkeypatch.setattr(op, "ldsa_backward_op", lambda *args: pytest.fail("the registered backward op ran"))
+    a, v = (x.requires_grad_() for x in make(1, 2, 16, 40, 3, 2, torch.bfloat16, device="cpu"))
+    (launches,) = recorded_launches(ldsa, lambda: ldsa.ldsa_local_attention(a, v, 3, 2).sum().backward(), calls=1)
+    assert len(launches) == 1 and a.grad.shape == a.shape and v.grad.shape == v.shape
+    assert launches[0][9:14] == ((torch.bfloat16, tuple(a.shape)), (torch.bfloat16, tuple(v.shape)),
+                                 (torch.bfloat16, tuple(v.shape)), (torch.bfloat16, tuple(a.shape)),
+                                 (torch.bfloat16, tuple(v.shape)))
+    monkeypatch.undo()
+    (launches,) = recorded_launches(ldsa, lambda: torch.autograd.grad(ldsa.ldsa_local_attention(a, v, 3, 2).sum(),
+                                                                      (a, v), create_graph=True), calls=1)
+    assert launches == []
+
+
 @needs_cuda
 def test_cuda_graph_capture_replays_the_direct_route(ldsa):
     a, v = make(16, 8, 64, 256, 14, 0, torch.bfloat16)

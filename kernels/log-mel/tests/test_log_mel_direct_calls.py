@@ -152,6 +152,23 @@ def test_a_kept_direct_call_launches_what_the_first_call_did(lm, monkeypatch, pa
 
 
 @pytest.mark.kernels_ci
+def test_a_kept_spectrogram_call_launches_what_the_first_call_did(lm, monkeypatch):
+    """From a signature's second call on, the kept direct call (`dispatch.DIRECT_SPECTROGRAM`) launches the four
+    kernels the entry point launched (band support, chunk list, main pass, floor), with the same arguments, without
+    the entry point (CUDA's path, taken on CPU tensors under `tools.host_time`'s stubs)."""
+    op = submodule(lm, "op")
+    entry = op.log_mel_spectrogram_cuda
+    entered = []
+    monkeypatch.setattr(op, "log_mel_spectrogram_cuda", lambda *args: entered.append(1) or entry(*args))
+    stft, w = torch.zeros(2, 9, 33, dtype=torch.complex64), torch.zeros(12, 33)
+    first, kept = recorded_launches(lm, lambda: lm.log_mel_spectrogram(stft, w))
+    assert len(first) == 4 and kept == first and entered == [1]
+    assert first[2][9:14] == ((torch.float32, (2, 9, 33, 2)), (torch.float32, (12, 33)), first[1][11],
+                              (torch.float32, (2, 9, 12)), first[3][10])  # x, w, chunks, out, stats
+    assert not submodule(lm, "dispatch").DIRECT_SPECTROGRAM
+
+
+@pytest.mark.kernels_ci
 def test_a_signature_seen_before_skips_the_checks(lm, check_counts):
     """Every change a check reads (dtype, shape, device, n_mels, out_dtype, lengths, grad) checks again."""
     audio = torch.zeros(2, 1000)

@@ -1,8 +1,9 @@
 """The registered ops (forward, backward, autograd link) and the public function.
 
 Every CUDA call runs `dispatch`'s entry points (`ldsa_forward_cuda`, `ldsa_backward_cuda`), which pick the fused
-kernels or the eager reference; CPU tensors run the reference. The public function decides whether a call needs the
-registered op at all (`common.direct_calls.calls_directly`). Every op name goes through `add_op_namespace_prefix`,
+kernels or the eager reference; CPU tensors run the reference. The public function, and the backward that autograd
+runs, decide whether a call needs the registered op at all (`common.direct_calls.calls_directly`); the public
+function keeps its direct calls by call signature (`dispatch.DIRECT_FORWARDS`). Every op name goes through `add_op_namespace_prefix`,
 so two versions of this kernel can be loaded side by side.
 
 Under autocast (`common.autocast`) the ops run with autocast off: on CUDA `ldsa_forward` takes a_logits and v in
@@ -64,7 +65,12 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, grad_out):
     a_logits, v = ctx.saved_tensors
-    dlogits, dv = ldsa_backward_op(a_logits, v, grad_out.contiguous(), *ctx.window)
+    grad_out = grad_out.contiguous()
+    if calls_directly(a_logits, v, grad_out):  # no create_graph (its grad mode sees the saved tensors need grad)
+        check_grad_out(grad_out, v)
+        dlogits, dv = ldsa_backward_cuda(a_logits, v, grad_out, *ctx.window)
+    else:
+        dlogits, dv = ldsa_backward_op(a_logits, v, grad_out, *ctx.window)
     return dlogits, dv, None, None
 
 

@@ -53,6 +53,13 @@ def log_mel_spectrogram_cuda(stft: torch.Tensor, mel_filters: torch.Tensor) -> t
     return stage_module(__package__, "portable.stft").launch(stft, mel_filters)
 
 
+def log_mel_spectrogram_direct(stft: torch.Tensor, mel_filters: torch.Tensor):
+    """What `log_mel_spectrogram_cuda(stft, mel_filters)` does, once it ran on tensors on 16 bytes, for every call
+    of the same shapes and device on contiguous tensors on 16 bytes (`common.direct_calls.launches_directly`): a
+    function (stft, mel_filters) -> out. None where no launcher is kept (the interpreter, no call on 16 bytes yet)."""
+    return stage_module(__package__, "portable.stft").kept_launch(stft, mel_filters)
+
+
 def whisper_log_mel_cuda(audio: torch.Tensor, lengths: torch.Tensor | None, n_mels: int, out_dtype: torch.dtype,
                          plan: str | None = None) -> torch.Tensor:
     """`whisper_log_mel` on validated, contiguous CUDA (or meta) tensors: the main pass on the path `waveform_path`
@@ -85,10 +92,11 @@ def _waveform_main_pass(audio: torch.Tensor, lengths: torch.Tensor | None, n_mel
                                                                  with_floor=with_floor)
 
 
-# The kept direct calls of `whisper_log_mel` (`whisper_log_mel_direct`) by its call signature: see
-# `common.direct_calls.DirectCalls`. The plans they hold change only where the Gluon path is switched off, which
-# forgets them.
+# The kept direct calls of `whisper_log_mel` (`whisper_log_mel_direct`) and `log_mel_spectrogram`
+# (`log_mel_spectrogram_direct`) by their call signatures: see `common.direct_calls.DirectCalls`. The plans
+# they hold change only where the Gluon path is switched off, which forgets them.
 DIRECT_WHISPER = DirectCalls()
+DIRECT_SPECTROGRAM = DirectCalls()
 
 
 def whisper_log_mel_direct(audio: torch.Tensor, lengths: torch.Tensor | None, n_mels: int, out_dtype: torch.dtype):

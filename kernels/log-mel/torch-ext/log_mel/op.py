@@ -18,7 +18,8 @@ from ._ops import add_op_namespace_prefix
 from .common.autocast import register_autocast
 from .common.devices import on_device
 from .common.direct_calls import CheckedSignatures, calls_directly, launches_directly
-from .dispatch import DIRECT_WHISPER, log_mel_spectrogram_cuda, whisper_log_mel_cuda, whisper_log_mel_direct
+from .dispatch import (DIRECT_SPECTROGRAM, DIRECT_WHISPER, log_mel_spectrogram_cuda, log_mel_spectrogram_direct,
+                       whisper_log_mel_cuda, whisper_log_mel_direct)
 from .reference import log_mel_spectrogram_reference, whisper_log_mel_reference
 from .validation import check_log_mel_args, check_whisper_args, lengths_on
 from .whisper import HOP_LENGTH, N_FFT
@@ -74,6 +75,11 @@ def log_mel_spectrogram(stft: torch.Tensor, mel_filters: torch.Tensor) -> torch.
     never plain TF32 or bf16, autocast or not. Not differentiable: inputs that require grad raise ValueError
     while grad mode is on. Non-contiguous inputs are copied to contiguous ones first.
     """
+    if type(stft) is torch.Tensor and type(mel_filters) is torch.Tensor and launches_directly(stft, mel_filters):
+        spectrogram = DIRECT_SPECTROGRAM.get((stft.shape, stft.dtype, stft.device, mel_filters.shape,
+                                              mel_filters.dtype, mel_filters.device))
+        if spectrogram is not None:
+            return spectrogram(stft, mel_filters)
     signature = _spectrogram_signature(stft, mel_filters)
     if signature is None or signature not in _checked:
         check_log_mel_args(stft, mel_filters)
@@ -82,7 +88,11 @@ def log_mel_spectrogram(stft: torch.Tensor, mel_filters: torch.Tensor) -> torch.
     stft, mel_filters = stft.contiguous(), mel_filters.contiguous()
     if calls_directly(stft, mel_filters):
         with on_device(stft):
-            return log_mel_spectrogram_cuda(stft, mel_filters)
+            out = log_mel_spectrogram_cuda(stft, mel_filters)
+        if signature is not None:
+            DIRECT_SPECTROGRAM.keep((stft.shape, stft.dtype, stft.device, mel_filters.shape, mel_filters.dtype,
+                                     mel_filters.device), log_mel_spectrogram_direct(stft, mel_filters))
+        return out
     return log_mel_spectrogram_op(stft, mel_filters)
 
 
