@@ -10,17 +10,18 @@ keeps -> `common.launch.kept_launcher`'s launch. The stubs:
 
 - `torch.Tensor.is_cuda` answers True (a Python property in place of torch's C getter);
 - `torch.cuda.current_device()` and `torch._C._cuda_getDevice()` (what a kept direct call asks) answer the CPU
-  tensors' device index (None), so that every launch finds its tensors on the current device;
+  tensors' device index (None), so that every launch finds its tensors on the current device; the kept direct
+  calls' scratch (`common.direct_calls.StreamScratch`) finds no capture and one stream;
 - the package's kept launchers (`common.launch._compiled`) hold a no-op launcher and stream lookup for each
   specialization the case launches, so that every launch takes the kept-launcher path of a warm CUDA call.
 
 What is measured is the code that runs, so a later change to the path shows here. The stubs' own time (measured
 alone, times their calls a call) is reported separately and taken out of the path's time. Not included: the device
-launch cost, Triton's compiled launcher (`CompiledKernel.run`, the driver call) and the current-stream query,
-torch.cuda.current_device(), and what `torch.empty` costs on CUDA (the caching allocator): CPU allocations are
-measured in their place, with glibc keeping freed memory as the caching allocator does. Branches taken on a CUDA
-device only are not measured either: the Hopper fast paths (each case runs the portable path), `FAST_PATHS.runs`
-past its device-type test, and `log_mel`'s kept folded-floor counters (`portable.floor.counters` makes fresh zeros on
+launch cost, Triton's compiled launcher (`CompiledKernel.run`, the driver call), the current-device, current-stream
+and capture queries, and what `torch.empty` costs on CUDA (the caching allocator): CPU allocations are measured in
+their place, with glibc keeping freed memory as the caching allocator does. Branches taken on a CUDA device only are
+not measured either: the Hopper fast paths (each case runs the portable path), `FAST_PATHS.runs` past its
+device-type test, and the first call's kept folded-floor counters (`portable.floor.counters` makes fresh zeros on
 CPU tensors). Figures are this machine's: compare them with each other, not with GPU wall-clock.
 
 The breakdown is cProfile's (its own overhead inflates Python calls, so read it as shares): per function, its calls
@@ -134,6 +135,16 @@ def _stub_get_device():
     return None
 
 
+def _stub_capturing() -> bool:
+    """Stands for torch._C._cuda_isCurrentStreamCapturing(): no capture."""
+    return False
+
+
+# torch's C functions that the kept direct calls ask, and their stubs.
+_C_STUBS = {"_cuda_getDevice": _stub_get_device, "_cuda_getCurrentRawStream": _stub_stream,
+            "_cuda_isCurrentStreamCapturing": _stub_capturing}
+
+
 def _stub_is_cuda(tensor) -> bool:
     """Stands for torch.Tensor.is_cuda."""
     return True
@@ -171,10 +182,11 @@ def cuda_stubs(launch_module):
     for calls in direct_calls:
         calls.clear()
     saved = (torch.Tensor.__dict__.get("is_cuda"), torch.cuda.current_device, launch_module._compiled,
-             torch._C.__dict__.get("_cuda_getDevice"))
+             {name: torch._C.__dict__.get(name) for name in _C_STUBS})
     torch.Tensor.is_cuda = property(_stub_is_cuda)
     torch.cuda.current_device = _stub_current_device
-    torch._C._cuda_getDevice = _stub_get_device
+    for name, stub in _C_STUBS.items():
+        setattr(torch._C, name, stub)
     launch_module._compiled = _Recorder()
     try:
         yield
@@ -185,10 +197,11 @@ def cuda_stubs(launch_module):
             torch.Tensor.is_cuda = saved[0]
         torch.cuda.current_device = saved[1]
         launch_module._compiled = saved[2]
-        if saved[3] is None:
-            del torch._C._cuda_getDevice
-        else:
-            torch._C._cuda_getDevice = saved[3]
+        for name, original in saved[3].items():
+            if original is None:
+                delattr(torch._C, name)
+            else:
+                setattr(torch._C, name, original)
         for calls in direct_calls:
             calls.clear()
 
@@ -259,7 +272,7 @@ def _label(filename: str, line: int, name: str) -> str:
 
 
 _STUBS = {_stub_launcher.__name__, _stub_stream.__name__, _stub_current_device.__name__, _stub_get_device.__name__,
-          _stub_is_cuda.__name__}
+          _stub_capturing.__name__, _stub_is_cuda.__name__}
 
 
 def _stub_costs(launch_module) -> dict:
@@ -275,6 +288,7 @@ def _stub_costs(launch_module) -> dict:
         _stub_is_cuda.__name__: _per_call_us(lambda: x.is_cuda, n, 3),
         _stub_current_device.__name__: _per_call_us(_stub_current_device, n, 3),
         _stub_get_device.__name__: _per_call_us(_stub_get_device, n, 3),
+        _stub_capturing.__name__: _per_call_us(_stub_capturing, n, 3),
         _stub_stream.__name__: _per_call_us(lambda: stream_of(None), n, 3),
         _stub_launcher.__name__: _per_call_us(lambda: run(*args), n, 3),
     }

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from testkit import load
-from tools.host_time import CASES, _direct_calls, measure
+from tools.host_time import _C_STUBS, CASES, _direct_calls, measure
 
 # What each case's public function must reach, once a call: the CUDA entry point called directly, or the kept direct
 # call of its signature, not the registered op; and the launch function that runs its launches.
@@ -21,7 +21,7 @@ ENTRY_POINTS = {
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_case_runs_the_eager_cuda_path(name):
-    cuda_device, cuda_get_device = torch.cuda.current_device, torch._C.__dict__.get("_cuda_getDevice")
+    cuda_device, c_functions = torch.cuda.current_device, {name: torch._C.__dict__.get(name) for name in _C_STUBS}
     report = measure(name, calls=20, repeats=1, profile_calls=10)
     functions = {label: calls for label, calls, _ in report.breakdown}
     entry, launch = ENTRY_POINTS[name]
@@ -33,7 +33,7 @@ def test_case_runs_the_eager_cuda_path(name):
     # the stubs are gone
     assert torch.empty(1).is_cuda is False
     assert torch.cuda.current_device is cuda_device
-    assert torch._C.__dict__.get("_cuda_getDevice") is cuda_get_device
+    assert all(torch._C.__dict__.get(name) is function for name, function in c_functions.items())
     assert not any(_direct_calls(load(CASES[name].kernel).__name__))  # no kept call holds a stub launcher
 
 

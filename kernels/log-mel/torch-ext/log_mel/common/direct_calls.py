@@ -104,6 +104,28 @@ class CheckedSignatures:
         return len(self._passed)
 
 
+class StreamScratch:
+    """The intermediate tensors of a kept direct call (written and read by its own launches only, never returned),
+    kept per current stream of CUDA device `device`: launches on one stream run in order, so a call reuses the
+    tensors of the call before it on its stream, and saves their allocations. `make()` makes fresh ones in the state
+    the launches expect (zeros for counters that every launch leaves at zero). A call under CUDA graph capture takes
+    fresh ones, from its graph's pool, so that no graph shares them with another or with eager calls."""
+
+    __slots__ = ("device", "make", "_kept")
+
+    def __init__(self, device: int, make):
+        self.device, self.make, self._kept = device, make, {}
+
+    def __call__(self) -> tuple:
+        if _C._cuda_isCurrentStreamCapturing():
+            return self.make()
+        stream = _C._cuda_getCurrentRawStream(self.device)
+        kept = self._kept.get(stream)
+        if kept is None:
+            kept = self._kept[stream] = self.make()
+        return kept
+
+
 @functools.cache
 def stage_module(package: str, name: str):
     """The module `name` of `package` (`stage_module(__package__, "portable.decode")`), imported at its first call

@@ -30,6 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..common.direct_calls import StreamScratch
 from ..common.launch import Launch, kept_launcher, launch as run
 from .floor import STATS_CHUNK, clip_floor
 from .log10 import log10_clamped
@@ -295,8 +296,9 @@ def launch(stft: torch.Tensor, mel_filters: torch.Tensor, config: Config | None 
 
 def kept_launch(stft: torch.Tensor, mel_filters: torch.Tensor):
     """`launch` in the default config for every later call of the same shapes and device on tensors on 16 bytes,
-    once it ran on such tensors: a function (stft, mel_filters) -> out that allocates the outputs and launches the
-    four kept kernels (`common.launch.kept_launcher`); None where no launcher is kept."""
+    once it ran on such tensors: a function (stft, mel_filters) -> out that allocates out, takes the band plan and
+    the tile statistics from its stream's scratch (`common.direct_calls.StreamScratch`) and launches the four kept
+    kernels (`common.launch.kept_launcher`); None where no launcher is kept."""
     B, F, NF = stft.shape
     NM = mel_filters.shape[0]
     plans = _plans(B, F, NF, NM, pick(B, F, NF, NM))
@@ -309,17 +311,21 @@ def kept_launch(stft: torch.Tensor, mel_filters: torch.Tensor):
     if None in kept:
         return None
     support, chunk_list, main, floor = kept
-    empty, view_as_real, device = torch.empty, torch.view_as_real, stft.device
-    support_shape, chunks_shape, stats_shape, out_shape = (2, band.row), band.chunks, plans.stats_shape, (B, F, NM)
-    int32, int64, float32 = torch.int32, torch.int64, torch.float32
+    device = stft.device
+
+    def fresh_scratch():  # the band plan's support rows and chunk list, the tile statistics
+        lo, hi = torch.empty(2, band.row, dtype=torch.int32, device=device).unbind()
+        chunks = torch.empty(band.chunks, dtype=torch.int64, device=device)
+        return lo, hi, chunks, torch.empty(plans.stats_shape, dtype=torch.float32, device=device)
+
+    scratch = StreamScratch(device.index, fresh_scratch)
+    empty, view_as_real, out_shape = torch.empty, torch.view_as_real, (B, F, NM)
 
     def log_mel_spectrogram_kept(stft, mel_filters):
-        lo, hi = empty(support_shape, dtype=int32, device=device)
-        chunks = empty(chunks_shape, dtype=int64, device=device)
+        lo, hi, chunks, stats = scratch()
         support(mel_filters, lo, hi)
         chunk_list(lo, hi, chunks)
-        stats = empty(stats_shape, dtype=float32, device=device)
-        out = empty(out_shape, dtype=float32, device=device)
+        out = empty(out_shape, dtype=torch.float32, device=device)
         main(view_as_real(stft), mel_filters, chunks, out, stats)
         floor(out, stats)
         return out

@@ -33,6 +33,7 @@ import triton
 import triton.language as tl
 
 from .. import whisper
+from ..common.direct_calls import StreamScratch
 from ..common.launch import Launch, kept_launcher, launch as run
 from . import floor
 from .floor import count_tile, floor_group, take_item
@@ -320,7 +321,8 @@ def kept_main_pass(plan: Launch, audio: torch.Tensor, lengths: torch.Tensor | No
     """A main pass's launch `plan` (this module's or the Gluon kernel's: integers (N, F, NM, n_tiles, B, n_groups),
     tensors audio, lengths, the constant `tables`, out, stats and the floor's counters) for calls on tensors of
     audio's and lengths' dtypes and device, on 16 bytes: a function (audio, lengths) -> (out, stats) that allocates
-    the outputs and launches the kept kernel. None where no launcher is kept."""
+    out, takes stats and counters from its stream's scratch (`common.direct_calls.StreamScratch`) and launches the
+    kept kernel. None where no launcher is kept."""
     _, F, NM, n_tiles, B, _ = plan.ints
     with_floor = plan.meta["WITH_FLOOR"]
     device = audio.device
@@ -329,13 +331,17 @@ def kept_main_pass(plan: Launch, audio: torch.Tensor, lengths: torch.Tensor | No
     launch_kept = kept_launcher(plan, device.index, dtypes)
     if launch_kept is None:
         return None
-    empty, counters, float32 = torch.empty, floor.counters, torch.float32
-    out_shape, stats_shape = (B, NM, F), (B, n_tiles, 2)
+
+    def fresh_scratch():  # the tile statistics, and the folded floor's counters (`floor.counters`)
+        stats = torch.empty(B, n_tiles, 2, dtype=torch.float32, device=device)
+        return stats, torch.zeros(1 + B, dtype=torch.int32, device=device) if with_floor else None
+
+    scratch, empty, out_shape = StreamScratch(device.index, fresh_scratch), torch.empty, (B, NM, F)
 
     def main_pass(audio, lengths):
         out = empty(out_shape, dtype=out_dtype, device=device)
-        stats = empty(stats_shape, dtype=float32, device=device)
-        launch_kept(audio, lengths, *tables, out, stats, counters(device, B) if with_floor else None)
+        stats, counters = scratch()
+        launch_kept(audio, lengths, *tables, out, stats, counters)
         return out, stats
 
     return main_pass
