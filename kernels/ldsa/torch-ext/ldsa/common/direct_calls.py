@@ -14,6 +14,7 @@ their outputs and launch through kept launchers, with nothing else in between.
 
 import functools
 import importlib
+from threading import get_ident
 
 import torch
 from torch.autograd import forward_ad
@@ -106,23 +107,28 @@ class CheckedSignatures:
 
 class StreamScratch:
     """The intermediate tensors of a kept direct call (written and read by its own launches only, never returned),
-    kept per current stream of CUDA device `device`: launches on one stream run in order, so a call reuses the
-    tensors of the call before it on its stream, and saves their allocations. `make()` makes fresh ones in the state
-    the launches expect (zeros for counters that every launch leaves at zero). A call under CUDA graph capture takes
-    fresh ones, from its graph's pool, so that no graph shares them with another or with eager calls."""
+    kept per current stream of CUDA device `device` and host thread: launches on one stream run in order, so a
+    call reuses the tensors of the previous call of its thread on its stream, and saves their allocations (two
+    threads on one stream keep two sets, since their calls' launches may interleave). `make()` makes fresh ones in
+    the state the launches expect (zeros for counters that every launch leaves at zero). A call under CUDA graph
+    capture takes fresh ones, from its graph's pool, so that no graph shares them with another or with eager calls.
+    Past `limit` (stream, thread) pairs the scratch starts over, for callers with ever-new threads: tensors dropped
+    while their launches run are safe, the allocator reusing their memory in their stream's order."""
 
-    __slots__ = ("device", "make", "_kept")
+    __slots__ = ("device", "make", "limit", "_kept")
 
-    def __init__(self, device: int, make):
-        self.device, self.make, self._kept = device, make, {}
+    def __init__(self, device: int, make, limit: int = 64):
+        self.device, self.make, self.limit, self._kept = device, make, limit, {}
 
     def __call__(self) -> tuple:
         if _C._cuda_isCurrentStreamCapturing():
             return self.make()
-        stream = _C._cuda_getCurrentRawStream(self.device)
-        kept = self._kept.get(stream)
+        key = (_C._cuda_getCurrentRawStream(self.device), get_ident())
+        kept = self._kept.get(key)
         if kept is None:
-            kept = self._kept[stream] = self.make()
+            if len(self._kept) >= self.limit:
+                self._kept.clear()
+            kept = self._kept[key] = self.make()
         return kept
 
 
