@@ -325,7 +325,7 @@ def kept_launch(stft: torch.Tensor, mel_filters: torch.Tensor):
         lo, hi, chunks, stats = scratch()
         support(mel_filters, lo, hi)
         chunk_list(lo, hi, chunks)
-        out = empty(out_shape, dtype=torch.float32, device=device)
+        out = empty(*out_shape, dtype=torch.float32, device=device)  # sizes as arguments: parsed faster
         main(view_as_real(stft), mel_filters, chunks, out, stats)
         floor(out, stats)
         return out
