@@ -3,8 +3,8 @@
 Every CUDA call runs `dispatch`'s entry points (`ldsa_forward_cuda`, `ldsa_backward_cuda`), which pick the fused
 kernels or the eager reference; CPU tensors run the reference. The public function, and the backward that autograd
 runs, decide whether a call needs the registered op at all (`common.direct_calls.calls_directly`); the public
-function keeps its direct calls by call signature (`dispatch.DIRECT_FORWARDS`). Every op name goes through `add_op_namespace_prefix`,
-so two versions of this kernel can be loaded side by side.
+function keeps its direct calls by call signature (`dispatch.DIRECT_FORWARDS`). Every op name goes through
+`add_op_namespace_prefix`, so two versions of this kernel can be loaded side by side.
 
 Under autocast (`common.autocast`) the ops run with autocast off: on CUDA `ldsa_forward` takes a_logits and v in
 autocast's dtype (the fused kernels' 16-bit operands), `ldsa_backward` its arguments as given; on the CPU both take

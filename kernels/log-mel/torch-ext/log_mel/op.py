@@ -1,11 +1,13 @@
 """The registered ops and the public functions.
 
-CUDA tensors run the CUDA entry points of `dispatch` (whose stage modules, the Triton and Gluon kernels, are imported
-on first use so that the package imports without triton); CPU tensors run the eager reference. The public functions
-decide whether a call needs the registered op at all (`common.direct_calls.calls_directly`): an eager call on plain
-CUDA tensors runs the entry point directly, with the argument checks skipped for a call signature that passed them
-before. The op names go through `add_op_namespace_prefix`, so two versions of this kernel can be loaded side by
-side. The ops have no autograd formula: the public functions refuse inputs that require grad (see `validation`). Under autocast
+CUDA tensors run the CUDA entry points of `dispatch` (whose stage modules, the Triton and Gluon kernels, are
+imported on first use so that the package imports without triton); CPU tensors run the eager reference. The public
+functions decide whether a call needs the registered op at all (`common.direct_calls.calls_directly`): an eager call
+on plain CUDA tensors runs the entry point directly, with the argument checks skipped for a call signature that
+passed them before, and a later call of the signature runs the direct call kept for it (`dispatch.DIRECT_WHISPER`,
+`dispatch.DIRECT_SPECTROGRAM`; `common.direct_calls.launches_directly` tests what the signature cannot). The op
+names go through `add_op_namespace_prefix`, so two versions of this kernel can be loaded side by side. The ops have
+no autograd formula: the public functions refuse inputs that require grad (see `validation`). Under autocast
 (`common.autocast`) both ops run with autocast off on the CPU and on CUDA, their arguments as given: float32
 arithmetic throughout, the output dtype the docstring gives.
 """

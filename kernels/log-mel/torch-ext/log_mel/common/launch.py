@@ -58,7 +58,8 @@ def launch(plan: Launch, tensors: tuple) -> Exception | None:
     launch takes the JIT path; under the interpreter nothing is kept. TMA descriptors hold the data pointers,
     so they are built each call: checked ones for the JIT, `_HostDescriptor`s for the launcher."""
     device = tensors[0].device.index
-    hit = _compiled.get(_key(plan, device, tensors))
+    key = _key(plan, device, tensors)
+    hit = _compiled.get(key)
     fast = hit is not None and not triton.knobs.runtime.launch_enter_hook.calls
     if plan.arguments is not None:
         tensors = tuple(tensors[a] if type(a) is int else _descriptor(tensors[a[0]], *a[1:], checked=not fast)
@@ -77,8 +78,7 @@ def launch(plan: Launch, tensors: tuple) -> Exception | None:
         constexprs = tuple(plan.meta[name] for name in plan.kernel.arg_names[len(tensors) + len(plan.ints) :])
         stream_of = triton.runtime.driver.active.get_current_stream
         trailing = (*plan.ints, *constexprs)
-        _compiled[_key(plan, device, tensors)] = (compiled.run, compiled.function, compiled.packed_metadata,
-                                                  stream_of, trailing)
+        _compiled[key] = (compiled.run, compiled.function, compiled.packed_metadata, stream_of, trailing)
     return None
 
 
