@@ -52,7 +52,7 @@ def spec(name: str):
 def recorded_launches(kernel, call, calls: int = 2) -> list:
     """The launches of `calls` back-to-back calls of `call()` (a public function of `kernel` on CPU tensors) on the
     eager CUDA path, under `tools.host_time`'s stubs, each call's launches as one list of kept-launcher arguments:
-    (programs, 1, 1, stream, function, metadata, None, None, None, *tensors, *integers and constexprs), each tensor
+    (programs, 1, 1, stream, function, four Nones, *tensors, *integers and constexprs), each tensor
     written as (dtype, shape). The first call plans and keeps; the later ones show what a kept direct call (or a
     kept launcher) launches."""
     from tools import host_time

@@ -14,7 +14,12 @@ from triton.compiler.compiler import CompiledKernel
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .devices import on_device
-from .fast_paths import falls_back
+from .fast_paths import TRITON_RELEASE, falls_back
+
+try:  # the CUDA backend's launcher, which `_launcher_call` may call past its Python wrapper
+    from triton.backends.nvidia.driver import CudaLauncher
+except ImportError:
+    CudaLauncher = None
 
 try:  # Gluon's descriptors carry their shared-memory layout (band-gluon)
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor
@@ -40,7 +45,8 @@ class Launch:
         self.config, self.arguments, self.fast_path = config, arguments, fast_path
 
 
-# Launchers of compiled kernels by (Launch, device, each tensor's dtype and 16-byte alignment or None): see `launch`.
+# Kept launches of compiled kernels by (Launch, device, each tensor's dtype and 16-byte alignment or None): (call,
+# function, head, the stream query, the integers and constexprs), see `launch` and `_launcher_call`.
 _compiled: dict = {}
 _C = torch._C
 
@@ -64,8 +70,8 @@ def launch(plan: Launch, tensors: tuple) -> Exception | None:
         tensors = tuple(tensors[a] if type(a) is int else _descriptor(tensors[a[0]], *a[1:], checked=not fast)
                         for a in plan.arguments)
     if fast:
-        run, function, metadata, stream_of, trailing = hit
-        run(plan.programs, 1, 1, stream_of(device), function, metadata, None, None, None, *tensors, *trailing)
+        call, function, head, stream_of, trailing = hit
+        call(plan.programs, 1, 1, stream_of(device), function, *head, *tensors, *trailing)
         return None
     try:
         compiled = plan.kernel[(plan.programs,)](*tensors, *plan.ints, **plan.meta, num_warps=plan.num_warps)
@@ -77,8 +83,23 @@ def launch(plan: Launch, tensors: tuple) -> Exception | None:
         constexprs = tuple(plan.meta[name] for name in plan.kernel.arg_names[len(tensors) + len(plan.ints) :])
         stream_of = triton.runtime.driver.active.get_current_stream
         trailing = (*plan.ints, *constexprs)
-        _compiled[key] = (compiled.run, compiled.function, compiled.packed_metadata, stream_of, trailing)
+        _compiled[key] = (*_launcher_call(compiled), stream_of, trailing)
     return None
+
+
+def _launcher_call(compiled: CompiledKernel) -> tuple:
+    """(call, function, head) of a compiled kernel: a kept launch is call(grid x, y, z, stream, function, *head,
+    *tensors, *integers and constexprs). Under Triton 3.6 a CUDA launcher whose kernel takes no scratch memory is
+    called past its Python wrapper (`CudaLauncher.__call__`, which allocates the scratch and passes its arguments on
+    to its C launch function, about half a microsecond of host time a launch): the C function itself, with the
+    arguments the wrapper passes it (`tests/test_launch.py` checks them against the wrapper's). Elsewhere the
+    wrapper, with (metadata, launch metadata, enter hook, exit hook)."""
+    run, metadata = compiled.run, compiled.packed_metadata
+    if (TRITON_RELEASE == "3.6" and type(run) is CudaLauncher and not run.global_scratch_size
+            and not run.profile_scratch_size):
+        head = (run.launch_cooperative_grid, run.launch_pdl, None, None, metadata, None, None, None)
+        return run.launch, compiled.function, head
+    return run, compiled.function, (metadata, None, None, None)
 
 
 def _key(plan: Launch, device: int | None, tensors: tuple) -> tuple:
@@ -96,7 +117,7 @@ def kept_launcher(plan: Launch, device: int | None, dtypes: tuple):
     hit = _compiled.get((plan, device, *[None if d is None else (d, True) for d in dtypes]))
     if hit is None:
         return None
-    run, function, metadata, stream_of, trailing = hit
+    call, function, head, stream_of, trailing = hit
     programs, arguments, runtime = plan.programs, plan.arguments, triton.knobs.runtime
     if arguments is not None:  # descriptors of the tensors (`_descriptor`), built each call
         views = tuple(a if type(a) is int else (a[0], a[1], _row_major_strides(a[1])) for a in arguments)
@@ -108,7 +129,7 @@ def kept_launcher(plan: Launch, device: int | None, dtypes: tuple):
             return
         if arguments is not None:
             tensors = [tensors[a] if type(a) is int else _HostDescriptor(tensors[a[0]], a[1], a[2]) for a in views]
-        run(programs, 1, 1, stream_of(device), function, metadata, None, None, None, *tensors, *trailing)
+        call(programs, 1, 1, stream_of(device), function, *head, *tensors, *trailing)
 
     return launch_kept
 

@@ -27,7 +27,7 @@ def launches(monkeypatch):
     recorded = SimpleNamespace(run=[], jit=[])
     compiled = CompiledKernel.__new__(CompiledKernel)
     compiled._run = lambda *arguments: recorded.run.append(arguments)
-    compiled.function, compiled.packed_metadata = "function", "metadata"
+    compiled.function, compiled.packed_metadata, compiled.module = "function", "metadata", None
 
     class Kernel:
         arg_names = ["x_ptr", "y_desc", "n", "BLOCK"]
@@ -92,3 +92,29 @@ def test_a_kept_launcher_switches_to_the_jit_for_hooks_and_to_the_tensors_device
     monkeypatch.setattr(module, "on_device", lambda x: guarded.append(x) or torch.no_grad())
     kept(x, y)
     assert guarded == [x] and len(recorded.run) == 1  # the kept launcher, under the device guard
+
+
+def test_the_c_launch_takes_what_the_wrapper_would_pass_it(launches):
+    """A kept launch of a CUDA launcher hands its C launch function exactly the arguments the launcher's Python
+    wrapper (`CudaLauncher.__call__`) would: under Triton 3.6 by calling it past the wrapper, elsewhere through
+    the wrapper."""
+    from triton.backends.nvidia.driver import CudaLauncher
+
+    module, kernel, recorded = launches
+    launcher = CudaLauncher.__new__(CudaLauncher)
+    c_calls = []
+    launcher.launch = lambda *arguments: c_calls.append(arguments)
+    for name, value in dict(global_scratch_size=0, global_scratch_align=1, profile_scratch_size=0,
+                            profile_scratch_align=1, launch_cooperative_grid=False, launch_pdl=True, num_ctas=1,
+                            arg_annotations="annotations", kernel_signature="signature", gsan_enabled=False).items():
+        setattr(launcher, name, value)
+    compiled = kernel[(1,)]()  # the stand-in's CompiledKernel
+    compiled._run = launcher
+    plan = module.Launch(kernel, 3, (5,), {"BLOCK": 16}, 4, "test", arguments=(0, 1))
+    x, y = tensor(), tensor()
+    module.launch(plan, (x, y))
+    module.kept_launcher(plan, 0, (torch.float32, torch.float32))(x, y)
+    launcher(3, 1, 1, 7, "function", "metadata", None, None, None, x, y, 5, 16)  # the wrapper, as called before
+    assert len(c_calls) == 2 and c_calls[0] == c_calls[1]
+    call = next(iter(module._compiled.values()))[0]
+    assert (call is launcher.launch) == (module.TRITON_RELEASE == "3.6")

@@ -17,12 +17,13 @@ keeps -> `common.launch.kept_launcher`'s launch. The stubs:
 
 What is measured is the code that runs, so a later change to the path shows here. The stubs' own time (measured
 alone, times their calls a call) is reported separately and taken out of the path's time. Not included: the device
-launch cost, Triton's compiled launcher (`CompiledKernel.run`, the driver call), the current-device, current-stream
-and capture queries, and what `torch.empty` costs on CUDA (the caching allocator): CPU allocations are measured in
-their place, with glibc keeping freed memory as the caching allocator does. Branches taken on a CUDA device only are
-not measured either: the Hopper fast paths (each case runs the portable path), `FAST_PATHS.runs` past its
-device-type test, and the first call's kept folded-floor counters (`portable.floor.counters` makes fresh zeros on
-CPU tensors). Figures are this machine's: compare them with each other, not with GPU wall-clock.
+launch cost, Triton's compiled launcher (its C launch function, past `CompiledKernel.run`'s Python wrapper under
+Triton 3.6: `common.launch._launcher_call`; the driver call), the current-device, current-stream and capture
+queries, and what `torch.empty` costs on CUDA (the caching allocator): CPU allocations are measured in their place,
+with glibc keeping freed memory as the caching allocator does. Branches taken on a CUDA device only are not measured
+either: the Hopper fast paths (each case runs the portable path), `FAST_PATHS.runs` past its device-type test, and
+the first call's kept folded-floor counters (`portable.floor.counters` makes fresh zeros on CPU tensors). Figures
+are this machine's: compare them with each other, not with GPU wall-clock.
 
 The breakdown is cProfile's (its own overhead inflates Python calls, so read it as shares): per function, its calls
 and its own time a call of the op.
@@ -158,7 +159,7 @@ class _Recorder(dict):
         plan = key[0]
         n_tensors = len(key) - 2  # (plan, device, one entry a tensor)
         constexprs = tuple(plan.meta[name] for name in plan.kernel.arg_names[n_tensors + len(plan.ints):])
-        hit = self[key] = (_stub_launcher, None, None, _stub_stream, (*plan.ints, *constexprs))
+        hit = self[key] = (_stub_launcher, None, (None,) * 4, _stub_stream, (*plan.ints, *constexprs))
         return hit
 
 
@@ -281,8 +282,8 @@ def _stub_costs(launch_module) -> dict:
     import torch
 
     x = torch.empty(0)
-    run, _, _, stream_of, trailing = next(iter(launch_module._compiled.values()))
-    args = (1, 1, 1, None, None, None, None, None, None, *([x] * 8), *trailing)
+    run, _, head, stream_of, trailing = next(iter(launch_module._compiled.values()))
+    args = (1, 1, 1, None, None, *head, *([x] * 8), *trailing)
     n = 20000
     return {
         _stub_is_cuda.__name__: _per_call_us(lambda: x.is_cuda, n, 3),
