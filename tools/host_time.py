@@ -9,9 +9,9 @@ stubbed, so that the call runs the eager CUDA path itself: public function -> th
 keeps -> `common.launch.kept_launcher`'s launch. The stubs:
 
 - `torch.Tensor.is_cuda` answers True (a Python property in place of torch's C getter);
-- `torch.cuda.current_device()` and `torch._C._cuda_getDevice()` (what a kept direct call asks) answer the CPU
-  tensors' device index (None), so that every launch finds its tensors on the current device; the kept direct
-  calls' scratch (`common.direct_calls.StreamScratch`) finds no capture and one stream;
+- `torch._C._cuda_getDevice()` (what `devices.on_device` and a kept direct call ask) answers the CPU tensors'
+  device index (None), so that every launch finds its tensors on the current device; the kept direct calls' scratch
+  (`common.direct_calls.StreamScratch`) finds no capture and one stream;
 - the package's kept launchers (`common.launch._compiled`) hold a no-op launcher and stream lookup for each
   specialization the case launches, so that every launch takes the kept-launcher path of a warm CUDA call.
 
@@ -126,11 +126,6 @@ def _stub_stream(device):
     return 0
 
 
-def _stub_current_device():
-    """Stands for torch.cuda.current_device(): the CPU tensors' device index."""
-    return None
-
-
 def _stub_get_device():
     """Stands for torch._C._cuda_getDevice(): the CPU tensors' device index."""
     return None
@@ -182,10 +177,9 @@ def cuda_stubs(launch_module):
     direct_calls = _direct_calls(launch_module.__package__.rpartition(".")[0])
     for calls in direct_calls:
         calls.clear()
-    saved = (torch.Tensor.__dict__.get("is_cuda"), torch.cuda.current_device, launch_module._compiled,
+    saved = (torch.Tensor.__dict__.get("is_cuda"), launch_module._compiled,
              {name: torch._C.__dict__.get(name) for name in _C_STUBS})
     torch.Tensor.is_cuda = property(_stub_is_cuda)
-    torch.cuda.current_device = _stub_current_device
     for name, stub in _C_STUBS.items():
         setattr(torch._C, name, stub)
     launch_module._compiled = _Recorder()
@@ -196,9 +190,8 @@ def cuda_stubs(launch_module):
             del torch.Tensor.is_cuda
         else:
             torch.Tensor.is_cuda = saved[0]
-        torch.cuda.current_device = saved[1]
-        launch_module._compiled = saved[2]
-        for name, original in saved[3].items():
+        launch_module._compiled = saved[1]
+        for name, original in saved[2].items():
             if original is None:
                 delattr(torch._C, name)
             else:
@@ -272,13 +265,14 @@ def _label(filename: str, line: int, name: str) -> str:
     return f"{Path(filename).name}:{name}"
 
 
-_STUBS = {_stub_launcher.__name__, _stub_stream.__name__, _stub_current_device.__name__, _stub_get_device.__name__,
-          _stub_capturing.__name__, _stub_is_cuda.__name__}
+_STUBS = {_stub_launcher.__name__, _stub_stream.__name__, _stub_get_device.__name__, _stub_capturing.__name__,
+          _stub_is_cuda.__name__}
 
 
 def _stub_costs(launch_module) -> dict:
-    """Each stub's time a call, measured alone (µs): the is_cuda property read, the current-device call, and one
-    kept launch's stream lookup and launcher call with the arguments of the first recorded launch."""
+    """Each stub's time a call, measured alone (µs): the is_cuda property read, the current-device and capture
+    queries, and one kept launch's stream lookup and launcher call with the arguments of the first recorded
+    launch."""
     import torch
 
     x = torch.empty(0)
@@ -287,7 +281,6 @@ def _stub_costs(launch_module) -> dict:
     n = 20000
     return {
         _stub_is_cuda.__name__: _per_call_us(lambda: x.is_cuda, n, 3),
-        _stub_current_device.__name__: _per_call_us(_stub_current_device, n, 3),
         _stub_get_device.__name__: _per_call_us(_stub_get_device, n, 3),
         _stub_capturing.__name__: _per_call_us(_stub_capturing, n, 3),
         _stub_stream.__name__: _per_call_us(lambda: stream_of(None), n, 3),
