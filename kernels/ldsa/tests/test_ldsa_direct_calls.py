@@ -165,6 +165,29 @@ def test_the_eager_backward_launches_without_the_registered_op(ldsa, monkeypatch
 
 
 @needs_cuda
+@pytest.mark.parametrize("B,T", [(16, 256), (16, 3000)])
+def test_cuda_kept_direct_calls_give_the_entry_points_results(ldsa, B, T):
+    """Back-to-back kept direct calls of one signature on changing inputs (at [16, 3000] a TMA-fed plan on Hopper)
+    give what the entry point gives on each; an input off 16 bytes takes the entry point and gives its result."""
+    dispatch = submodule(ldsa, "dispatch")
+    inputs = [make(B, 8, 64, T, 14, 0, torch.bfloat16) for _ in range(2)]
+    for a, v in inputs:
+        v.mul_(torch.rand(()).item() + 0.5)
+    expected = [dispatch.ldsa_forward_cuda(a, v, 14, 0) for a, v in inputs]
+    dispatch.DIRECT_FORWARDS.clear()
+    with torch.no_grad():
+        ldsa.ldsa_local_attention(*inputs[0], 14, 0)
+        assert len(dispatch.DIRECT_FORWARDS) == 1
+        outs = [ldsa.ldsa_local_attention(a, v, 14, 0) for a, v in inputs * 3]
+        a, v = inputs[1]
+        shifted = torch.empty(v.numel() + 8, dtype=v.dtype, device="cuda")[1:1 + v.numel()].view(v.shape).copy_(v)
+        off = ldsa.ldsa_local_attention(a, shifted, 14, 0)
+    torch.cuda.synchronize()
+    assert all(torch.equal(out, expected[i % 2]) for i, out in enumerate(outs))
+    assert rel_err(off, expected[1]) < 1e-2
+
+
+@needs_cuda
 def test_cuda_graph_capture_replays_the_direct_route(ldsa):
     a, v = make(16, 8, 64, 256, 14, 0, torch.bfloat16)
     ldsa.ldsa_local_attention(a, v, 14, 0)

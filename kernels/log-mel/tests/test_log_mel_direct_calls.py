@@ -230,6 +230,50 @@ def test_whisper_log_mel_under_torch_compile_fullgraph(lm):
 
 
 @needs_cuda
+@pytest.mark.parametrize("case", ["1 clip", "16 clips", "lengths", "spectrogram"])
+def test_cuda_kept_direct_calls_give_the_entry_points_results(lm, case):
+    """Back-to-back kept direct calls of one signature on changing inputs (their scratch reused between them), on the
+    default stream and on a side stream, give what the entry point gives on each input."""
+    dispatch = submodule(lm, "dispatch")
+    if case == "spectrogram":
+        w = lm.mel_filters(80).cuda()
+        inputs = [torch.randn(2, 300, 201, dtype=torch.complex64, device="cuda") for _ in range(3)]
+
+        def call(x):
+            return lm.log_mel_spectrogram(x, w)
+
+        def entry(x):
+            return dispatch.log_mel_spectrogram_cuda(x, w)
+
+        kept = dispatch.DIRECT_SPECTROGRAM
+    else:
+        B = 1 if case == "1 clip" else 16
+        lengths = torch.tensor([16000 - 500 * i for i in range(B)], device="cuda") if case == "lengths" else None
+        inputs = [bench.whisper_batch(B, 16000, "cuda", seed=seed) for seed in range(3)]
+
+        def call(x):
+            return lm.whisper_log_mel(x, 80, lengths=lengths)
+
+        def entry(x):
+            return dispatch.whisper_log_mel_cuda(x, lengths, 80, torch.float32)
+
+        kept = dispatch.DIRECT_WHISPER
+    kept.clear()
+    expected = [entry(x) for x in inputs]
+    call(inputs[0])
+    assert len(kept) == 1
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    outs = [call(x) for x in inputs * 3]
+    with torch.cuda.stream(side):
+        side_outs = [call(x) for x in inputs * 3]
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    assert all(torch.equal(out, expected[i % 3]) for i, out in enumerate(outs))
+    assert all(torch.equal(out, expected[i % 3]) for i, out in enumerate(side_outs))
+
+
+@needs_cuda
 @pytest.mark.parametrize("op", ["whisper_log_mel", "log_mel_spectrogram"])
 def test_cuda_graph_capture_replays_the_direct_route(lm, op):
     """A warm call captured in a CUDA graph (no host synchronisation, no allocation outside the graph's pool)
