@@ -94,10 +94,11 @@ def ldsa_local_attention(a_logits: torch.Tensor, v: torch.Tensor, left: int, rig
     RuntimeError. Under CUDA autocast the tensors are taken in autocast's dtype (the result in that dtype), under
     CPU autocast as given. Non-contiguous inputs are copied to contiguous ones.
     """
+    kept = None  # the signature of a call a kept direct call could take, where none is kept yet
     if (type(a_logits) is torch.Tensor and type(v) is torch.Tensor and type(left) is int and type(right) is int
             and launches_directly(a_logits, v)):
-        signature = (a_logits.shape, v.shape, a_logits.dtype, v.dtype, a_logits.device, v.device, left, right)
-        forward = DIRECT_FORWARDS.get(signature)
+        kept = (a_logits.shape, v.shape, a_logits.dtype, v.dtype, a_logits.device, v.device, left, right)
+        forward = DIRECT_FORWARDS.get(kept)
         if forward is not None:
             return forward(a_logits, v)
     signature = _check_args_once(a_logits, v, left, right)
@@ -106,8 +107,8 @@ def ldsa_local_attention(a_logits: torch.Tensor, v: torch.Tensor, left: int, rig
     if calls_directly(a_logits, v):  # no torch.func transform or compiler sees the call: forward AD alone is left
         check_forward_ad("ldsa_local_attention", a_logits, v)
         out = ldsa_forward_cuda(a_logits, v, left, right)
-        if signature is not None:
-            DIRECT_FORWARDS.keep(signature, ldsa_forward_direct(a_logits, v, left, right))
+        if kept is not None:
+            DIRECT_FORWARDS.keep(kept, ldsa_forward_direct(a_logits, v, left, right))
         return out
     check_differentiation("ldsa_local_attention", a_logits, v)
     return ldsa_forward_op(a_logits, v, left, right)
@@ -121,7 +122,7 @@ _checked = CheckedSignatures()
 
 def _check_args_once(a_logits, v, left, right) -> tuple | None:
     """check_ldsa_args, skipped for a call signature that passed it before; the signature (None for tensor
-    subclasses), by which the public function keeps its direct call too (`dispatch.DIRECT_FORWARDS`)."""
+    subclasses)."""
     if type(a_logits) is not torch.Tensor or type(v) is not torch.Tensor:
         check_ldsa_args(a_logits, v, left, right)  # raises for a non-tensor; subclasses are checked every call
         return None

@@ -77,9 +77,10 @@ def log_mel_spectrogram(stft: torch.Tensor, mel_filters: torch.Tensor) -> torch.
     never plain TF32 or bf16, autocast or not. Not differentiable: inputs that require grad raise ValueError
     while grad mode is on. Non-contiguous inputs are copied to contiguous ones first.
     """
+    kept = None  # the signature of a call a kept direct call could take, where none is kept yet
     if type(stft) is torch.Tensor and type(mel_filters) is torch.Tensor and launches_directly(stft, mel_filters):
-        spectrogram = DIRECT_SPECTROGRAM.get((stft.shape, stft.dtype, stft.device, mel_filters.shape,
-                                              mel_filters.dtype, mel_filters.device))
+        kept = (stft.shape, stft.dtype, stft.device, mel_filters.shape, mel_filters.dtype, mel_filters.device)
+        spectrogram = DIRECT_SPECTROGRAM.get(kept)
         if spectrogram is not None:
             return spectrogram(stft, mel_filters)
     signature = _spectrogram_signature(stft, mel_filters)
@@ -91,9 +92,8 @@ def log_mel_spectrogram(stft: torch.Tensor, mel_filters: torch.Tensor) -> torch.
     if calls_directly(stft, mel_filters):
         with on_device(stft):
             out = log_mel_spectrogram_cuda(stft, mel_filters)
-        if signature is not None:
-            DIRECT_SPECTROGRAM.keep((stft.shape, stft.dtype, stft.device, mel_filters.shape, mel_filters.dtype,
-                                     mel_filters.device), log_mel_spectrogram_direct(stft, mel_filters))
+        if kept is not None:
+            DIRECT_SPECTROGRAM.keep(kept, log_mel_spectrogram_direct(stft, mel_filters))
         return out
     return log_mel_spectrogram_op(stft, mel_filters)
 
@@ -115,17 +115,16 @@ def whisper_log_mel(audio: torch.Tensor, n_mels: int = 80, *, lengths: torch.Ten
     floor over only the tiles it reaches, in the same launch up to `dispatch.ONE_LAUNCH_MAX_CLIPS` clips and in a
     launch of its own above.
     """
+    kept = None  # the signature of a call a kept direct call could take, where none is kept yet
     if type(audio) is torch.Tensor and type(n_mels) is int and type(out_dtype) is torch.dtype:
         if lengths is None:
             if launches_directly(audio):
-                whisper = DIRECT_WHISPER.get((audio.shape, audio.dtype, audio.device, n_mels, out_dtype))
-                if whisper is not None:
-                    return whisper(audio, None)
+                kept = (audio.shape, audio.dtype, audio.device, n_mels, out_dtype)
         elif type(lengths) is torch.Tensor and launches_directly(audio, lengths):
-            whisper = DIRECT_WHISPER.get((audio.shape, audio.dtype, audio.device, n_mels, out_dtype, lengths.shape,
-                                          lengths.dtype, lengths.device))
-            if whisper is not None:
-                return whisper(audio, lengths)
+            kept = (audio.shape, audio.dtype, audio.device, n_mels, out_dtype, lengths.shape, lengths.dtype,
+                    lengths.device)
+        if kept is not None and (whisper := DIRECT_WHISPER.get(kept)) is not None:
+            return whisper(audio, lengths)
     signature = _whisper_signature(audio, n_mels, lengths, out_dtype)
     given = lengths
     if signature is None or signature not in _checked:
@@ -138,11 +137,8 @@ def whisper_log_mel(audio: torch.Tensor, n_mels: int = 80, *, lengths: torch.Ten
     if calls_directly(audio) if lengths is None else calls_directly(audio, lengths):
         with on_device(audio):
             out = whisper_log_mel_cuda(audio, lengths, n_mels, out_dtype)
-        if signature is not None and (lengths is None or lengths is given):  # given lengths as the kernels read them
-            key = (audio.shape, audio.dtype, audio.device, n_mels, out_dtype)
-            if lengths is not None:
-                key += (lengths.shape, lengths.dtype, lengths.device)
-            DIRECT_WHISPER.keep(key, whisper_log_mel_direct(audio, lengths, n_mels, out_dtype))
+        if kept is not None and lengths is given:  # given lengths, if any, as the kernels read them
+            DIRECT_WHISPER.keep(kept, whisper_log_mel_direct(audio, lengths, n_mels, out_dtype))
         return out
     return whisper_log_mel_op(audio, lengths, n_mels, out_dtype)
 
