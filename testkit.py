@@ -49,6 +49,31 @@ def spec(name: str):
     return specs.spec(name)
 
 
+def recorded_launches(kernel, call, calls: int = 2) -> list:
+    """The launches of `calls` back-to-back calls of `call()` (a public function of `kernel` on CPU tensors) on the
+    eager CUDA path, under `tools.host_time`'s stubs, each call's launches as one list of kept-launcher arguments:
+    (programs, 1, 1, stream, function, four Nones, *tensors, *integers and constexprs), each tensor
+    written as (dtype, shape). The first call plans and keeps; the later ones show what a kept direct call (or a
+    kept launcher) launches."""
+    from tools import host_time
+
+    launches = []
+    stub = host_time._stub_launcher
+
+    def record(*arguments):
+        launches[-1].append(tuple((x.dtype, tuple(x.shape)) if isinstance(x, torch.Tensor) else x for x in arguments))
+
+    host_time._stub_launcher = record
+    try:
+        with host_time.cuda_stubs(submodule(kernel, "common.launch")):
+            for _ in range(calls):
+                launches.append([])
+                call()
+    finally:
+        host_time._stub_launcher = stub
+    return launches
+
+
 def sequences(x: torch.Tensor, cu: torch.Tensor | None, per_position: bool) -> list:
     """x cut into its sequences: the packed sequences of a per-position tensor of a packed call (`cu` its
     sequence boundaries), else the batch rows."""

@@ -93,3 +93,63 @@ def test_stage_module_imports_once(direct_calls):
     assert direct_calls.stage_module("json", "decoder") is json.decoder
     info = direct_calls.stage_module.cache_info()
     assert info.misses == 1 and info.hits == 1
+
+
+def test_launches_directly_tests_what_a_kept_call_cannot_prove(direct_calls):
+    """Plain contiguous tensors on 16 bytes launch directly; off 16 bytes, non-contiguous, requiring grad under grad
+    mode, with a forward-AD level open, under a dispatch mode or a transform they do not."""
+    import torch.autograd.forward_ad as forward_ad
+
+    x = torch.ones(4, 4)
+    assert direct_calls.launches_directly(x) and direct_calls.launches_directly(x, x)
+    assert not direct_calls.launches_directly(x, torch.ones(17)[1:])
+    assert not direct_calls.launches_directly(x.t())
+    w = torch.ones(4, requires_grad=True)
+    assert not direct_calls.launches_directly(x, w)
+    with torch.no_grad():
+        assert direct_calls.launches_directly(x, w)
+    with forward_ad.dual_level():
+        assert not direct_calls.launches_directly(x)
+    with FakeTensorMode():
+        assert not direct_calls.launches_directly(x)
+    seen = []
+    torch.func.vmap(lambda y: seen.append(direct_calls.launches_directly(x)) or y)(torch.ones(2))
+    torch.compile(lambda y: seen.append(direct_calls.launches_directly(x)) or y * 2, backend="eager",
+                  fullgraph=False)(torch.ones(2))
+    assert seen == [False, False]
+
+
+def test_direct_calls_keep_calls_only_and_are_bounded(direct_calls):
+    calls = direct_calls.DirectCalls(limit=2)
+    calls.keep(("a",), None)  # nothing to keep
+    assert not calls
+    calls.keep(("a",), len)
+    calls.keep(("b",), abs)
+    assert calls.get(("a",)) is len and calls.get(("b",)) is abs
+    calls.keep(("c",), min)  # past the limit it starts over
+    assert dict(calls) == {("c",): min}
+
+
+def test_stream_scratch_is_kept_per_stream_and_thread(direct_calls, monkeypatch):
+    """One set of tensors a (stream, thread), fresh ones under graph capture, and a fresh start past the limit."""
+    import threading
+
+    stream, capturing = [1], [False]
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: stream[0], raising=False)
+    monkeypatch.setattr(torch._C, "_cuda_isCurrentStreamCapturing", lambda: capturing[0], raising=False)
+    made = []
+    scratch = direct_calls.StreamScratch(0, lambda: made.append(object()) or (made[-1],), limit=3)
+    first = scratch()
+    assert scratch() is first and len(made) == 1
+    stream[0] = 2
+    assert scratch() is not first and scratch()[0] is made[1]
+    other = []
+    thread = threading.Thread(target=lambda: other.append(scratch()))
+    thread.start()
+    thread.join()
+    assert other[0][0] is made[2]  # another thread on stream 2 keeps its own
+    capturing[0] = True
+    assert scratch()[0] is made[3] and scratch()[0] is made[4]  # under capture: fresh every call
+    capturing[0] = False
+    stream[0] = 3  # a fourth (stream, thread) pair: past the limit of 3, a fresh start
+    assert scratch()[0] is made[5] and len(scratch._kept) == 1

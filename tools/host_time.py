@@ -4,22 +4,26 @@ public function to the launch, per call, and where that time goes.
 Each case calls a public function of a built kernel (loaded like model code does, `get_kernel` from the local Hub
 cache `.hub/`, so rebuild with `make hub` after editing torch-ext) on CPU tensors, with only the CUDA-only pieces
 stubbed, so that the call runs the eager CUDA path itself: public function -> the CUDA entry point of `dispatch`
-(`<op>_cuda`) -> the stage module's launch -> `common.launch.launch`. The stubs:
+(`<op>_cuda`) -> the stage module's launch -> `common.launch.launch`, or where the package keeps direct calls
+(`common.direct_calls.DirectCalls`), public function -> the kept direct call of the signature, which its first call
+keeps -> `common.launch.kept_launcher`'s launch. The stubs:
 
 - `torch.Tensor.is_cuda` answers True (a Python property in place of torch's C getter);
-- `torch.cuda.current_device()` answers the CPU tensors' device index (None), so that `devices.on_device` finds the
-  launch on the current device;
+- `torch._C._cuda_getDevice()` (what `devices.on_device` and a kept direct call ask) answers the CPU tensors'
+  device index (None), so that every launch finds its tensors on the current device; the kept direct calls' scratch
+  (`common.direct_calls.StreamScratch`) finds no capture and one stream;
 - the package's kept launchers (`common.launch._compiled`) hold a no-op launcher and stream lookup for each
   specialization the case launches, so that every launch takes the kept-launcher path of a warm CUDA call.
 
 What is measured is the code that runs, so a later change to the path shows here. The stubs' own time (measured
 alone, times their calls a call) is reported separately and taken out of the path's time. Not included: the device
-launch cost, Triton's compiled launcher (`CompiledKernel.run`, the driver call) and the current-stream query,
-torch.cuda.current_device(), and what `torch.empty` costs on CUDA (the caching allocator): CPU allocations are
-measured in their place, with glibc keeping freed memory as the caching allocator does. Branches taken on a CUDA
-device only are not measured either: the Hopper fast paths (each case runs the portable path), `FAST_PATHS.runs`
-past its device-type test, and `log_mel`'s kept folded-floor counters (`portable.floor.counters` makes fresh zeros on
-CPU tensors). Figures are this machine's: compare them with each other, not with GPU wall-clock.
+launch cost, Triton's compiled launcher (its C launch function, past `CompiledKernel.run`'s Python wrapper under
+Triton 3.6: `common.launch._launcher_call`; the driver call), the current-device, current-stream and capture
+queries, and what `torch.empty` costs on CUDA (the caching allocator): CPU allocations are measured in their place,
+with glibc keeping freed memory as the caching allocator does. Branches taken on a CUDA device only are not measured
+either: the Hopper fast paths (each case runs the portable path), `FAST_PATHS.runs` past its device-type test, and
+the first call's kept folded-floor counters (`portable.floor.counters` makes fresh zeros on CPU tensors). Figures
+are this machine's: compare them with each other, not with GPU wall-clock.
 
 The breakdown is cProfile's (its own overhead inflates Python calls, so read it as shares): per function, its calls
 and its own time a call of the op.
@@ -84,11 +88,22 @@ def _ldsa(kernel):
     return lambda: kernel.ldsa_local_attention(a, v, left, right)
 
 
-def _whisper(kernel):
+def _whisper(clips: int):
+    def make(kernel):
+        import torch
+
+        audio = torch.randn(clips, 30 * 16000) * 0.1
+        return lambda: kernel.whisper_log_mel(audio, 80)
+
+    return make
+
+
+def _spectrogram(kernel):
     import torch
 
-    audio = torch.randn(1, 30 * 16000) * 0.1
-    return lambda: kernel.whisper_log_mel(audio, 80)
+    stft = torch.randn(1, 3000, 201, dtype=torch.complex64)
+    mel_filters = kernel.mel_filters(80)
+    return lambda: kernel.log_mel_spectrogram(stft, mel_filters)
 
 
 CASES = {
@@ -96,7 +111,9 @@ CASES = {
     "comba_decode": Case("comba-bwd", "B=1 T=1 (H,K,V)=(6,256,512) bf16, fla order, l2norm, no grad", _comba_decode,
                          True, 1),
     "ldsa_local_attention": Case("ldsa", "[B,T]=[16,256] H=8 Dh=64 W=15 causal bf16 forward, no grad", _ldsa, True, 1),
-    "whisper_log_mel": Case("log-mel", "1 clip of 30 s, 80 mels, fp32", _whisper, False, 1),
+    "whisper_log_mel": Case("log-mel", "1 clip of 30 s, 80 mels, fp32", _whisper(1), False, 1),
+    "whisper_log_mel_16": Case("log-mel", "16 clips of 30 s, 80 mels, fp32", _whisper(16), False, 2),
+    "log_mel_spectrogram": Case("log-mel", "1 clip of 3000 frames, 201 bins, 80 mels", _spectrogram, False, 4),
 }
 
 
@@ -109,9 +126,19 @@ def _stub_stream(device):
     return 0
 
 
-def _stub_current_device():
-    """Stands for torch.cuda.current_device(): the CPU tensors' device index."""
+def _stub_get_device():
+    """Stands for torch._C._cuda_getDevice(): the CPU tensors' device index."""
     return None
+
+
+def _stub_capturing() -> bool:
+    """Stands for torch._C._cuda_isCurrentStreamCapturing(): no capture."""
+    return False
+
+
+# torch's C functions that the kept direct calls ask, and their stubs.
+_C_STUBS = {"_cuda_getDevice": _stub_get_device, "_cuda_getCurrentRawStream": _stub_stream,
+            "_cuda_isCurrentStreamCapturing": _stub_capturing}
 
 
 def _stub_is_cuda(tensor) -> bool:
@@ -127,20 +154,34 @@ class _Recorder(dict):
         plan = key[0]
         n_tensors = len(key) - 2  # (plan, device, one entry a tensor)
         constexprs = tuple(plan.meta[name] for name in plan.kernel.arg_names[n_tensors + len(plan.ints):])
-        hit = self[key] = (_stub_launcher, None, None, _stub_stream, (*plan.ints, *constexprs))
+        hit = self[key] = (_stub_launcher, None, (None,) * 4, _stub_stream, (*plan.ints, *constexprs))
         return hit
+
+
+def _direct_calls(package: str) -> list:
+    """The package's kept direct calls (`common.direct_calls.DirectCalls`, held by its dispatch module)."""
+    import importlib
+
+    kind = importlib.import_module(f"{package}.common.direct_calls").DirectCalls
+    return [calls for calls in vars(importlib.import_module(f"{package}.dispatch")).values() if isinstance(calls, kind)]
 
 
 @contextlib.contextmanager
 def cuda_stubs(launch_module):
     """The stubs above in place (`launch_module`: the package's `common.launch`); the kept launchers a plain dict
     of the recorded stubs after the first call (`_Recorder`), so that lookups cost what a real dict's do. Everything
-    is put back on exit."""
+    is put back on exit, and the package's kept direct calls, which the stubs' launchers are kept in, are forgotten
+    on entry and on exit."""
     import torch
 
-    saved = (torch.Tensor.__dict__.get("is_cuda"), torch.cuda.current_device, launch_module._compiled)
+    direct_calls = _direct_calls(launch_module.__package__.rpartition(".")[0])
+    for calls in direct_calls:
+        calls.clear()
+    saved = (torch.Tensor.__dict__.get("is_cuda"), launch_module._compiled,
+             {name: torch._C.__dict__.get(name) for name in _C_STUBS})
     torch.Tensor.is_cuda = property(_stub_is_cuda)
-    torch.cuda.current_device = _stub_current_device
+    for name, stub in _C_STUBS.items():
+        setattr(torch._C, name, stub)
     launch_module._compiled = _Recorder()
     try:
         yield
@@ -149,8 +190,14 @@ def cuda_stubs(launch_module):
             del torch.Tensor.is_cuda
         else:
             torch.Tensor.is_cuda = saved[0]
-        torch.cuda.current_device = saved[1]
-        launch_module._compiled = saved[2]
+        launch_module._compiled = saved[1]
+        for name, original in saved[2].items():
+            if original is None:
+                delattr(torch._C, name)
+            else:
+                setattr(torch._C, name, original)
+        for calls in direct_calls:
+            calls.clear()
 
 
 @dataclass
@@ -218,21 +265,24 @@ def _label(filename: str, line: int, name: str) -> str:
     return f"{Path(filename).name}:{name}"
 
 
-_STUBS = {_stub_launcher.__name__, _stub_stream.__name__, _stub_current_device.__name__, _stub_is_cuda.__name__}
+_STUBS = {_stub_launcher.__name__, _stub_stream.__name__, _stub_get_device.__name__, _stub_capturing.__name__,
+          _stub_is_cuda.__name__}
 
 
 def _stub_costs(launch_module) -> dict:
-    """Each stub's time a call, measured alone (µs): the is_cuda property read, the current-device call, and one
-    kept launch's stream lookup and launcher call with the arguments of the first recorded launch."""
+    """Each stub's time a call, measured alone (µs): the is_cuda property read, the current-device and capture
+    queries, and one kept launch's stream lookup and launcher call with the arguments of the first recorded
+    launch."""
     import torch
 
     x = torch.empty(0)
-    run, _, _, stream_of, trailing = next(iter(launch_module._compiled.values()))
-    args = (1, 1, 1, None, None, None, None, None, None, *([x] * 8), *trailing)
+    run, _, head, stream_of, trailing = next(iter(launch_module._compiled.values()))
+    args = (1, 1, 1, None, None, *head, *([x] * 8), *trailing)
     n = 20000
     return {
         _stub_is_cuda.__name__: _per_call_us(lambda: x.is_cuda, n, 3),
-        _stub_current_device.__name__: _per_call_us(_stub_current_device, n, 3),
+        _stub_get_device.__name__: _per_call_us(_stub_get_device, n, 3),
+        _stub_capturing.__name__: _per_call_us(_stub_capturing, n, 3),
         _stub_stream.__name__: _per_call_us(lambda: stream_of(None), n, 3),
         _stub_launcher.__name__: _per_call_us(lambda: run(*args), n, 3),
     }

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import testkit
-from testkit import HAS_CUDA, INTERPRETED, load, needs_cuda, rel_err, submodule
+from testkit import HAS_CUDA, INTERPRETED, load, needs_cuda, recorded_launches, rel_err, submodule
 
 WINDOWS = [(0, 0), (14, 0), (7, 7), (3, 11), (0, 5), (31, 31), (64, 0)]
 DEVICES = ["cpu"] + (["cuda"] if HAS_CUDA else [])
@@ -307,26 +307,29 @@ def test_band_design_refuses_windows_it_does_not_take(ldsa, config):
             kernels.ldsa_backward_cuda(a, v, torch.ones_like(v), 0, 0, config=config)
 
 
-@needs_interpreter
-def test_launches_by_call_signature_follow_the_tunables(ldsa, monkeypatch):
-    """The public op's direct launch keeps its launch by call signature (`ldsa_forward_cuda` with the signature):
-    the one `plan` gives, computing the forward; `clear_plans`, which tests and benchmarks call after changing
-    a tunable, forgets it, so the next call takes the changed default."""
-    kernels, op = submodule(ldsa, "dispatch"), submodule(ldsa, "op")
-    a, v = make(1, 2, 16, 40, 3, 2, torch.bfloat16)
-    signature = op._check_args_once(a, v, 3, 2)
-    key = (signature, a.data_ptr() % 16 == 0 and v.data_ptr() % 16 == 0)
-    kernels.clear_plans()
-    try:
-        out = kernels.ldsa_forward_cuda(a, v, 3, 2, signature=signature)
-        assert rel_err(out, ldsa_float64(a, v, 3, 2)) < TOL[torch.bfloat16]
-        assert kernels._signature_launches[key] is kernels.plan("forward", (a, v), 3, 2)
-        assert kernels._signature_launches[key].config == kernels.BAND_PREFETCH
+@pytest.mark.kernels_ci
+def test_kept_direct_calls_follow_the_tunables(ldsa, monkeypatch):
+    """The public function keeps its direct call by call signature (`dispatch.DIRECT_FORWARDS`) with the launch that
+    `plan` gives; `clear_plans`, which tests and benchmarks call after changing a tunable, forgets it, so the next
+    call takes the changed default (CUDA's path, taken on CPU tensors under `tools.host_time`'s stubs)."""
+    kernels = submodule(ldsa, "dispatch")
+    a, v = make(1, 2, 16, 40, 3, 2, torch.bfloat16, device="cpu")
+    assert kernels.plan("forward", (a, v), 3, 2).config == kernels.BAND_PREFETCH
+
+    def calls():
+        ldsa.ldsa_local_attention(a, v, 3, 2)  # planned, then kept
+        ldsa.ldsa_local_attention(a, v, 3, 2)  # the kept direct call
         monkeypatch.setitem(kernels.DEFAULT_CONFIG, ("forward", True, False), kernels.BAND)
         kernels.clear_plans()
-        assert key not in kernels._signature_launches
-        kernels.ldsa_forward_cuda(a, v, 3, 2, signature=signature)
-        assert kernels._signature_launches[key].config == kernels.BAND
+        assert not kernels.DIRECT_FORWARDS
+        ldsa.ldsa_local_attention(a, v, 3, 2)
+
+    try:
+        with torch.no_grad():
+            (launches,) = recorded_launches(ldsa, calls, calls=1)
+        planned, kept, changed = launches
+        assert kept == planned and changed != planned
+        assert kernels.plan("forward", (a, v), 3, 2).config == kernels.BAND
     finally:
         monkeypatch.undo()
         kernels.clear_plans()

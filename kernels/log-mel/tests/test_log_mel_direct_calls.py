@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from testkit import HAS_CUDA, load, needs_cuda, needs_triton, submodule
+from testkit import HAS_CUDA, load, needs_cuda, needs_triton, recorded_launches, submodule
 
 DEVICE = "cuda" if HAS_CUDA else "cpu"
 _BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "benchmark.py"
@@ -126,6 +126,49 @@ def test_spectrogram_direct_route_raises_as_the_op_does(lm, direct):
 
 
 @pytest.mark.kernels_ci
+@pytest.mark.parametrize("path", ["triton", "waveform-gluon"])
+@pytest.mark.parametrize("B,lengths", [(1, None), (2, None), (2, [1677, 900])], ids=["1clip", "2clips", "lengths"])
+def test_a_kept_direct_call_launches_what_the_first_call_did(lm, monkeypatch, path, B, lengths):
+    """From a signature's second call on, the kept direct call (`dispatch.DIRECT_WHISPER`) launches the kernels the
+    entry point launched (the main pass with its floor folded in at 1 clip, then the floor pass above), with the same
+    arguments, without the entry point (CUDA's path on either main pass, taken on CPU tensors under
+    `tools.host_time`'s stubs)."""
+    op, dispatch = submodule(lm, "op"), submodule(lm, "dispatch")
+    monkeypatch.setattr(dispatch, "waveform_path", lambda audio: path)
+    entry = op.whisper_log_mel_cuda
+    entered = []
+    monkeypatch.setattr(op, "whisper_log_mel_cuda", lambda *args: entered.append(1) or entry(*args))
+    audio = bench.whisper_batch(B, 1677, "cpu")
+    if lengths is not None:
+        lengths = torch.tensor(lengths)
+    first, kept = recorded_launches(lm, lambda: lm.whisper_log_mel(audio, 20, lengths=lengths,
+                                                                     out_dtype=torch.bfloat16))
+    assert len(first) == (1 if B == 1 else 2) and kept == first and entered == [1]
+    main = first[0][9:]
+    assert main[0] == (torch.float32, (B, 1677)) and main[1] == (None if lengths is None else (torch.int64, (B,)))
+    out = (torch.bfloat16, (B, 20, 10))
+    assert out in main and (B == 1) == ((torch.int32, (1 + B,)) in main)  # the folded floor's counters
+    assert not dispatch.DIRECT_WHISPER  # forgotten with the stubs
+
+
+@pytest.mark.kernels_ci
+def test_a_kept_spectrogram_call_launches_what_the_first_call_did(lm, monkeypatch):
+    """From a signature's second call on, the kept direct call (`dispatch.DIRECT_SPECTROGRAM`) launches the four
+    kernels the entry point launched (band support, chunk list, main pass, floor), with the same arguments, without
+    the entry point (CUDA's path, taken on CPU tensors under `tools.host_time`'s stubs)."""
+    op = submodule(lm, "op")
+    entry = op.log_mel_spectrogram_cuda
+    entered = []
+    monkeypatch.setattr(op, "log_mel_spectrogram_cuda", lambda *args: entered.append(1) or entry(*args))
+    stft, w = torch.zeros(2, 9, 33, dtype=torch.complex64), torch.zeros(12, 33)
+    first, kept = recorded_launches(lm, lambda: lm.log_mel_spectrogram(stft, w))
+    assert len(first) == 4 and kept == first and entered == [1]
+    assert first[2][9:14] == ((torch.float32, (2, 9, 33, 2)), (torch.float32, (12, 33)), first[1][11],
+                              (torch.float32, (2, 9, 12)), first[3][10])  # x, w, chunks, out, stats
+    assert not submodule(lm, "dispatch").DIRECT_SPECTROGRAM
+
+
+@pytest.mark.kernels_ci
 def test_a_signature_seen_before_skips_the_checks(lm, check_counts):
     """Every change a check reads (dtype, shape, device, n_mels, out_dtype, lengths, grad) checks again."""
     audio = torch.zeros(2, 1000)
@@ -184,6 +227,50 @@ def test_whisper_log_mel_under_torch_compile_fullgraph(lm):
     torch._dynamo.reset()
     compiled = torch.compile(front_end, fullgraph=True)
     assert torch.equal(compiled(audio), front_end(audio))
+
+
+@needs_cuda
+@pytest.mark.parametrize("case", ["1 clip", "16 clips", "lengths", "spectrogram"])
+def test_cuda_kept_direct_calls_give_the_entry_points_results(lm, case):
+    """Back-to-back kept direct calls of one signature on changing inputs (their scratch reused between them), on the
+    default stream and on a side stream, give what the entry point gives on each input."""
+    dispatch = submodule(lm, "dispatch")
+    if case == "spectrogram":
+        w = lm.mel_filters(80).cuda()
+        inputs = [torch.randn(2, 300, 201, dtype=torch.complex64, device="cuda") for _ in range(3)]
+
+        def call(x):
+            return lm.log_mel_spectrogram(x, w)
+
+        def entry(x):
+            return dispatch.log_mel_spectrogram_cuda(x, w)
+
+        kept = dispatch.DIRECT_SPECTROGRAM
+    else:
+        B = 1 if case == "1 clip" else 16
+        lengths = torch.tensor([16000 - 500 * i for i in range(B)], device="cuda") if case == "lengths" else None
+        inputs = [bench.whisper_batch(B, 16000, "cuda", seed=seed) for seed in range(3)]
+
+        def call(x):
+            return lm.whisper_log_mel(x, 80, lengths=lengths)
+
+        def entry(x):
+            return dispatch.whisper_log_mel_cuda(x, lengths, 80, torch.float32)
+
+        kept = dispatch.DIRECT_WHISPER
+    kept.clear()
+    expected = [entry(x) for x in inputs]
+    call(inputs[0])
+    assert len(kept) == 1
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    outs = [call(x) for x in inputs * 3]
+    with torch.cuda.stream(side):
+        side_outs = [call(x) for x in inputs * 3]
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    assert all(torch.equal(out, expected[i % 3]) for i, out in enumerate(outs))
+    assert all(torch.equal(out, expected[i % 3]) for i, out in enumerate(side_outs))
 
 
 @needs_cuda

@@ -19,13 +19,14 @@ import functools
 import torch
 
 from .common.devices import on_device
+from .common.direct_calls import DirectCalls
 from .common.fast_paths import TRITON_RELEASE, FastPath, FastPaths
 from .reference import ldsa_backward_reference, ldsa_forward_reference
 
 if TRITON_RELEASE is not None:  # the kernels need triton
     from .hopper import band_tma
     from .portable import band
-    from .common.launch import Launch, launch
+    from .common.launch import Launch, kept_launcher, launch
 
     try:  # Gluon, Triton's explicit-layout dialect (its Hopper TMA and mma.sync): band-gluon
         from .hopper import band_backward, band_forward
@@ -204,10 +205,9 @@ def plan(direction: str, inputs: tuple, left: int, right: int, config: str | Non
                  a_logits.dtype)
 
 
-# The default forward launches of the public op's direct calls, by (call signature, inputs on 16 bytes): see
-# `ldsa_forward_cuda`. Bounded like the op's set of checked signatures.
-_signature_launches: dict = {}
-MAX_SIGNATURE_LAUNCHES = 8192
+# The kept direct calls of the public function (`ldsa_forward_direct`) by its call signature: see
+# `common.direct_calls.DirectCalls`.
+DIRECT_FORWARDS = DirectCalls()
 
 
 def clear_plans() -> None:
@@ -216,41 +216,49 @@ def clear_plans() -> None:
     benchmarks that change those."""
     band.plan.cache_clear()
     _plan.cache_clear()
-    _signature_launches.clear()
+    DIRECT_FORWARDS.clear()
 
 
 # ---- The entry points ----
 
 
-def ldsa_forward_cuda(a_logits: torch.Tensor, v: torch.Tensor, left: int, right: int, config: str | None = None,
-                      signature: tuple | None = None) -> torch.Tensor:  # fmt: skip
+def ldsa_forward_cuda(a_logits: torch.Tensor, v: torch.Tensor, left: int, right: int,
+                      config: str | None = None) -> torch.Tensor:  # fmt: skip
     """The forward on contiguous a_logits [B,H,W,T] and v [B,H,Dh,T] of one device (validated by the caller):
     the fused kernels, or the reference for windows they do not take (`_fused`).
 
     `config` names one of FORWARD_CONFIGS (its kernels must take the window); None takes the default table's
-    choice. `signature`, the public op's call signature (the shapes, dtypes and devices of both tensors and the
-    window: everything `plan` reads of a call but the alignment), finds the default launch by one lookup with the
-    alignment, at about half the host time of `plan`'s derivation of its cache key."""
+    choice."""
     if config is None and not _fused(left + right + 1):
         return ldsa_forward_reference(a_logits, v, left, right)
-    if signature is None:
-        def launch_of():
-            return plan("forward", (a_logits, v), left, right, config)
-    else:
-        key = (signature, a_logits.data_ptr() % 16 == 0 and v.data_ptr() % 16 == 0)
-
-        def launch_of():
-            found = _signature_launches.get(key)
-            if found is None:
-                if len(_signature_launches) >= MAX_SIGNATURE_LAUNCHES:
-                    _signature_launches.clear()
-                found = _signature_launches[key] = plan("forward", (a_logits, v), left, right)
-            return found
-
     out = torch.empty_like(v)
     with on_device(v):
-        _run(launch_of, (a_logits, v, out))
+        _run(lambda: plan("forward", (a_logits, v), left, right, config), (a_logits, v, out))
     return out
+
+
+def ldsa_forward_direct(a_logits: torch.Tensor, v: torch.Tensor, left: int, right: int):
+    """What `ldsa_forward_cuda(a_logits, v, left, right)` does, once it ran on tensors on 16 bytes, for every call of
+    the same shapes, dtypes, device and window on contiguous tensors on 16 bytes
+    (`common.direct_calls.launches_directly`): a function (a_logits, v) -> out that allocates out and launches the
+    default plan's kept kernel. None where the call runs the reference or no launcher is kept (the interpreter, no
+    call on 16 bytes yet)."""
+    if not _fused(left + right + 1):
+        return None
+    B, H, Dh, T = v.shape
+    device = v.get_device()
+    launch = _plan("forward", None, left + right + 1, left, Dh, T, B * H, v.dtype, True, device, a_logits.dtype)
+    launch_kept = kept_launcher(launch, v.device.index, (a_logits.dtype, v.dtype, v.dtype))
+    if launch_kept is None:
+        return None
+    empty_like = torch.empty_like
+
+    def ldsa_forward_kept(a_logits, v):
+        out = empty_like(v)
+        launch_kept(a_logits, v, out)
+        return out
+
+    return ldsa_forward_kept
 
 
 def ldsa_backward_cuda(

@@ -1,9 +1,10 @@
 """The registered ops (forward, backward, autograd link) and the public function.
 
 Every CUDA call runs `dispatch`'s entry points (`ldsa_forward_cuda`, `ldsa_backward_cuda`), which pick the fused
-kernels or the eager reference; CPU tensors run the reference. The public function decides whether a call needs the
-registered op at all (`common.direct_calls.calls_directly`). Every op name goes through `add_op_namespace_prefix`,
-so two versions of this kernel can be loaded side by side.
+kernels or the eager reference; CPU tensors run the reference. The public function, and the backward that autograd
+runs, decide whether a call needs the registered op at all (`common.direct_calls.calls_directly`); the public
+function keeps its direct calls by call signature (`dispatch.DIRECT_FORWARDS`). Every op name goes through
+`add_op_namespace_prefix`, so two versions of this kernel can be loaded side by side.
 
 Under autocast (`common.autocast`) the ops run with autocast off: on CUDA `ldsa_forward` takes a_logits and v in
 autocast's dtype (the fused kernels' 16-bit operands), `ldsa_backward` its arguments as given; on the CPU both take
@@ -16,8 +17,8 @@ import torch
 from ._ops import add_op_namespace_prefix
 from .common.autocast import register_autocast
 from .common.differentiation import check_differentiation, check_forward_ad, no_double_backward
-from .common.direct_calls import CheckedSignatures, calls_directly
-from .dispatch import ldsa_backward_cuda, ldsa_forward_cuda
+from .common.direct_calls import CheckedSignatures, calls_directly, launches_directly
+from .dispatch import DIRECT_FORWARDS, ldsa_backward_cuda, ldsa_forward_cuda, ldsa_forward_direct
 from .reference import ldsa_backward_reference, ldsa_forward_reference
 from .validation import check_grad_out, check_ldsa_args
 
@@ -64,7 +65,12 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, grad_out):
     a_logits, v = ctx.saved_tensors
-    dlogits, dv = ldsa_backward_op(a_logits, v, grad_out.contiguous(), *ctx.window)
+    grad_out = grad_out.contiguous()
+    if calls_directly(a_logits, v, grad_out):  # no create_graph (its grad mode sees the saved tensors need grad)
+        check_grad_out(grad_out, v)
+        dlogits, dv = ldsa_backward_cuda(a_logits, v, grad_out, *ctx.window)
+    else:
+        dlogits, dv = ldsa_backward_op(a_logits, v, grad_out, *ctx.window)
     return dlogits, dv, None, None
 
 
@@ -88,12 +94,22 @@ def ldsa_local_attention(a_logits: torch.Tensor, v: torch.Tensor, left: int, rig
     RuntimeError. Under CUDA autocast the tensors are taken in autocast's dtype (the result in that dtype), under
     CPU autocast as given. Non-contiguous inputs are copied to contiguous ones.
     """
+    kept = None  # the signature of a call a kept direct call could take, where none is kept yet
+    if (type(a_logits) is torch.Tensor and type(v) is torch.Tensor and type(left) is int and type(right) is int
+            and launches_directly(a_logits, v)):
+        kept = (a_logits.shape, v.shape, a_logits.dtype, v.dtype, a_logits.device, v.device, left, right)
+        forward = DIRECT_FORWARDS.get(kept)
+        if forward is not None:
+            return forward(a_logits, v)
     signature = _check_args_once(a_logits, v, left, right)
     left, right = int(left), int(right)  # numpy integers pass the check; the registered op takes Python ints
     a_logits, v = a_logits.contiguous(), v.contiguous()
     if calls_directly(a_logits, v):  # no torch.func transform or compiler sees the call: forward AD alone is left
         check_forward_ad("ldsa_local_attention", a_logits, v)
-        return ldsa_forward_cuda(a_logits, v, left, right, signature=signature)
+        out = ldsa_forward_cuda(a_logits, v, left, right)
+        if kept is not None:
+            DIRECT_FORWARDS.keep(kept, ldsa_forward_direct(a_logits, v, left, right))
+        return out
     check_differentiation("ldsa_local_attention", a_logits, v)
     return ldsa_forward_op(a_logits, v, left, right)
 
@@ -106,7 +122,7 @@ _checked = CheckedSignatures()
 
 def _check_args_once(a_logits, v, left, right) -> tuple | None:
     """check_ldsa_args, skipped for a call signature that passed it before; the signature (None for tensor
-    subclasses), by which the direct launch looks up its plan too (`dispatch.ldsa_forward_cuda`)."""
+    subclasses)."""
     if type(a_logits) is not torch.Tensor or type(v) is not torch.Tensor:
         check_ldsa_args(a_logits, v, left, right)  # raises for a non-tensor; subclasses are checked every call
         return None

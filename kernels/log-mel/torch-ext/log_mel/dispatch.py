@@ -10,8 +10,9 @@ statement (`common.direct_calls.stage_module`)."""
 
 import torch
 
-from .common.direct_calls import stage_module
+from .common.direct_calls import DirectCalls, stage_module
 from .common.fast_paths import FastPath, FastPaths, falls_back
+from .whisper import HOP_LENGTH
 
 FAST_PATHS = FastPaths("log-mel", (
     FastPath("waveform-gluon", "`whisper_log_mel` in Gluon: each warp runs frames through both DFT stages as "
@@ -52,6 +53,13 @@ def log_mel_spectrogram_cuda(stft: torch.Tensor, mel_filters: torch.Tensor) -> t
     return stage_module(__package__, "portable.stft").launch(stft, mel_filters)
 
 
+def log_mel_spectrogram_direct(stft: torch.Tensor, mel_filters: torch.Tensor):
+    """What `log_mel_spectrogram_cuda(stft, mel_filters)` does, once it ran on tensors on 16 bytes, for every call
+    of the same shapes and device on contiguous tensors on 16 bytes (`common.direct_calls.launches_directly`): a
+    function (stft, mel_filters) -> out. None where no launcher is kept (the interpreter, no call on 16 bytes yet)."""
+    return stage_module(__package__, "portable.stft").kept_launch(stft, mel_filters)
+
+
 def whisper_log_mel_cuda(audio: torch.Tensor, lengths: torch.Tensor | None, n_mels: int, out_dtype: torch.dtype,
                          plan: str | None = None) -> torch.Tensor:
     """`whisper_log_mel` on validated, contiguous CUDA (or meta) tensors: the main pass on the path `waveform_path`
@@ -79,5 +87,45 @@ def _waveform_main_pass(audio: torch.Tensor, lengths: torch.Tensor | None, n_mel
             if not falls_back(error):
                 raise
             FAST_PATHS.failed("waveform-gluon", error)
+            DIRECT_WHISPER.clear()
     return stage_module(__package__, "portable.waveform").launch(audio, lengths, n_mels, out_dtype,
                                                                  with_floor=with_floor)
+
+
+# The kept direct calls of `whisper_log_mel` (`whisper_log_mel_direct`) and `log_mel_spectrogram`
+# (`log_mel_spectrogram_direct`) by their call signatures: see `common.direct_calls.DirectCalls`. The plans
+# they hold change only where the Gluon path is switched off, which forgets them.
+DIRECT_WHISPER = DirectCalls()
+DIRECT_SPECTROGRAM = DirectCalls()
+
+
+def whisper_log_mel_direct(audio: torch.Tensor, lengths: torch.Tensor | None, n_mels: int, out_dtype: torch.dtype):
+    """What `whisper_log_mel_cuda(audio, lengths, n_mels, out_dtype)` does, once it ran on tensors on 16 bytes, for
+    every call of the same shapes, dtypes and device on contiguous tensors on 16 bytes
+    (`common.direct_calls.launches_directly`): a function (audio, lengths) -> out that allocates the outputs and
+    launches the kept kernels of the default plan, on the path `waveform_path` takes. None where no launcher is kept
+    (the interpreter, no call on 16 bytes yet)."""
+    B, N = audio.shape
+    with_floor = waveform_plan(B) == ONE_LAUNCH
+    module = "hopper.waveform" if waveform_path(audio) == "waveform-gluon" else "portable.waveform"
+    kept = stage_module(__package__, module).kept_launch(audio, lengths, n_mels, out_dtype, with_floor)
+    if kept is None:
+        return None
+    main_pass, block_f = kept
+    if with_floor:
+        def whisper_log_mel_kept(audio, lengths):
+            return main_pass(audio, lengths)[0]
+
+        return whisper_log_mel_kept
+    F = N // HOP_LENGTH
+    floor_pass = stage_module(__package__, "portable.floor").kept_launch(B, n_mels, F, (F + block_f - 1) // block_f,
+                                                                          block_f, audio.device, out_dtype)
+    if floor_pass is None:
+        return None
+
+    def whisper_log_mel_kept(audio, lengths):
+        out, stats = main_pass(audio, lengths)
+        floor_pass(out, stats)
+        return out
+
+    return whisper_log_mel_kept

@@ -1,11 +1,13 @@
 """The registered ops and the public functions.
 
-CUDA tensors run the CUDA entry points of `dispatch` (whose stage modules, the Triton and Gluon kernels, are imported
-on first use so that the package imports without triton); CPU tensors run the eager reference. The public functions
-decide whether a call needs the registered op at all (`common.direct_calls.calls_directly`): an eager call on plain
-CUDA tensors runs the entry point directly, with the argument checks skipped for a call signature that passed them
-before. The op names go through `add_op_namespace_prefix`, so two versions of this kernel can be loaded side by
-side. The ops have no autograd formula: the public functions refuse inputs that require grad (see `validation`). Under autocast
+CUDA tensors run the CUDA entry points of `dispatch` (whose stage modules, the Triton and Gluon kernels, are
+imported on first use so that the package imports without triton); CPU tensors run the eager reference. The public
+functions decide whether a call needs the registered op at all (`common.direct_calls.calls_directly`): an eager call
+on plain CUDA tensors runs the entry point directly, with the argument checks skipped for a call signature that
+passed them before, and a later call of the signature runs the direct call kept for it (`dispatch.DIRECT_WHISPER`,
+`dispatch.DIRECT_SPECTROGRAM`; `common.direct_calls.launches_directly` tests what the signature cannot). The op
+names go through `add_op_namespace_prefix`, so two versions of this kernel can be loaded side by side. The ops have
+no autograd formula: the public functions refuse inputs that require grad (see `validation`). Under autocast
 (`common.autocast`) both ops run with autocast off on the CPU and on CUDA, their arguments as given: float32
 arithmetic throughout, the output dtype the docstring gives.
 """
@@ -17,8 +19,9 @@ import torch
 from ._ops import add_op_namespace_prefix
 from .common.autocast import register_autocast
 from .common.devices import on_device
-from .common.direct_calls import CheckedSignatures, calls_directly
-from .dispatch import log_mel_spectrogram_cuda, whisper_log_mel_cuda
+from .common.direct_calls import CheckedSignatures, calls_directly, launches_directly
+from .dispatch import (DIRECT_SPECTROGRAM, DIRECT_WHISPER, log_mel_spectrogram_cuda, log_mel_spectrogram_direct,
+                       whisper_log_mel_cuda, whisper_log_mel_direct)
 from .reference import log_mel_spectrogram_reference, whisper_log_mel_reference
 from .validation import check_log_mel_args, check_whisper_args, lengths_on
 from .whisper import HOP_LENGTH, N_FFT
@@ -74,6 +77,12 @@ def log_mel_spectrogram(stft: torch.Tensor, mel_filters: torch.Tensor) -> torch.
     never plain TF32 or bf16, autocast or not. Not differentiable: inputs that require grad raise ValueError
     while grad mode is on. Non-contiguous inputs are copied to contiguous ones first.
     """
+    kept = None  # the signature of a call a kept direct call could take, where none is kept yet
+    if type(stft) is torch.Tensor and type(mel_filters) is torch.Tensor and launches_directly(stft, mel_filters):
+        kept = (stft.shape, stft.dtype, stft.device, mel_filters.shape, mel_filters.dtype, mel_filters.device)
+        spectrogram = DIRECT_SPECTROGRAM.get(kept)
+        if spectrogram is not None:
+            return spectrogram(stft, mel_filters)
     signature = _spectrogram_signature(stft, mel_filters)
     if signature is None or signature not in _checked:
         check_log_mel_args(stft, mel_filters)
@@ -82,7 +91,10 @@ def log_mel_spectrogram(stft: torch.Tensor, mel_filters: torch.Tensor) -> torch.
     stft, mel_filters = stft.contiguous(), mel_filters.contiguous()
     if calls_directly(stft, mel_filters):
         with on_device(stft):
-            return log_mel_spectrogram_cuda(stft, mel_filters)
+            out = log_mel_spectrogram_cuda(stft, mel_filters)
+        if kept is not None:
+            DIRECT_SPECTROGRAM.keep(kept, log_mel_spectrogram_direct(stft, mel_filters))
+        return out
     return log_mel_spectrogram_op(stft, mel_filters)
 
 
@@ -103,7 +115,18 @@ def whisper_log_mel(audio: torch.Tensor, n_mels: int = 80, *, lengths: torch.Ten
     floor over only the tiles it reaches, in the same launch up to `dispatch.ONE_LAUNCH_MAX_CLIPS` clips and in a
     launch of its own above.
     """
+    kept = None  # the signature of a call a kept direct call could take, where none is kept yet
+    if type(audio) is torch.Tensor and type(n_mels) is int and type(out_dtype) is torch.dtype:
+        if lengths is None:
+            if launches_directly(audio):
+                kept = (audio.shape, audio.dtype, audio.device, n_mels, out_dtype)
+        elif type(lengths) is torch.Tensor and launches_directly(audio, lengths):
+            kept = (audio.shape, audio.dtype, audio.device, n_mels, out_dtype, lengths.shape, lengths.dtype,
+                    lengths.device)
+        if kept is not None and (whisper := DIRECT_WHISPER.get(kept)) is not None:
+            return whisper(audio, lengths)
     signature = _whisper_signature(audio, n_mels, lengths, out_dtype)
+    given = lengths
     if signature is None or signature not in _checked:
         n_mels, lengths = check_whisper_args(audio, n_mels, lengths, out_dtype, N_FFT)
         if signature is not None:
@@ -113,7 +136,10 @@ def whisper_log_mel(audio: torch.Tensor, n_mels: int = 80, *, lengths: torch.Ten
     audio = audio.contiguous()
     if calls_directly(audio) if lengths is None else calls_directly(audio, lengths):
         with on_device(audio):
-            return whisper_log_mel_cuda(audio, lengths, n_mels, out_dtype)
+            out = whisper_log_mel_cuda(audio, lengths, n_mels, out_dtype)
+        if kept is not None and lengths is given:  # given lengths, if any, as the kernels read them
+            DIRECT_WHISPER.keep(kept, whisper_log_mel_direct(audio, lengths, n_mels, out_dtype))
+        return out
     return whisper_log_mel_op(audio, lengths, n_mels, out_dtype)
 
 

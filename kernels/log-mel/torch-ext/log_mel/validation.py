@@ -70,8 +70,9 @@ def check_whisper_args(audio, n_mels, lengths, out_dtype, n_fft: int) -> tuple[i
 
 
 def lengths_on(audio: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-    """Checked `lengths` as the kernels read them: int64 on audio's device."""
-    return lengths.to(device=audio.device, dtype=torch.int64)
+    """Checked `lengths` as the kernels read them: int64 on audio's device, contiguous (they read lengths[b] at
+    offset b)."""
+    return lengths.to(device=audio.device, dtype=torch.int64).contiguous()
 
 
 def _lengths_tensor(lengths) -> torch.Tensor:

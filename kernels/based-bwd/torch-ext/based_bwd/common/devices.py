@@ -40,6 +40,6 @@ def on_device(x: torch.Tensor):
     """The context a launch on x's tensors runs in: x's CUDA device made current where another one is; nothing
     to do on the current device (the small-call path stays free of a device switch) or for the interpreter's CPU
     tensors."""
-    if x.is_cuda and x.device.index != torch.cuda.current_device():
+    if x.is_cuda and x.device.index != torch._C._cuda_getDevice():  # CUDA is initialised: a CUDA tensor exists
         return torch.cuda.device(x.device)
     return _SAME_DEVICE

@@ -14,7 +14,13 @@ import triton
 from triton.compiler.compiler import CompiledKernel
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from .fast_paths import falls_back
+from .devices import on_device
+from .fast_paths import TRITON_RELEASE, falls_back
+
+try:  # the CUDA backend's launcher, which `_launcher_call` may call past its Python wrapper
+    from triton.backends.nvidia.driver import CudaLauncher
+except ImportError:
+    CudaLauncher = None
 
 try:  # Gluon's descriptors carry their shared-memory layout (band-gluon)
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor
@@ -40,8 +46,10 @@ class Launch:
         self.config, self.arguments, self.fast_path = config, arguments, fast_path
 
 
-# Launchers of compiled kernels by (Launch, device, each tensor's dtype and 16-byte alignment or None): see `launch`.
+# Kept launches of compiled kernels by (Launch, device, each tensor's dtype and 16-byte alignment or None): (call,
+# function, head, the stream query, the integers and constexprs), see `launch` and `_launcher_call`.
 _compiled: dict = {}
+_C = torch._C
 
 
 def launch(plan: Launch, tensors: tuple) -> Exception | None:
@@ -56,15 +64,15 @@ def launch(plan: Launch, tensors: tuple) -> Exception | None:
     launch takes the JIT path; under the interpreter nothing is kept. TMA descriptors hold the data pointers,
     so they are built each call: checked ones for the JIT, `_HostDescriptor`s for the launcher."""
     device = tensors[0].device.index
-    key = (plan, device, *[None if t is None else (t.dtype, t.data_ptr() % 16 == 0) for t in tensors])
+    key = _key(plan, device, tensors)
     hit = _compiled.get(key)
     fast = hit is not None and not triton.knobs.runtime.launch_enter_hook.calls
     if plan.arguments is not None:
         tensors = tuple(tensors[a] if type(a) is int else _descriptor(tensors[a[0]], *a[1:], checked=not fast)
                         for a in plan.arguments)
     if fast:
-        run, function, metadata, stream_of, trailing = hit
-        run(plan.programs, 1, 1, stream_of(device), function, metadata, None, None, None, *tensors, *trailing)
+        call, function, head, stream_of, trailing = hit
+        call(plan.programs, 1, 1, stream_of(device), function, *head, *tensors, *trailing)
         return None
     try:
         compiled = plan.kernel[(plan.programs,)](*tensors, *plan.ints, **plan.meta, num_warps=plan.num_warps)
@@ -76,8 +84,55 @@ def launch(plan: Launch, tensors: tuple) -> Exception | None:
         constexprs = tuple(plan.meta[name] for name in plan.kernel.arg_names[len(tensors) + len(plan.ints) :])
         stream_of = triton.runtime.driver.active.get_current_stream
         trailing = (*plan.ints, *constexprs)
-        _compiled[key] = (compiled.run, compiled.function, compiled.packed_metadata, stream_of, trailing)
+        _compiled[key] = (*_launcher_call(compiled), stream_of, trailing)
     return None
+
+
+def _launcher_call(compiled: CompiledKernel) -> tuple:
+    """(call, function, head) of a compiled kernel: a kept launch is call(grid x, y, z, stream, function, *head,
+    *tensors, *integers and constexprs). Under Triton 3.6 a CUDA launcher whose kernel takes no scratch memory is
+    called past its Python wrapper (`CudaLauncher.__call__`, which allocates the scratch and passes its arguments on
+    to its C launch function, about half a microsecond of host time a launch): the C function itself, with the
+    arguments the wrapper passes it (`tests/test_launch.py` checks them against the wrapper's). Elsewhere the
+    wrapper, with (metadata, launch metadata, enter hook, exit hook)."""
+    run, metadata = compiled.run, compiled.packed_metadata
+    if (TRITON_RELEASE == "3.6" and type(run) is CudaLauncher and not run.global_scratch_size
+            and not run.profile_scratch_size):
+        head = (run.launch_cooperative_grid, run.launch_pdl, None, None, metadata, None, None, None)
+        return run.launch, compiled.function, head
+    return run, compiled.function, (metadata, None, None, None)
+
+
+def _key(plan: Launch, device: int | None, tensors: tuple) -> tuple:
+    """The key of a kept launcher: the Launch, the device, each tensor's dtype and 16-byte alignment (or None)."""
+    return (plan, device, *[None if t is None else (t.dtype, t.data_ptr() % 16 == 0) for t in tensors])
+
+
+def kept_launcher(plan: Launch, device: int | None, dtypes: tuple):
+    """`launch(plan, tensors)` for tensors on CUDA device `device` of `dtypes` (None for a None argument), each
+    starting on 16 bytes, once `launch` keeps its launcher, bound to everything but the tensors: a function of such
+    tensors (in `launch`'s order) that launches on the current stream, through the JIT while a launch hook is
+    registered as `launch` does, on `device` made current where another device is. None where nothing is kept (the
+    interpreter, meta tensors, a specialization not launched yet). For the kept direct calls of a call signature
+    (`direct_calls.DirectCalls`): their host time is this and their allocations."""
+    hit = _compiled.get((plan, device, *[None if d is None else (d, True) for d in dtypes]))
+    if hit is None:
+        return None
+    call, function, head, stream_of, trailing = hit
+    programs, arguments, runtime = plan.programs, plan.arguments, triton.knobs.runtime
+    if arguments is not None:  # descriptors of the tensors (`_descriptor`), built each call
+        views = tuple(a if type(a) is int else (a[0], a[1], _row_major_strides(a[1])) for a in arguments)
+
+    def launch_kept(*tensors):
+        if runtime.launch_enter_hook.calls or _C._cuda_getDevice() != device:
+            with on_device(tensors[0]):
+                launch(plan, tensors)
+            return
+        if arguments is not None:
+            tensors = [tensors[a] if type(a) is int else _HostDescriptor(tensors[a[0]], a[1], a[2]) for a in views]
+        call(programs, 1, 1, stream_of(device), function, *head, *tensors, *trailing)
+
+    return launch_kept
 
 
 class _HostDescriptor(NamedTuple):

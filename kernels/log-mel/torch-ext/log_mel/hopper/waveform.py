@@ -42,7 +42,7 @@ from ..common.launch import Launch, launch as run
 from ..portable import floor
 from ..portable.floor import count_tile, floor_group, take_item
 from ..portable.log10 import log10_scaled
-from ..portable.waveform import dft_tables, pow2_scale, stage2_bins
+from ..portable.waveform import dft_tables, kept_main_pass, pow2_scale, stage2_bins
 
 N_FFT = gl.constexpr(whisper.N_FFT)
 HOP = gl.constexpr(whisper.HOP_LENGTH)
@@ -353,6 +353,21 @@ def launch(audio: torch.Tensor, lengths: torch.Tensor | None, n_mels: int, out_d
     counters = floor.counters(device, B) if with_floor else None
     run(chosen, (audio, lengths, operands, twiddles, window, projection, plan, out, stats, counters))
     return out, stats, config.num_warps * config.frames
+
+
+def kept_launch(audio: torch.Tensor, lengths: torch.Tensor | None, n_mels: int, out_dtype: torch.dtype,
+                with_floor: bool = False):
+    """`launch` in the default config for every later call of the same shapes, dtypes and device on tensors on 16
+    bytes, once it ran on such tensors: (main_pass, block_f) as `portable.waveform.kept_launch` returns them; None
+    where no launcher is kept."""
+    config = DEFAULT_CONFIG
+    B, N = audio.shape
+    device = audio.device
+    plan, projection = _plan(n_mels, device)
+    chosen = _launch_plan(B, N, n_mels, audio.dtype == torch.int16, lengths is not None, projection.shape[1], config,
+                          with_floor)
+    main_pass = kept_main_pass(chosen, audio, lengths, (*dft_tables(device), projection, plan), out_dtype)
+    return None if main_pass is None else (main_pass, config.num_warps * config.frames)
 
 
 @functools.cache

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..common.launch import Launch, launch as run
+from ..common.launch import Launch, kept_launcher, launch as run
 
 STATS_CHUNK = 256  # tile statistics per step of the clip-maximum reduction (`clip_floor`)
 FLOOR_TILES = 2  # frame tiles a floor program or floor item checks
@@ -126,9 +126,9 @@ def counters(device: torch.device, B: int) -> torch.Tensor:
     one stream run in order; two streams hold two buffers); a call under CUDA graph capture, on the CPU (the
     interpreter) or on meta tensors takes fresh zeros, under capture a fill node of its graph, so that no two
     graphs share counters."""
-    if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+    if device.type != "cuda" or torch._C._cuda_isCurrentStreamCapturing():
         return torch.zeros(1 + B, dtype=torch.int32, device=device)
-    key = (device.index, triton.runtime.driver.active.get_current_stream(device.index))
+    key = (device.index, torch._C._cuda_getCurrentRawStream(device.index))  # torch's C calls: per-call host time
     kept = _kept_counters.get(key)
     if kept is None or kept.numel() < 1 + B:
         kept = _kept_counters[key] = torch.zeros(triton.next_power_of_2(1 + B), dtype=torch.int32, device=device)
@@ -144,6 +144,13 @@ def launch(out: torch.Tensor, stats: torch.Tensor, block_f: int) -> None:
     block_f frames."""
     B, NM, F = out.shape
     run(_plan(B, NM, F, stats.shape[1], block_f), (out, stats))
+
+
+def kept_launch(B: int, NM: int, F: int, n_tiles: int, block_f: int, device: torch.device, out_dtype: torch.dtype):
+    """`launch` for every call of B clips of NM bands, F frames and n_tiles tiles of block_f frames on `device` with
+    out of `out_dtype`, once it ran on such a call: a function (out, stats) that launches the kept kernel; None where
+    no launcher is kept."""
+    return kept_launcher(_plan(B, NM, F, n_tiles, block_f), device.index, (out_dtype, torch.float32))
 
 
 @functools.cache

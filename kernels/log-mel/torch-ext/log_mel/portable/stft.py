@@ -22,12 +22,16 @@ log-mel once. Three stages, run in order by `launch`:
    statistics.
 """
 
+import functools
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
+from ..common.direct_calls import StreamScratch
+from ..common.launch import Launch, kept_launcher, launch as run
 from .floor import STATS_CHUNK, clip_floor
 from .log10 import log10_clamped
 
@@ -271,16 +275,9 @@ def band_plan(mel_filters: torch.Tensor, block_m: int, block_k: int) -> tuple[to
     stale. Two launches, because one program doing both is slower than the support kernel and the list kernel
     together."""
     NM, NF = mel_filters.shape
-    n_blocks = triton.cdiv(NM, block_m)
-    if max(NF, n_blocks) > FIELD_MASK.value:
-        raise ValueError(f"the main pass's chunk entries hold at most {FIELD_MASK.value} bins and band blocks")
-    support = torch.empty(2, n_blocks, dtype=torch.int32, device=mel_filters.device)
-    _band_support_kernel[(n_blocks,)](mel_filters, support[0], support[1], NM, NF, BLOCK_M=block_m,
-                                      CHUNK=SUPPORT_CHUNK)
-    chunks = torch.empty(1 + n_blocks * max(1, triton.cdiv(NF, block_k)), dtype=torch.int64, device=mel_filters.device)
-    _chunk_list_kernel[(1,)](support[0], support[1], chunks, n_blocks, BLOCK_K=block_k,
-                             BLOCKS=triton.next_power_of_2(n_blocks))
-    return support, chunks
+    plans = _band_plans(NM, NF, block_m, block_k)
+    support, chunks = _run_band_plan(plans, mel_filters)
+    return support[:, : plans.n_blocks], chunks
 
 
 def launch(stft: torch.Tensor, mel_filters: torch.Tensor, config: Config | None = None) -> torch.Tensor:
@@ -288,19 +285,111 @@ def launch(stft: torch.Tensor, mel_filters: torch.Tensor, config: Config | None 
     (default: `pick(...)`)."""
     B, F, NF = stft.shape
     NM = mel_filters.shape[0]
-    config = config or pick(B, F, NF, NM)
-    x = torch.view_as_real(stft)  # (B, F, NF, 2) float32, same memory
-    _, chunks = band_plan(mel_filters, config.block_m, config.block_k)
-    n_tiles = triton.cdiv(F, config.block_f)
-    stats = torch.empty(B, n_tiles, 2, dtype=torch.float32, device=stft.device)
+    plans = _plans(B, F, NF, NM, config or pick(B, F, NF, NM))
+    _, chunks = _run_band_plan(plans.band, mel_filters)
+    stats = torch.empty(plans.stats_shape, dtype=torch.float32, device=stft.device)
     out = torch.empty(B, F, NM, dtype=torch.float32, device=stft.device)
-    tile_args = dict(BLOCK_F=config.block_f, BLOCK_M=config.block_m, BLOCK_K=config.block_k,
-                     PRECISION=config.precision, SHORT_CLIP=F < config.block_f, NF=NF,
-                     # The interpreter (CPU) cannot run inline PTX.
-                     HW_LOG2=not triton.knobs.runtime.interpret,
-                     num_warps=config.num_warps, num_stages=config.num_stages)
-    _stft_kernel[(B * n_tiles,)](x, mel_filters, chunks, out, stats, F, NM, n_tiles, **tile_args)
-    n_groups = triton.cdiv(n_tiles, FLOOR_TILES)
-    _stft_floor_kernel[(B * n_groups,)](out, stats, F, NM, n_tiles, n_groups, BLOCK_F=config.block_f,
-                                        STATS_CHUNK=STATS_CHUNK, FLOOR_CHUNK=FLOOR_CHUNK, FLOOR_TILES=FLOOR_TILES)
+    run(plans.main, (torch.view_as_real(stft), mel_filters, chunks, out, stats))  # (B, F, NF, 2) float32 view
+    run(plans.floor, (out, stats))
     return out
+
+
+def kept_launch(stft: torch.Tensor, mel_filters: torch.Tensor):
+    """`launch` in the default config for every later call of the same shapes and device on tensors on 16 bytes,
+    once it ran on such tensors: a function (stft, mel_filters) -> out that allocates out, takes the band plan and
+    the tile statistics from its stream's scratch (`common.direct_calls.StreamScratch`) and launches the four kept
+    kernels (`common.launch.kept_launcher`); None where no launcher is kept."""
+    B, F, NF = stft.shape
+    NM = mel_filters.shape[0]
+    plans = _plans(B, F, NF, NM, pick(B, F, NF, NM))
+    index = stft.device.index
+    band = plans.band
+    kept = (kept_launcher(band.support, index, (torch.float32, torch.int32, torch.int32)),
+            kept_launcher(band.chunk_list, index, (torch.int32, torch.int32, torch.int64)),
+            kept_launcher(plans.main, index, (torch.float32,) * 2 + (torch.int64,) + (torch.float32,) * 2),
+            kept_launcher(plans.floor, index, (torch.float32, torch.float32)))
+    if None in kept:
+        return None
+    support, chunk_list, main, floor = kept
+    device = stft.device
+
+    def fresh_scratch():  # the band plan's support rows and chunk list, the tile statistics
+        lo, hi = torch.empty(2, band.row, dtype=torch.int32, device=device).unbind()
+        chunks = torch.empty(band.chunks, dtype=torch.int64, device=device)
+        return lo, hi, chunks, torch.empty(plans.stats_shape, dtype=torch.float32, device=device)
+
+    scratch = StreamScratch(device.index, fresh_scratch)
+    empty, view_as_real, out_shape = torch.empty, torch.view_as_real, (B, F, NM)
+
+    def log_mel_spectrogram_kept(stft, mel_filters):
+        lo, hi, chunks, stats = scratch()
+        support(mel_filters, lo, hi)
+        chunk_list(lo, hi, chunks)
+        out = empty(*out_shape, dtype=torch.float32, device=device)  # sizes as arguments: parsed faster
+        main(view_as_real(stft), mel_filters, chunks, out, stats)
+        floor(out, stats)
+        return out
+
+    return log_mel_spectrogram_kept
+
+
+class _BandPlans(NamedTuple):
+    """The launches of the band plan of a filterbank shape, its band blocks, the row length of its support (a
+    multiple of four, so that both rows start on 16 bytes) and its chunk list's length."""
+
+    support: Launch
+    chunk_list: Launch
+    n_blocks: int
+    row: int
+    chunks: int
+
+
+class _Plans(NamedTuple):
+    """The launches of a call shape and config: the band plan's, the main pass's and the floor's, and the shape of
+    the tile statistics."""
+
+    band: _BandPlans
+    main: Launch
+    floor: Launch
+    stats_shape: tuple
+
+
+@functools.cache
+def _band_plans(NM: int, NF: int, block_m: int, block_k: int) -> _BandPlans:
+    """The band plan's launches for a filterbank shape and tiles, built once."""
+    n_blocks = triton.cdiv(NM, block_m)
+    if max(NF, n_blocks) > FIELD_MASK.value:
+        raise ValueError(f"the main pass's chunk entries hold at most {FIELD_MASK.value} bins and band blocks")
+    support = Launch(_band_support_kernel, n_blocks, (NM, NF), dict(BLOCK_M=block_m, CHUNK=SUPPORT_CHUNK), 4,
+                     "band support")
+    chunk_list = Launch(_chunk_list_kernel, 1, (n_blocks,),
+                        dict(BLOCK_K=block_k, BLOCKS=triton.next_power_of_2(n_blocks)), 4, "chunk list")
+    return _BandPlans(support, chunk_list, n_blocks, triton.cdiv(n_blocks, 4) * 4,
+                      1 + n_blocks * max(1, triton.cdiv(NF, block_k)))
+
+
+def _run_band_plan(plans: _BandPlans, mel_filters: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(support (2, plans.row), chunks) of `band_plan`: its two launches."""
+    support = torch.empty(2, plans.row, dtype=torch.int32, device=mel_filters.device)
+    chunks = torch.empty(plans.chunks, dtype=torch.int64, device=mel_filters.device)
+    lo, hi = support
+    run(plans.support, (mel_filters, lo, hi))
+    run(plans.chunk_list, (lo, hi, chunks))
+    return support, chunks
+
+
+@functools.cache
+def _plans(B: int, F: int, NF: int, NM: int, config: Config) -> _Plans:
+    """The launches of a call shape in `config`, built once."""
+    n_tiles = triton.cdiv(F, config.block_f)
+    n_groups = triton.cdiv(n_tiles, FLOOR_TILES)
+    main = Launch(_stft_kernel, B * n_tiles, (F, NM, n_tiles),
+                  dict(BLOCK_F=config.block_f, BLOCK_M=config.block_m, BLOCK_K=config.block_k,
+                       PRECISION=config.precision, SHORT_CLIP=F < config.block_f, NF=NF,
+                       # The interpreter (CPU) cannot run inline PTX.
+                       HW_LOG2=not triton.knobs.runtime.interpret, num_stages=config.num_stages),
+                  config.num_warps, config.name)
+    floor = Launch(_stft_floor_kernel, B * n_groups, (F, NM, n_tiles, n_groups),
+                   dict(BLOCK_F=config.block_f, STATS_CHUNK=STATS_CHUNK, FLOOR_CHUNK=FLOOR_CHUNK,
+                        FLOOR_TILES=FLOOR_TILES), 4, "stft floor")
+    return _Plans(_band_plans(NM, NF, config.block_m, config.block_k), main, floor, (B, n_tiles, 2))

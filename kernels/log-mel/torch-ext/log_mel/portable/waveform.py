@@ -33,7 +33,8 @@ import triton
 import triton.language as tl
 
 from .. import whisper
-from ..common.launch import Launch, launch as run
+from ..common.direct_calls import StreamScratch
+from ..common.launch import Launch, kept_launcher, launch as run
 from . import floor
 from .floor import count_tile, floor_group, take_item
 from .log10 import log10_scaled
@@ -298,6 +299,52 @@ def launch(audio: torch.Tensor, lengths: torch.Tensor | None, n_mels: int, out_d
     counters = floor.counters(device, B) if with_floor else None
     run(plan, (audio, lengths, operands, twiddles, window, proj, out, stats, counters))
     return out, stats, config.block_f
+
+
+def kept_launch(audio: torch.Tensor, lengths: torch.Tensor | None, n_mels: int, out_dtype: torch.dtype,
+                with_floor: bool = False):
+    """`launch` in the default config for every later call of the same shapes, dtypes and device on tensors on 16
+    bytes, once it ran on such tensors: (main_pass, block_f), main_pass a function (audio, lengths) -> (out, stats)
+    (`kept_main_pass`); None where no launcher is kept."""
+    config = DEFAULT_CONFIG
+    B, N = audio.shape
+    device = audio.device
+    tables = (*dft_tables(device), _projection(n_mels, device, config.block_m))
+    plan = _plan(B, N, n_mels, audio.dtype == torch.int16, lengths is not None, tables[-1].shape[-1], config,
+                 with_floor)
+    main_pass = kept_main_pass(plan, audio, lengths, tables, out_dtype)
+    return None if main_pass is None else (main_pass, config.block_f)
+
+
+def kept_main_pass(plan: Launch, audio: torch.Tensor, lengths: torch.Tensor | None, tables: tuple,
+                   out_dtype: torch.dtype):  # fmt: skip
+    """A main pass's launch `plan` (this module's or the Gluon kernel's: integers (N, F, NM, n_tiles, B, n_groups),
+    tensors audio, lengths, the constant `tables`, out, stats and the floor's counters) for calls on tensors of
+    audio's and lengths' dtypes and device, on 16 bytes: a function (audio, lengths) -> (out, stats) that allocates
+    out, takes stats and counters from its stream's scratch (`common.direct_calls.StreamScratch`) and launches the
+    kept kernel. None where no launcher is kept."""
+    _, F, NM, n_tiles, B, _ = plan.ints
+    with_floor = plan.meta["WITH_FLOOR"]
+    device = audio.device
+    dtypes = (audio.dtype, None if lengths is None else lengths.dtype, *[t.dtype for t in tables], out_dtype,
+              torch.float32, torch.int32 if with_floor else None)
+    launch_kept = kept_launcher(plan, device.index, dtypes)
+    if launch_kept is None:
+        return None
+
+    def fresh_scratch():  # the tile statistics, and the folded floor's counters (`floor.counters`)
+        stats = torch.empty(B, n_tiles, 2, dtype=torch.float32, device=device)
+        return stats, torch.zeros(1 + B, dtype=torch.int32, device=device) if with_floor else None
+
+    scratch, empty, out_shape = StreamScratch(device.index, fresh_scratch), torch.empty, (B, NM, F)
+
+    def main_pass(audio, lengths):
+        out = empty(*out_shape, dtype=out_dtype, device=device)  # sizes as arguments: parsed faster
+        stats, counters = scratch()
+        launch_kept(audio, lengths, *tables, out, stats, counters)
+        return out, stats
+
+    return main_pass
 
 
 @functools.cache
