@@ -12,6 +12,13 @@ each block in the orientation its products take it in: a block needed both ways 
 are products of the same two accumulators). Fifty products where the Triton kernel makes forty, but fewer instructions
 a chunk.
 
+A non-finite input at step t reaches no row of A before t, as in `portable.transform`: a chunk holding a non-finite k, p
+or beta, or a NaN or +inf g, is solved a second time, with the non-finite entries of P_i K_j^T and beta zeroed and g's
+taken as a reset (a masked weight of 0 times a non-finite entry would reach the earlier rows through the products), over
+the first solve's A, whose rows from that step on are then NaN. Whether to is read from the chunk's checksum: the sum of
+the four diagonal blocks' inverses, which every non-finite k, p or beta of their rows reaches, and of g's NaN and +inf.
+On a clean chunk the guard is that sum and a branch.
+
 The kernel is written for K = 64, where it is faster than the Triton kernel (A within its bf16 rounding of the Triton
 one's); at K = 128 it spills and is slower, and K = 128 keeps the Triton kernel. L's blocks are made up front, not
 where they are used, to keep a margin of registers; the blocks are made in the order that lets the four diagonal
@@ -22,7 +29,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
-from .chunk import BT, FLOOR, scal_base
+from .chunk import BT, FLOOR, finite_or_zero, scal_base
 from ..reference import CHUNK
 from ..common.tf32 import tf32_high
 
@@ -61,15 +68,37 @@ def mm(x, z, acc):
 
 
 @gluon.jit
-def _block_gates(g, beta, base, r0, H, offset):
+def _block_gates(g, beta, base, r0, H, offset, SANITIZE: gl.constexpr = False):
     """Of the 16 rows from r0: gc (offset plus the inclusive cumsum of g) in the row and in the column slice, beta in
-    the row slice, and offset plus the block's sum of g (the next block's offset)."""
+    the row slice, offset plus the block's sum of g (the next block's offset), and g's checksum in the column slice: NaN
+    or +inf where g is NaN or +inf, 0 elsewhere (g = -inf is a reset). SANITIZE: a NaN or +inf g taken as a reset and
+    a non-finite beta as 0, so that L's entries are finite (`_transform_gluon_kernel`)."""
     r = gl.arange(0, SUB, layout=ROW)
     c = gl.arange(0, SUB, layout=COL)
-    g_c = gl.maximum(gl.load(g + base + (r0 + c) * H), FLOOR)
+    g_raw = gl.load(g + base + (r0 + c) * H)
+    g_ok = g_raw < float("inf")  # false for NaN
+    if SANITIZE:
+        g_raw = gl.where(g_ok, g_raw, FLOOR)
+    g_c = gl.maximum(g_raw, FLOOR)
     gc_r = offset + gl.sum(gl.where(c[None, :] <= r[:, None], g_c[None, :], 0.0), 1)
     beta_r = gl.load(beta + base + (r0 + r) * H).to(gl.float32)
-    return gc_r, gl.convert_layout(gc_r, COL), beta_r, offset + gl.sum(g_c, 0)
+    if SANITIZE:
+        beta_r = finite_or_zero(beta_r)
+    return gc_r, gl.convert_layout(gc_r, COL), beta_r, offset + gl.sum(g_c, 0), gl.where(g_ok, 0.0, g_raw)
+
+
+@gluon.jit
+def _block_edge(pk, g, beta, base, r0, H):
+    """The first of the 16 rows from r0 holding a non-finite k, p or beta, or a NaN or +inf g, SUB if none: from the
+    diagonal block P_i K_i^T, whose entry (r, r) is p_r . k_r, and from g and beta as stored (as
+    `portable.transform` finds it)."""
+    r = gl.arange(0, SUB, layout=ROW)
+    c = gl.arange(0, SUB, layout=COL)
+    diag_ok = gl.min(((gl.abs(pk) < float("inf")) | (r[:, None] != c[None, :])).to(gl.int32), 1)
+    g_r = gl.load(g + base + (r0 + r) * H)
+    beta_r = gl.load(beta + base + (r0 + r) * H).to(gl.float32)
+    ok = (diag_ok > 0) & (g_r < float("inf")) & (gl.abs(beta_r) < float("inf"))
+    return gl.min(gl.where(ok, SUB, r), 0)
 
 
 @gluon.jit
@@ -152,28 +181,51 @@ def _inverse_t(d_b, l8_t):
 
 
 @gluon.jit
-def _store_block(A, a_base, i: gl.constexpr, j: gl.constexpr, blk, TRANSPOSED: gl.constexpr = False):
-    """Block (i, j) of the chunk's A; blk holds it, or its transpose where TRANSPOSED."""
+def _block_offsets(i: gl.constexpr, j: gl.constexpr, TRANSPOSED: gl.constexpr):
+    """(The offsets in the chunk's A of block (i, j)'s entries as an accumulator holds the block (its transpose where
+    TRANSPOSED), and the chunk's row of each)."""
     r = gl.arange(0, SUB, layout=ROW)
     c = gl.arange(0, SUB, layout=COL)
     if TRANSPOSED:
-        offs = (c[None, :] + i * SUB) * BT + (r[:, None] + j * SUB)
+        rows = c[None, :] + i * SUB
+        return rows * BT + (r[:, None] + j * SUB), rows
     else:
-        offs = (r[:, None] + i * SUB) * BT + (c[None, :] + j * SUB)
+        rows = r[:, None] + i * SUB
+        return rows * BT + (c[None, :] + j * SUB), rows
+
+
+@gluon.jit
+def _store_block(A, a_base, i: gl.constexpr, j: gl.constexpr, blk, TRANSPOSED: gl.constexpr = False):
+    """Block (i, j) of the chunk's A; blk holds it, or its transpose where TRANSPOSED."""
+    offs, _ = _block_offsets(i, j, TRANSPOSED)
     gl.store(A + a_base + offs, blk.to(A.dtype.element_ty))
 
 
 @gluon.jit
-def _transform_gluon_kernel(k, p, beta, g, A, N, H, K: gl.constexpr):
+def _mark_block(A, a_base, i: gl.constexpr, j: gl.constexpr, edge, TRANSPOSED: gl.constexpr = False):
+    """NaN over block (i, j)'s entries on the chunk's rows from `edge` on, each written by the thread that
+    `_store_block` (TRANSPOSED alike) writes it with, so after that store."""
+    offs, rows = _block_offsets(i, j, TRANSPOSED)
+    nan = gl.full([SUB, SUB], float("nan"), gl.float32, MMA)
+    gl.store(A + a_base + offs, nan.to(A.dtype.element_ty), mask=rows >= edge)
+
+
+@gluon.jit
+def _transform_chunk(k, p, beta, g, A, N, H, K: gl.constexpr, GUARDED: gl.constexpr):
+    """Solve this program's chunk and store its A. Returns the chunk's checksum, finite unless the chunk holds a
+    non-finite k, p or beta or a NaN or +inf g, where it reaches a diagonal block's inverse or g's checksum
+    (`_block_gates`); GUARDED (a chunk whose checksum is not finite), the solve takes the finite part of P_i K_j^T, beta
+    and g, and returns 0."""
     n, bh = gl.program_id(0), gl.program_id(1)
     base = scal_base(bh // H, bh % H, N, H)
     t0 = n * BT
     kbase = base * K
     HK = H * K
-    gc0_r, gc0_c, b0, off = _block_gates(g, beta, base, t0, H, 0.0)
-    gc1_r, gc1_c, b1, off = _block_gates(g, beta, base, t0 + SUB, H, off)
-    gc2_r, gc2_c, b2, off = _block_gates(g, beta, base, t0 + 2 * SUB, H, off)
-    gc3_r, gc3_c, b3, off = _block_gates(g, beta, base, t0 + 3 * SUB, H, off)
+    gc0_r, gc0_c, b0, off, g_check = _block_gates(g, beta, base, t0, H, 0.0, GUARDED)
+    gc1_r, gc1_c, b1, off, g_check1 = _block_gates(g, beta, base, t0 + SUB, H, off, GUARDED)
+    gc2_r, gc2_c, b2, off, g_check2 = _block_gates(g, beta, base, t0 + 2 * SUB, H, off, GUARDED)
+    gc3_r, gc3_c, b3, off, g_check3 = _block_gates(g, beta, base, t0 + 3 * SUB, H, off, GUARDED)
+    g_check = gl.sum(g_check + g_check1 + g_check2 + g_check3, 0)
 
     # P_i K_j^T for the ten blocks on or below the diagonal, and K_i P_i^T for the diagonal's transposes; K_j^T is
     # loaded for its column of blocks, so that only one is live with the four P_i.
@@ -194,6 +246,11 @@ def _transform_gluon_kernel(k, p, beta, g, A, N, H, K: gl.constexpr):
     kt = _kt_tile(k, kbase, t0 + 3 * SUB, HK, K)
     pk33 = mma_v2(p3, kt, zero)
     kp33 = _kp(p3, kt, zero)
+    if GUARDED:
+        pk00, pk10, pk20, pk30 = finite_or_zero(pk00), finite_or_zero(pk10), finite_or_zero(pk20), finite_or_zero(pk30)
+        pk11, pk21, pk31 = finite_or_zero(pk11), finite_or_zero(pk21), finite_or_zero(pk31)
+        pk22, pk32, pk33 = finite_or_zero(pk22), finite_or_zero(pk32), finite_or_zero(pk33)
+        kp00, kp11, kp22, kp33 = finite_or_zero(kp00), finite_or_zero(kp11), finite_or_zero(kp22), finite_or_zero(kp33)
 
     # The diagonal blocks' inverses D_i, in the orientations the products below take them in.
     db, l8_t = _inverse_chain(_decayed(pk00, b0, gc0_r, gc0_c, True), _decayed_t(kp00, gl.convert_layout(b0, COL),
@@ -241,6 +298,48 @@ def _transform_gluon_kernel(k, p, beta, g, A, N, H, K: gl.constexpr):
     for i in gl.static_range(3):
         for j in gl.static_range(i + 1, 4):
             _store_block(A, a_base, i, j, zero)
+    if GUARDED:
+        checksum = 0.0
+    else:
+        checksum = gl.sum(gl.sum(d0_t + d1 + d2 + d3, 1), 0) + g_check
+    return checksum
+
+
+@gluon.jit
+def _mark_rows(k, p, beta, g, A, N, H, K: gl.constexpr):
+    """NaN on the chunk's rows of A from its first step with a non-finite k, p or beta, or a NaN or +inf g, on (as
+    `portable.transform` finds that step: p_r and k_r from entry (r, r) of the diagonal blocks P_i K_i^T)."""
+    n, bh = gl.program_id(0), gl.program_id(1)
+    base = scal_base(bh // H, bh % H, N, H)
+    t0 = n * BT
+    zero = gl.zeros([SUB, SUB], gl.float32, MMA)
+    edge = gl.to_tensor(BT)
+    for i in gl.static_range(4):
+        pk = mma_v2(_p_tile(p, base * K, t0 + i * SUB, H * K, K), _kt_tile(k, base * K, t0 + i * SUB, H * K, K), zero)
+        edge = gl.minimum(edge, _block_edge(pk, g, beta, base, t0 + i * SUB, H) + i * SUB)
+    a_base = (bh.to(gl.int64) * N + n) * BT * BT
+    for i in gl.static_range(4):
+        for j in gl.static_range(4):
+            _mark_block(A, a_base, i, j, edge, (i == 0 and j == 0) or (i == 1 and j == 0))
+
+
+# Not inlined: inlined, the compiler would keep values of the first solve (addresses, tiles) for the second, and the
+# kernel would spill.
+@gluon.jit(noinline=True)
+def _guarded_solve(k, p, beta, g, A, N, H, K: gl.constexpr):
+    """The chunk's A solved guarded over the first solve's (`_transform_chunk`), then NaN from its first non-finite
+    step on (`_mark_rows`)."""
+    _transform_chunk(k, p, beta, g, A, N, H, K, True)
+    _mark_rows(k, p, beta, g, A, N, H, K)
+
+
+@gluon.jit
+def _transform_gluon_kernel(k, p, beta, g, A, N, H, K: gl.constexpr):
+    checksum = _transform_chunk(k, p, beta, g, A, N, H, K, False)
+    if not (gl.abs(checksum) < float("inf")):
+        # The chunk holds a non-finite input: solved again, each entry of A stored by the thread that stored it first,
+        # so after it.
+        _guarded_solve(k, p, beta, g, A, N, H, K)
 
 
 def launch(k, p, beta, g, A):
