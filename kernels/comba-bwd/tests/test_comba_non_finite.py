@@ -18,7 +18,8 @@ The fused kernels run in the Triton interpreter on CPU tensors in fp32 and in bf
 size they take (V = 64 keeps the Gluon kernels out: they run at V = 128 only). On Hopper the Gluon kernels take the
 plain call in bf16 with V = 128, at K = 64 (the chunk transform, the forward scan, the gradients) and K = 128 (both
 scans, the gradients): `test_gluon_kernels_keep_a_non_finite_step_in_place` holds them to the same rule, at 200
-steps (four chunks: the bad step's is followed by two)."""
+steps (four chunks: the bad step's is followed by two), and `test_gluon_transform_keeps_a_non_finite_step_in_place`
+the Gluon chunk transform's A alone."""
 
 import functools
 
@@ -156,3 +157,32 @@ def check_step_stays_in_place(comba, dispatch, clean_runs, impl, call, which, sh
                         [t.to(DTYPE).float() if j < 5 else t for j, t in enumerate(x)], do, state, d_final, cu)
         for name in ("o", "S")[:1 + (state is not None)]:
             assert not (torch.isfinite(got[name]) & ~torch.isfinite(reference[name])).any(), name
+
+
+@needs_cuda
+@pytest.mark.parametrize("which", ("k", "p", "beta", "g"))
+def test_gluon_transform_keeps_a_non_finite_step_in_place(comba, dispatch, which):
+    """The Gluon chunk transform (K = 64) alone, in fp32: a bad k, p, beta or g at step 100 leaves every row of A
+    before it as the clean inputs' A, bit for bit, and makes every row of its chunk from it on NaN, as the Triton
+    transform does; the other (b, h) and chunks are untouched."""
+    if "transform" not in dispatch.gluon_stages(torch.device("cuda", 0), torch.bfloat16, 64, GLUON_V):
+        pytest.skip("the Gluon transform runs on Hopper only")
+    x, *_ = inputs("plain", (128, 64, GLUON_V))
+    x = [t.to("cuda", torch.bfloat16 if i < 5 else torch.float32) for i, t in enumerate(x)]
+    gluon, portable = submodule(comba, "hopper.transform"), submodule(comba, "portable.transform")
+
+    def transform(module, k, p, beta, g):
+        A = torch.empty(2, 2, 64, 64, device="cuda")  # (B * H, N, 64, 64), fp32
+        module.launch(k, p, beta, g, A)
+        return A.cpu()
+
+    clean = transform(gluon, *x[1:2], *x[3:])
+    i = INPUTS.index(which)
+    x[i] = x[i].clone()
+    x[i][(1, STEP, 0) + ((1,) if x[i].dim() == 4 else ())] = BAD[which]
+    got = transform(gluon, *x[1:2], *x[3:])
+    assert torch.equal(got[0], clean[0]) and torch.equal(got[1, 0], clean[1, 0]), "another (b, h) or chunk"
+    row = STEP - 64
+    assert torch.equal(got[1, 1, :row], clean[1, 1, :row]), "A before the bad step"
+    assert got[1, 1, row:].isnan().all(), "A from the bad step on"
+    assert torch.equal(transform(portable, *x[1:2], *x[3:]).isnan(), got.isnan()), "the Triton transform's NaN"
