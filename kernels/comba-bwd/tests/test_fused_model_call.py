@@ -1,8 +1,8 @@
 """The fused path of a model's call: a carried state in and out, grouped value heads, V up to 512, packed sequences,
 fla's read order and q/k/p L2 normalisation through the Triton kernels (`dispatch.comba_state_forward_cuda` /
-`comba_state_backward_cuda`, on CPU tensors under the interpreter), and the registered model ops (`comba_state_forward_op` / `comba_state_backward_op`):
-outputs, final states and the gradients of every input and of the initial state against the independent float64 token
-recurrence (`recurrence64`); packed sequences equal to per-sequence calls bit for bit, garbage in one never reaching
+`comba_state_backward_cuda`, on CPU tensors under the interpreter), and the registered model ops
+(`comba_state_forward_op` / `comba_state_backward_op`): outputs, final states and the gradients of every input and of
+the initial state against the independent float64 token recurrence (`recurrence64`); packed sequences equal to per-sequence calls bit for bit, garbage in one never reaching
 another. On CUDA, `comba_attention` at fla's layer shapes and the issue's packed batch against the eager reference."""
 
 import pytest
