@@ -178,10 +178,11 @@ def test_fused_l2norm_matches_float64(dispatch, shape, order):
     assert all(e < 1e-2 for e in errs.values()), errs
 
 
-def packed_kernel_inputs(lengths, H, HV, K, V, seed, device=TRITON_DEVICE):
+def packed_kernel_inputs(lengths, H, HV, K, V, seed, device=TRITON_DEVICE, unit_keys=True):
     """`kernel_inputs` of len(lengths) sequences cut to `lengths` and packed along T of a batch of one (`pack`):
     (x, state, do, d_final, offsets), a state and a final state's gradient per sequence."""
-    x, state, do, d_final = kernel_inputs(len(lengths), max(lengths), H, HV, K, V, seed, device=device)
+    x, state, do, d_final = kernel_inputs(len(lengths), max(lengths), H, HV, K, V, seed, device=device,
+                                          unit_keys=unit_keys)
     (*x, do), offsets = pack([*x, do], lengths)
     return x, state, do, d_final, offsets.to(device)
 
@@ -193,19 +194,21 @@ def sequence_rows(x, offsets, i):
 
 @needs_triton
 @pytest.mark.kernels_ci
-@pytest.mark.parametrize("lengths,shape,order", [((70, 1, 0, 64, 33), (1, 2, 64, 64), "decay_first"),
-                                                 ((70, 40), (1, 1, 128, 256), "decay_first"),
-                                                 ((65, 0, 9), (1, 2, 64, 128), "fla"),
-                                                 ((66, 9), (1, 1, 256, 64), "fla")])
-def test_fused_packed_sequences_equal_per_sequence_calls(dispatch, lengths, shape, order):
-    """Packed sequences (one empty, one of a single step, one of exactly a chunk) through the Triton kernels: o, the
-    final states and every gradient, the initial states' included, equal to each sequence's own call bit for bit (the
-    same chunk layout, each sequence padded at its end), and within 1e-2 (dg 2e-2) of the float64 recurrence; an empty
-    sequence's final state is its initial state, its initial state's gradient the final state's."""
-    x, state, do, d_final, offsets = packed_kernel_inputs(lengths, *shape, seed=12)
+@pytest.mark.parametrize("lengths,shape,order,l2norm", [((70, 1, 0, 64, 33), (1, 2, 64, 64), "decay_first", False),
+                                                        ((70, 40), (1, 1, 128, 256), "decay_first", False),
+                                                        ((65, 0, 9), (1, 2, 64, 128), "fla", False),
+                                                        ((66, 9), (1, 1, 256, 64), "fla", False),
+                                                        ((40, 0, 30), (1, 2, 64, 64), "fla", True)])
+def test_fused_packed_sequences_equal_per_sequence_calls(dispatch, lengths, shape, order, l2norm):
+    """Packed sequences (one empty, one of a single step, one of exactly a chunk) through the Triton kernels, q, k and
+    p L2-normalised inside in one case: o, the final states and every gradient, the initial states' included, equal to
+    each sequence's own call bit for bit (the same chunk layout, each sequence padded at its end), and within 1e-2 (dg
+    2e-2) of the float64 recurrence; an empty sequence's final state is its initial state, its initial state's
+    gradient the final state's."""
+    x, state, do, d_final, offsets = packed_kernel_inputs(lengths, *shape, seed=12, unit_keys=not l2norm)
     scale = shape[2] ** -0.5
-    o, final = dispatch.comba_state_forward_cuda(*x, state, scale, True, offsets, order)
-    grads = dispatch.comba_state_backward_cuda(*x, state, do, d_final, scale, offsets, order)
+    o, final = dispatch.comba_state_forward_cuda(*x, state, scale, True, offsets, order, l2norm)
+    grads = dispatch.comba_state_backward_cuda(*x, state, do, d_final, scale, offsets, order, l2norm)
     assert o.shape == x[2].shape and final.shape == state.shape
     assert [gr.shape for gr in grads] == [t.shape for t in (*x, state)]
     for i, n in enumerate(lengths):
@@ -214,14 +217,14 @@ def test_fused_packed_sequences_equal_per_sequence_calls(dispatch, lengths, shap
             continue
         one = [sequence_rows(t, offsets, i) for t in x]
         do_i, s_i, d_i = sequence_rows(do, offsets, i), state[i:i + 1], d_final[i:i + 1]
-        o1, f1 = dispatch.comba_state_forward_cuda(*one, s_i, scale, True, None, order)
-        g1 = dispatch.comba_state_backward_cuda(*one, s_i, do_i, d_i, scale, None, order)
+        o1, f1 = dispatch.comba_state_forward_cuda(*one, s_i, scale, True, None, order, l2norm)
+        g1 = dispatch.comba_state_backward_cuda(*one, s_i, do_i, d_i, scale, None, order, l2norm)
         assert torch.equal(sequence_rows(o, offsets, i), o1) and torch.equal(final[i:i + 1], f1)
         got = [sequence_rows(gr, offsets, i) for gr in grads[:6]] + [grads[6][i:i + 1]]
         assert all(torch.equal(a, b) for a, b in zip(got, g1)), i
-        o64, f64 = recurrence64(*(t.cpu() for t in one), scale, s_i.cpu(), order)
+        o64, f64 = recurrence64(*(t.cpu() for t in one), scale, s_i.cpu(), order, l2norm)
         assert rel_err(o1, o64) < 1e-2 and rel_err(f1, f64) < 1e-2
-        ref = float64_model_grads(one, s_i, do_i, d_i, scale, order)
+        ref = float64_model_grads(one, s_i, do_i, d_i, scale, order, l2norm)
         errs = {n: rel_err(a, b) for n, a, b in zip(NAMES, g1, ref)}
         # dg sums terms that nearly cancel: 1e-2 for the other gradients, 2e-2 for dg, at bf16
         assert all(e < (2e-2 if n == "dg" else 1e-2) for n, e in errs.items()), (i, errs)
