@@ -80,7 +80,7 @@ MODEL_COMPILE_SHAPES = [((16, 2048, 32, 32, 64, 128), True), ((4, 2048, 8, 16, 1
                         ((4, 2048, 6, 6, 256, 512), True), ((4, 2048, 4, 8, 256, 128), False),
                         ((4, 2048, 4, 8, 256, 64), True)]
 # Compiled too, not measured: a model's call in fla's read order (the transform, the scans, the gradients and dg take
-# the read's decay), at every K.
+# the read's decay), at every K, with q, k and p L2-normalised inside as fla's layer calls it.
 FLA_COMPILE_SHAPES = [((4, 2048, 8, 16, 128, 256), True), ((16, 2048, 32, 32, 64, 128), True),
                       ((4, 2048, 6, 6, 256, 512), True)]
 # And the scans over packed sequences at the issue's packed batch, 8 sequences (N) on T rows laid out chunk-aligned
@@ -88,6 +88,11 @@ FLA_COMPILE_SHAPES = [((4, 2048, 8, 16, 128, 256), True), ((16, 2048, 32, 32, 64
 PACKED_COMPILE_SHAPES = [(33280, 8, 8, 16, 128, 256), (33280, 8, 6, 6, 256, 512)]
 # The plain call (no state, equal heads) at K = 256, which only the portable kernels take: (B, T, H, K, V).
 PLAIN_COMPILE_SHAPES = [(4, 2048, 8, 256, 128), (4, 2048, 8, 256, 64)]
+# The L2 normalisation of q, k, p and its backward with the group sum (`portable.l2norm`) alone, at the issue's packed
+# layer rows: (B, T, H, HV, K, dtype, normalised), the group sum without the normalisation too, and 16-bit and fp32.
+L2NORM_COMPILE_CASES = [(1, 32768, 8, 16, K, torch.bfloat16, l2norm)
+                        for K in (64, 128, 256) for l2norm in (True, False)]
+L2NORM_COMPILE_CASES += [(1, 32768, 8, 8, 128, dtype, True) for dtype in (torch.float16, torch.float32)]
 MODEL_STEP = "comba-bwd step (model call)"
 FLA_MODEL_STEP = "fla 0.6.0 chunk_comba fwd+bwd, same arguments (guard lifted)"
 MODEL_GRADS = (*GRADS, "d_initial_state")
@@ -528,9 +533,10 @@ def compile_cases(kernel, spec):
     """(label, call) pairs for `python -m tools.compile_offline`: the forward and the backward at every measure shape,
     on meta tensors (bf16, g in float32), the backward's portable Triton stages at the first measure shape of each
     K (what runs where the Gluon path does not: other GPUs, Triton releases it is not verified under), a model's
-    call, forward and backward, at MODEL_SHAPES and MODEL_COMPILE_SHAPES, in fla's read order at FLA_COMPILE_SHAPES
-    and on packed sequences at PACKED_COMPILE_SHAPES, the plain call at PLAIN_COMPILE_SHAPES, and the decode kernel at
-    DECODE_SHAPE in both read orders, with 64 tokens, grouped heads and fp32, and at the smaller K."""
+    call, forward and backward, at MODEL_SHAPES and MODEL_COMPILE_SHAPES, in fla's read order with q/k/p normalised at
+    FLA_COMPILE_SHAPES and on packed sequences at PACKED_COMPILE_SHAPES, the plain call at PLAIN_COMPILE_SHAPES, the
+    normalisation and the group sum alone at L2NORM_COMPILE_CASES, and the decode kernel at DECODE_SHAPE in both read
+    orders, with 64 tokens, grouped heads and fp32, and at the smaller K."""
     pipeline = submodule(kernel, "pipeline")
     dispatch = submodule(kernel, "dispatch")
 
@@ -575,18 +581,35 @@ def compile_cases(kernel, spec):
         return label, lambda: dispatch.comba_decode_cuda(q, k, v, p, beta, g, state, None, offsets, l2norm,
                                                          read_order)
 
-    def model_case(shape, with_state, read_order="decay_first"):
+    def model_case(shape, with_state, read_order="decay_first", l2norm=False):
         B, T, H, HV, K, V = shape
         q, k, _, p, _, _, _ = meta_inputs(B, T, H, K, V)
         _, _, v, _, beta, g, do = meta_inputs(B, T, HV, K, V)
         state = torch.empty(B, HV, K, V, dtype=torch.float32, device="meta") if with_state else None
 
         def both():
-            dispatch.comba_state_forward_cuda(q, k, v, p, beta, g, state, K**-0.5, with_state, None, read_order)
-            dispatch.comba_state_backward_cuda(q, k, v, p, beta, g, state, do, state, K**-0.5, None, read_order)
+            dispatch.comba_state_forward_cuda(q, k, v, p, beta, g, state, K**-0.5, with_state, None, read_order,
+                                              l2norm)
+            dispatch.comba_state_backward_cuda(q, k, v, p, beta, g, state, do, state, K**-0.5, None, read_order,
+                                               l2norm)
 
         order = " fla" if read_order == "fla" else ""
-        return f"(B,T,H,HV,K,V)={shape} model ({'state' if with_state else 'grouped'}){order}", both
+        kind = f"model ({'state' if with_state else 'grouped'}){order}{' l2norm' * l2norm}"
+        return f"(B,T,H,HV,K,V)={shape} {kind}", both
+
+    def l2norm_case(B, T, H, HV, K, dtype, l2norm):
+        """The normalisation's launch and the backward's last launch (group sum, normalisation's backward)."""
+        stage = submodule(kernel, "portable.l2norm")
+        q, k, p = (torch.empty(B, T, H, K, dtype=dtype, device="meta") for _ in range(3))
+        heads = [torch.empty(B, T, HV, K, dtype=torch.float32, device="meta") for _ in range(3)]
+
+        def both():
+            if l2norm:
+                stage.launch_forward(q, k, p)
+            stage.launch_backward(q, k, p, *heads, l2norm)
+
+        alone = "" if l2norm else ", group sum alone"
+        return f"l2norm stage (B,T,H,HV,K)={(B, T, H, HV, K)} {str(dtype).removeprefix('torch.')}{alone}", both
 
     def packed_case(T, N, H, HV, K, V, read_first):
         """A model's call on N packed sequences as its stages run it, on the chunk-aligned layout (T rows, B = 1,
@@ -623,9 +646,11 @@ def compile_cases(kernel, spec):
     for shape, with_state in MODEL_SHAPES + MODEL_COMPILE_SHAPES:
         yield model_case(shape, with_state)
     for shape, with_state in FLA_COMPILE_SHAPES:
-        yield model_case(shape, with_state, "fla")
+        yield model_case(shape, with_state, "fla", l2norm=True)
     for shape in PACKED_COMPILE_SHAPES:
         for read_first in (False, True):
             yield packed_case(*shape, read_first)
     for shape in PLAIN_COMPILE_SHAPES:
         yield case(shape)
+    for args in L2NORM_COMPILE_CASES:
+        yield l2norm_case(*args)

@@ -1,8 +1,8 @@
-"""The fused path of a model's call: a carried state in and out, grouped value heads, V up to 512, packed sequences
-and fla's read order through the Triton kernels (`dispatch.comba_state_forward_cuda` / `comba_state_backward_cuda`, on
-CPU tensors under the interpreter), and the registered model ops (`comba_state_forward_op` / `comba_state_backward_op`):
-outputs, final states and the gradients of every input and of the initial state against the independent float64 token
-recurrence (`recurrence64`); packed sequences equal to per-sequence calls bit for bit, garbage in one never reaching
+"""The fused path of a model's call: a carried state in and out, grouped value heads, V up to 512, packed sequences,
+fla's read order and q/k/p L2 normalisation through the Triton kernels (`dispatch.comba_state_forward_cuda` /
+`comba_state_backward_cuda`, on CPU tensors under the interpreter), and the registered model ops
+(`comba_state_forward_op` / `comba_state_backward_op`): outputs, final states and the gradients of every input and of
+the initial state against the independent float64 token recurrence (`recurrence64`); packed sequences equal to per-sequence calls bit for bit, garbage in one never reaching
 another. On CUDA, `comba_attention` at fla's layer shapes and the issue's packed batch against the eager reference."""
 
 import pytest
@@ -21,10 +21,10 @@ def dispatch(comba):
     return submodule(comba, "dispatch")
 
 
-def kernel_inputs(B, T, H, HV, K, V, seed, with_state=True, device=TRITON_DEVICE):
-    """bf16 q, k, v, p, beta, fp32 g and state (`model_inputs`), a gradient of o and of the final state, on `device`;
-    the state scaled to the size a few hundred steps of unit keys leave."""
-    x, state = model_inputs(B, T, H, HV, K, V, seed=seed)
+def kernel_inputs(B, T, H, HV, K, V, seed, with_state=True, device=TRITON_DEVICE, unit_keys=True):
+    """bf16 q, k, v, p, beta, fp32 g and state (`model_inputs`; k and p raw where not unit_keys), a gradient of o and
+    of the final state, on `device`; the state scaled to the size a few hundred steps of unit keys leave."""
+    x, state = model_inputs(B, T, H, HV, K, V, seed=seed, unit_keys=unit_keys)
     x = [t.to(device=device, dtype=torch.bfloat16) if i < 5 else t.to(device) for i, t in enumerate(x)]
     gen = torch.Generator().manual_seed(seed + 1)
     do = torch.randn(B, T, HV, V, generator=gen).to(device=device, dtype=torch.bfloat16)
@@ -32,12 +32,12 @@ def kernel_inputs(B, T, H, HV, K, V, seed, with_state=True, device=TRITON_DEVICE
     return x, (0.3 * state).to(device) if with_state else None, do, d_final
 
 
-def float64_model_grads(x, state, do, d_final, scale, read_order="decay_first"):
+def float64_model_grads(x, state, do, d_final, scale, read_order="decay_first", l2norm=False):
     """The gradients of <o, do> + <final state, d_final> with respect to q, k, v, p, beta, g and the initial state, by
     float64 autograd through `recurrence64` (the initial state's gradient None without a state)."""
     leaves = [t.detach().double().cpu().requires_grad_() for t in x]
     s64 = None if state is None else state.detach().double().cpu().requires_grad_()
-    o, final = recurrence64(*leaves, scale, s64, read_order)
+    o, final = recurrence64(*leaves, scale, s64, read_order, l2norm)
     wrt = leaves if s64 is None else [*leaves, s64]
     grads = torch.autograd.grad((o * do.double().cpu()).sum() + (final * d_final.double().cpu()).sum(), wrt)
     return (*grads, None) if s64 is None else grads
@@ -156,10 +156,33 @@ def test_fused_fla_order_at_strong_decay(dispatch):
     assert all(e < 1e-2 for e in errs.values()), errs
 
 
-def packed_kernel_inputs(lengths, H, HV, K, V, seed, device=TRITON_DEVICE):
+@needs_triton
+@pytest.mark.kernels_ci
+@pytest.mark.parametrize("shape,order", [((1, 70, 1, 2, 64, 64), "fla"), ((2, 65, 2, 2, 64, 64), "decay_first")])
+def test_fused_l2norm_matches_float64(dispatch, shape, order):
+    """q, k and p L2-normalised inside (raw keys of any norm, a zero row of k among them) through the Triton kernels,
+    with grouped value heads (the group sum and the normalisation's backward in one launch) and with equal heads: o,
+    the final state and all seven gradients against the float64 recurrence of the normalised keys, differentiated
+    through the normalisation."""
+    x, state, do, d_final = kernel_inputs(*shape, seed=21, unit_keys=False)
+    x[1][0, 3] = 0.0
+    scale = shape[4] ** -0.5
+    o, final = dispatch.comba_state_forward_cuda(*x, state, scale, True, None, order, True)
+    o64, final64 = recurrence64(*(t.cpu() for t in x), scale, state.cpu(), order, True)
+    assert rel_err(o, o64) < 1e-2 and rel_err(final, final64) < 1e-2
+    grads = dispatch.comba_state_backward_cuda(*x, state, do, d_final, scale, None, order, True)
+    assert [gr.dtype for gr in grads] == [torch.bfloat16] * 5 + [torch.float32] * 2
+    assert all(gr.isfinite().all() for gr in grads)
+    ref = float64_model_grads(x, state, do, d_final, scale, order, l2norm=True)
+    errs = {n: rel_err(a, b) for n, a, b in zip(NAMES, grads, ref)}
+    assert all(e < 1e-2 for e in errs.values()), errs
+
+
+def packed_kernel_inputs(lengths, H, HV, K, V, seed, device=TRITON_DEVICE, unit_keys=True):
     """`kernel_inputs` of len(lengths) sequences cut to `lengths` and packed along T of a batch of one (`pack`):
     (x, state, do, d_final, offsets), a state and a final state's gradient per sequence."""
-    x, state, do, d_final = kernel_inputs(len(lengths), max(lengths), H, HV, K, V, seed, device=device)
+    x, state, do, d_final = kernel_inputs(len(lengths), max(lengths), H, HV, K, V, seed, device=device,
+                                          unit_keys=unit_keys)
     (*x, do), offsets = pack([*x, do], lengths)
     return x, state, do, d_final, offsets.to(device)
 
@@ -171,19 +194,21 @@ def sequence_rows(x, offsets, i):
 
 @needs_triton
 @pytest.mark.kernels_ci
-@pytest.mark.parametrize("lengths,shape,order", [((70, 1, 0, 64, 33), (1, 2, 64, 64), "decay_first"),
-                                                 ((70, 40), (1, 1, 128, 256), "decay_first"),
-                                                 ((65, 0, 9), (1, 2, 64, 128), "fla"),
-                                                 ((66, 9), (1, 1, 256, 64), "fla")])
-def test_fused_packed_sequences_equal_per_sequence_calls(dispatch, lengths, shape, order):
-    """Packed sequences (one empty, one of a single step, one of exactly a chunk) through the Triton kernels: o, the
-    final states and every gradient, the initial states' included, equal to each sequence's own call bit for bit (the
-    same chunk layout, each sequence padded at its end), and within 1e-2 (dg 2e-2) of the float64 recurrence; an empty
-    sequence's final state is its initial state, its initial state's gradient the final state's."""
-    x, state, do, d_final, offsets = packed_kernel_inputs(lengths, *shape, seed=12)
+@pytest.mark.parametrize("lengths,shape,order,l2norm", [((70, 1, 0, 64, 33), (1, 2, 64, 64), "decay_first", False),
+                                                        ((70, 40), (1, 1, 128, 256), "decay_first", False),
+                                                        ((65, 0, 9), (1, 2, 64, 128), "fla", False),
+                                                        ((66, 9), (1, 1, 256, 64), "fla", False),
+                                                        ((40, 0, 30), (1, 2, 64, 64), "fla", True)])
+def test_fused_packed_sequences_equal_per_sequence_calls(dispatch, lengths, shape, order, l2norm):
+    """Packed sequences (one empty, one of a single step, one of exactly a chunk) through the Triton kernels, q, k and
+    p L2-normalised inside in one case: o, the final states and every gradient, the initial states' included, equal to
+    each sequence's own call bit for bit (the same chunk layout, each sequence padded at its end), and within 1e-2 (dg
+    2e-2) of the float64 recurrence; an empty sequence's final state is its initial state, its initial state's
+    gradient the final state's."""
+    x, state, do, d_final, offsets = packed_kernel_inputs(lengths, *shape, seed=12, unit_keys=not l2norm)
     scale = shape[2] ** -0.5
-    o, final = dispatch.comba_state_forward_cuda(*x, state, scale, True, offsets, order)
-    grads = dispatch.comba_state_backward_cuda(*x, state, do, d_final, scale, offsets, order)
+    o, final = dispatch.comba_state_forward_cuda(*x, state, scale, True, offsets, order, l2norm)
+    grads = dispatch.comba_state_backward_cuda(*x, state, do, d_final, scale, offsets, order, l2norm)
     assert o.shape == x[2].shape and final.shape == state.shape
     assert [gr.shape for gr in grads] == [t.shape for t in (*x, state)]
     for i, n in enumerate(lengths):
@@ -192,14 +217,14 @@ def test_fused_packed_sequences_equal_per_sequence_calls(dispatch, lengths, shap
             continue
         one = [sequence_rows(t, offsets, i) for t in x]
         do_i, s_i, d_i = sequence_rows(do, offsets, i), state[i:i + 1], d_final[i:i + 1]
-        o1, f1 = dispatch.comba_state_forward_cuda(*one, s_i, scale, True, None, order)
-        g1 = dispatch.comba_state_backward_cuda(*one, s_i, do_i, d_i, scale, None, order)
+        o1, f1 = dispatch.comba_state_forward_cuda(*one, s_i, scale, True, None, order, l2norm)
+        g1 = dispatch.comba_state_backward_cuda(*one, s_i, do_i, d_i, scale, None, order, l2norm)
         assert torch.equal(sequence_rows(o, offsets, i), o1) and torch.equal(final[i:i + 1], f1)
         got = [sequence_rows(gr, offsets, i) for gr in grads[:6]] + [grads[6][i:i + 1]]
         assert all(torch.equal(a, b) for a, b in zip(got, g1)), i
-        o64, f64 = recurrence64(*(t.cpu() for t in one), scale, s_i.cpu(), order)
+        o64, f64 = recurrence64(*(t.cpu() for t in one), scale, s_i.cpu(), order, l2norm)
         assert rel_err(o1, o64) < 1e-2 and rel_err(f1, f64) < 1e-2
-        ref = float64_model_grads(one, s_i, do_i, d_i, scale, order)
+        ref = float64_model_grads(one, s_i, do_i, d_i, scale, order, l2norm)
         errs = {n: rel_err(a, b) for n, a, b in zip(NAMES, g1, ref)}
         # dg sums terms that nearly cancel: 1e-2 for the other gradients, 2e-2 for dg, at bf16
         assert all(e < (2e-2 if n == "dg" else 1e-2) for n, e in errs.items()), (i, errs)
@@ -230,11 +255,13 @@ def test_fused_garbage_in_one_packed_sequence_stays_there(dispatch, i, value):
 
 
 @pytest.mark.kernels_ci
-@pytest.mark.parametrize("with_state,final", [(True, True), (False, True), (True, False)])
-def test_model_op_opcheck(comba, with_state, final):
+@pytest.mark.parametrize("with_state,final,l2norm", [(True, True, False), (False, True, False), (True, False, False),
+                                                     (True, True, True)])
+def test_model_op_opcheck(comba, with_state, final, l2norm):
     x, state, do, d_final = kernel_inputs(1, 70, 1, 2, 16, 8, seed=7, with_state=with_state, device="cpu")
-    torch.library.opcheck(comba.op.comba_state_forward_op, (*x, state, 0.25, final))
-    torch.library.opcheck(comba.op.comba_state_backward_op, (*x, state, do, d_final if final else None, 0.25))
+    flags = (None, "decay_first", True) if l2norm else ()
+    torch.library.opcheck(comba.op.comba_state_forward_op, (*x, state, 0.25, final, *flags))
+    torch.library.opcheck(comba.op.comba_state_backward_op, (*x, state, do, d_final if final else None, 0.25, *flags))
 
 
 @pytest.mark.kernels_ci
@@ -265,15 +292,17 @@ def test_packed_model_op_trains_every_sequence(comba, order):
 
 
 @pytest.mark.kernels_ci
-def test_model_op_trains_the_state_and_grouped_heads(comba):
+@pytest.mark.parametrize("l2norm", [False, True])
+def test_model_op_trains_the_state_and_grouped_heads(comba, l2norm):
     """Autograd through the registered model op (its CPU kernels): every input's gradient and the initial state's,
-    through o and the final state, against float64."""
-    x, state, do, d_final = kernel_inputs(2, 70, 1, 2, 16, 8, seed=8, device="cpu")
+    through o and the final state, against float64, with q, k and p L2-normalised inside or not."""
+    x, state, do, d_final = kernel_inputs(2, 70, 1, 2, 16, 8, seed=8, device="cpu", unit_keys=not l2norm)
     x = [t.float() for t in x]
     leaves = [t.clone().requires_grad_() for t in (*x, state)]
-    o, final = comba.op.comba_state_forward_op(*leaves[:6], leaves[6], 0.25, True)
+    o, final = comba.op.comba_state_forward_op(*leaves[:6], leaves[6], 0.25, True, None, "decay_first", l2norm)
     got = torch.autograd.grad((o * do.float()).sum() + (final * d_final).sum(), leaves)
-    errs = {n: rel_err(a, b) for n, a, b in zip(NAMES, got, float64_model_grads(x, state, do, d_final, 0.25))}
+    ref = float64_model_grads(x, state, do, d_final, 0.25, l2norm=l2norm)
+    errs = {n: rel_err(a, b) for n, a, b in zip(NAMES, got, ref)}
     assert all(e < 1e-4 for e in errs.values()), errs
 
 

@@ -2,7 +2,7 @@
 take, how the batch is cut, the fall-back from Gluon to Triton, the CUDA entry points `comba_forward_cuda` and
 `comba_backward_cuda`, which run the stages of `pipeline` in order on the plan, `comba_state_forward_cuda` and
 `comba_state_backward_cuda`, a model's call (a carried state, grouped value heads, packed sequences, fla's read
-order), which the Triton kernels take, and
+order, q/k/p L2 normalisation), which the Triton kernels take, and
 `comba_decode_cuda`, the decode step: the fused recurrent kernel (`portable.decode`) at the sizes it takes, the
 recurrent reference otherwise.
 
@@ -113,29 +113,31 @@ def comba_forward_cuda(q, k, v, p, beta, g, scale: float):
 
 
 def comba_state_forward_cuda(q, k, v, p, beta, g, initial_state, scale: float, output_final_state: bool,
-                             cu_seqlens=None, read_order: str = "decay_first"):
+                             cu_seqlens=None, read_order: str = "decay_first", use_qk_l2norm: bool = False):
     """(o (B, T, HV, V) in v's dtype, final state (N, HV, K, V) fp32, or an empty tensor without output_final_state)
     from initial_state (N, HV, K, V) fp32 or None (zeros); q, k, p (B, T, H, K) and v, beta, g with HV heads, HV a
     multiple of H, contiguous, K in {64, 128, 256} and V in {64, 128, 256, 512}, any T >= 1. N = B, or the sequences of
     cu_seqlens ((N + 1,) offsets of sequences packed in a batch of one), whose offsets are read on the host (checked
     there: one synchronisation a call) and the sequences laid out chunk-aligned on the device (`pipeline.Packing`).
-    read_order: "decay_first" (the spec's) or "fla". The Triton kernels (`plan`'s model plan)."""
+    read_order: "decay_first" (the spec's) or "fla"; use_qk_l2norm: q, k and p L2-normalised first (`portable.l2norm`).
+    The Triton kernels (`plan`'s model plan)."""
     from . import pipeline  # the kernels need triton: imported on a CUDA call's first use
 
     out = pipeline.run_forward(q, k, v, p, beta, g, scale, plan(q, v.shape[-1], model=True), initial_state,
-                               output_final_state, cu_seqlens, read_order == "fla")
+                               output_final_state, cu_seqlens, read_order == "fla", use_qk_l2norm)
     return out if output_final_state else (out, v.new_empty(0, dtype=torch.float32))
 
 
 def comba_state_backward_cuda(q, k, v, p, beta, g, initial_state, do, d_final, scale: float, cu_seqlens=None,
-                              read_order: str = "decay_first"):
+                              read_order: str = "decay_first", use_qk_l2norm: bool = False):
     """(dq, dk, dv, dp, dbeta, dg, d_initial_state) of `comba_state_forward_cuda`'s call, given do and d_final, the
     gradient of its final state (N, HV, K, V) fp32 or None (zeros); d_initial_state (N, HV, K, V) fp32, or an empty
-    tensor where initial_state is None. The Triton kernels (`plan`'s model plan)."""
+    tensor where initial_state is None; with use_qk_l2norm the gradients of the raw q, k, p (the normalisation made
+    again for the stages). The Triton kernels (`plan`'s model plan)."""
     from . import pipeline  # the kernels need triton: imported on a CUDA call's first use
 
     grads = pipeline.run_backward(q, k, v, p, beta, g, do, scale, plan(q, v.shape[-1], model=True), initial_state,
-                                  d_final, cu_seqlens, read_order == "fla")
+                                  d_final, cu_seqlens, read_order == "fla", use_qk_l2norm)
     return grads if initial_state is not None else (*grads, v.new_empty(0, dtype=torch.float32))
 
 

@@ -6,11 +6,10 @@ and the eager analytic backward on CPU tensors. The autograd link saves the forw
 `comba_backward_op`, which makes the chunk transform and the states again. Every op name goes through
 `add_op_namespace_prefix`, so two versions of this kernel can be loaded side by side.
 `comba_state_forward_op` and `comba_state_backward_op` are a model's call: a carried state in and out, grouped
-value heads, packed sequences and either read order, the fused Triton kernels on CUDA
-(`dispatch.comba_state_forward_cuda`) and the eager reference on the CPU. `comba_attention` takes them for such a
-call on CUDA, with q, k and p L2-normalised by torch ops ahead of them where asked (differentiated by autograd). A call
-with K or V the kernels are not compiled for, and every model call on the CPU run the eager reference (reference.py),
-differentiated by autograd.
+value heads, packed sequences, either read order and q, k and p L2-normalised where asked, the fused Triton kernels
+on CUDA (`dispatch.comba_state_forward_cuda`, the normalisation and its backward Triton kernels too) and the eager
+reference on the CPU. `comba_attention` takes them for such a call on CUDA. A call with K or V the kernels are not
+compiled for, and every model call on the CPU run the eager reference (reference.py), differentiated by autograd.
 `comba_decode` runs the registered `comba_decode` op (the fused decode kernel on CUDA, `dispatch.comba_decode_cuda`;
 the recurrent reference, recurrent.py, on the CPU), the recurrent reference itself where autograd records the call,
 and an eager call on plain CUDA tensors that needs neither (`common.direct_calls.calls_directly`) runs the op's entry
@@ -35,7 +34,7 @@ from .dispatch import (comba_backward_cuda, comba_decode_cuda, comba_forward_cud
                        comba_state_forward_cuda)
 from .model_args import check_model_args
 from .recurrent import check_decode_tokens, comba_decode_reference
-from .reference import (L2NORM_EPS, comba_backward_reference, comba_forward_reference, comba_state_backward_reference,
+from .reference import (comba_backward_reference, comba_forward_reference, comba_state_backward_reference,
                         comba_state_forward_reference, resolve_scale)
 from .validation import FUSED_K, FUSED_MODEL_V, FUSED_V, check_comba_args
 
@@ -111,20 +110,23 @@ StateGrads = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch
 def comba_state_backward_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: torch.Tensor, beta: torch.Tensor, g: torch.Tensor,
     initial_state: Optional[torch.Tensor], do: torch.Tensor, d_final: Optional[torch.Tensor], scale: float,
-    cu_seqlens: Optional[torch.Tensor] = None, read_order: str = "decay_first",
+    cu_seqlens: Optional[torch.Tensor] = None, read_order: str = "decay_first", use_qk_l2norm: bool = False,
 ) -> StateGrads:
-    return comba_state_backward_cuda(q, k, v, p, beta, g, initial_state, do, d_final, scale, cu_seqlens, read_order)
+    return comba_state_backward_cuda(q, k, v, p, beta, g, initial_state, do, d_final, scale, cu_seqlens, read_order,
+                                     use_qk_l2norm)
 
 
 @torch.library.register_kernel(add_op_namespace_prefix("comba_state_backward"), "cpu")
-def _(q, k, v, p, beta, g, initial_state, do, d_final, scale, cu_seqlens=None, read_order="decay_first"):
+def _(q, k, v, p, beta, g, initial_state, do, d_final, scale, cu_seqlens=None, read_order="decay_first",
+      use_qk_l2norm=False):
     *grads, d_initial = comba_state_backward_reference(q, k, v, p, beta, g, initial_state, do, d_final, scale,
-                                                       cu_seqlens, read_order)
+                                                       cu_seqlens, read_order, use_qk_l2norm)
     return (*_as_input_dtypes(grads, q, beta), d_initial)
 
 
 @torch.library.register_fake(add_op_namespace_prefix("comba_state_backward"))
-def _(q, k, v, p, beta, g, initial_state, do, d_final, scale, cu_seqlens=None, read_order="decay_first"):
+def _(q, k, v, p, beta, g, initial_state, do, d_final, scale, cu_seqlens=None, read_order="decay_first",
+      use_qk_l2norm=False):
     like = (q, k, v, p, beta)
     d_initial = v.new_empty(0, dtype=torch.float32) if initial_state is None else torch.empty_like(initial_state)
     return (*(torch.empty_like(x) for x in like), torch.empty_like(g, dtype=torch.float32), d_initial)
@@ -134,20 +136,22 @@ def _(q, k, v, p, beta, g, initial_state, do, d_final, scale, cu_seqlens=None, r
 def comba_state_forward_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: torch.Tensor, beta: torch.Tensor, g: torch.Tensor,
     initial_state: Optional[torch.Tensor], scale: float, output_final_state: bool,
-    cu_seqlens: Optional[torch.Tensor] = None, read_order: str = "decay_first",
+    cu_seqlens: Optional[torch.Tensor] = None, read_order: str = "decay_first", use_qk_l2norm: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     return comba_state_forward_cuda(q, k, v, p, beta, g, initial_state, scale, output_final_state, cu_seqlens,
-                                    read_order)
+                                    read_order, use_qk_l2norm)
 
 
 @torch.library.register_kernel(add_op_namespace_prefix("comba_state_forward"), "cpu")
-def _(q, k, v, p, beta, g, initial_state, scale, output_final_state, cu_seqlens=None, read_order="decay_first"):
+def _(q, k, v, p, beta, g, initial_state, scale, output_final_state, cu_seqlens=None, read_order="decay_first",
+      use_qk_l2norm=False):
     return comba_state_forward_reference(q, k, v, p, beta, g, initial_state, scale, output_final_state, cu_seqlens,
-                                         read_order)
+                                         read_order, use_qk_l2norm)
 
 
 @torch.library.register_fake(add_op_namespace_prefix("comba_state_forward"))
-def _(q, k, v, p, beta, g, initial_state, scale, output_final_state, cu_seqlens=None, read_order="decay_first"):
+def _(q, k, v, p, beta, g, initial_state, scale, output_final_state, cu_seqlens=None, read_order="decay_first",
+      use_qk_l2norm=False):
     B, _, HV, V = v.shape
     N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
     shape = (N, HV, q.shape[-1], V) if output_final_state else (0,)
@@ -155,17 +159,18 @@ def _(q, k, v, p, beta, g, initial_state, scale, output_final_state, cu_seqlens=
 
 
 def _setup_state_context(ctx, inputs, output):
-    *tensors, initial_state, scale, output_final_state, cu_seqlens, read_order = inputs
+    *tensors, initial_state, scale, output_final_state, cu_seqlens, read_order, use_qk_l2norm = inputs
     ctx.save_for_backward(*tensors, initial_state, cu_seqlens)
     ctx.scale, ctx.output_final_state, ctx.read_order = scale, output_final_state, read_order
+    ctx.use_qk_l2norm = use_qk_l2norm
 
 
 def _state_backward(ctx, do, d_final):
     *tensors, initial_state, cu_seqlens = ctx.saved_tensors
     d_final = d_final.contiguous() if ctx.output_final_state and d_final is not None else None
     *grads, d_initial = comba_state_backward_op(*tensors, initial_state, do.contiguous(), d_final, ctx.scale,
-                                                cu_seqlens, ctx.read_order)
-    return (*grads, None if initial_state is None else d_initial, None, None, None, None)
+                                                cu_seqlens, ctx.read_order, ctx.use_qk_l2norm)
+    return (*grads, None if initial_state is None else d_initial, None, None, None, None, None)
 
 
 torch.library.register_autograd(add_op_namespace_prefix("comba_state_forward"), _state_backward,
@@ -241,12 +246,6 @@ def _is_fused_model_call(q, v) -> bool:
     return q.is_cuda and q.shape[-1] in FUSED_K and v.shape[-1] in FUSED_MODEL_V
 
 
-def _l2_normalised(x: torch.Tensor) -> torch.Tensor:
-    """x / sqrt(sum(x^2) + L2NORM_EPS) over the last dimension, computed in float32, in x's dtype."""
-    xf = x.float()
-    return (xf * torch.rsqrt((xf * xf).sum(-1, keepdim=True) + L2NORM_EPS)).to(x.dtype)
-
-
 def comba_attention(q, k, v, p, beta, g, scale=None, *, initial_state=None, output_final_state=False,
                     cu_seqlens=None, use_qk_l2norm=False, read_order="decay_first"):
     """Comba forward o (B, T, HV, V) in v's dtype, differentiable in q, k, v, p, beta, g and initial_state.
@@ -265,8 +264,8 @@ def comba_attention(q, k, v, p, beta, g, scale=None, *, initial_state=None, outp
     The spec's call (none of the keyword arguments, H = HV, and on CUDA K in {64, 128, 256}, V in {64, 128}) runs the
     fused kernels on CUDA, forward and backward, and the eager chunked reference on the CPU. Every other call on CUDA
     with K in {64, 128, 256} and V in {64, 128, 256, 512} (a carried state, packed sequences, grouped value heads, q/k/p
-    normalisation, fla's read order, V = 256 or 512) runs the fused Triton kernels too (the registered model ops),
-    the normalisation by torch ops ahead of them; with cu_seqlens it reads the offsets on the host (and checks them)
+    normalisation, fla's read order, V = 256 or 512) runs the fused Triton kernels too (the registered model ops), the
+    normalisation and its backward included; with cu_seqlens it reads the offsets on the host (and checks them)
     once in the forward and once in the backward, a synchronisation a training step affords. Every other call runs
     the eager chunked reference (`comba_forward_reference`) on every device, its backward by autograd through it.
 
@@ -283,11 +282,10 @@ def comba_attention(q, k, v, p, beta, g, scale=None, *, initial_state=None, outp
                      read_order)
     if _is_fused_model_call(q, v):
         check_differentiation("comba_attention", q, k, v, p, beta, g, initial_state)
-        if use_qk_l2norm:
-            q, k, p = (_l2_normalised(x) for x in (q, k, p))
         tensors, scale = _prepare((q, k, v, p, beta, g), scale, q.shape[-1])
         state, offsets = (None if x is None else x.contiguous() for x in (initial_state, cu_seqlens))
-        o, final = comba_state_forward_op(*tensors, state, scale, output_final_state, offsets, read_order)
+        o, final = comba_state_forward_op(*tensors, state, scale, output_final_state, offsets, read_order,
+                                          use_qk_l2norm)
         return (o, final) if output_final_state else o
     return comba_forward_reference(q, k, v, p, beta, g, scale, initial_state=initial_state,
                                    output_final_state=output_final_state, cu_seqlens=cu_seqlens,

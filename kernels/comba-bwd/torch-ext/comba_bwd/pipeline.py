@@ -23,7 +23,11 @@ call: the backward of a training step makes them again.
 A model's call (`dispatch.plan(..., model=True)`, the Triton kernels only) may carry a state and group its value heads:
 the forward scan starts from the initial state and writes the final one; the reverse scan starts from the final
 state's gradient and writes the initial state's. With HV value heads over H key heads (q, k, p), every stage runs
-per value head and reads its key head; dq, dk and dp come per value head (fp32) and are summed over each group here.
+per value head and reads its key head; dq, dk and dp come per value head (fp32) and are summed over each group by one
+launch (`portable.l2norm.launch_backward`). Where the call L2-normalises q, k and p (fla's
+`use_qk_l2norm_in_kernel`), one launch normalises them ahead of the forward's stages and again ahead of the
+backward's, and the backward's dq, dk and dp come in fp32 to that same last launch, which applies the normalisation's
+backward with the group sum.
 Packed sequences (`cu_seqlens`, a batch of one) are laid out chunk-aligned (`Packing`): each sequence padded at its end
 to whole chunks with zero q, k, v, p, beta and g (and do), which leave its state as it is, so the chunk-parallel
 stages run on that layout unchanged, and each scan program runs over one sequence's chunks from its own state.
@@ -160,12 +164,15 @@ def _call_layout(x: torch.Tensor, T: int, packing) -> torch.Tensor:
 
 
 def run_forward(q, k, v, p, beta, g, scale: float, plan, initial_state=None, output_final_state=False,
-                cu_seqlens=None, read_first=False):
+                cu_seqlens=None, read_first=False, l2norm=False):
     """o (B, T, HV, V) in v's dtype by the forward's stages on `plan`, and with output_final_state (o, the state after
     the last step (N, HV, K, V) fp32); the scan starts from initial_state (N, HV, K, V) fp32 (None: zeros). N = B, or
     the sequences of cu_seqlens ((N + 1,) offsets, B = 1; read on the host, `Packing.of`); read_first: fla's read
-    order. Inputs contiguous, any T >= 1."""
+    order; l2norm: q, k and p L2-normalised first. Inputs contiguous, any T >= 1."""
     B, T, HV, V = v.shape
+    if l2norm:
+        with on_device(q):
+            q, k, p = portable.l2norm.launch_forward(q, k, p)
     packing = None if cu_seqlens is None else Packing.of(cu_seqlens, T)
     N = B if packing is None else packing.cu_chunks.shape[0] - 1
     inputs = [_stage_layout(x, packing) for x in (q, k, v, p, beta, g)]
@@ -232,11 +239,12 @@ def backward_stages(q, k, v, p, beta, g, do, scale: float, grads=None, plan=None
     return stages, (dq, dk, dv, dp, dbeta, dg)
 
 
-def _gradients_like(q, k, v, p, beta, g):
+def _gradients_like(q, k, v, p, beta, g, keys_in_fp32=False):
     """Uninitialised (dq, dk, dv, dp, dbeta, dg): each like its input, dg in float32; with grouped value heads
-    (HV > H) dq, dk and dp one per value head, (B, T, HV, K) in float32, for the sum over each group."""
+    (HV > H) dq, dk and dp one per value head, (B, T, HV, K) in float32, for the sum over each group, and in float32
+    too where keys_in_fp32 (for the normalisation's backward)."""
     B, T, HV = beta.shape
-    if HV == q.shape[2]:
+    if HV == q.shape[2] and not keys_in_fp32:
         keys = [torch.empty_like(x) for x in (q, k, p)]
     else:
         keys = [q.new_empty(B, T, HV, q.shape[-1], dtype=torch.float32) for _ in range(3)]
@@ -276,23 +284,21 @@ def _launch_on_streams(pieces: list[list[Stage]], device: torch.device):
             main.wait_stream(own)
 
 
-def _sum_groups(x: torch.Tensor, H: int, dtype: torch.dtype) -> torch.Tensor:
-    """(B, T, HV, K) per value head -> (B, T, H, K) in `dtype`, summed over each group of HV // H value heads."""
-    B, T, HV, K = x.shape
-    return x.view(B, T, H, HV // H, K).sum(3).to(dtype)
-
-
 def run_backward(q, k, v, p, beta, g, do, scale: float, plan, initial_state=None, d_final=None, cu_seqlens=None,
-                 read_first=False):
+                 read_first=False, l2norm=False):
     """(dq, dk, dv, dp, dbeta, dg) in their inputs' dtypes (dg float32) by the backward's stages on `plan`, the batch
     cut in plan.pieces; inputs contiguous, any T >= 1. A model's call starts from initial_state, with d_final the
     gradient of the final state (each (N, HV, K, V) fp32 or None: zeros), and, where initial_state is given, returns
     its gradient (fp32) after the six; N = B, or the sequences of cu_seqlens (as `run_forward` takes it);
-    read_first: fla's read order."""
+    read_first: fla's read order; l2norm: the call L2-normalised q, k and p, whose gradients these are."""
     B, T, H = q.shape[:3]
+    keys = q, k, p
+    if l2norm:
+        with on_device(q):
+            q, k, p = portable.l2norm.launch_forward(q, k, p)
     packing = None if cu_seqlens is None else Packing.of(cu_seqlens, T)
     inputs = [_stage_layout(x, packing) for x in (q, k, v, p, beta, g, do)]
-    grads = _gradients_like(*inputs[:6])
+    grads = _gradients_like(*inputs[:6], keys_in_fp32=l2norm)
     d_initial = None if initial_state is None else torch.empty_like(initial_state)
     states = (initial_state, d_final, d_initial)
     cuts = [B * i // plan.pieces for i in range(plan.pieces + 1)]
@@ -312,7 +318,9 @@ def run_backward(q, k, v, p, beta, g, do, scale: float, plan, initial_state=None
             for stage in stages:
                 stage.run()
     grads = tuple(_call_layout(x, T, packing) for x in grads)
-    if v.shape[2] != H:
+    if v.shape[2] != H or l2norm:
         dq, dk, dv, dp, dbeta, dg = grads
-        grads = (_sum_groups(dq, H, q.dtype), _sum_groups(dk, H, q.dtype), dv, _sum_groups(dp, H, q.dtype), dbeta, dg)
+        with on_device(q):
+            dq, dk, dp = portable.l2norm.launch_backward(*keys, dq, dk, dp, l2norm)
+        grads = (dq, dk, dv, dp, dbeta, dg)
     return grads if d_initial is None else (*grads, d_initial)

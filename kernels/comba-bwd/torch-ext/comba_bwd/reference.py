@@ -94,6 +94,21 @@ def check_read_order(read_order) -> None:
         raise ValueError(f"read_order must be one of {READ_ORDERS}, got {read_order!r}")
 
 
+def l2_normalised(x: torch.Tensor) -> torch.Tensor:
+    """x * rsqrt(sum(x^2) + L2NORM_EPS) over the last dimension, in float32."""
+    x = x.float()
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + L2NORM_EPS)
+
+
+def l2_normalised_backward(x: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
+    """The gradient at x of `l2_normalised` given dy, in float32: r (dy - y (dy . y)) with
+    r = rsqrt(sum(x^2) + L2NORM_EPS) and y = x r."""
+    x, dy = x.float(), dy.float()
+    r = torch.rsqrt((x * x).sum(-1, keepdim=True) + L2NORM_EPS)
+    y = x * r
+    return r * (dy - y * (dy * y).sum(-1, keepdim=True))
+
+
 def pad_time(x: torch.Tensor, multiple: int = CHUNK) -> torch.Tensor:
     """Zero-pad dim 1 (time) of x to a multiple of `multiple`; x itself when it already is one."""
     extra = -x.shape[1] % multiple
@@ -135,7 +150,7 @@ class Sequences:
         self.T = q.shape[1]
         q, k, v, p, beta, g = (x.float() for x in (q, k, v, p, beta, g))
         if use_qk_l2norm:
-            q, k, p = (x * torch.rsqrt((x * x).sum(-1, keepdim=True) + L2NORM_EPS) for x in (q, k, p))
+            q, k, p = (l2_normalised(x) for x in (q, k, p))
         group = v.shape[2] // q.shape[2]
         if group > 1:
             q, k, p = (x.repeat_interleave(group, dim=2) for x in (q, k, p))
@@ -330,26 +345,33 @@ def _chunked_backward(q, k, v, p, beta, g, do, scale, initial_state=None, d_fina
 
 
 def comba_state_forward_reference(q, k, v, p, beta, g, initial_state, scale, output_final_state, cu_seqlens=None,
-                                  read_order="decay_first"):
+                                  read_order="decay_first", use_qk_l2norm=False):
     """The registered model op's forward (`op.comba_state_forward_op`): `comba_forward_reference` with a carried state,
-    grouped value heads, packed sequences and either read order, returning (o, final state (N, HV, K, V) float32, or
-    an empty float32 tensor without output_final_state)."""
+    grouped value heads, packed sequences, either read order and q, k, p L2-normalised where asked, returning
+    (o, final state (N, HV, K, V) float32, or an empty float32 tensor without output_final_state)."""
     o, final = comba_forward_reference(q, k, v, p, beta, g, scale, initial_state=initial_state,
-                                       output_final_state=True, cu_seqlens=cu_seqlens, read_order=read_order)
+                                       output_final_state=True, cu_seqlens=cu_seqlens, use_qk_l2norm=use_qk_l2norm,
+                                       read_order=read_order)
     return o, (final if output_final_state else final.new_empty(0))
 
 
 @autocast_off
 def comba_state_backward_reference(q, k, v, p, beta, g, initial_state, do, d_final, scale, cu_seqlens=None,
-                                   read_order="decay_first"):
+                                   read_order="decay_first", use_qk_l2norm=False):
     """The gradients of `comba_state_forward_reference` given do and d_final (the final state's, or None: zero):
     (dq, dk, dv, dp, dbeta, dg, d_initial_state), float32, by the analytic chunked backward with q, k and p repeated
     to the value heads and their gradients summed over each group, packed sequences unpacked to a batch (each
-    zero-padded at its end, which leaves its state as it is) and their gradients packed again; d_initial_state is an
-    empty float32 tensor where initial_state is None; read_order as `comba_forward_reference` takes it. g > 0 raises
-    ValueError."""
+    zero-padded at its end, which leaves its state as it is) and their gradients packed again, and with use_qk_l2norm
+    the normalisation's backward (`l2_normalised_backward`) applied to the gradients of the normalised q, k and p;
+    d_initial_state is an empty float32 tensor where initial_state is None; read_order as `comba_forward_reference`
+    takes it. g > 0 raises ValueError."""
     check_log_decay(g)
     check_read_order(read_order)
+    if use_qk_l2norm:
+        dq, dk, dv, dp, *rest = comba_state_backward_reference(
+            l2_normalised(q), l2_normalised(k), v, l2_normalised(p), beta, g, initial_state, do, d_final, scale,
+            cu_seqlens, read_order)
+        return (l2_normalised_backward(q, dq), l2_normalised_backward(k, dk), dv, l2_normalised_backward(p, dp), *rest)
     if cu_seqlens is not None:
         bounds = sequence_bounds(cu_seqlens, q.shape[1])
         *grads, d_initial = comba_state_backward_reference(*(unpack(x, bounds) for x in (q, k, v, p, beta, g)),
