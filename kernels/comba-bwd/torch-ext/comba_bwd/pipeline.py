@@ -205,12 +205,10 @@ def backward_stages(q, k, v, p, beta, g, do, scale: float, grads=None, plan=None
     BH = B * HV
     dev = q.device
     gluon = plan.gluon
-    # dbeta's v parts: none where the gradient kernel makes it, one from a Gluon reverse scan, else one per V block of
-    # the Triton reverse scan; each (B, N * 64, HV) from the Gluon reverse scan, else a row of the scratch,
-    # (B * HV, N * 64).
+    # dbeta's v parts, B * N * 64 * HV each (`portable.chunk.part_rows`): none where the gradient kernel makes it, one
+    # from a Gluon reverse scan, else one per V block of the Triton reverse scan.
     NV = 0 if plan.v_adjoint_in_grads else 1 if "reverse_scan" in gluon else V // portable.chunk.scan_block(K, V)
-    part = (B, N * CHUNK, HV) if "reverse_scan" in gluon else (BH, N * CHUNK)
-    dbeta_v = torch.empty(NV, *part, device=dev, dtype=torch.float32)
+    dbeta_v = torch.empty(NV, B, N * CHUNK, HV, device=dev, dtype=torch.float32)
     A, S, Vn = state_scratch(q, v, N)
     dS = torch.empty_like(S)
     X = torch.empty_like(Vn)

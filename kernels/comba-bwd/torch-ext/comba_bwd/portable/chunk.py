@@ -228,6 +228,17 @@ def scan_offset(bh, N, T, H, MASKED: tl.constexpr):
 
 
 @triton.jit
+def part_rows(rows_h, rows, MASKED: tl.constexpr):
+    """The positions of a chunk's rows in one of dbeta's v parts, B * N * BT * H fp32 of scratch on whole chunks: laid
+    out as beta is, at the chunk's rows rows_h of the call's (B, T, H) tensors, where T is whole chunks; in a MASKED
+    kernel, as the (B * H, N * BT) scratch is, at the chunk's rows `rows` of it (`chunk_offsets`)."""
+    if MASKED:
+        return rows
+    else:
+        return rows_h
+
+
+@triton.jit
 def key_head(scal_base, bh, T, H, GROUP: tl.constexpr):
     """The (B, T, HK) offset of the key head (q, k and p) that value head bh % H reads in the call's tensors of T
     rows, and HK: value head hv reads key head hv // GROUP of the HK = H // GROUP key heads (H the value heads of
@@ -241,8 +252,8 @@ def key_head(scal_base, bh, T, H, GROUP: tl.constexpr):
 
 @triton.jit
 def part_stride(T, H, PACKED: tl.constexpr = False):
-    """B * T * H (T the layout's rows, N * BT), the stride between dbeta_v's parts (B * H, T), one per scan V block,
-    each part a row of the scratch as `chunk_offsets` gives it: B taken
+    """B * T * H (T the layout's rows, N * BT), the stride between dbeta_v's parts (`part_rows`), one per scan V block:
+    B taken
     from the grid, whose axis 1 is b * H + h in the scans and the chunk kernels alike, rather than passed as one
     more launch argument; T * H in a scan over packed sequences (PACKED: a batch of one, axis 1 of its grid is
     sequence * H + h)."""

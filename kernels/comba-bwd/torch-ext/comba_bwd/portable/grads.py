@@ -6,7 +6,7 @@ state or [64, V] tile is live at once."""
 import triton
 import triton.language as tl
 
-from .chunk import (BT, call_rows, chunk_offsets, decay, gates, group, key_head, load_rows, part_stride, read_log_decay,
+from .chunk import (BT, call_rows, chunk_offsets, decay, gates, group, key_head, load_rows, part_rows, part_stride, read_log_decay,
                     row_ptrs, rows_args, store_rows)
 
 # The gradient parts run GRADS_WARPS[K] warps a program and loop over V in blocks of V_BLOCK[K]. At K = 64 and 128,
@@ -101,12 +101,12 @@ def _k_part(q, k, p, do, dS_in, Vn_in, X_in, dk, gc, gr, glast, bk, scal_base, k
 
 
 @triton.jit
-def _store_dp_dbeta(x_s, dLE, kk, pk, pk_kt, gr, bk, dbeta_v, dp_rows, dbeta_rows, t0, t_end, parts, n_pos,
+def _store_dp_dbeta(x_s, dLE, kk, pk, pk_kt, gr, bk, dbeta_v, dp_rows, dbeta, rows_h, t0, t_end, parts, n_pos,
                     NV: tl.constexpr):
     """The transform's P side: dp = beta (gam Y + dLE K) with Y = A^T dW = -X S^T (x_s = X S^T, fp32) and
     dLE = dL * E (bf16), and dbeta = p . (gam Y + dLE K) plus the scans' V-block parts (dbeta_v, NV of them,
-    n_pos apart, the chunk's at `parts`, its rows of the scratch); stores both on the chunk's rows from t0
-    (`chunk.store_rows`) and returns dbeta's gate term of the read's log-decay, beta gam (p . Y). gam is exp(gr),
+    n_pos apart, the chunk's at `parts`, `chunk.part_rows`); stores both on the chunk's rows from t0 (dbeta's at
+    rows_h, `chunk.store_rows`) and returns dbeta's gate term of the read's log-decay, beta gam (p . Y). gam is exp(gr),
     the read's decay (gc in the spec's order). p . (dLE K) is taken as sum_j dLE_ij (p_i . k_j) from pk_kt = P K^T
     (fp32), so that no fp32 copy of P stays live."""
     z = -tl.exp(gr)[:, None] * x_s
@@ -114,7 +114,7 @@ def _store_dp_dbeta(x_s, dLE, kk, pk, pk_kt, gr, bk, dbeta_v, dp_rows, dbeta_row
     db = p_y + tl.sum(dLE.to(tl.float32) * pk_kt, 1)
     for iv in range(NV):
         db += tl.load(dbeta_v + iv * n_pos + parts)
-    store_rows(dbeta_rows, db.to(dbeta_rows.dtype.element_ty), t0, t_end)
+    store_rows(dbeta + rows_h, db.to(dbeta.dtype.element_ty), t0, t_end)
     z = tl.dot(dLE, kk, acc=z)
     store_rows(dp_rows, (bk[:, None] * z).to(dp_rows.dtype.element_ty), t0, t_end)
     return bk * p_y
@@ -123,7 +123,7 @@ def _store_dp_dbeta(x_s, dLE, kk, pk, pk_kt, gr, bk, dbeta_v, dp_rows, dbeta_row
 @triton.jit
 def _pb_part(k, p, S_in, dS_in, Vn_in, X_in, dbeta_v, dp, dbeta, gc, gr, glast, bk, scal_base, kb, t0, t_end, chunk,
              rows, N, H, HK, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr, d_read=None,
-             READ_FIRST: tl.constexpr = False):
+             READ_FIRST: tl.constexpr = False, MASKED: tl.constexpr = False):
     """dp and dbeta (A^T dW = -X S^T; the chunk transform's P side), stored; returns their terms of d gc and the
     decay of the carried state's, Gam <S_n, dS'_n>, on the chunk's last row. In fla's order (READ_FIRST) L and W take
     the read's log-decay gr = gc - g: the terms of d gr are returned with d gc's as if gr were gc, and also stored
@@ -145,17 +145,18 @@ def _pb_part(k, p, S_in, dS_in, Vn_in, X_in, dbeta_v, dp, dbeta, gc, gr, glast, 
     dLE = tl.where(r[:, None] > r[None, :], -x_vn * E, 0.0)                      # dL * E
     pk_kt = tl.dot(pk, tl.trans(kk))
     dL_L = dLE * pk_kt * bk[:, None]                                             # dL * L
-    dbeta_rows = dbeta + (scal_base + (t0 + r) * H)
+    rows_h = scal_base + (t0 + r) * H
+    parts = part_rows(rows_h, rows, MASKED)
     if READ_FIRST:  # the terms of d gr, stored apart and counted with d gc's
         d_gr = tl.sum(dL_L, 1) + _store_dp_dbeta(
             x_s, dLE.to(tl.bfloat16), kk, pk, pk_kt, gr, bk, dbeta_v, row_ptrs(dp, scal_base * K, t0, H * K, K),
-            dbeta_rows, t0, t_end, rows, part_stride(N * BT, H), NV)
+            dbeta, rows_h, t0, t_end, parts, part_stride(N * BT, H), NV)
         tl.store(d_read + rows, d_gr)
         dgc = d_gr - tl.sum(dL_L, 0)
     else:
         dgc = tl.sum(dL_L, 1) - tl.sum(dL_L, 0) + _store_dp_dbeta(
             x_s, dLE.to(tl.bfloat16), kk, pk, pk_kt, gc, bk, dbeta_v, row_ptrs(dp, scal_base * K, t0, H * K, K),
-            dbeta_rows, t0, t_end, rows, part_stride(N * BT, H), NV)
+            dbeta, rows_h, t0, t_end, parts, part_stride(N * BT, H), NV)
     return dgc + tl.where(r == BT - 1, tl.exp(glast) * tl.sum(s_ds, 0), 0.0)
 
 
@@ -194,7 +195,7 @@ def _grads_kernel(q, k, p, beta, g, do, S_in, dS_in, Vn_in, X_in, dbeta_v, dq, d
         gc, glast, bk = gates(g, beta, scal_base, t0, H, t_end=t_end)
         gr = read_log_decay(g, scal_base, t0, H, gc, READ_FIRST, t_end=t_end)
         dgc = _pb_part(k, p, S_in, dS_in, Vn_in, X_in, dbeta_v, dp, dbeta, gc, gr, glast, bk, scal_base, kb, t0, t_end,
-                       chunk, rows, N, H, HK, K, V, BV, NV, dgc_parts + 3 * n_pos, READ_FIRST)
+                       chunk, rows, N, H, HK, K, V, BV, NV, dgc_parts + 3 * n_pos, READ_FIRST, MASKED)
         tl.store(dgc_parts + 2 * n_pos + rows, dgc)
 
 
@@ -203,7 +204,7 @@ def launch(q, k, p, beta, g, do, S, dS, Vn, X, dbeta_v, dq, dk, dp, dbeta, dgc_p
     in dgc_parts (3, B * HV, N * 64), from the inputs q, k, p (B, T, H, K), do (B, T, HV, V), beta and g (B, T, HV)
     with HV a multiple of H, the scans' S, dS' (B * HV, N, K, V), Vn and X (B * HV, N * 64, V) on N chunks (T = N * 64,
     or fewer rows: `transform.launch`; with `packing`, packed sequences), and dbeta's v parts dbeta_v
-    (NV, B * HV, N * 64). dgc_parts of four rows (4, B * HV, N * 64) asks for fla's read order, the fourth row the
+    (NV, B, N * 64, HV) (`chunk.part_rows`). dgc_parts of four rows (4, B * HV, N * 64) asks for fla's read order, the fourth row the
     terms of d gr (`_pb_part`)."""
     B, T, HV, V = do.shape
     K = q.shape[-1]

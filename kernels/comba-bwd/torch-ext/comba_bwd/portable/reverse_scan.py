@@ -11,7 +11,7 @@ order (READ_FIRST) takes the read's decay in W."""
 import triton
 import triton.language as tl
 
-from .chunk import (BT, SCAN_WARPS, call_rows, chunk_rows, decay, group, key_head, load_rows, part_stride,
+from .chunk import (BT, SCAN_WARPS, call_rows, chunk_rows, decay, group, key_head, load_rows, part_rows, part_stride,
                     read_log_decay, row_ptrs, row_ptrs_t, rows_args, scan_block, scan_chunk, scan_offset, scan_range, scan_stages,
                     state_ptrs, store_rows)
 
@@ -57,8 +57,8 @@ def _reverse_step(q, k, v, p, beta, g, do, A, dS_out, X_out, dv, dbeta_v, dS, n,
         vk = load_rows(v + scal_base * V + (t0 + r)[:, None] * (H * V) + cv[None, :], t0, t_end).to(tl.float32)
         store_rows(dv + scal_base * V + (t0 + r)[:, None] * (H * V) + cv[None, :],
                    (bk[:, None] * X).to(dv.dtype.element_ty), t0, t_end)
-        tl.store(dbeta_v + (iv * part_stride(N * BT, H, PACKED) + bh.to(tl.int64) * (N * BT) + n * BT) + r,
-                 tl.sum(vk * X, 1))
+        parts = part_rows(scal_base + (t0 + r) * H, bh.to(tl.int64) * (N * BT) + n * BT + r, MASKED)
+        tl.store(dbeta_v + iv * part_stride(N * BT, H, PACKED) + parts, tl.sum(vk * X, 1))
     if not W_FIRST:
         pt = load_rows(row_ptrs_t(p, kb * K, t0, HK * K, K), t0, t_end, TRANSPOSED=True)
         dS = tl.dot((pt * -(bk * gam)[None, :]).to(tl.bfloat16), X.to(tl.bfloat16), acc=dS)
@@ -93,7 +93,7 @@ def launch(q, k, v, p, beta, g, do, A, dS, X, dv, dbeta_v, scale: float, v_adjoi
     """dS (B * HV, N, K, V) and X (B * HV, N * 64, V) on the N chunks of A, of inputs q, k, p (B, T, H, K),
     v, do (B, T, HV, V), beta and g (B, T, HV) with HV a multiple of H (T = N * 64, or fewer rows:
     `transform.launch`), their transform A; and, where v_adjoint, dv like v and dbeta's v parts dbeta_v
-    (V // scan_block(K, V), B * HV, N * 64). The scan starts from d_final, the gradient of the final state
+    (V // scan_block(K, V), B, N * 64, HV) (`chunk.part_rows`). The scan starts from d_final, the gradient of the final state
     (B, HV, K, V) fp32 (None: zeros), and, where d_initial is given, writes the gradient of the initial state there
     (fp32, same shape). With `packing` (packed sequences, `forward_scan.launch`) the states are (N', HV, K, V), one
     per sequence, each scanned over its chunks. read_first: fla's read order."""
