@@ -89,6 +89,7 @@ class Packing(NamedTuple):
 
     @property
     def sequences(self) -> int:
+        """How many sequences are packed (the scans' programs a value head and V block)."""
         return self.cu_chunks.shape[0] - 1
 
     @classmethod
