@@ -58,8 +58,10 @@ SEED_SHAPES = [HUB.BENCH_SHAPE]
 # far more: the forward scan up to 1336 B (Triton 3.6.0; 1324 under 3.7.1, 1200 under 3.8.0, 360 under 3.9.0), the
 # reverse scan up to 2028 B (3.6.0; 1960 under 3.7.1, 1996 under 3.8.0, 852 under 3.9.0). Blocking the scans over K
 # is what removes them.
+# The gradient kernel over packed sequences in fla's read order at K = 128 masks its P and K loads by each chunk's row
+# end and spills up to 152 B (Triton 3.6.0) where the unpacked call spills none.
 SPILLS_BY_DESIGN = {"_reverse_scan_kernel": 240, ("_forward_scan_kernel", ", 256, "): 1536,
-                    ("_reverse_scan_kernel", ", 256, "): 2304}
+                    ("_reverse_scan_kernel", ", 256, "): 2304, ("_grads_kernel", "model (packed) fla"): 160}
 
 # Decode: (B, H, K, V) at one new token, HV = H; the latency batch.
 DECODE_SHAPE = (64, 6, 256, 512)
@@ -83,9 +85,9 @@ MODEL_COMPILE_SHAPES = [((16, 2048, 32, 32, 64, 128), True), ((4, 2048, 8, 16, 1
 # the read's decay), at every K, with q, k and p L2-normalised inside as fla's layer calls it.
 FLA_COMPILE_SHAPES = [((4, 2048, 8, 16, 128, 256), True), ((16, 2048, 32, 32, 64, 128), True),
                       ((4, 2048, 6, 6, 256, 512), True)]
-# And the scans over packed sequences at the issue's packed batch, 8 sequences (N) on T rows laid out chunk-aligned
-# (32768 packed rows and their padding), (T, N, H, HV, K, V), in both read orders, and at fla's layer sizes.
-PACKED_COMPILE_SHAPES = [(33280, 8, 8, 16, 128, 256), (33280, 8, 6, 6, 256, 512)]
+# And a model's call over packed sequences at the issue's packed batch, 8 sequences (N) packed on T rows, each on chunks
+# of its own (T / 64 + N of them at most), (T, N, H, HV, K, V), in both read orders, and at fla's layer sizes.
+PACKED_COMPILE_SHAPES = [(32768, 8, 8, 16, 128, 256), (32768, 8, 6, 6, 256, 512)]
 # The plain call (no state, equal heads) at K = 256, which only the portable kernels take: (B, T, H, K, V).
 PLAIN_COMPILE_SHAPES = [(4, 2048, 8, 256, 128), (4, 2048, 8, 256, 64)]
 # The L2 normalisation of q, k, p and its backward with the group sum (`portable.l2norm`) alone, at the issue's packed
@@ -612,20 +614,22 @@ def compile_cases(kernel, spec):
         return f"l2norm stage (B,T,H,HV,K)={(B, T, H, HV, K)} {str(dtype).removeprefix('torch.')}{alone}", both
 
     def packed_case(T, N, H, HV, K, V, read_first):
-        """A model's call on N packed sequences as its stages run it, on the chunk-aligned layout (T rows, B = 1,
-        what `pipeline.Packing` makes of the call's offsets, which meta tensors have no values for): the forward's
-        and the backward's stages with a state per sequence, in fla's read order where read_first."""
+        """A model's call on N sequences packed on T rows (B = 1) as its stages run it, on T / 64 + N chunks (the
+        `pipeline.Packing` of offsets that meta tensors have no values for): the forward's and the backward's stages
+        with a state per sequence, in fla's read order where read_first."""
         q, k, _, p, _, _, _ = meta_inputs(1, T, H, K, V)
         _, _, v, _, beta, g, do = meta_inputs(1, T, HV, K, V)
         state = torch.empty(N, HV, K, V, dtype=torch.float32, device="meta")
-        cu_chunks = torch.empty(N + 1, dtype=torch.int32, device="meta")
+        chunks = T // 64 + N
+        packing = pipeline.Packing(torch.empty(N + 1, dtype=torch.int32, device="meta"),
+                                   torch.empty(chunks, 2, dtype=torch.int32, device="meta"), chunks)
         model = dispatch.plan(q, V, model=True)
 
         def stages():
             forward = pipeline.forward_stages(q, k, v, p, beta, g, K**-0.5, model, state, torch.empty_like(state),
-                                              cu_chunks, read_first)[0]
+                                              packing, read_first)[0]
             backward = pipeline.backward_stages(q, k, v, p, beta, g, do, K**-0.5, None, model, state, state,
-                                                torch.empty_like(state), cu_chunks, read_first)[0]
+                                                torch.empty_like(state), packing, read_first)[0]
             for stage in forward + backward:
                 stage.run()
 

@@ -367,7 +367,7 @@ TRITON_DEVICE = "cuda" if HAS_CUDA else "cpu"
 @pytest.mark.parametrize("shape", [(1, 128, 1, 64, 64), (1, 100, 2, 64, 128), (1, 64, 1, 128, 64), (3, 128, 3, 64, 64),
                                    (1, 128, 1, 128, 128)])
 def test_triton_backward_matches_float64(dispatch, shape):
-    """Tiny shapes (the interpreter runs them on the CPU); T=100 exercises the time padding, and with K = 64,
+    """Tiny shapes (the interpreter runs them on the CPU); T=100 ends in a chunk of 36 rows (masked), and with K = 64,
     V = 128 one scan program taking all of V and two V steps in each gradient part a (b, h); B = 3 is cut into
     batch pieces of 1 and 2, so with H = 3 the second piece checks the (b, t, h) offsets of every kernel;
     K = V = 128 cuts V in two scan blocks (the reverse scan then updates dS from X, and dbeta has two v parts)."""

@@ -28,9 +28,13 @@ launch (`portable.l2norm.launch_backward`). Where the call L2-normalises q, k an
 `use_qk_l2norm_in_kernel`), one launch normalises them ahead of the forward's stages and again ahead of the
 backward's, and the backward's dq, dk and dp come in fp32 to that same last launch, which applies the normalisation's
 backward with the group sum.
-Packed sequences (`cu_seqlens`, a batch of one) are laid out chunk-aligned (`Packing`): each sequence padded at its end
-to whole chunks with zero q, k, v, p, beta and g (and do), which leave its state as it is, so the chunk-parallel
-stages run on that layout unchanged, and each scan program runs over one sequence's chunks from its own state.
+The stages run on chunks of 64 rows and keep their scratch on whole chunks, while they read the call's inputs and write
+its outputs where they are (`portable.chunk.chunk_rows`): a T that is not a multiple of the chunk ends in a chunk whose
+rows from T on read as zeros and are not written; packed sequences (`cu_seqlens`, a batch of one) take chunks of their
+own, each sequence's last chunk ending with it (`Packing`'s table). Zero q, k, v, p, beta and g (and do) leave the
+state as it is, so those rows are the zero padding of whole chunks without a copy, and each scan program runs over one
+sequence's chunks from its own state. The Gluon kernels take whole chunks of the inputs: where a plan runs them, the
+inputs are padded in time (a copy) and the outputs cut back.
 
 This module imports the kernels, so triton: `dispatch` imports it on a CUDA call's first use.
 """
@@ -63,85 +67,88 @@ class Stage(NamedTuple):
         self.launch(*self.args)
 
 
-def state_scratch(q: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Uninitialised (A, S, Vn), what the transform and the forward scan write for inputs q (B, T, H, K) and
-    v (B, T, HV, V) with T a multiple of the chunk: A (B * HV, N, 64, 64), S (B * HV, N, K, V), Vn (B * HV, T, V), bf16
-    whatever the inputs' dtype (the tensor-core operands of the later stages)."""
-    B, T, HV, V = v.shape
+def chunks_of(T: int, packing=None) -> int:
+    """The chunks the stages run on for inputs of T rows: those of `packing` (`Packing`), else T / 64 rounded up."""
+    return packing.chunks if packing is not None else -(-T // CHUNK)
+
+
+def state_scratch(q: torch.Tensor, v: torch.Tensor, N: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Uninitialised (A, S, Vn), what the transform and the forward scan write on N chunks for inputs q (B, ·, H, K)
+    and v (B, ·, HV, V): A (B * HV, N, 64, 64), S (B * HV, N, K, V), Vn (B * HV, N * 64, V), bf16 whatever the inputs'
+    dtype (the tensor-core operands of the later stages)."""
+    B, _, HV, V = v.shape
     K = q.shape[-1]
-    N = T // CHUNK
     empty = lambda *shape: torch.empty(*shape, device=q.device, dtype=torch.bfloat16)  # noqa: E731
-    return empty(B * HV, N, CHUNK, CHUNK), empty(B * HV, N, K, V), empty(B * HV, T, V)
+    return empty(B * HV, N, CHUNK, CHUNK), empty(B * HV, N, K, V), empty(B * HV, N * CHUNK, V)
 
 
 class Packing(NamedTuple):
-    """Packed sequences laid out chunk-aligned: `rows` (T,) int64, the row of the chunk-aligned layout of each packed
-    row; `cu_chunks` (N + 1,) int32, sequence s on chunks cu_chunks[s] to cu_chunks[s + 1] (the scans' ranges);
-    `T`, the layout's length (whole chunks)."""
+    """Sequences packed in a batch of one, each on chunks of its own: `cu_chunks` (N + 1,) int32, sequence s on chunks
+    cu_chunks[s] to cu_chunks[s + 1] (the scans' ranges); `layout` (chunks, 2) int32, each chunk's first packed row
+    and the end of its rows, at most 64 on (`portable.chunk.chunk_rows`); `chunks`, how many there are."""
 
-    rows: torch.Tensor
     cu_chunks: torch.Tensor
-    T: int
+    layout: torch.Tensor
+    chunks: int
+
+    @property
+    def sequences(self) -> int:
+        """How many sequences are packed (the scans' programs a value head and V block)."""
+        return self.cu_chunks.shape[0] - 1
 
     @classmethod
     def of(cls, cu_seqlens: torch.Tensor, T: int) -> "Packing":
-        """The layout of the N sequences of cu_seqlens (N + 1 offsets, 0 to T), each padded at its end to whole
-        chunks. Reads the offsets on the host (`reference.sequence_bounds`, which checks them): one synchronisation
-        a call, which a training step can afford; the rows are made from them on the device."""
-        bounds = sequence_bounds(cu_seqlens, T)
-        lengths = torch.tensor([b - a for a, b in bounds])
-        chunks = torch.cat([lengths.new_zeros(1), ((lengths + CHUNK - 1) // CHUNK).cumsum(0)])
-        shift = (chunks[:-1] * CHUNK - torch.tensor([a for a, _ in bounds])).to(cu_seqlens.device)
-        rows = torch.arange(T, device=cu_seqlens.device) + shift.repeat_interleave(lengths.to(cu_seqlens.device),
-                                                                                  output_size=T)
-        return cls(rows, chunks.to(device=cu_seqlens.device, dtype=torch.int32), int(chunks[-1]) * CHUNK)
-
-    def pad(self, x: torch.Tensor) -> torch.Tensor:
-        """(1, T, ...) packed -> (1, self.T, ...) chunk-aligned, zero on the padding."""
-        return x.new_zeros(1, self.T, *x.shape[2:]).index_copy_(1, self.rows, x)
-
-    def unpad(self, x: torch.Tensor) -> torch.Tensor:
-        """(1, self.T, ...) chunk-aligned -> (1, T, ...) packed, the padding dropped."""
-        return x.index_select(1, self.rows)
+        """The chunks of the N sequences of cu_seqlens (N + 1 offsets, 0 to T), each on whole chunks from its first
+        row. Reads the offsets on the host (`reference.sequence_bounds`, which checks them): one synchronisation a
+        call, which a training step can afford; the tables are made there and copied to the device in one copy."""
+        bounds = torch.tensor(sequence_bounds(cu_seqlens, T), dtype=torch.int64).view(-1, 2)
+        starts, ends = bounds.unbind(1)
+        counts = (ends - starts + CHUNK - 1) // CHUNK
+        cu_chunks = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
+        chunks = int(cu_chunks[-1])
+        seq = torch.repeat_interleave(torch.arange(len(counts)), counts, output_size=chunks)
+        first = starts[seq] + (torch.arange(chunks) - cu_chunks[seq]) * CHUNK
+        layout = torch.stack([first, torch.minimum(first + CHUNK, ends[seq])], 1)
+        tables = torch.cat([cu_chunks, layout.flatten()]).to(device=cu_seqlens.device, dtype=torch.int32)
+        return cls(tables[:len(counts) + 1], tables[len(counts) + 1:].view(chunks, 2), chunks)
 
 
 def state_stages(k, v, p, beta, g, scratch, plan, tiles=None, initial_state=None, final_state=None,
-                 cu_chunks=None, read_first=False) -> list[Stage]:
-    """[transform, forward_scan]: the stages that fill `scratch` = (A, S, Vn) (`state_scratch`) for inputs padded to
-    whole chunks, by the kernels `plan` (`dispatch.plan`) picks; `tiles` are the Gluon descriptors
-    (`hopper.chunk.tiles`) where the Gluon forward scan runs. The forward scan starts from `initial_state` (B, HV, K, V)
-    fp32 (None: zeros) and writes the state after the last chunk into `final_state` where given (a model's plan);
-    with `cu_chunks` (`Packing.cu_chunks`, B = 1) the states are one per packed sequence, (N, HV, K, V); read_first
-    takes fla's read order (a model's plan). The forward's first two stages, and the backward's where it makes them
-    again."""
+                 packing=None, read_first=False) -> list[Stage]:
+    """[transform, forward_scan]: the stages that fill `scratch` = (A, S, Vn) (`state_scratch`), by the kernels `plan`
+    (`dispatch.plan`) picks; `tiles` are the Gluon descriptors (`hopper.chunk.tiles`) where the Gluon forward scan
+    runs. The forward scan starts from `initial_state` (B, HV, K, V) fp32 (None: zeros) and writes the state after the
+    last chunk into `final_state` where given (a model's plan); with `packing` (`Packing`, B = 1) the states are one
+    per packed sequence, (N, HV, K, V); read_first takes fla's read order (a model's plan). The forward's first two
+    stages, and the backward's where it makes them again."""
     A, S, Vn = scratch
     if "transform" in plan.gluon:
         transform = Stage("transform", hopper.transform.launch, (k, p, beta, g, A))
     else:
-        transform = Stage("transform", portable.transform.launch, (k, p, beta, g, A, read_first))
+        transform = Stage("transform", portable.transform.launch, (k, p, beta, g, A, read_first, packing))
     if "forward_scan" in plan.gluon:
         forward_scan = Stage("forward_scan", hopper.forward_scan.launch, (tiles, k, v, beta, g))
     else:
         forward_scan = Stage("forward_scan", portable.forward_scan.launch,
-                             (k, v, p, beta, g, A, S, Vn, initial_state, final_state, cu_chunks, read_first))
+                             (k, v, p, beta, g, A, S, Vn, initial_state, final_state, packing, read_first))
     return [transform, forward_scan]
 
 
 def forward_stages(q, k, v, p, beta, g, scale: float, plan=None, initial_state=None, final_state=None,
-                   cu_chunks=None, read_first=False) -> tuple[list[Stage], torch.Tensor]:
+                   packing=None, read_first=False) -> tuple[list[Stage], torch.Tensor]:
     """The forward's stages in order, [transform, forward_scan, output], and o, which they fill.
 
-    Inputs contiguous with T a multiple of the chunk, K in {64, 128, 256}, V in {64, 128} (a model's call: 256, 512
-    too); `plan` is `dispatch.plan`'s for the call; initial_state, final_state, cu_chunks and read_first as
-    `state_stages` takes them. Each stage reads only what earlier stages wrote, so after one full pass any stage can
-    be run (timed) again alone."""
+    Inputs contiguous, any T (a multiple of the chunk where the plan runs Gluon kernels: `_plan_rows`), K in
+    {64, 128, 256}, V in {64, 128} (a model's call: 256, 512 too); `plan` is `dispatch.plan`'s for the call;
+    initial_state, final_state, packing and read_first as `state_stages` takes them. Each stage reads only what
+    earlier stages wrote, so after one full pass any stage can be run (timed) again alone."""
     V = v.shape[-1]
-    plan = plan or dispatch.plan(q, V, model=read_first or is_model_call(q, v, initial_state, final_state, cu_chunks))
-    A, S, Vn = scratch = state_scratch(q, v)
+    plan = plan or dispatch.plan(q, V, model=read_first or is_model_call(q, v, initial_state, final_state, packing))
+    A, S, Vn = scratch = state_scratch(q, v, chunks_of(q.shape[1], packing))
     o = torch.empty_like(v)
     t = hopper.chunk.tiles(q, k, p, v, None, A, S, None, Vn, None) if "forward_scan" in plan.gluon else None
-    stages = state_stages(k, v, p, beta, g, scratch, plan, t, initial_state, final_state, cu_chunks, read_first)
-    stages.append(Stage("output", portable.output.launch, (q, k, beta, g, S, Vn, o, scale)))
+    stages = state_stages(k, v, p, beta, g, scratch, plan, t, initial_state, final_state, packing, read_first)
+    stages.append(Stage("output", portable.output.launch, (q, k, beta, g, S, Vn, o, scale, packing)))
     return stages, o
 
 
@@ -151,15 +158,14 @@ def is_model_call(q, v, *states) -> bool:
     return q.shape[2] != v.shape[2] or any(x is not None for x in states)
 
 
-def _stage_layout(x: torch.Tensor, packing) -> torch.Tensor:
-    """x (B, T, ...) in the stages' layout: zero-padded to whole chunks, or chunk-aligned by `packing`."""
-    return pad_time(x) if packing is None else packing.pad(x)
+def _plan_rows(xs, plan) -> list[torch.Tensor]:
+    """The inputs as the plan's stages take them: zero-padded in time to whole chunks where Gluon kernels run (their
+    tiles span whole chunks of the (B, T) rows), as they are where only the Triton kernels run."""
+    return [pad_time(x) for x in xs] if plan.gluon else list(xs)
 
 
-def _call_layout(x: torch.Tensor, T: int, packing) -> torch.Tensor:
-    """x (B, T', ...) of the stages' layout back to the call's (B, T, ...)."""
-    if packing is not None:
-        return packing.unpad(x)
+def _call_rows(x: torch.Tensor, T: int) -> torch.Tensor:
+    """x (B, T', ...), an output of the stages, on the call's T rows (T' > T where `_plan_rows` padded)."""
     return x if x.shape[1] == T else x[:, :T].contiguous()
 
 
@@ -174,68 +180,66 @@ def run_forward(q, k, v, p, beta, g, scale: float, plan, initial_state=None, out
         with on_device(q):
             q, k, p = portable.l2norm.launch_forward(q, k, p)
     packing = None if cu_seqlens is None else Packing.of(cu_seqlens, T)
-    N = B if packing is None else packing.cu_chunks.shape[0] - 1
-    inputs = [_stage_layout(x, packing) for x in (q, k, v, p, beta, g)]
+    N = B if packing is None else packing.sequences
+    inputs = _plan_rows((q, k, v, p, beta, g), plan)
     final = q.new_empty(N, HV, q.shape[-1], V, dtype=torch.float32) if output_final_state else None
-    stages, o = forward_stages(*inputs, scale, plan, initial_state, final,
-                               None if packing is None else packing.cu_chunks, read_first)
+    stages, o = forward_stages(*inputs, scale, plan, initial_state, final, packing, read_first)
     with on_device(q):
         for stage in stages:
             stage.run()
-    o = _call_layout(o, T, packing)
+    o = _call_rows(o, T)
     return (o, final) if output_final_state else o
 
 
 def backward_stages(q, k, v, p, beta, g, do, scale: float, grads=None, plan=None, initial_state=None, d_final=None,
-                    d_initial=None, cu_chunks=None, read_first=False) -> tuple[list[Stage], tuple]:
+                    d_initial=None, packing=None, read_first=False) -> tuple[list[Stage], tuple]:
     """The backward's stages in order, [transform, forward_scan, reverse_scan, grads] and dg where the Triton gradient
     kernel runs, and the six gradients, which they fill.
 
     Each stage reads only what earlier stages wrote, so after one full pass any stage can be run (timed) again alone.
-    Inputs contiguous, K in {64, 128, 256}, V in {64, 128} (a model's call: 256, 512 too); the gradients are
-    (dq, dk, dv, dp, dbeta, dg) with dg in float32, padded in time to a multiple of the chunk (run_backward trims
-    them), dq, dk and dp one per value head (`_gradients_like`); `grads`, when given, are contiguous tensors of those
-    shapes and dtypes to write them into; `plan` is `dispatch.plan`'s for the call. A model's call starts the forward
-    scan from initial_state and the reverse scan from d_final, the final state's gradient (each (B, HV, K, V) fp32,
-    None: zeros), and writes the initial state's gradient into d_initial where given; with cu_chunks (`state_stages`)
-    the states are one per packed sequence; read_first: fla's read order.
+    Inputs contiguous, any T (a multiple of the chunk where the plan runs Gluon kernels: `_plan_rows`), K in
+    {64, 128, 256}, V in {64, 128} (a model's call: 256, 512 too); the gradients are (dq, dk, dv, dp, dbeta, dg) on
+    the inputs' rows with dg in float32, dq, dk and dp one per value head (`_gradients_like`); `grads`, when given,
+    are contiguous tensors of those shapes and dtypes to write them into; `plan` is `dispatch.plan`'s for the call. A
+    model's call starts the forward scan from initial_state and the reverse scan from d_final, the final state's
+    gradient (each (B, HV, K, V) fp32, None: zeros), and writes the initial state's gradient into d_initial where
+    given; with packing (`state_stages`) the states are one per packed sequence; read_first: fla's read order.
     """
     B, T, HV, V = v.shape
     K = q.shape[-1]
     plan = plan or dispatch.plan(q, V, model=read_first or is_model_call(q, v, initial_state, d_final, d_initial,
-                                                                         cu_chunks))
-    q, k, v, p, beta, g, do = (pad_time(x) for x in (q, k, v, p, beta, g, do))
-    Tp = q.shape[1]
+                                                                         packing))
+    N = chunks_of(T, packing)
     BH = B * HV
     dev = q.device
     gluon = plan.gluon
-    # dbeta's v parts: none where the gradient kernel makes it, one from a Gluon reverse scan, else one per V block of
-    # the Triton reverse scan.
+    # dbeta's v parts, B * N * 64 * HV each (`portable.chunk.part_rows`): none where the gradient kernel makes it, one
+    # from a Gluon reverse scan, else one per V block of the Triton reverse scan.
     NV = 0 if plan.v_adjoint_in_grads else 1 if "reverse_scan" in gluon else V // portable.chunk.scan_block(K, V)
-    A, S, Vn = state_scratch(q, v)
+    dbeta_v = torch.empty(NV, B, N * CHUNK, HV, device=dev, dtype=torch.float32)
+    A, S, Vn = state_scratch(q, v, N)
     dS = torch.empty_like(S)
     X = torch.empty_like(Vn)
-    dbeta_v = torch.empty(NV, *beta.shape, device=dev, dtype=torch.float32)
     dq, dk, dv, dp, dbeta, dg = _gradients_like(q, k, v, p, beta, g) if grads is None else grads
     t = hopper.chunk.tiles(q, k, p, v, do, A, S, dS, Vn, X) if gluon else None
-    stages = state_stages(k, v, p, beta, g, (A, S, Vn), plan, t, initial_state, None, cu_chunks, read_first)
+    stages = state_stages(k, v, p, beta, g, (A, S, Vn), plan, t, initial_state, None, packing, read_first)
     if "reverse_scan" in gluon:
         stages.append(Stage("reverse_scan", hopper.reverse_scan.launch, (t, q, v, beta, g, dv, dbeta_v, scale)))
     else:
         v_adjoint = not plan.v_adjoint_in_grads
         stages.append(Stage("reverse_scan", portable.reverse_scan.launch,
                             (q, k, v, p, beta, g, do, A, dS, X, dv, dbeta_v, scale, v_adjoint, d_final, d_initial,
-                             cu_chunks, read_first)))
+                             packing, read_first)))
     if plan.v_adjoint_in_grads:
         stages.append(Stage("grads", hopper.grads.launch_grads64, (t, q, beta, g, dq, dk, dv, dp, dbeta, dg, scale)))
     elif "grads" in gluon:
         stages.append(Stage("grads", hopper.grads.launch, (t, q, do, beta, g, dbeta_v, dq, dk, dp, dbeta, dg, scale)))
     else:
         # d gc terms, per gradient part, and in fla's read order the terms of d gr (`portable.dg`)
-        dgc_parts = torch.empty(4 if read_first else 3, BH, Tp, device=dev, dtype=torch.float32)
+        dgc_parts = torch.empty(4 if read_first else 3, BH, N * CHUNK, device=dev, dtype=torch.float32)
         stages.append(Stage("grads", portable.grads.launch,
-                            (q, k, p, beta, g, do, S, dS, Vn, X, dbeta_v, dq, dk, dp, dbeta, dgc_parts, scale)))
-        stages.append(Stage("dg", portable.dg.launch, (dgc_parts, dg)))
+                            (q, k, p, beta, g, do, S, dS, Vn, X, dbeta_v, dq, dk, dp, dbeta, dgc_parts, scale, packing)))
+        stages.append(Stage("dg", portable.dg.launch, (dgc_parts, dg, packing)))
     return stages, (dq, dk, dv, dp, dbeta, dg)
 
 
@@ -297,7 +301,7 @@ def run_backward(q, k, v, p, beta, g, do, scale: float, plan, initial_state=None
         with on_device(q):
             q, k, p = portable.l2norm.launch_forward(q, k, p)
     packing = None if cu_seqlens is None else Packing.of(cu_seqlens, T)
-    inputs = [_stage_layout(x, packing) for x in (q, k, v, p, beta, g, do)]
+    inputs = _plan_rows((q, k, v, p, beta, g, do), plan)
     grads = _gradients_like(*inputs[:6], keys_in_fp32=l2norm)
     d_initial = None if initial_state is None else torch.empty_like(initial_state)
     states = (initial_state, d_final, d_initial)
@@ -310,14 +314,14 @@ def run_backward(q, k, v, p, beta, g, do, scale: float, plan, initial_state=None
                                   *(None if x is None else x[a:b] for x in states), None, read_first)[0]
                   for a, b in zip(cuts, cuts[1:])]
     else:
-        pieces = [backward_stages(*inputs, scale, grads, plan, *states, packing.cu_chunks, read_first)[0]]
+        pieces = [backward_stages(*inputs, scale, grads, plan, *states, packing, read_first)[0]]
     if q.is_cuda:
         _launch_on_streams(pieces, q.device)
     else:
         for stages in pieces:
             for stage in stages:
                 stage.run()
-    grads = tuple(_call_layout(x, T, packing) for x in grads)
+    grads = tuple(_call_rows(x, T) for x in grads)
     if v.shape[2] != H or l2norm:
         dq, dk, dv, dp, dbeta, dg = grads
         with on_device(q):

@@ -16,8 +16,8 @@ import triton.language as tl
 
 from ..common.finite import finite_part, reached
 from ..common.tf32 import tf32_high
-from ..reference import CHUNK
-from .chunk import BT, chunk_offsets, gate_edge, gates, group, key_head, read_log_decay, row_ptrs, row_ptrs_t
+from .chunk import (BT, call_rows, chunk_offsets, gate_edge, gates, group, key_head, load_rows, read_log_decay,
+                    row_ptrs, row_ptrs_t, rows_args)
 
 # One warp a chunk: faster than 2 or 4.
 TRANSFORM_WARPS = 1
@@ -87,25 +87,41 @@ def _store_block(A, a_base, i: tl.constexpr, j: tl.constexpr, blk, edge):
 
 
 @triton.jit
-def _transform_kernel(k, p, beta, g, A, N, H, K: tl.constexpr, KS: tl.constexpr, GROUP: tl.constexpr = 1,
-                      READ_FIRST: tl.constexpr = False):
+def _p_block(p, base, t0, t_end, HD, KS: tl.constexpr):
+    """The [SUB, KS] block of P on the SUB rows from t0, columns base.. (bf16)."""
+    return load_rows(row_ptrs(p, base, t0, HD, KS, SUB), t0, t_end, SUB).to(tl.bfloat16)
+
+
+@triton.jit
+def _k_block_t(k, base, t0, t_end, HD, KS: tl.constexpr):
+    """The [KS, SUB] block of K^T on the SUB rows from t0, columns base.. (bf16)."""
+    return load_rows(row_ptrs_t(k, base, t0, HD, KS, SUB), t0, t_end, SUB, True).to(tl.bfloat16)
+
+
+@triton.jit
+def _transform_kernel(k, p, beta, g, A, N, H, K: tl.constexpr, KS: tl.constexpr, T=None, layout=None,
+                      GROUP: tl.constexpr = 1, READ_FIRST: tl.constexpr = False, PACKED: tl.constexpr = False,
+                      MASKED: tl.constexpr = False):
     """A = (I + L)^-1 of one chunk by 16 x 16 blocks, in fp32: the four diagonal blocks D_i by _inv_unit_lower,
     then the off-diagonal blocks from them by block products (_mm, fp32-accurate); stored in A's dtype (bf16
     for the scans' tensor-core operands, fp32 in the tests). H value heads, GROUP of them a key head. In fla's read
     order (READ_FIRST) L's rows take the read's log-decay gr (`chunk.read_log_decay`). A's rows from the chunk's
-    first step with a non-finite k, p, beta or g on are NaN (the module docstring)."""
-    scal_base, t0, chunk, _ = chunk_offsets(N, H)
-    kb, HK = key_head(scal_base, tl.program_id(1), N * BT, H, GROUP)
+    first step with a non-finite k, p, beta or g on are NaN (the module docstring). The chunk's rows of the inputs
+    as `chunk.chunk_rows` finds them (PACKED, MASKED)."""
+    scal_base, t0, t_end, chunk, _ = chunk_offsets(N, T, H, layout, 1, PACKED, MASKED)
+    if not MASKED:
+        t_end = None
+    kb, HK = key_head(scal_base, tl.program_id(1), call_rows(T, N, MASKED), H, GROUP)
     kbase = kb * K
-    gc0, off, b0 = gates(g, beta, scal_base, t0, H, SUB)
-    gc1, off, b1 = gates(g, beta, scal_base, t0 + SUB, H, SUB, off)
-    gc2, off, b2 = gates(g, beta, scal_base, t0 + 2 * SUB, H, SUB, off)
-    gc3, _, b3 = gates(g, beta, scal_base, t0 + 3 * SUB, H, SUB, off)
-    gr0 = read_log_decay(g, scal_base, t0, H, gc0, READ_FIRST, SUB)
-    gr1 = read_log_decay(g, scal_base, t0 + SUB, H, gc1, READ_FIRST, SUB)
-    gr2 = read_log_decay(g, scal_base, t0 + 2 * SUB, H, gc2, READ_FIRST, SUB)
-    gr3 = read_log_decay(g, scal_base, t0 + 3 * SUB, H, gc3, READ_FIRST, SUB)
-    edge = gate_edge(g, beta, scal_base, t0, H)
+    gc0, off, b0 = gates(g, beta, scal_base, t0, H, SUB, t_end=t_end)
+    gc1, off, b1 = gates(g, beta, scal_base, t0 + SUB, H, SUB, off, t_end)
+    gc2, off, b2 = gates(g, beta, scal_base, t0 + 2 * SUB, H, SUB, off, t_end)
+    gc3, _, b3 = gates(g, beta, scal_base, t0 + 3 * SUB, H, SUB, off, t_end)
+    gr0 = read_log_decay(g, scal_base, t0, H, gc0, READ_FIRST, SUB, t_end)
+    gr1 = read_log_decay(g, scal_base, t0 + SUB, H, gc1, READ_FIRST, SUB, t_end)
+    gr2 = read_log_decay(g, scal_base, t0 + 2 * SUB, H, gc2, READ_FIRST, SUB, t_end)
+    gr3 = read_log_decay(g, scal_base, t0 + 3 * SUB, H, gc3, READ_FIRST, SUB, t_end)
+    edge = gate_edge(g, beta, scal_base, t0, H, t_end=t_end)
     # Every block of L first, so that the P and K tiles are dead before the substitutions, by columns, with P on each
     # block's rows and K^T on each block's columns (loaded transposed) each loaded at its first use. A tile goes to its
     # dot operand layout through shared memory; loaded at its first use, it leaves shared memory at once under every
@@ -116,23 +132,23 @@ def _transform_kernel(k, p, beta, g, A, N, H, K: tl.constexpr, KS: tl.constexpr,
     PK00, PK10, PK20, PK30, PK11 = None, None, None, None, None
     PK21, PK31, PK22, PK32, PK33 = None, None, None, None, None
     for ks in tl.static_range(0, K, KS):
-        p0 = tl.load(row_ptrs(p, kbase + ks, t0, HK * K, KS, SUB)).to(tl.bfloat16)
-        kt = tl.load(row_ptrs_t(k, kbase + ks, t0, HK * K, KS, SUB)).to(tl.bfloat16)
+        p0 = _p_block(p, kbase + ks, t0, t_end, HK * K, KS)
+        kt = _k_block_t(k, kbase + ks, t0, t_end, HK * K, KS)
         PK00 = tl.dot(p0, kt, PK00)
-        p1 = tl.load(row_ptrs(p, kbase + ks, t0 + SUB, HK * K, KS, SUB)).to(tl.bfloat16)
+        p1 = _p_block(p, kbase + ks, t0 + SUB, t_end, HK * K, KS)
         PK10 = tl.dot(p1, kt, PK10)
-        p2 = tl.load(row_ptrs(p, kbase + ks, t0 + 2 * SUB, HK * K, KS, SUB)).to(tl.bfloat16)
+        p2 = _p_block(p, kbase + ks, t0 + 2 * SUB, t_end, HK * K, KS)
         PK20 = tl.dot(p2, kt, PK20)
-        p3 = tl.load(row_ptrs(p, kbase + ks, t0 + 3 * SUB, HK * K, KS, SUB)).to(tl.bfloat16)
+        p3 = _p_block(p, kbase + ks, t0 + 3 * SUB, t_end, HK * K, KS)
         PK30 = tl.dot(p3, kt, PK30)
-        kt = tl.load(row_ptrs_t(k, kbase + ks, t0 + SUB, HK * K, KS, SUB)).to(tl.bfloat16)
+        kt = _k_block_t(k, kbase + ks, t0 + SUB, t_end, HK * K, KS)
         PK11 = tl.dot(p1, kt, PK11)
         PK21 = tl.dot(p2, kt, PK21)
         PK31 = tl.dot(p3, kt, PK31)
-        kt = tl.load(row_ptrs_t(k, kbase + ks, t0 + 2 * SUB, HK * K, KS, SUB)).to(tl.bfloat16)
+        kt = _k_block_t(k, kbase + ks, t0 + 2 * SUB, t_end, HK * K, KS)
         PK22 = tl.dot(p2, kt, PK22)
         PK32 = tl.dot(p3, kt, PK32)
-        kt = tl.load(row_ptrs_t(k, kbase + ks, t0 + 3 * SUB, HK * K, KS, SUB)).to(tl.bfloat16)
+        kt = _k_block_t(k, kbase + ks, t0 + 3 * SUB, t_end, HK * K, KS)
         PK33 = tl.dot(p3, kt, PK33)
     L00, e0 = _l_block(PK00, b0, gr0, gc0, True)
     L10, _ = _l_block(PK10, b1, gr1, gc0, False)
@@ -185,12 +201,13 @@ def _transform_kernel(k, p, beta, g, A, N, H, K: tl.constexpr, KS: tl.constexpr,
     _store_block(A, a_base, 3, 3, D3, edge)
 
 
-def launch(k, p, beta, g, A, read_first: bool = False):
-    """A (B * HV, N, 64, 64) of inputs k, p (B, T, H, K) with T a multiple of the chunk, beta and g (B, T, HV), HV a
-    multiple of H, in A's dtype; read_first: fla's read order."""
+def launch(k, p, beta, g, A, read_first: bool = False, packing=None):
+    """A (B * HV, N, 64, 64) of inputs k, p (B, T, H, K), beta and g (B, T, HV), HV a multiple of H, in A's dtype, on
+    the N chunks of A: T = N * 64, or fewer rows, those of the last chunk from T on read as zeros; with `packing`
+    (`pipeline.Packing`, B = 1), each packed sequence on chunks of its own. read_first: fla's read order."""
     B, T, HV = beta.shape
-    N = T // CHUNK
+    N = A.shape[1]
     order = {"READ_FIRST": True} if read_first else {}
     K = k.shape[-1]
-    _transform_kernel[(N, B * HV)](k, p, beta, g, A, N, HV, K, TRANSFORM_SLICE[K], **group(k, beta), **order,
-                                   num_warps=TRANSFORM_WARPS, num_stages=1)
+    _transform_kernel[(N, B * HV)](k, p, beta, g, A, N, HV, K, TRANSFORM_SLICE[K], **rows_args(T, N, packing),
+                                   **group(k, beta), **order, num_warps=TRANSFORM_WARPS, num_stages=1)
