@@ -76,11 +76,11 @@ FLA_STEP = "fla 0.6.0 chunk_comba fwd+bwd (p'=exp(g)p bf16, guard lifted)"
 MODEL_SHAPES = [((8, 2048, 32, 32, 128, 128), True), ((4, 4096, 8, 16, 128, 128), False)]
 # Compiled too (tools.compile_offline), not measured: the model call's kernels at K = 64, with V = 256 and 512
 # (more V blocks in the scans and the output) at either K, and at K = 256 (fla's layer default, V = 512, and grouped
-# heads at V = 64 and 128, one output block).
+# heads at V = 64 and 128, one output block), and a T that is not a multiple of the chunk (its last chunk masked).
 MODEL_COMPILE_SHAPES = [((16, 2048, 32, 32, 64, 128), True), ((4, 2048, 8, 16, 128, 256), True),
                         ((4, 2048, 4, 4, 64, 512), True), ((4, 2048, 4, 8, 128, 512), False),
                         ((4, 2048, 6, 6, 256, 512), True), ((4, 2048, 4, 8, 256, 128), False),
-                        ((4, 2048, 4, 8, 256, 64), True)]
+                        ((4, 2048, 4, 8, 256, 64), True), ((4, 2047, 4, 8, 128, 256), True)]
 # Compiled too, not measured: a model's call in fla's read order (the transform, the scans, the gradients and dg take
 # the read's decay), at every K, with q, k and p L2-normalised inside as fla's layer calls it.
 FLA_COMPILE_SHAPES = [((4, 2048, 8, 16, 128, 256), True), ((16, 2048, 32, 32, 64, 128), True),
@@ -88,8 +88,9 @@ FLA_COMPILE_SHAPES = [((4, 2048, 8, 16, 128, 256), True), ((16, 2048, 32, 32, 64
 # And a model's call over packed sequences at the issue's packed batch, 8 sequences (N) packed on T rows, each on chunks
 # of its own (T / 64 + N of them at most), (T, N, H, HV, K, V), in both read orders, and at fla's layer sizes.
 PACKED_COMPILE_SHAPES = [(32768, 8, 8, 16, 128, 256), (32768, 8, 6, 6, 256, 512)]
-# The plain call (no state, equal heads) at K = 256, which only the portable kernels take: (B, T, H, K, V).
-PLAIN_COMPILE_SHAPES = [(4, 2048, 8, 256, 128), (4, 2048, 8, 256, 64)]
+# The plain call (no state, equal heads) at K = 256, which only the portable kernels take, with a ragged T too:
+# (B, T, H, K, V).
+PLAIN_COMPILE_SHAPES = [(4, 2048, 8, 256, 128), (4, 2048, 8, 256, 64), (4, 2047, 8, 256, 64)]
 # The L2 normalisation of q, k, p and its backward with the group sum (`portable.l2norm`) alone, at the issue's packed
 # layer rows: (B, T, H, HV, K, dtype, normalised), the group sum without the normalisation too, and 16-bit and fp32.
 L2NORM_COMPILE_CASES = [(1, 32768, 8, 16, K, torch.bfloat16, l2norm)
