@@ -442,6 +442,17 @@ def test_scans_pipeline_only_where_shared_memory_allows(portable, monkeypatch):
         assert scan_stages(torch.device("meta"), 64) == stages
 
 
+def test_fused_kernels_take_k256_only_with_its_shared_memory(comba, monkeypatch):
+    """K = 256 needs 104 KB of shared memory a block (the unpipelined reverse scan under Triton 3.8): GPUs with 99 KB
+    (sm_86, sm_89, sm_120) leave it to the eager reference; K = 64 and 128 run everywhere; other K nowhere."""
+    validation, devices = submodule(comba, "validation"), submodule(comba, "common.devices")
+    meta = torch.device("meta")
+    for kb, k256 in ((99, False), (163, True), (227, True)):
+        monkeypatch.setattr(devices, "meta_gpu", devices.Gpu((8, 9), kb * 1024))
+        assert [validation.fused_k(meta, K) for K in (64, 128, 256, 96)] == [True, True, k256, False]
+    assert validation.fused_k(torch.device("cpu"), 256)
+
+
 @needs_triton
 def test_stages_rerun_alone_give_the_same_gradients(pipeline):
     """The benchmark times each stage alone after one full pass: re-running a stage must not change anything."""

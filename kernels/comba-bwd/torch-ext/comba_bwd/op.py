@@ -36,7 +36,7 @@ from .model_args import check_model_args
 from .recurrent import check_decode_tokens, comba_decode_reference
 from .reference import (comba_backward_reference, comba_forward_reference, comba_state_backward_reference,
                         comba_state_forward_reference, resolve_scale)
-from .validation import FUSED_K, FUSED_MODEL_V, FUSED_V, check_comba_args
+from .validation import FUSED_MODEL_V, FUSED_V, check_comba_args, fused_k
 
 Grads = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
@@ -236,14 +236,14 @@ def _is_spec_call(q, v, initial_state, output_final_state, cu_seqlens, use_qk_l2
         return False
     if not (isinstance(q, torch.Tensor) and isinstance(v, torch.Tensor) and q.dim() == v.dim() == 4):
         return True  # check_comba_args names the bad argument
-    return q.shape[2] == v.shape[2] and (not q.is_cuda or (q.shape[-1] in FUSED_K and v.shape[-1] in FUSED_V))
+    return q.shape[2] == v.shape[2] and (not q.is_cuda or (fused_k(q.device, q.shape[-1]) and v.shape[-1] in FUSED_V))
 
 
 def _is_fused_model_call(q, v) -> bool:
-    """Whether a model's comba_attention call (`_is_spec_call` false) takes the registered model op: CUDA tensors, K in
-    FUSED_K and V in FUSED_MODEL_V. On the CPU the eager reference takes every model call itself (and normalises
-    q, k and p in float32 whatever their dtype)."""
-    return q.is_cuda and q.shape[-1] in FUSED_K and v.shape[-1] in FUSED_MODEL_V
+    """Whether a model's comba_attention call (`_is_spec_call` false) takes the registered model op: CUDA tensors, K the
+    fused kernels take on their GPU (`validation.fused_k`) and V in FUSED_MODEL_V. On the CPU the eager reference takes
+    every model call itself (and normalises q, k and p in float32 whatever their dtype)."""
+    return q.is_cuda and fused_k(q.device, q.shape[-1]) and v.shape[-1] in FUSED_MODEL_V
 
 
 def comba_attention(q, k, v, p, beta, g, scale=None, *, initial_state=None, output_final_state=False,

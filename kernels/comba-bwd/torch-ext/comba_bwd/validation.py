@@ -8,6 +8,7 @@ read here (that would synchronise the device and break CUDA-graph capture). A lo
 import torch
 
 from .common.checks import as_scale, check_tensor
+from .common.devices import gpu
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # Sizes the fused CUDA kernels are compiled for; the eager (CPU) reference takes any size >= 1. FUSED_K: the key size
@@ -17,6 +18,20 @@ SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 FUSED_K = (64, 128, 256)
 FUSED_V = (64, 128)
 FUSED_MODEL_V = (64, 128, 256, 512)
+# The shared memory a block needs for the fused kernels at K, where it is more than every GPU the metadata admits
+# gives: at K = 256 the unpipelined reverse scan takes 104 KB under Triton 3.8 (72 KB under 3.6), more than sm_86,
+# sm_89 and sm_120 give a block (99 KB); there a K = 256 call takes the eager reference.
+FUSED_K_SHARED = {256: 104 * 1024}
+
+
+def fused_k(device: torch.device, K: int) -> bool:
+    """Whether the fused CUDA kernels take key size K on `device` (meta tensors: the GPU they stand for): K in FUSED_K,
+    on a GPU whose blocks have the shared memory FUSED_K_SHARED asks."""
+    if K not in FUSED_K:
+        return False
+    if K not in FUSED_K_SHARED or device.type not in ("cuda", "meta"):
+        return True
+    return gpu(device).shared_per_cta >= FUSED_K_SHARED[K]
 
 
 def check_comba_args(q, k, v, p, beta, g, scale, do=None) -> None:
@@ -52,8 +67,8 @@ def check_comba_args(q, k, v, p, beta, g, scale, do=None) -> None:
             raise ValueError(f"{name} must be (B, T, H) = ({B}, {T}, {H}), got {tuple(x.shape)}")
     if do is not None and do.shape != v.shape:
         raise ValueError(f"do must have v's shape {tuple(v.shape)}, got {tuple(do.shape)}")
-    if q.is_cuda and (K not in FUSED_K or V not in FUSED_V):
+    if q.is_cuda and (not fused_k(q.device, K) or V not in FUSED_V):
         raise ValueError(
-            f"the CUDA kernel supports K in {FUSED_K} and V in {FUSED_V}, got K={K}, V={V} "
-            "(the CPU reference accepts any size)"
+            f"the CUDA kernel supports K in {FUSED_K} (K = 256 on GPUs with {FUSED_K_SHARED[256] // 1024} KB of shared "
+            f"memory a block) and V in {FUSED_V}, got K={K}, V={V} (the CPU reference accepts any size)"
         )
