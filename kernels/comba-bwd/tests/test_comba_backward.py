@@ -421,25 +421,29 @@ def test_cuda_gluon_transform_inverts_the_chunk_system(comba, dispatch):
 def test_scans_pipeline_only_where_shared_memory_allows(portable, monkeypatch):
     """The pipelined reverse scan takes 113 KB of shared memory a block at K = 128 and 177 KB at K = 256: GPUs with
     99 KB (sm_86, sm_89, sm_120) run the scans unpipelined, the A100's 163 KB pipelines them at K <= 128 only and the
-    H200's 227 KB at every K. Meta tensors (an offline compile) as the GPU they stand for (`common.devices.meta_gpu`)."""
+    H200's 227 KB at every K; at K = 256 only Hopper pipelines them. Meta tensors (an offline compile) as the GPU they
+    stand for (`common.devices.meta_gpu`)."""
     scan_stages = portable.chunk.scan_stages
     devices = sys.modules[portable.chunk.gpu.__module__]
 
-    def with_shared_memory(optin, K):
+    def with_shared_memory(optin, K, major=8):
         monkeypatch.setattr(torch.cuda, "get_device_properties",
-                            lambda device: SimpleNamespace(major=8, minor=0, shared_memory_per_block_optin=optin))
+                            lambda device: SimpleNamespace(major=major, minor=0, shared_memory_per_block_optin=optin))
         devices._cuda_gpu.cache_clear()
         return scan_stages(torch.device("cuda", 0), K)
 
     try:
         assert [with_shared_memory(kb * 1024, 128) for kb in (99, 163, 227)] == [1, 2, 2]
-        assert [with_shared_memory(kb * 1024, 256) for kb in (99, 163, 227)] == [1, 1, 2]
+        assert [with_shared_memory(kb * 1024, 256, major=9) for kb in (99, 163, 227)] == [1, 1, 2]
+        assert with_shared_memory(227 * 1024, 256, major=10) == 1
     finally:
         devices._cuda_gpu.cache_clear()
     assert scan_stages(torch.device("meta"), 256) == 2  # an H100 / H200 unless an offline compile says otherwise
     for kb, stages in ((99, 1), (163, 2)):
         monkeypatch.setattr(devices, "meta_gpu", devices.Gpu((8, 9), kb * 1024))
         assert scan_stages(torch.device("meta"), 64) == stages
+    monkeypatch.setattr(devices, "meta_gpu", devices.Gpu((10, 0), 227 * 1024))  # sm_100: K = 256 unpipelined
+    assert [scan_stages(torch.device("meta"), K) for K in (128, 256)] == [2, 1]
 
 
 def test_fused_kernels_take_k256_only_with_its_shared_memory(comba, monkeypatch):
