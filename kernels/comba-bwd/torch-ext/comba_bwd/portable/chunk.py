@@ -40,13 +40,12 @@ FLOOR = tl.constexpr(G_FLOOR)  # the log-decay floor of reference.G_FLOOR: -inf 
 SCAN_BLOCK = {64: 128, 128: 64, 256: 64}
 SCAN_WARPS = 4
 
-# The shared memory the pipelined scans need by K (the reverse scan's, the larger): 113 KB at K = 64 and 128 (their
-# state blocks being the same size), more than a block may have on sm_86 / sm_89 / sm_120 (99 KB); 177 KB at K = 256,
-# more than sm_80's 163 KB too. Where a block has less, the scans run unpipelined (STAGES = 1). The pipelined K = 256
-# scans run on Hopper alone, where the GPU suite verified them: on sm_100 Triton 3.9 lays them out in 236 KB, more
-# than its blocks' 227 KB.
-PIPELINED_SCAN_SHARED = {64: 116 * 1024, 128: 116 * 1024, 256: 177 * 1024}
-PIPELINED_K256_MAJOR = 9
+# What the pipelined scans need by K: the shared memory of a block (the reverse scan's, the larger), and the one GPU
+# generation they run on where that is not every one (None). 113 KB at K = 64 and 128 (their state blocks being the
+# same size), more than a block may have on sm_86 / sm_89 / sm_120 (99 KB); 177 KB at K = 256, more than sm_80's
+# 163 KB too, and there on Hopper alone, where the GPU suite verified them: on sm_100 Triton 3.9 lays them out in
+# 236 KB, more than its blocks' 227 KB. Elsewhere the scans run unpipelined (STAGES = 1).
+PIPELINED_SCANS = {64: (116 * 1024, None), 128: (116 * 1024, None), 256: (177 * 1024, 9)}
 
 
 def group(keys: torch.Tensor, values: torch.Tensor) -> dict:
@@ -62,15 +61,13 @@ def scan_block(K: int, V: int) -> int:
 
 
 def scan_stages(device: torch.device, K: int) -> int:
-    """How deep the scans pipeline their chunk loop at K on `device` (2; 1 where a block's shared memory is smaller
-    than PIPELINED_SCAN_SHARED[K], and at K = 256 off Hopper; meta tensors: on the GPU they stand for,
-    `devices.meta_gpu`)."""
+    """How deep the scans pipeline their chunk loop at K on `device`: 2 where the GPU has what PIPELINED_SCANS[K]
+    asks, else 1 (meta tensors: the GPU they stand for, `devices.meta_gpu`)."""
     if device.type not in ("cuda", "meta"):
         return 2  # the interpreter
     target = gpu(device)
-    if K == 256 and target.capability[0] != PIPELINED_K256_MAJOR:
-        return 1
-    return 2 if target.shared_per_cta >= PIPELINED_SCAN_SHARED[K] else 1
+    shared, major = PIPELINED_SCANS[K]
+    return 2 if target.shared_per_cta >= shared and major in (None, target.capability[0]) else 1
 
 
 def rows_args(T: int, N: int, packing=None) -> dict:
