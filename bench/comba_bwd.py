@@ -90,9 +90,9 @@ FLA_COMPILE_SHAPES = [((4, 2048, 8, 16, 128, 256), True), ((16, 2048, 32, 32, 64
 # And a model's call over packed sequences at the packed batch, 8 sequences (N) packed on T rows, each on chunks
 # of its own (T / 64 + N of them at most), (T, N, H, HV, K, V), in both read orders, and at fla's layer sizes.
 PACKED_COMPILE_SHAPES = [(32768, 8, 8, 16, 128, 256), (32768, 8, 6, 6, 256, 512)]
-# The plain call (no state, equal heads) at K = 256, which only the portable kernels take, with a ragged T too:
-# (B, T, H, K, V).
-PLAIN_COMPILE_SHAPES = [(4, 2048, 8, 256, 128), (4, 2048, 8, 256, 64), (4, 2047, 8, 256, 64)]
+# The plain call (no state, equal heads) at K = 256, which only the portable kernels take, at V = 64 with a ragged T
+# (its last chunk masked): (B, T, H, K, V).
+PLAIN_COMPILE_SHAPES = [(4, 2048, 8, 256, 128), (4, 2047, 8, 256, 64)]
 # The L2 normalisation of q, k, p and its backward with the group sum (`portable.l2norm`) alone, at the packed
 # layer rows: (B, T, H, HV, K, dtype, normalised), the group sum without the normalisation too, and 16-bit and fp32.
 L2NORM_COMPILE_CASES = [(1, 32768, 8, 16, K, torch.bfloat16, l2norm)
