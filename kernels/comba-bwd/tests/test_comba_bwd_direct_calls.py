@@ -272,10 +272,10 @@ def test_calls_the_kept_direct_call_cannot_prove_take_the_other_routes(comba, en
 
 @needs_cuda
 @pytest.mark.parametrize("with_state", [True, False])
-def test_cuda_kept_direct_calls_give_the_entry_points_results(comba, with_state):
+def test_cuda_kept_direct_calls_give_the_entry_points_results(comba, entered, with_state):
     """Back-to-back kept direct calls of one signature (the latency row's: B = 1, (H, K, V) = (6, 256, 512), bf16,
     fla's order, L2 norm) on changing inputs give what the entry point gives on each; an input off 16 bytes takes the
-    entry point and gives its result."""
+    entry point (another specialization of the kernel) and gives its result."""
     dispatch = submodule(comba, "dispatch")
 
     def inputs(seed):
@@ -284,7 +284,6 @@ def test_cuda_kept_direct_calls_give_the_entry_points_results(comba, with_state)
 
     args = [inputs(98), inputs(99)]
     expected = [dispatch.comba_decode_cuda(*x, state, None, None, True, "fla") for x, state in args]
-    dispatch.DIRECT_DECODES.clear()
     with torch.no_grad():
         comba.comba_decode(*args[0][0], args[0][1], use_qk_l2norm=True, read_order="fla")
         assert len(dispatch.DIRECT_DECODES) == 1
@@ -296,11 +295,12 @@ def test_cuda_kept_direct_calls_give_the_entry_points_results(comba, with_state)
     torch.cuda.synchronize()
     assert all(torch.equal(o, expected[i % 2][0]) and torch.equal(new, expected[i % 2][1])
                for i, (o, new) in enumerate(outs))
-    assert torch.equal(off[0], expected[1][0]) and torch.equal(off[1], expected[1][1])
+    assert rel_err(off[0], expected[1][0]) < 1e-2 and rel_err(off[1], expected[1][1]) < 1e-5
+    assert entered == [1, 1]  # the first call and the one off 16 bytes
 
 
 @needs_cuda
-def test_cuda_graph_capture_replays_the_kept_direct_call(comba):
+def test_cuda_graph_capture_replays_the_kept_direct_call(comba, entered):
     """A kept direct call captured in a CUDA graph reads the inputs' buffers at replay: new values give the eager
     call's results."""
     x, state = model_inputs(1, 1, 6, 6, 256, 512, seed=100)
@@ -318,3 +318,4 @@ def test_cuda_graph_capture_replays_the_kept_direct_call(comba):
         torch.cuda.synchronize()
         eager = comba.comba_decode(*x, state, use_qk_l2norm=True, read_order="fla")
     assert torch.equal(captured[0], eager[0]) and torch.equal(captured[1], eager[1])
+    assert entered == [1]  # the captured call and the eager one after it are kept direct calls
