@@ -74,6 +74,15 @@ def recorded_launches(kernel, call, calls: int = 2) -> list:
     return launches
 
 
+def interpreted_kept_launches(kernel, stage: str, monkeypatch) -> None:
+    """The kept launchers that stage module `stage` of `kernel` asks `common.launch.kept_launcher` for (none under
+    Triton's interpreter, where nothing is kept) made to launch their plan through `common.launch.launch`: a kept
+    direct call then runs its kernel on CPU tensors in the interpreter, and its results can be checked."""
+    launch = submodule(kernel, "common.launch").launch
+    monkeypatch.setattr(submodule(kernel, stage), "kept_launcher",
+                        lambda plan, device, dtypes: lambda *tensors: launch(plan, tensors))
+
+
 def sequences(x: torch.Tensor, cu: torch.Tensor | None, per_position: bool) -> list:
     """x cut into its sequences: the packed sequences of a per-position tensor of a packed call (`cu` its
     sequence boundaries), else the batch rows."""

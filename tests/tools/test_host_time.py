@@ -10,8 +10,8 @@ from tools.host_time import _C_STUBS, CASES, _direct_calls, measure
 # What each case's public function must reach, once a call: the CUDA entry point called directly, or the kept direct
 # call of its signature, not the registered op; and the launch function that runs its launches.
 ENTRY_POINTS = {
-    "based_decode": ("dispatch.py:based_decode_cuda", "common/launch.py:launch"),
-    "comba_decode": ("dispatch.py:comba_decode_cuda", "common/launch.py:launch"),
+    "based_decode": ("dispatch.py:based_decode_kept", "common/launch.py:launch_kept"),
+    "comba_decode": ("dispatch.py:comba_decode_kept", "common/launch.py:launch_kept"),
     "ldsa_local_attention": ("dispatch.py:ldsa_forward_kept", "common/launch.py:launch_kept"),
     "whisper_log_mel": ("dispatch.py:whisper_log_mel_kept", "common/launch.py:launch_kept"),
     "whisper_log_mel_16": ("dispatch.py:whisper_log_mel_kept", "common/launch.py:launch_kept"),

@@ -1,15 +1,19 @@
 """The host path of `comba_decode`: an eager call on plain CUDA tensors without autograd runs `dispatch.comba_decode_cuda`
 without the registered op (`common.direct_calls.calls_directly`), its argument checks skipped for a call signature
-that passed them before; under torch.compile and FakeTensorMode the registered `comba_decode` op runs. On the CPU the
-direct route is taken by patching the decision, and runs the Triton kernel under the interpreter."""
+that passed them before, and a later call of the signature runs the direct call kept for it (`dispatch.DIRECT_DECODES`);
+under torch.compile and FakeTensorMode the registered `comba_decode` op runs. On the CPU the direct route is taken by
+patching the decision, and runs the Triton kernel under the interpreter; the kept direct calls' launches are seen
+under `tools.host_time`'s stubs (`testkit.recorded_launches`), or run in the interpreter
+(`testkit.interpreted_kept_launches`)."""
 
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils.flop_counter import FlopCounterMode
 
 from test_comba_decode import DEVICE, TOL
 from test_model_interface import model_inputs, pack, recurrence64
-from testkit import needs_cuda, needs_triton, rel_err, submodule
+from testkit import interpreted_kept_launches, needs_cuda, needs_triton, recorded_launches, rel_err, submodule
 
 
 @pytest.fixture
@@ -165,3 +169,153 @@ def test_vmap_runs_the_registered_op_a_sample_at_a_time(comba):
     got = torch.func.vmap(one)(*x, state)
     for i in range(3):
         assert all(torch.allclose(a[i], b) for a, b in zip(got, one(*(t[i] for t in x), state[i])))
+
+
+@pytest.fixture
+def entered(comba, monkeypatch):
+    """The calls of the entry point `comba_decode_cuda` from the public function, no direct call kept before or
+    after."""
+    op = submodule(comba, "op")
+    op.DIRECT_DECODES.clear()
+    calls = []
+    entry = op.comba_decode_cuda
+    monkeypatch.setattr(op, "comba_decode_cuda", lambda *args: calls.append(1) or entry(*args))
+    yield calls
+    op.DIRECT_DECODES.clear()
+
+
+# (state given, packed sequences): a carried state, zeros, two packed sequences of one and two tokens from a state
+KEPT_CASES = [(True, False), (False, False), (True, True)]
+
+
+@needs_triton
+@pytest.mark.parametrize("with_state,packed", KEPT_CASES)
+def test_a_kept_direct_call_gives_the_entry_points_results(comba, direct, entered, monkeypatch, with_state, packed):
+    """The kernel interpreted on the CPU: a signature's first call runs the entry point, its later calls on new
+    values the kept direct call, which gives the entry point's bits and the float64 recurrence, a new state each
+    call, the given one left as it is. A call of another signature (scale, read order, T) runs the entry point."""
+    interpreted_kept_launches(comba, "portable.decode", monkeypatch)
+    dispatch = submodule(comba, "dispatch")
+
+    def inputs(seed, T=2):
+        x, state = model_inputs(2, T, 1, 2, 64, 64, seed=seed, unit_keys=False)
+        offsets = None
+        if packed:
+            x, offsets = pack(x, [1, T])
+            offsets = offsets.to(DEVICE)
+        return [t.to(DEVICE) for t in x], state.to(DEVICE) if with_state else None, offsets
+
+    def check(x, state, offsets, scale=None, read_order="fla"):
+        before = None if state is None else state.clone()
+        o, new = comba.comba_decode(*x, state, scale, cu_seqlens=offsets, use_qk_l2norm=True, read_order=read_order)
+        want = dispatch.comba_decode_cuda(*x, state, scale, offsets, True, read_order)
+        assert torch.equal(o, want[0]) and torch.equal(new, want[1])
+        assert state is None or (torch.equal(state, before) and new is not state)
+        lengths = [1, x[0].shape[1] - 1] if packed else [x[0].shape[1]] * 2
+        for i, n in enumerate(lengths):
+            a = sum(lengths[:i]) if packed else 0
+            rows = [t[:, a:a + n] if packed else t[i:i + 1] for t in x]
+            o64, f64 = recurrence64(*rows, scale, None if state is None else state[i:i + 1], read_order, True)
+            assert rel_err(o[:, a:a + n] if packed else o[i:i + 1], o64) < TOL and rel_err(new[i:i + 1], f64) < TOL
+
+    for seed in (90, 91, 92):
+        check(*inputs(seed))
+    assert len(entered) == 1 and len(submodule(comba, "op").DIRECT_DECODES) == 1
+    check(*inputs(93), scale=0.5)
+    check(*inputs(94), read_order="decay_first")
+    check(*inputs(95, T=3))
+    assert len(entered) == 4
+
+
+@pytest.mark.kernels_ci
+def test_a_kept_direct_call_launches_what_the_first_call_did(comba, entered):
+    """From a signature's second call on, the kept direct call launches the kernel the entry point launched, with the
+    same arguments, without the entry point (CUDA's path, taken on CPU tensors under `tools.host_time`'s stubs)."""
+    x, state = model_inputs(1, 1, 2, 4, 128, 256, seed=96)
+    x = [t.bfloat16() for t in x[:5]] + [x[5]]
+    with torch.no_grad():
+        first, kept, again = recorded_launches(
+            comba, lambda: comba.comba_decode(*x, state, use_qk_l2norm=True, read_order="fla"), calls=3)
+    assert len(first) == 1 and kept == first and again == first and entered == [1]
+    bf16, fp32 = torch.bfloat16, torch.float32
+    assert first[0][9:19] == ((bf16, (1, 1, 2, 128)), (bf16, (1, 1, 2, 128)), (bf16, (1, 1, 4, 256)),
+                              (bf16, (1, 1, 2, 128)), (bf16, (1, 1, 4)), (fp32, (1, 1, 4)), (fp32, (1, 4, 128, 256)),
+                              (fp32, (1, 4, 128, 256)), (bf16, (1, 1, 4, 256)), None)
+    assert not submodule(comba, "op").DIRECT_DECODES  # forgotten with the stubs
+
+
+@pytest.mark.kernels_ci
+def test_calls_the_kept_direct_call_cannot_prove_take_the_other_routes(comba, entered):
+    """A signature's later call with a tensor off 16 bytes or a non-contiguous state takes the entry point; one with a
+    state that requires grad the differentiable reference, one under a dispatch mode the registered op (here the CPU
+    reference): none of them launches a kept direct call, and a call of another scale is not served by the kept one."""
+    x, state = model_inputs(1, 1, 1, 2, 64, 64, seed=97)
+    off = torch.empty(state.numel() + 1)[1:].view(state.shape).copy_(state)
+    strided = torch.empty(*state.shape[:-1], 2 * state.shape[-1])[..., ::2].copy_(state)
+    grad = state.clone().requires_grad_()
+
+    def calls():
+        comba.comba_decode(*x, state)
+        comba.comba_decode(*x, off)
+        comba.comba_decode(*x, strided)
+        o, _ = comba.comba_decode(*x, grad)
+        assert o.grad_fn is not None
+        with FlopCounterMode(display=False):
+            comba.comba_decode(*x, state)
+
+    first, second = recorded_launches(comba, calls)
+    assert len(first) == len(second) == 3 and entered == [1] * 5  # the second round's first call is kept
+    (other,) = recorded_launches(comba, lambda: [comba.comba_decode(*x, state, s) for s in (None, 0.5, 0.5, None)],
+                                 calls=1)
+    assert len(other) == 4 and entered == [1] * 7 and other[0] == other[3] != other[1] == other[2]
+
+
+@needs_cuda
+@pytest.mark.parametrize("with_state", [True, False])
+def test_cuda_kept_direct_calls_give_the_entry_points_results(comba, entered, with_state):
+    """Back-to-back kept direct calls of one signature (the latency row's: B = 1, (H, K, V) = (6, 256, 512), bf16,
+    fla's order, L2 norm) on changing inputs give what the entry point gives on each; an input off 16 bytes takes the
+    entry point (another specialization of the kernel) and gives its result."""
+    dispatch = submodule(comba, "dispatch")
+
+    def inputs(seed):
+        x, state = model_inputs(1, 1, 6, 6, 256, 512, seed=seed)
+        return [t.to("cuda", torch.bfloat16) for t in x[:5]] + [x[5].cuda()], state.cuda() if with_state else None
+
+    args = [inputs(98), inputs(99)]
+    expected = [dispatch.comba_decode_cuda(*x, state, None, None, True, "fla") for x, state in args]
+    with torch.no_grad():
+        comba.comba_decode(*args[0][0], args[0][1], use_qk_l2norm=True, read_order="fla")
+        assert len(dispatch.DIRECT_DECODES) == 1
+        outs = [comba.comba_decode(*x, state, use_qk_l2norm=True, read_order="fla") for x, state in args * 3]
+        x, state = args[1]
+        v = x[2]
+        shifted = torch.empty(v.numel() + 8, dtype=v.dtype, device="cuda")[1:1 + v.numel()].view(v.shape).copy_(v)
+        off = comba.comba_decode(*x[:2], shifted, *x[3:], state, use_qk_l2norm=True, read_order="fla")
+    torch.cuda.synchronize()
+    assert all(torch.equal(o, expected[i % 2][0]) and torch.equal(new, expected[i % 2][1])
+               for i, (o, new) in enumerate(outs))
+    assert rel_err(off[0], expected[1][0]) < 1e-2 and rel_err(off[1], expected[1][1]) < 1e-5
+    assert entered == [1, 1]  # the first call and the one off 16 bytes
+
+
+@needs_cuda
+def test_cuda_graph_capture_replays_the_kept_direct_call(comba, entered):
+    """A kept direct call captured in a CUDA graph reads the inputs' buffers at replay: new values give the eager
+    call's results."""
+    x, state = model_inputs(1, 1, 6, 6, 256, 512, seed=100)
+    x, state = [t.to("cuda", torch.bfloat16) for t in x[:5]] + [x[5].cuda()], state.cuda()
+    with torch.no_grad():
+        for _ in range(2):  # the entry point, then the kept direct call
+            comba.comba_decode(*x, state, use_qk_l2norm=True, read_order="fla")
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = comba.comba_decode(*x, state, use_qk_l2norm=True, read_order="fla")
+        state.copy_(state.flip(-1))
+        x[2].copy_(x[2].flip(-1))
+        graph.replay()
+        torch.cuda.synchronize()
+        eager = comba.comba_decode(*x, state, use_qk_l2norm=True, read_order="fla")
+    assert torch.equal(captured[0], eager[0]) and torch.equal(captured[1], eager[1])
+    assert entered == [1]  # the captured call and the eager one after it are kept direct calls

@@ -1,7 +1,8 @@
 """Each call's path and plan, in one place: bf16 and fp16 CUDA tensors take the portable Triton kernels
 (`portable/`), fp32 tensors and the CPU the eager reference, and a backward with a value size V above its
 kernels' bound the reference as well. The decode step takes its fused kernel (`portable.decode`) for every dtype
-on CUDA (`based_decode_cuda`; the public function runs the reference where autograd records the call). The package
+on CUDA (`based_decode_cuda`; the public function runs the reference where autograd records the call);
+`based_decode_direct` is what it does for a call signature, kept by the public function (`DIRECT_DECODES`). The package
 has no Hopper-only fast paths.
 
 The portable forward is two stages (`states`: the forward scan, then `output`), the backward four (the forward
@@ -20,7 +21,7 @@ from typing import NamedTuple
 import torch
 
 from .common.devices import on_device
-from .common.direct_calls import stage_module
+from .common.direct_calls import DirectCalls, stage_module
 from .reference import based_backward_reference, based_forward_reference, based_state_backward_reference
 
 
@@ -122,6 +123,34 @@ def based_decode_cuda(q, k, v, S, z, scale: float, S_out, z_out, config: DecodeC
         stage_module(__package__, "portable.decode").launch(q, k, v, S, z, o, S_out, z_out, scale, bv=cfg.bv,
                                                              warps=cfg.warps)
     return o
+
+
+# The kept direct calls of `based_decode` (`based_decode_direct`) by its call signature: see
+# `common.direct_calls.DirectCalls`. They hold the plan of DEFAULT_DECODE_CONFIG.
+DIRECT_DECODES = DirectCalls()
+
+
+def based_decode_direct(q, k, v, S, z, scale: float):
+    """What the public function's direct call does (`based_decode_cuda` into new tensors, or into `out`), once it ran
+    on tensors on 16 bytes, for every call of the same shapes, dtypes, device and scale on contiguous tensors on 16
+    bytes (`common.direct_calls.launches_directly`): a function (q, k, v, S, z, out) -> (o, (S_out, z_out)) that
+    allocates o, and the new state where out is None, and launches the kept kernel. None where no launcher is kept
+    (the interpreter, no call on 16 bytes yet). Whether `out` shares memory with the state is the caller's check."""
+    cfg = DEFAULT_DECODE_CONFIG
+    launch_kept = stage_module(__package__, "portable.decode").kept_launch(q, k, v, S, z, scale, bv=cfg.bv,
+                                                                           warps=cfg.warps)
+    if launch_kept is None:
+        return None
+    empty_like, contiguous = torch.empty_like, torch.contiguous_format
+
+    def based_decode_kept(q, k, v, S, z, out):
+        o = empty_like(v)
+        S_out, z_out = (empty_like(S, memory_format=contiguous), empty_like(z, memory_format=contiguous)
+                        ) if out is None else out
+        launch_kept(q, k, v, S, z, o, S_out, z_out)
+        return o, (S_out, z_out)
+
+    return based_decode_kept
 
 
 def portable_decode(q, k, v, state, scale: float, config: DecodeConfig | None = None, out=None):

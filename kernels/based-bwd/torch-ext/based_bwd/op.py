@@ -5,7 +5,9 @@
 `based_decode` runs the registered `based_decode` op (the fused decode kernel on CUDA, the reference on the CPU), the
 reference where autograd records the call, and an eager call on plain CUDA tensors that needs neither
 (`common.direct_calls.calls_directly`) runs the op's entry point `dispatch.based_decode_cuda` directly, its argument
-checks skipped for a call signature that passed them before.
+checks skipped for a call signature that passed them before; a later call of the signature on contiguous tensors on 16
+bytes runs the direct call kept for it (`dispatch.DIRECT_DECODES`; `common.direct_calls.launches_directly` tests what
+the signature cannot, and `out`'s memory is checked every call): its allocations and the kept launch.
 
 The CUDA implementations come from `dispatch`, which picks each call's path. `based_forward`'s registered autograd calls
 the registered `based_backward` op, so training goes through the same backward as a direct call, and inference
@@ -24,10 +26,12 @@ import torch
 from ._ops import add_op_namespace_prefix
 from .common.autocast import register_autocast
 from .common.differentiation import check_differentiation, no_double_backward
-from .common.direct_calls import CheckedSignatures, calls_directly
+from .common.direct_calls import CheckedSignatures, calls_directly, launches_directly
 from .dispatch import (
+    DIRECT_DECODES,
     based_backward_cuda,
     based_decode_cuda,
+    based_decode_direct,
     based_forward_cuda,
     based_state_backward_cuda,
     based_state_forward_cuda,
@@ -273,6 +277,14 @@ def based_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state, scale
     arguments are taken as given.
     """
     signature = _decode_signature(q, k, v, state, scale, out)
+    direct = False  # whether a kept direct call (`dispatch.DIRECT_DECODES`) could take the call
+    if signature is not None:
+        S, z = state
+        direct = launches_directly(q, k, v, S, z) if out is None else launches_directly(q, k, v, S, z, *out)
+        if direct and (decode := DIRECT_DECODES.get(signature)) is not None:
+            if out is not None:
+                check_decode_memory(state, out)
+            return decode(q, k, v, S, z, out)
     if signature is None or signature not in _checked_decode:
         check_decode_args(q, k, v, state, scale, MAX_DECODE_TOKENS, out)
         if signature is not None:
@@ -294,6 +306,8 @@ def based_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state, scale
     # A remembered signature holds plain tensors on q's device, none recorded by autograd (above): q decides.
     if calls_directly(q) if signature is not None else calls_directly(q, k, v, S, z, S_out, z_out):
         o = based_decode_cuda(q, k, v, S, z, scale, S_out, z_out)
+        if direct:
+            DIRECT_DECODES.keep(signature, based_decode_direct(q, k, v, S, z, scale))
     else:
         o = based_decode_op(q, k, v, S, z, scale, S_out, z_out)
     return o, (S_out, z_out)

@@ -4,7 +4,8 @@ take, how the batch is cut, the fall-back from Gluon to Triton, the CUDA entry p
 `comba_state_backward_cuda`, a model's call (a carried state, grouped value heads, packed sequences, fla's read
 order, q/k/p L2 normalisation), which the Triton kernels take, and
 `comba_decode_cuda`, the decode step: the fused recurrent kernel (`portable.decode`) at the sizes it takes, the
-recurrent reference otherwise.
+recurrent reference otherwise; `comba_decode_direct` is what it does for a call signature, kept by the public function
+(`DIRECT_DECODES`).
 
 The portable path (Triton kernels, `portable/`: the chunk transform, the two state scans, the forward's output, the
 gradients and dg) runs on every CUDA GPU the metadata accepts under every supported Triton; the Gluon kernels
@@ -19,7 +20,7 @@ from typing import NamedTuple
 import torch
 
 from .common.devices import on_device
-from .common.direct_calls import stage_module
+from .common.direct_calls import DirectCalls, stage_module
 from .common.fast_paths import FastPath, FastPaths, falls_back
 from .recurrent import comba_decode_reference
 from .reference import resolve_scale
@@ -177,3 +178,35 @@ def comba_decode_cuda(q, k, v, p, beta, g, state, scale: float | None, cu_seqlen
         decode.launch(q, k, v, p, beta, g, state, o, new_state, resolve_scale(scale, K), cu_seqlens, use_qk_l2norm,
                       read_order == "fla")
     return o, new_state
+
+
+# The kept direct calls of `comba_decode` (`comba_decode_direct`) by its call signature: see
+# `common.direct_calls.DirectCalls`. The decode's plans depend on nothing a process changes.
+DIRECT_DECODES = DirectCalls()
+
+
+def comba_decode_direct(q, k, v, p, beta, g, state, scale: float | None, cu_seqlens, use_qk_l2norm: bool,
+                        read_order: str):
+    """What `comba_decode_cuda` does for this call, once it ran on tensors on 16 bytes, for every call of the same
+    shapes, dtypes, device and arguments on contiguous tensors on 16 bytes (`common.direct_calls.launches_directly`):
+    a function (q, k, v, p, beta, g, state, cu_seqlens) -> (o, new_state) that allocates both and launches the kept
+    kernel, `state` only read. None where the call runs the reference or no launcher is kept (the interpreter, no
+    call on 16 bytes yet)."""
+    decode = stage_module(__package__, "portable.decode")
+    K, V = q.shape[-1], v.shape[-1]
+    if not decode.takes(K, V, q.dtype):
+        return None
+    N, HV = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1, v.shape[2]
+    launch_kept = decode.kept_launch(q, k, v, p, beta, g, state, N, resolve_scale(scale, K), cu_seqlens, use_qk_l2norm,
+                                     read_order == "fla")
+    if launch_kept is None:
+        return None
+    empty, empty_like, float32, device = torch.empty, torch.empty_like, torch.float32, q.device
+
+    def comba_decode_kept(q, k, v, p, beta, g, state, cu_seqlens):
+        o = empty_like(v)
+        new_state = empty(N, HV, K, V, dtype=float32, device=device) if state is None else empty_like(state)
+        launch_kept(q, k, v, p, beta, g, state, new_state, o, cu_seqlens)
+        return o, new_state
+
+    return comba_decode_kept

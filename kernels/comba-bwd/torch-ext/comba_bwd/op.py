@@ -13,7 +13,9 @@ compiled for, and every model call on the CPU run the eager reference (reference
 `comba_decode` runs the registered `comba_decode` op (the fused decode kernel on CUDA, `dispatch.comba_decode_cuda`;
 the recurrent reference, recurrent.py, on the CPU), the recurrent reference itself where autograd records the call,
 and an eager call on plain CUDA tensors that needs neither (`common.direct_calls.calls_directly`) runs the op's entry
-point directly, its argument checks skipped for a call signature that passed them before.
+point directly, its argument checks skipped for a call signature that passed them before; a later call of the signature
+on contiguous tensors on 16 bytes runs the direct call kept for it (`dispatch.DIRECT_DECODES`;
+`common.direct_calls.launches_directly` tests what the signature cannot): its two allocations and the kept launch.
 
 Under autocast (`common.autocast`) the ops run with autocast off: on CUDA `comba_forward` takes q, k, v, p in
 autocast's dtype (the fused kernels' 16-bit operands) and beta, g as given, `comba_backward` its arguments as given;
@@ -29,9 +31,9 @@ import torch
 from ._ops import add_op_namespace_prefix
 from .common.autocast import register_autocast
 from .common.differentiation import check_differentiation, no_double_backward
-from .common.direct_calls import CheckedSignatures, calls_directly
-from .dispatch import (comba_backward_cuda, comba_decode_cuda, comba_forward_cuda, comba_state_backward_cuda,
-                       comba_state_forward_cuda)
+from .common.direct_calls import CheckedSignatures, calls_directly, launches_directly
+from .dispatch import (DIRECT_DECODES, comba_backward_cuda, comba_decode_cuda, comba_decode_direct, comba_forward_cuda,
+                       comba_state_backward_cuda, comba_state_forward_cuda)
 from .model_args import check_model_args
 from .recurrent import check_decode_tokens, comba_decode_reference
 from .reference import (comba_backward_reference, comba_forward_reference, comba_state_backward_reference,
@@ -310,6 +312,12 @@ def comba_decode(q, k, v, p, beta, g, state=None, scale=None, *, cu_seqlens=None
     arguments are taken as given; under torch.func.vmap the registered op runs once a sample.
     """
     signature = _decode_signature(q, k, v, p, beta, g, state, scale, cu_seqlens, use_qk_l2norm, read_order)
+    direct = False  # whether a kept direct call (`dispatch.DIRECT_DECODES`) could take the call
+    if signature is not None:
+        tensors = (q, k, v, p, beta, g) if state is None else (q, k, v, p, beta, g, state)
+        direct = launches_directly(*tensors) if cu_seqlens is None else launches_directly(*tensors, cu_seqlens)
+        if direct and (decode := DIRECT_DECODES.get(signature)) is not None:
+            return decode(q, k, v, p, beta, g, state, cu_seqlens)
     if signature is None or signature not in _checked_decode:
         check_model_args(q, k, v, p, beta, g, scale, state, True, cu_seqlens, use_qk_l2norm, read_order, "state")
         if cu_seqlens is None:
@@ -322,7 +330,11 @@ def comba_decode(q, k, v, p, beta, g, state=None, scale=None, *, cu_seqlens=None
     # A remembered signature holds plain tensors on q's device, none recorded by autograd (above): q decides.
     if calls_directly(q) if signature is not None else calls_directly(
             q, k, v, p, beta, g, *(x for x in (state, cu_seqlens) if x is not None)):
-        return comba_decode_cuda(q, k, v, p, beta, g, state, scale, cu_seqlens, use_qk_l2norm, read_order)
+        out = comba_decode_cuda(q, k, v, p, beta, g, state, scale, cu_seqlens, use_qk_l2norm, read_order)
+        if direct:
+            DIRECT_DECODES.keep(signature, comba_decode_direct(q, k, v, p, beta, g, state, scale, cu_seqlens,
+                                                               use_qk_l2norm, read_order))
+        return out
     return comba_decode_op(q, k, v, p, beta, g, state, cu_seqlens, resolve_scale(scale, q.shape[-1]), use_qk_l2norm,
                            read_order)
 

@@ -23,10 +23,11 @@ one (n, h) all read z before any of them may write it, which an in-place update 
 
 import functools
 
+import torch
 import triton
 import triton.language as tl
 
-from ..common.launch import Launch, launch as run
+from ..common.launch import Launch, kept_launcher, launch as run
 from .tiles import _EPS, _sequence_row
 
 _INV_SQRT2 = tl.constexpr(2**-0.5)
@@ -103,6 +104,15 @@ def launch(q, k, v, S, z, o, S_out, z_out, scale: float, *, bv: int, warps: int)
     shape (`plan`) and runs through the kept launcher of `common.launch`."""
     B, T, H, K = q.shape
     run(plan(B, T, H, K, v.shape[-1], scale, bv, warps), (q, k, v, S, z, o, S_out, z_out))
+
+
+def kept_launch(q, k, v, S, z, scale: float, *, bv: int, warps: int):
+    """`launch` for every later call of the same shapes, dtypes, device, scale and plan on tensors on 16 bytes, once it
+    ran on such tensors: a function of the tensors in `launch`'s order, (q, k, v, S, z, o, S_out, z_out), that
+    launches the kept kernel (`common.launch.kept_launcher`); None where no launcher is kept."""
+    B, T, H, K = q.shape
+    dtypes = (q.dtype, k.dtype, v.dtype, S.dtype, z.dtype, v.dtype, torch.float32, torch.float32)
+    return kept_launcher(plan(B, T, H, K, v.shape[-1], scale, bv, warps), q.device.index, dtypes)
 
 
 @functools.cache

@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..common.launch import Launch, launch as run
+from ..common.launch import Launch, kept_launcher, launch as run
 from ..reference import L2NORM_EPS
 
 EPS = tl.constexpr(L2NORM_EPS)
@@ -122,11 +122,28 @@ def launch(q, k, v, p, beta, g, state, o, new_state, scale: float, cu_seqlens=No
     (N = B). `block` (a power of two dividing V) and `warps` override the V block (`block_v`) and DECODE_WARPS: the
     tests' small blocks, the harness's sweep. The launch is planned once per call shape (`plan`) and runs through the
     kept launcher of `common.launch`."""
+    run(_call_plan(q, v, state, new_state.shape[0], scale, cu_seqlens, use_qk_l2norm, read_first, block, warps),
+        (q, k, v, p, beta, g, state, new_state, o, cu_seqlens))
+
+
+def kept_launch(q, k, v, p, beta, g, state, N: int, scale: float, cu_seqlens=None, use_qk_l2norm=False,
+                read_first=False):
+    """`launch` with the default V block and warps, for every later call of the same shapes, dtypes, device and
+    arguments (N sequences) on tensors on 16 bytes, once it ran on such tensors: a function of the tensors in the
+    kernel's order, (q, k, v, p, beta, g, state, new_state, o, cu_seqlens), that launches the kept kernel
+    (`common.launch.kept_launcher`); None where no launcher is kept."""
+    dtypes = (q.dtype, k.dtype, v.dtype, p.dtype, beta.dtype, g.dtype, None if state is None else state.dtype,
+              torch.float32, v.dtype, None if cu_seqlens is None else cu_seqlens.dtype)
+    return kept_launcher(_call_plan(q, v, state, N, scale, cu_seqlens, use_qk_l2norm, read_first, None, DECODE_WARPS),
+                         q.device.index, dtypes)
+
+
+def _call_plan(q, v, state, N, scale, cu_seqlens, use_qk_l2norm, read_first, block, warps) -> Launch:
+    """`plan` of a call's tensors and arguments: the one cached Launch of `launch` and `kept_launch`."""
     T, H, K = q.shape[1:]
     HV, V = v.shape[2], v.shape[3]
-    run(plan(new_state.shape[0], T, H, HV, K, V, scale, state is not None, cu_seqlens is not None, use_qk_l2norm,
-             read_first, block, warps),
-        (q, k, v, p, beta, g, state, new_state, o, cu_seqlens))
+    return plan(N, T, H, HV, K, V, scale, state is not None, cu_seqlens is not None, use_qk_l2norm, read_first, block,
+                warps)
 
 
 @functools.cache
