@@ -255,16 +255,11 @@ def key_head(scal_base, bh, T, H, GROUP: tl.constexpr):
 
 
 @triton.jit
-def part_stride(T, H, PACKED: tl.constexpr = False):
-    """B * T * H (T the layout's rows, N * BT), the stride between dbeta_v's parts (`part_rows`), one per scan V block:
-    B taken
-    from the grid, whose axis 1 is b * H + h in the scans and the chunk kernels alike, rather than passed as one
-    more launch argument; T * H in a scan over packed sequences (PACKED: a batch of one, axis 1 of its grid is
-    sequence * H + h)."""
-    if PACKED:
-        return T * H
-    else:
-        return tl.num_programs(1) // H * T * H
+def part_stride(T, H):
+    """B * T * H (T the layout's rows, N * BT), the stride between the rows of a chunk-parallel kernel's parts of
+    scratch (d gc's terms, dbeta's v parts: `part_rows`): B taken from the grid, whose axis 1 is b * H + h, rather
+    than passed as one more launch argument."""
+    return tl.num_programs(1) // H * T * H
 
 
 @triton.jit
