@@ -7,12 +7,12 @@ order, q/k/p L2 normalisation), which the Triton kernels take, and
 recurrent reference otherwise; `comba_decode_direct` is what it does for a call signature, kept by the public function
 (`DIRECT_DECODES`).
 
-The portable path (Triton kernels, `portable/`: the chunk transform, the two state scans, the forward's output, the
-gradients and dg) runs on every CUDA GPU the metadata accepts under every supported Triton; the Gluon kernels
-(`hopper/`) run only where their row of FAST_PATHS says they were verified, and the call takes the Triton kernels
-everywhere else. The forward takes the stages it shares with the backward (the transform, the forward scan) from the
-same plan. The stages (`pipeline`, which imports the kernels) are imported on a CUDA call's first use: they need
-triton.
+The portable path (Triton kernels, `portable/`: the chunk transform, the scans' terms, the two state scans, the
+adjoint, the forward's output, the gradients and dg) runs on every CUDA GPU the metadata accepts under every supported
+Triton; the Gluon kernels (`hopper/`) run only where their row of FAST_PATHS says they were verified, and the call
+takes the Triton kernels everywhere else. The forward takes the stages it shares with the backward (the transform, the
+forward scan) from the same plan. The stages (`pipeline`, which imports the kernels) are imported on a CUDA call's
+first use: they need triton.
 """
 
 from typing import NamedTuple
@@ -42,12 +42,13 @@ GLUON_V = 128
 GLUON_STAGES = {128: ("forward_scan", "reverse_scan", "grads"), 64: ("transform", "forward_scan", "grads")}
 
 # The portable path cuts the batch in BATCH_PIECES pieces. On CUDA each piece is launched on a stream of its own, and
-# its reverse scan on one more stream beside its forward scan (the scans depend only on the transform). The stages are
-# bound by different things (the transform by its chain of small products, the scans by their serial chunk loop and HBM,
-# the gradient kernel by L2), and a scan's last wave is partial, so stages of the two pieces fill each other's idle SMs;
-# three pieces are no faster than two. The reverse scan's side stream pays in one piece as well. Where Gluon kernels
-# run, the batch stays whole: launching one piece's Gluon stages takes the host almost as long as the GPU takes to run
-# them, so in two pieces the call would be bound by the host (at K = 64 as at K = 128).
+# its reverse scan on one more stream beside its forward scan (the scans depend only on the chunk-parallel stages
+# before them). The stages are bound by different things (the transform by its chain of small products, the scans by
+# their serial chunk loop and HBM, the gradient kernel by L2), and a scan's last wave is partial, so stages of the two
+# pieces fill each other's idle SMs; three pieces are no faster than two. The reverse scan's side stream pays in one
+# piece as well. Where Gluon kernels run, the batch stays whole: launching one piece's Gluon stages takes the host
+# almost as long as the GPU takes to run them, so in two pieces the call would be bound by the host (at K = 64 as at
+# K = 128).
 BATCH_PIECES = 2
 
 
@@ -58,8 +59,8 @@ def kernel_path(x: torch.Tensor) -> str:
 
 
 class Plan(NamedTuple):
-    """How one call runs: the stages Gluon kernels take, whether the gradient kernel (not the reverse scan) makes dv and
-    dbeta's v part, and the pieces the batch is cut in."""
+    """How one call runs: the stages Gluon kernels take, whether the gradient kernel (not the reverse scan's stages)
+    makes dv and dbeta's v part, and the pieces the batch is cut in."""
 
     gluon: tuple[str, ...]
     v_adjoint_in_grads: bool
@@ -77,9 +78,10 @@ def gluon_stages(device: torch.device, dtype: torch.dtype, K: int, V: int) -> tu
 
 def plan(q: torch.Tensor, V: int, model: bool = False) -> Plan:
     """The plan of a call with q (B, T, H, K) and V. dv and dbeta's v part come from the K = 64 Gluon gradient kernel,
-    which reads X anyway, where it runs, else from the reverse scan. The batch is cut in BATCH_PIECES (at most B) on
-    the portable path and stays whole where Gluon kernels run (BATCH_PIECES says why). A model's call (`model`: a
-    carried state or grouped value heads, which the Gluon kernels do not take) runs the Triton kernels."""
+    which reads X anyway, where it runs, else from the Gluon reverse scan or the Triton one's adjoint stage. The batch
+    is cut in BATCH_PIECES (at most B) on the portable path and stays whole where Gluon kernels run (BATCH_PIECES says
+    why). A model's call (`model`: a carried state or grouped value heads, which the Gluon kernels do not take) runs
+    the Triton kernels."""
     B, K = q.shape[0], q.shape[-1]
     gluon = () if model else gluon_stages(q.device, q.dtype, K, V)
     pieces = 1 if gluon else BATCH_PIECES

@@ -3,22 +3,29 @@ that sequences the stage modules' launches (`portable/`, `hopper/`), by the plan
 
 Notation as in reference.py: per (b, h) and chunk n, gc the inclusive cumsum of g inside the chunk,
 gam = exp(gc), Gam = exp(gc[-1]), E_ij = exp(gc_i - gc_j) (j <= i), L = strict_lower((beta P) K^T * E),
-A = (I + L)^-1, Vn = A (beta V) - A (beta gam P) S, X = A^T dVn.
+A = (I + L)^-1, U = A (beta V), W = A (beta gam P), Vn = U - W S, dVlocal = (scale lower(Q K^T) * E)^T dO,
+X = A^T dVn.
 
 The forward:
   1. transform     (chunk-parallel)  A of each chunk in fp32 by 16 x 16 blocks -> HBM in bf16.
-  2. forward_scan  (serial over chunks)  S_n, the state before chunk n, and Vn, both bf16 -> HBM.
-  3. output        (chunk-parallel)  O = scale [(gam Q) S_n + (lower(Q K^T) * E) Vn].
-The backward makes the forward's stages 1 and 2 again (`state_stages`: the same kernels, picked the same way), then:
-  3. reverse_scan  (serial over chunks, reversed, dS in fp32)  dS'_n (bf16) and X = A^T dVn (bf16) -> HBM, with
-     dv = beta X and dbeta's v part sum_v(v X) where the gradient kernel does not make them.
-  4. grads         (chunk-parallel)  dq, dk, dp and dbeta, and the terms of d gc.
-  5. dg            (chunk-parallel)  dg from the terms of d gc (fused into stage 4 where a Gluon kernel runs it).
-The scans depend only on the transform, so in the backward they run side by side on two streams; the gradients wait
-on both. The scratch between the stages (A, S_n, dS'_n, Vn, X, dbeta's v parts, d gc's terms) is allocated here, once
-a call. A and the states are materialised in HBM: the solve would sit on the serial path of the scans, and the
-chunk-parallel kernels need the states of their chunk without a scan of their own. A, S_n and Vn are scratch of the
-call: the backward of a training step makes them again.
+  2. scan_terms    (chunk-parallel)  U (fp32) and -W (bf16) -> HBM, where the Triton forward scan runs.
+  3. forward_scan  (serial over chunks)  S_n, the state before chunk n, and Vn, both bf16 -> HBM.
+  4. output        (chunk-parallel)  O = scale [(gam Q) S_n + (lower(Q K^T) * E) Vn].
+The backward makes the forward's stages 1 to 3 again (`state_stages`: the same kernels, picked the same way), its
+scan_terms stage making -W where either Triton scan runs, U where the forward one does and dVlocal (bf16) where the
+reverse one does, then:
+  4. reverse_scan  (serial over chunks, reversed, dS in fp32)  dS'_n and dVn (bf16) -> HBM (the Gluon one: dS'_n and
+     X, with dv and dbeta's v part).
+  5. adjoint       (chunk-parallel, after the Triton reverse scan)  X = A^T dVn (bf16) -> HBM, with dv = beta X and
+     dbeta's v part sum_v(v X) where the gradient kernel does not make them.
+  6. grads         (chunk-parallel)  dq, dk, dp and dbeta, and the terms of d gc.
+  7. dg            (chunk-parallel)  dg from the terms of d gc (fused into stage 6 where a Gluon kernel runs it).
+The scans depend only on the chunk-parallel stages before them, so in the backward they run side by side on two
+streams; the stages after them wait on both. The scratch between the stages (A, W, U, dVlocal, S_n, dS'_n, Vn, dVn, X,
+dbeta's v part, d gc's terms) is allocated here, once a call. A, the scans' terms and the states are materialised in
+HBM: the solve and the chunk-local products would sit on the serial path of the scans (and be repeated by each of a
+chunk's V-block programs), and the chunk-parallel kernels need the states of their chunk without a scan of their own.
+All of it is scratch of the call: the backward of a training step makes it again.
 
 A model's call (`dispatch.plan(..., model=True)`, the Triton kernels only) may carry a state and group its value heads:
 the forward scan starts from the initial state and writes the final one; the reverse scan starts from the final
@@ -72,14 +79,21 @@ def chunks_of(T: int, packing=None) -> int:
     return packing.chunks if packing is not None else -(-T // CHUNK)
 
 
-def state_scratch(q: torch.Tensor, v: torch.Tensor, N: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Uninitialised (A, S, Vn), what the transform and the forward scan write on N chunks for inputs q (B, ·, H, K)
-    and v (B, ·, HV, V): A (B * HV, N, 64, 64), S (B * HV, N, K, V), Vn (B * HV, N * 64, V), bf16 whatever the inputs'
-    dtype (the tensor-core operands of the later stages)."""
+def state_scratch(q: torch.Tensor, v: torch.Tensor, N: int, plan, backward: bool = False) -> tuple:
+    """Uninitialised (A, W, U, S, Vn), what the transform, the scans' terms and the forward scan write on N chunks for
+    inputs q (B, ·, H, K) and v (B, ·, HV, V) on `plan`: A (B * HV, N, 64, 64), -W (B * HV, N * 64, K) where a Triton
+    scan runs (the forward one, or in the backward either), U (B * HV, N * 64, V) where the Triton forward scan runs
+    (None where not), S (B * HV, N, K, V), Vn (B * HV, N * 64, V); bf16 whatever the inputs' dtype (the tensor-core
+    operands of the later stages), but U, fp32: Vn = U - W S_n is the small remainder of two nearly equal terms, and
+    U rounded to bf16 would carry an error relative to U into it, which dg's nearly cancelling terms magnify."""
     B, _, HV, V = v.shape
     K = q.shape[-1]
     empty = lambda *shape: torch.empty(*shape, device=q.device, dtype=torch.bfloat16)  # noqa: E731
-    return empty(B * HV, N, CHUNK, CHUNK), empty(B * HV, N, K, V), empty(B * HV, N * CHUNK, V)
+    forward = "forward_scan" not in plan.gluon
+    reverse = backward and "reverse_scan" not in plan.gluon
+    W = empty(B * HV, N * CHUNK, K) if forward or reverse else None
+    U = torch.empty(B * HV, N * CHUNK, V, device=q.device, dtype=torch.float32) if forward else None
+    return empty(B * HV, N, CHUNK, CHUNK), W, U, empty(B * HV, N, K, V), empty(B * HV, N * CHUNK, V)
 
 
 class Packing(NamedTuple):
@@ -114,29 +128,35 @@ class Packing(NamedTuple):
 
 
 def state_stages(k, v, p, beta, g, scratch, plan, tiles=None, initial_state=None, final_state=None,
-                 packing=None, read_first=False) -> list[Stage]:
-    """[transform, forward_scan]: the stages that fill `scratch` = (A, S, Vn) (`state_scratch`), by the kernels `plan`
-    (`dispatch.plan`) picks; `tiles` are the Gluon descriptors (`hopper.chunk.tiles`) where the Gluon forward scan
-    runs. The forward scan starts from `initial_state` (B, HV, K, V) fp32 (None: zeros) and writes the state after the
-    last chunk into `final_state` where given (a model's plan); with `packing` (`Packing`, B = 1) the states are one
-    per packed sequence, (N, HV, K, V); read_first takes fla's read order (a model's plan). The forward's first two
-    stages, and the backward's where it makes them again."""
-    A, S, Vn = scratch
+                 packing=None, read_first=False, local=None) -> list[Stage]:
+    """[transform, scan_terms, forward_scan]: the stages that fill `scratch` = (A, W, U, S, Vn) (`state_scratch`), by
+    the kernels `plan` (`dispatch.plan`) picks, scan_terms only where `scratch` holds W; `tiles` are the Gluon
+    descriptors (`hopper.chunk.tiles`) where the Gluon forward scan runs. `local` = (q, do, dv_local, scale) in a
+    backward whose reverse scan is Triton's: scan_terms makes dVlocal into dv_local too. The forward scan starts from
+    `initial_state` (B, HV, K, V) fp32 (None: zeros) and writes the state after the last chunk into `final_state`
+    where given (a model's plan); with `packing` (`Packing`, B = 1) the states are one per packed sequence,
+    (N, HV, K, V); read_first takes fla's read order (a model's plan). The forward's first stages, and the
+    backward's where it makes them again."""
+    A, W, U, S, Vn = scratch
     if "transform" in plan.gluon:
-        transform = Stage("transform", hopper.transform.launch, (k, p, beta, g, A))
+        stages = [Stage("transform", hopper.transform.launch, (k, p, beta, g, A))]
     else:
-        transform = Stage("transform", portable.transform.launch, (k, p, beta, g, A, read_first, packing))
+        stages = [Stage("transform", portable.transform.launch, (k, p, beta, g, A, read_first, packing))]
+    if W is not None:
+        stages.append(Stage("scan_terms", portable.scan_terms.launch,
+                            (k, v, p, beta, g, A, W, U, read_first, packing, *(local or ()))))
     if "forward_scan" in plan.gluon:
-        forward_scan = Stage("forward_scan", hopper.forward_scan.launch, (tiles, k, v, beta, g))
+        stages.append(Stage("forward_scan", hopper.forward_scan.launch, (tiles, k, v, beta, g)))
     else:
-        forward_scan = Stage("forward_scan", portable.forward_scan.launch,
-                             (k, v, p, beta, g, A, S, Vn, initial_state, final_state, packing, read_first))
-    return [transform, forward_scan]
+        stages.append(Stage("forward_scan", portable.forward_scan.launch,
+                            (k, beta, g, W, U, S, Vn, initial_state, final_state, packing)))
+    return stages
 
 
 def forward_stages(q, k, v, p, beta, g, scale: float, plan=None, initial_state=None, final_state=None,
                    packing=None, read_first=False) -> tuple[list[Stage], torch.Tensor]:
-    """The forward's stages in order, [transform, forward_scan, output], and o, which they fill.
+    """The forward's stages in order, [transform, scan_terms (where the Triton forward scan runs), forward_scan,
+    output], and o, which they fill.
 
     Inputs contiguous, any T (a multiple of the chunk where the plan runs Gluon kernels: `_plan_rows`), K in
     {64, 128, 256}, V in {64, 128} (a model's call: 256, 512 too); `plan` is `dispatch.plan`'s for the call;
@@ -144,7 +164,7 @@ def forward_stages(q, k, v, p, beta, g, scale: float, plan=None, initial_state=N
     earlier stages wrote, so after one full pass any stage can be run (timed) again alone."""
     V = v.shape[-1]
     plan = plan or dispatch.plan(q, V, model=read_first or is_model_call(q, v, initial_state, final_state, packing))
-    A, S, Vn = scratch = state_scratch(q, v, chunks_of(q.shape[1], packing))
+    A, _, _, S, Vn = scratch = state_scratch(q, v, chunks_of(q.shape[1], packing), plan)
     o = torch.empty_like(v)
     t = hopper.chunk.tiles(q, k, p, v, None, A, S, None, Vn, None) if "forward_scan" in plan.gluon else None
     stages = state_stages(k, v, p, beta, g, scratch, plan, t, initial_state, final_state, packing, read_first)
@@ -193,8 +213,9 @@ def run_forward(q, k, v, p, beta, g, scale: float, plan, initial_state=None, out
 
 def backward_stages(q, k, v, p, beta, g, do, scale: float, grads=None, plan=None, initial_state=None, d_final=None,
                     d_initial=None, packing=None, read_first=False) -> tuple[list[Stage], tuple]:
-    """The backward's stages in order, [transform, forward_scan, reverse_scan, grads] and dg where the Triton gradient
-    kernel runs, and the six gradients, which they fill.
+    """The backward's stages in order, [transform, scan_terms (where a Triton scan runs), forward_scan, reverse_scan,
+    adjoint (after the Triton reverse scan), grads] and dg where the Triton gradient kernel runs, and the six
+    gradients, which they fill.
 
     Each stage reads only what earlier stages wrote, so after one full pass any stage can be run (timed) again alone.
     Inputs contiguous, any T (a multiple of the chunk where the plan runs Gluon kernels: `_plan_rows`), K in
@@ -213,23 +234,25 @@ def backward_stages(q, k, v, p, beta, g, do, scale: float, grads=None, plan=None
     BH = B * HV
     dev = q.device
     gluon = plan.gluon
-    # dbeta's v parts, B * N * 64 * HV each (`portable.chunk.part_rows`): none where the gradient kernel makes it, one
-    # from a Gluon reverse scan, else one per V block of the Triton reverse scan.
-    NV = 0 if plan.v_adjoint_in_grads else 1 if "reverse_scan" in gluon else V // portable.chunk.scan_block(K, V)
+    # dbeta's v part, B * N * 64 * HV (`portable.chunk.part_rows`): none where the gradient kernel makes it, else one,
+    # from the Gluon reverse scan or the Triton adjoint.
+    NV = 0 if plan.v_adjoint_in_grads else 1
     dbeta_v = torch.empty(NV, B, N * CHUNK, HV, device=dev, dtype=torch.float32)
-    A, S, Vn = state_scratch(q, v, N)
+    scratch = A, W, _, S, Vn = state_scratch(q, v, N, plan, backward=True)
     dS = torch.empty_like(S)
     X = torch.empty_like(Vn)
     dq, dk, dv, dp, dbeta, dg = _gradients_like(q, k, v, p, beta, g) if grads is None else grads
     t = hopper.chunk.tiles(q, k, p, v, do, A, S, dS, Vn, X) if gluon else None
-    stages = state_stages(k, v, p, beta, g, (A, S, Vn), plan, t, initial_state, None, packing, read_first)
+    dv_local, dVn = (None, None) if "reverse_scan" in gluon else (torch.empty_like(Vn), torch.empty_like(Vn))
+    local = None if dv_local is None else (q, do, dv_local, scale)
+    stages = state_stages(k, v, p, beta, g, scratch, plan, t, initial_state, None, packing, read_first, local)
     if "reverse_scan" in gluon:
         stages.append(Stage("reverse_scan", hopper.reverse_scan.launch, (t, q, v, beta, g, dv, dbeta_v, scale)))
     else:
-        v_adjoint = not plan.v_adjoint_in_grads
         stages.append(Stage("reverse_scan", portable.reverse_scan.launch,
-                            (q, k, v, p, beta, g, do, A, dS, X, dv, dbeta_v, scale, v_adjoint, d_final, d_initial,
-                             packing, read_first)))
+                            (q, k, beta, g, do, W, dv_local, dS, dVn, scale, d_final, d_initial, packing)))
+        stages.append(Stage("adjoint", portable.adjoint.launch,
+                            (v, beta, A, dVn, X, dv, dbeta_v, not plan.v_adjoint_in_grads, packing)))
     if plan.v_adjoint_in_grads:
         stages.append(Stage("grads", hopper.grads.launch_grads64, (t, q, beta, g, dq, dk, dv, dp, dbeta, dg, scale)))
     elif "grads" in gluon:
@@ -264,8 +287,9 @@ def _side_streams(device: torch.device, n: int) -> tuple:
 
 def _launch_on_streams(pieces: list[list[Stage]], device: torch.device):
     """Run each piece's backward stages (`backward_stages`) on a pair of streams of `device`, the first piece's pair
-    starting with its current stream, the others forked from it, and join them back into it: the transform, then the
-    reverse scan on the side stream beside the forward scan, then the gradient stages once both scans are done.
+    starting with its current stream, the others forked from it, and join them back into it: the chunk-parallel
+    stages before the scans (the transform, the scans' terms), then the reverse scan on the side stream beside the
+    forward scan, then the gradient stages once both scans are done.
     `device` is made the current device meanwhile: a Triton or Gluon kernel launches on the current device, whatever
     its tensors' device."""
     main = torch.cuda.current_stream(device)
@@ -274,15 +298,17 @@ def _launch_on_streams(pieces: list[list[Stage]], device: torch.device):
         for own in streams[2::2]:
             own.wait_stream(main)
         for stages, own, side in zip(pieces, streams[0::2], streams[1::2]):
-            transform, forward_scan, reverse_scan, *gradients = stages
+            scans = [stage.name for stage in stages].index("forward_scan")
+            forward_scan, reverse_scan = stages[scans:scans + 2]
             with torch.cuda.stream(own):
-                transform.run()
+                for stage in stages[:scans]:
+                    stage.run()
                 side.wait_stream(own)
                 with torch.cuda.stream(side):
                     reverse_scan.run()
                 forward_scan.run()
                 own.wait_stream(side)
-                for stage in gradients:
+                for stage in stages[scans + 2:]:
                     stage.run()
         for own in streams[2::2]:
             main.wait_stream(own)

@@ -2,15 +2,15 @@
 the gates of a chunk, its decay, the pointers to its rows, the offsets of a chunk-parallel program, and the scans' V
 blocks and pipeline depth.
 
-The kernels run over a layout of whole chunks of 64 rows, chunk n of value head bh at rows bh * N * 64 + n * 64 of
-the scratch they share (A, S_n, Vn, dS'_n, X, dbeta's v parts, d gc's terms). Chunk n reads its rows of the call's
-inputs (q, k, v, p, beta, g, dO) and writes its rows of the outputs (o, dq, dk, dv, dp, dbeta, dg) where they are
-(`chunk_rows`): rows t0 = n * 64 on of a (B, T, H, ...) tensor; where T is not a multiple of the chunk (MASKED), the
-rows of the last chunk from T on are read as zeros and not written; for sequences packed in a batch of one (PACKED),
-each sequence's chunks start at its first row and its last chunk ends with it (`Packing`'s table in `pipeline`). Zero
-q, k, v, p, beta and g leave the state as it is, so the rows read as zeros are the padding of whole chunks: the
-kernels compute on them what they would on zero-padded inputs, and each packed sequence has its chunks and its scan
-alone.
+The kernels run over a layout of whole chunks of 64 rows, chunk n of value head bh at rows bh * N * 64 + n * 64 of the
+scratch they share (A, U, -W, dVlocal, S_n, Vn, dS'_n, dVn, X, dbeta's v part, d gc's terms). Chunk n reads its rows
+of the call's inputs (q, k, v, p, beta, g, dO) and writes its rows of the outputs (o, dq, dk, dv, dp, dbeta, dg) where
+they are (`chunk_rows`): rows t0 = n * 64 on of a (B, T, H, ...) tensor; where T is not a multiple of the chunk
+(MASKED), the rows of the last chunk from T on are read as zeros and not written; for sequences packed in a batch of
+one (PACKED), each sequence's chunks start at its first row and its last chunk ends with it (`Packing`'s table in
+`pipeline`). Zero q, k, v, p, beta and g leave the state as it is, so the rows read as zeros are the padding of whole
+chunks: the kernels compute on them what they would on zero-padded inputs, and each packed sequence has its chunks and
+its scan alone.
 
 Notation as in reference.py: per (b, h) and chunk n, gc the inclusive cumsum of g inside the chunk, gam = exp(gc),
 Gam = exp(gc[-1]), E_ij = exp(gc_i - gc_j) (j <= i). In fla's read order (READ_FIRST: the state read before the
@@ -34,18 +34,18 @@ FLOOR = tl.constexpr(G_FLOOR)  # the log-decay floor of reference.G_FLOOR: -inf 
 
 # The scans cut V across their programs in blocks of SCAN_BLOCK[K] columns (at most V), so that a program's
 # (K, block) state has 128 x 64 entries at K = 64 and 128. At K = 64 one program then takes all of V = 128 and loads
-# the chunk's q, k, p and A once instead of twice, which is faster; blocks of 32 at K = 128 (twice the programs)
+# the chunk's k, and W or q, once instead of twice, which is faster; blocks of 32 at K = 128 (twice the programs)
 # are slower than 64. At K = 256 the blocks stay 64 wide: Triton 3.6 miscompiles both scans on sm_90 with blocks of
 # 16 or 32 there (wrong outputs, out-of-range shared-memory reads under compute-sanitizer).
 SCAN_BLOCK = {64: 128, 128: 64, 256: 64}
 SCAN_WARPS = 4
 
 # What the pipelined scans need by K: the shared memory of a block (the reverse scan's, the larger), and the one GPU
-# generation they run on where that is not every one (None). 113 KB at K = 64 and 128 (their state blocks being the
-# same size), more than a block may have on sm_86 / sm_89 / sm_120 (99 KB); 177 KB at K = 256, more than sm_80's
-# 163 KB too, and there on Hopper alone, where the GPU suite verified them: on sm_100 Triton 3.9 lays them out in
-# 236 KB, more than its blocks' 227 KB. Elsewhere the scans run unpipelined (STAGES = 1).
-PIPELINED_SCANS = {64: (116 * 1024, None), 128: (116 * 1024, None), 256: (177 * 1024, 9)}
+# generation they run on where that is not every one (None). 113 KB at K = 128 (105 KB at 64), more than a block may
+# have on sm_86 / sm_89 / sm_120 (99 KB); 193 KB at K = 256, more than sm_80's 163 KB too, and there on Hopper alone,
+# where the GPU suite verified them: on sm_100 Triton 3.9 lays them out in more than its blocks' 227 KB. Elsewhere the
+# scans run unpipelined (STAGES = 1).
+PIPELINED_SCANS = {64: (116 * 1024, None), 128: (116 * 1024, None), 256: (193 * 1024, 9)}
 
 
 def group(keys: torch.Tensor, values: torch.Tensor) -> dict:
@@ -255,16 +255,11 @@ def key_head(scal_base, bh, T, H, GROUP: tl.constexpr):
 
 
 @triton.jit
-def part_stride(T, H, PACKED: tl.constexpr = False):
-    """B * T * H (T the layout's rows, N * BT), the stride between dbeta_v's parts (`part_rows`), one per scan V block:
-    B taken
-    from the grid, whose axis 1 is b * H + h in the scans and the chunk kernels alike, rather than passed as one
-    more launch argument; T * H in a scan over packed sequences (PACKED: a batch of one, axis 1 of its grid is
-    sequence * H + h)."""
-    if PACKED:
-        return T * H
-    else:
-        return tl.num_programs(1) // H * T * H
+def part_stride(T, H):
+    """B * T * H (T the layout's rows, N * BT), the stride between the rows of a chunk-parallel kernel's parts of
+    scratch (d gc's terms, dbeta's v parts: `part_rows`): B taken from the grid, whose axis 1 is b * H + h, rather
+    than passed as one more launch argument."""
+    return tl.num_programs(1) // H * T * H
 
 
 @triton.jit

@@ -104,7 +104,7 @@ def _k_part(q, k, p, do, dS_in, Vn_in, X_in, dk, gc, gr, glast, bk, scal_base, k
 def _store_dp_dbeta(x_s, dLE, kk, pk, pk_kt, gr, bk, dbeta_v, dp_rows, dbeta, rows_h, t0, t_end, parts, n_pos,
                     NV: tl.constexpr):
     """The transform's P side: dp = beta (gam Y + dLE K) with Y = A^T dW = -X S^T (x_s = X S^T, fp32) and
-    dLE = dL * E (bf16), and dbeta = p . (gam Y + dLE K) plus the scans' V-block parts (dbeta_v, NV of them,
+    dLE = dL * E (bf16), and dbeta = p . (gam Y + dLE K) plus dbeta's v parts (dbeta_v, NV of them,
     n_pos apart, the chunk's at `parts`, `chunk.part_rows`); stores both on the chunk's rows from t0 (dbeta's at
     rows_h, `chunk.store_rows`) and returns dbeta's gate term of the read's log-decay, beta gam (p . Y). gam is exp(gr),
     the read's decay (gc in the spec's order). p . (dLE K) is taken as sum_j dLE_ij (p_i . k_j) from pk_kt = P K^T
@@ -202,10 +202,10 @@ def _grads_kernel(q, k, p, beta, g, do, S_in, dS_in, Vn_in, X_in, dbeta_v, dq, d
 def launch(q, k, p, beta, g, do, S, dS, Vn, X, dbeta_v, dq, dk, dp, dbeta, dgc_parts, scale: float, packing=None):
     """dq, dk, dp (B, T, HV, K), one per value head, and dbeta (written in place), and the three parts' terms of d gc
     in dgc_parts (3, B * HV, N * 64), from the inputs q, k, p (B, T, H, K), do (B, T, HV, V), beta and g (B, T, HV)
-    with HV a multiple of H, the scans' S, dS' (B * HV, N, K, V), Vn and X (B * HV, N * 64, V) on N chunks (T = N * 64,
-    or fewer rows: `transform.launch`; with `packing`, packed sequences), and dbeta's v parts dbeta_v
-    (NV, B, N * 64, HV) (`chunk.part_rows`). dgc_parts of four rows (4, B * HV, N * 64) asks for fla's read order, the fourth row the
-    terms of d gr (`_pb_part`)."""
+    with HV a multiple of H, the scans' S, dS' (B * HV, N, K, V), Vn and the adjoint's X (B * HV, N * 64, V) on N
+    chunks (T = N * 64, or fewer rows: `transform.launch`; with `packing`, packed sequences), and dbeta's v parts
+    dbeta_v (NV, B, N * 64, HV) (`chunk.part_rows`). dgc_parts of four rows (4, B * HV, N * 64) asks for fla's read
+    order, the fourth row the terms of d gr (`_pb_part`)."""
     B, T, HV, V = do.shape
     K = q.shape[-1]
     N = S.shape[1]

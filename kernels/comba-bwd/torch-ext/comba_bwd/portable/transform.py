@@ -1,7 +1,7 @@
 """The chunk transform in Triton: A = (I + L)^-1 of each chunk, L = strict_lower((beta P) K^T * E), solved in fp32
-by 16 x 16 blocks, one warp a chunk, and stored in A's dtype (bf16, a tensor-core operand of the scans, as fla uses
-it; beta and the decay are applied to the other operand there). A lives in HBM: solved in the scans, it would sit on
-their serial path.
+by 16 x 16 blocks, one warp a chunk, and stored in A's dtype (bf16, a tensor-core operand of the scans' terms and of
+the adjoint, as fla uses it; beta and the decay are applied to the other operand there). A lives in HBM: solved in
+the scans, it would sit on their serial path.
 
 A non-finite input at step t reaches no row of A before t (`reference.py` states the rule): L's entries are taken
 finite (`common.finite.finite_part`: a masked weight of 0 times a non-finite k_j, or a non-finite row's entries,
