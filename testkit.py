@@ -83,6 +83,17 @@ def interpreted_kept_launches(kernel, stage: str, monkeypatch) -> None:
                         lambda plan, device, dtypes: lambda *tensors: launch(plan, tensors))
 
 
+def entry_calls(kernel, entry: str, monkeypatch) -> list:
+    """A list that grows by one at each call of the CUDA entry point `op.<entry>` from the public function, with the
+    package's kept direct decodes (`op.DIRECT_DECODES`) cleared, so that no call signature starts out kept."""
+    op = submodule(kernel, "op")
+    op.DIRECT_DECODES.clear()
+    calls = []
+    called = getattr(op, entry)
+    monkeypatch.setattr(op, entry, lambda *args: calls.append(1) or called(*args))
+    return calls
+
+
 def sequences(x: torch.Tensor, cu: torch.Tensor | None, per_position: bool) -> list:
     """x cut into its sequences: the packed sequences of a per-position tensor of a packed call (`cu` its
     sequence boundaries), else the batch rows."""

@@ -12,7 +12,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from test_based_decode import BF16_TOL, decode_inputs, float64_step
-from testkit import interpreted_kept_launches, needs_cuda, needs_triton, recorded_launches, rel_err, submodule
+from testkit import (entry_calls, interpreted_kept_launches, needs_cuda, needs_triton, recorded_launches, rel_err,
+                     submodule)
 
 
 @pytest.fixture
@@ -201,13 +202,8 @@ def test_vmap_runs_the_reference(based):
 def entered(based, monkeypatch):
     """The calls of the entry point `based_decode_cuda` from the public function, no direct call kept before or
     after."""
-    op = submodule(based, "op")
-    op.DIRECT_DECODES.clear()
-    calls = []
-    entry = op.based_decode_cuda
-    monkeypatch.setattr(op, "based_decode_cuda", lambda *args: calls.append(1) or entry(*args))
-    yield calls
-    op.DIRECT_DECODES.clear()
+    yield entry_calls(based, "based_decode_cuda", monkeypatch)
+    submodule(based, "op").DIRECT_DECODES.clear()
 
 
 @needs_triton

@@ -13,7 +13,8 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from test_comba_decode import DEVICE, TOL
 from test_model_interface import model_inputs, pack, recurrence64
-from testkit import interpreted_kept_launches, needs_cuda, needs_triton, recorded_launches, rel_err, submodule
+from testkit import (entry_calls, interpreted_kept_launches, needs_cuda, needs_triton, recorded_launches, rel_err,
+                     submodule)
 
 
 @pytest.fixture
@@ -175,13 +176,8 @@ def test_vmap_runs_the_registered_op_a_sample_at_a_time(comba):
 def entered(comba, monkeypatch):
     """The calls of the entry point `comba_decode_cuda` from the public function, no direct call kept before or
     after."""
-    op = submodule(comba, "op")
-    op.DIRECT_DECODES.clear()
-    calls = []
-    entry = op.comba_decode_cuda
-    monkeypatch.setattr(op, "comba_decode_cuda", lambda *args: calls.append(1) or entry(*args))
-    yield calls
-    op.DIRECT_DECODES.clear()
+    yield entry_calls(comba, "comba_decode_cuda", monkeypatch)
+    submodule(comba, "op").DIRECT_DECODES.clear()
 
 
 # (state given, packed sequences): a carried state, zeros, two packed sequences of one and two tokens from a state
