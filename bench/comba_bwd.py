@@ -93,8 +93,9 @@ FLA_COMPILE_SHAPES = [((4, 2048, 8, 16, 128, 256), True), ((16, 2048, 32, 32, 64
 # of its own (T / 64 + N of them at most), (T, N, H, HV, K, V), in both read orders, and at fla's layer sizes.
 PACKED_COMPILE_SHAPES = [(32768, 8, 8, 16, 128, 256), (32768, 8, 6, 6, 256, 512)]
 # The plain call (no state, equal heads) at K = 256, which only the portable kernels take, at V = 64 with a ragged T
-# (its last chunk masked): (B, T, H, K, V).
-PLAIN_COMPILE_SHAPES = [(4, 2048, 8, 256, 128), (4, 2047, 8, 256, 64)]
+# (its last chunk masked), and at K = 64 with V = 64 and a ragged T (the scans forming their chunk-local terms in their
+# loops, `dispatch.Plan.local_terms`, over a masked last chunk): (B, T, H, K, V).
+PLAIN_COMPILE_SHAPES = [(4, 2048, 8, 256, 128), (4, 2047, 8, 256, 64), (4, 2047, 8, 64, 64)]
 # The L2 normalisation of q, k, p and its backward with the group sum (`portable.l2norm`) alone, at the packed
 # layer rows: (B, T, H, HV, K, dtype, normalised), the group sum without the normalisation too, and 16-bit and fp32.
 L2NORM_COMPILE_CASES = [(1, 32768, 8, 16, K, torch.bfloat16, l2norm)
@@ -566,7 +567,7 @@ def compile_cases(kernel, spec):
 
     def portable_case(shape):
         inputs = meta_inputs(*shape)
-        portable = dispatch.Plan(gluon=(), v_adjoint_in_grads=False, pieces=1)
+        portable = dispatch.plan(inputs[0], shape[4])._replace(gluon=(), v_adjoint_in_grads=False, pieces=1)
 
         def stages():
             for stage in pipeline.backward_stages(*inputs, shape[3] ** -0.5, plan=portable)[0]:

@@ -459,12 +459,16 @@ def test_fused_kernels_take_k256_only_with_its_shared_memory(comba, monkeypatch)
 
 
 @needs_triton
-def test_stages_rerun_alone_give_the_same_gradients(pipeline):
-    """The benchmark times each stage alone after one full pass: re-running a stage must not change anything."""
-    inputs = make_inputs(1, 128, 1, 64, 64, torch.bfloat16, TRITON_DEVICE, seed=11)
+@pytest.mark.parametrize("K,names", [
+    (64, ["transform", "forward_scan", "reverse_scan", "grads", "dg"]),
+    (128, ["transform", "scan_terms", "forward_scan", "reverse_scan", "adjoint", "grads", "dg"])])
+def test_stages_rerun_alone_give_the_same_gradients(pipeline, K, names):
+    """The benchmark times each stage alone after one full pass: re-running a stage must not change anything. At
+    K = 64 the scans form their chunk-local terms and the adjoint in their loops (`dispatch.Plan.local_terms`), at
+    K = 128 the scan_terms and adjoint stages do."""
+    inputs = make_inputs(1, 128, 1, K, 64, torch.bfloat16, TRITON_DEVICE, seed=11)
     stages, grads = pipeline.backward_stages(*inputs, 0.125)
-    assert [stage.name for stage in stages] == ["transform", "scan_terms", "forward_scan", "reverse_scan", "adjoint",
-                                                "grads", "dg"]
+    assert [stage.name for stage in stages] == names
     for stage in stages:
         stage.run()
     first = [x.clone() for x in grads]
@@ -519,12 +523,58 @@ def test_gluon_rule(dispatch):
                     (torch.bfloat16, 256, 128)])
     assert not takes(cpu, torch.bfloat16, 128, 128) and not takes(cpu, torch.bfloat16, 64, 128)
     q = lambda device, K, B=4: torch.empty(B, 64, 2, K, device=device, dtype=torch.bfloat16)  # noqa: E731
-    assert dispatch.plan(q(meta, 128), 128) == (takes(meta, torch.bfloat16, 128, 128), False, 1)
-    assert dispatch.plan(q(meta, 64), 128) == (takes(meta, torch.bfloat16, 64, 128), True, 1)
-    assert dispatch.plan(q(meta, 64), 64) == ((), False, 2)
-    assert dispatch.plan(q(meta, 256), 128) == ((), False, 2)  # K = 256: the Triton kernels alone
-    assert dispatch.plan(q(cpu, 128), 128) == ((), False, 2)
+    assert dispatch.plan(q(meta, 128), 128) == (takes(meta, torch.bfloat16, 128, 128), False, 1, False)
+    assert dispatch.plan(q(meta, 64), 128) == (takes(meta, torch.bfloat16, 64, 128), True, 1, True)
+    assert dispatch.plan(q(meta, 64), 64) == ((), False, 2, True)
+    assert dispatch.plan(q(meta, 256), 128) == ((), False, 2, False)  # K = 256: the Triton kernels alone
+    assert dispatch.plan(q(cpu, 128), 128) == ((), False, 2, False)
     assert dispatch.plan(q(cpu, 128, B=1), 128).pieces == 1
+
+
+@needs_triton
+@pytest.mark.kernels_ci
+def test_local_terms_rule(dispatch):
+    """The Triton scans form their chunk-local terms in their loops (`dispatch.Plan.local_terms`) in a plain call at
+    K = 64 with V up to 128 (one scan program holds all of V), on every device and whichever stages Gluon takes; never
+    at K = 128 or 256, with V = 256 or 512, nor in a model's call."""
+    q = lambda device, K: torch.empty(2, 64, 2, K, device=device, dtype=torch.bfloat16)  # noqa: E731
+    for device in ("meta", "cpu"):
+        assert [dispatch.plan(q(device, 64), V).local_terms for V in (64, 128, 256, 512)] == [True, True, False, False]
+        assert not any(dispatch.plan(q(device, K), V).local_terms for K in (128, 256) for V in (64, 128))
+        assert not any(dispatch.plan(q(device, 64), V, model=True).local_terms for V in (64, 128))
+
+
+@needs_triton
+@pytest.mark.parametrize("shape", [(2, 100, 2, 64, 64), (1, 128, 1, 64, 128)])
+def test_local_terms_match_the_stages(pipeline, dispatch, shape, monkeypatch):
+    """At K = 64 a plain call's scans form their chunk-local terms in their loops and the reverse scan makes X, dv and
+    dbeta's v part (`dispatch.Plan.local_terms`): its output and six gradients against those of the scan_terms and
+    adjoint stages and against float64, from fp32 inputs (the interpreter's dot); B = 2 runs in two batch pieces and
+    T = 100 ends in a masked chunk. The reverse scan's X without dv and dbeta's v part (the form it takes beside the
+    K = 64 Gluon gradient kernel, which makes them) is the X it makes with them."""
+    inputs = make_inputs(*shape, torch.float32, TRITON_DEVICE, seed=23)
+    *x, do = inputs
+    scale = 0.9 * shape[3] ** -0.5
+    local = (dispatch.comba_forward_cuda(*x, scale), *dispatch.comba_backward_cuda(*inputs, scale))
+    stages = pipeline.backward_stages(*inputs, scale)[0]
+    for stage in stages:
+        stage.run()
+    args = list(next(stage for stage in stages if stage.name == "reverse_scan").args)
+    X, v_adjoint = args[12], args[16]
+    assert args[8] is None and v_adjoint  # the local terms, dv from the scan
+    args[12:15], args[16] = (torch.empty_like(X), None, None), False
+    pipeline.portable.reverse_scan.launch(*args)
+    assert torch.equal(args[12], X)
+    plan = dispatch.plan
+    monkeypatch.setattr(dispatch, "plan", lambda q, V, model=False: plan(q, V, model)._replace(local_terms=False))
+    staged = (dispatch.comba_forward_cuda(*x, scale), *dispatch.comba_backward_cuda(*inputs, scale))
+    ref = float64_grads(inputs, scale)
+    o_ref = comba_recurrence(*[t.double().cpu() for t in x], scale=scale)
+    for got in (local, staged):  # bf16 scratch (A, S_n, Vn, X)
+        assert rel_err(got[0], o_ref) < 1e-2
+        assert_grads_close(got[1:], ref, 1e-2)
+    assert rel_err(local[0], staged[0].double()) < 5e-3
+    assert_grads_close(local[1:], [t.double() for t in staged[1:]], 5e-3)
 
 
 def take_the_triton_kernels(dispatch, monkeypatch):

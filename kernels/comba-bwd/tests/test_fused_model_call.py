@@ -95,8 +95,12 @@ def test_fused_grouped_heads_without_state_match_float64(dispatch):
 @needs_triton
 @pytest.mark.kernels_ci
 @pytest.mark.parametrize("K", [64, 256])
-def test_fused_state_call_without_state_equals_the_plain_call(dispatch, K):
-    """The model's plan with no state and equal heads runs the plain call's kernels: the same o and gradients."""
+def test_fused_state_call_without_state_equals_the_plain_call(dispatch, K, monkeypatch):
+    """The model's plan with no state and equal heads runs the plain call's kernels: the same o and gradients (the
+    plain call's taken with the scan_terms and adjoint stages, as a model's call takes them, where it would form the
+    terms in the scans' loops: `dispatch.Plan.local_terms`)."""
+    plan = dispatch.plan
+    monkeypatch.setattr(dispatch, "plan", lambda q, V, model=False: plan(q, V, model)._replace(local_terms=False))
     x, _, do, _ = kernel_inputs(1, 65, 2, 2, K, 64, seed=6, with_state=False)
     o, _ = dispatch.comba_state_forward_cuda(*x, None, 0.125, False)
     assert torch.equal(o, dispatch.comba_forward_cuda(*x, 0.125))

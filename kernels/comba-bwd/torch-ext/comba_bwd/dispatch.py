@@ -51,6 +51,18 @@ GLUON_STAGES = {128: ("forward_scan", "reverse_scan", "grads"), 64: ("transform"
 # K = 128).
 BATCH_PIECES = 2
 
+# Where the Triton scans form their chunk-local terms inside their loops (U = A (beta V) and -W = -A (beta gam P) in
+# the forward scan, dVlocal and -W^T in the reverse scan) and the reverse scan makes X = A^T dVn, dv and dbeta's v part,
+# so that neither the scan_terms stage nor the adjoint stage runs: a plain call (no carried state, equal heads, not
+# packed, the spec's read order) at K in LOCAL_TERMS_V with V up to LOCAL_TERMS_V[K], which one scan program holds
+# whole (`portable.chunk.SCAN_BLOCK`), so no program repeats another's terms. At K = 64 the loops take the terms'
+# products (64 deep, as the state's are) with two CTAs an SM still, and their longer chains cost the call less than
+# the stages' round trips through HBM (U in fp32, -W, dVlocal and dVn written and read back); at K = 128 and 256 (V in
+# two or more blocks, [64, K] tiles) the stages keep the terms off the serial loops, as they do in a model's call
+# (`plan`'s `model`: its V up to 512, grouped heads, packed sequences and fla's read order run the forms verified
+# there).
+LOCAL_TERMS_V = {64: 128}
+
 
 def kernel_path(x: torch.Tensor) -> str:
     """Which implementation `comba_attention` and `comba_backward` take for tensors on `x`'s device: "triton" or
@@ -60,11 +72,14 @@ def kernel_path(x: torch.Tensor) -> str:
 
 class Plan(NamedTuple):
     """How one call runs: the stages Gluon kernels take, whether the gradient kernel (not the reverse scan's stages)
-    makes dv and dbeta's v part, and the pieces the batch is cut in."""
+    makes dv and dbeta's v part, the pieces the batch is cut in, and whether the Triton scans form their chunk-local
+    terms and the adjoint in their loops (LOCAL_TERMS_V) rather than taking them from the scan_terms and adjoint
+    stages."""
 
     gluon: tuple[str, ...]
     v_adjoint_in_grads: bool
     pieces: int
+    local_terms: bool
 
 
 def gluon_stages(device: torch.device, dtype: torch.dtype, K: int, V: int) -> tuple[str, ...]:
@@ -81,11 +96,13 @@ def plan(q: torch.Tensor, V: int, model: bool = False) -> Plan:
     which reads X anyway, where it runs, else from the Gluon reverse scan or the Triton one's adjoint stage. The batch
     is cut in BATCH_PIECES (at most B) on the portable path and stays whole where Gluon kernels run (BATCH_PIECES says
     why). A model's call (`model`: a carried state or grouped value heads, which the Gluon kernels do not take) runs
-    the Triton kernels."""
+    the Triton kernels. The Triton scans form their chunk-local terms in their loops in a plain call at the K and V of
+    LOCAL_TERMS_V."""
     B, K = q.shape[0], q.shape[-1]
     gluon = () if model else gluon_stages(q.device, q.dtype, K, V)
     pieces = 1 if gluon else BATCH_PIECES
-    return Plan(gluon, "grads" in gluon and K == 64, min(pieces, B))
+    local_terms = not model and V <= LOCAL_TERMS_V.get(K, 0)
+    return Plan(gluon, "grads" in gluon and K == 64, min(pieces, B), local_terms)
 
 
 def with_fallback(call, q: torch.Tensor, V: int):

@@ -8,7 +8,8 @@ X = A^T dVn.
 
 The forward:
   1. transform     (chunk-parallel)  A of each chunk in fp32 by 16 x 16 blocks -> HBM in bf16.
-  2. scan_terms    (chunk-parallel)  U (fp32) and -W (bf16) -> HBM, where the Triton forward scan runs.
+  2. scan_terms    (chunk-parallel)  U (fp32) and -W (bf16) -> HBM, where the Triton forward scan runs (not where it
+                   forms them in its loop: `dispatch.Plan.local_terms`).
   3. forward_scan  (serial over chunks)  S_n, the state before chunk n, and Vn, both bf16 -> HBM.
   4. output        (chunk-parallel)  O = scale [(gam Q) S_n + (lower(Q K^T) * E) Vn].
 The backward makes the forward's stages 1 to 3 again (`state_stages`: the same kernels, picked the same way), its
@@ -20,6 +21,9 @@ reverse one does, then:
      dbeta's v part sum_v(v X) where the gradient kernel does not make them.
   6. grads         (chunk-parallel)  dq, dk, dp and dbeta, and the terms of d gc.
   7. dg            (chunk-parallel)  dg from the terms of d gc (fused into stage 6 where a Gluon kernel runs it).
+Where the plan's local_terms (`dispatch.LOCAL_TERMS_V`: a plain call at K = 64) says so, the Triton scans form their
+chunk-local terms in their loops and the reverse scan stores X (with dv and dbeta's v part) in place of dVn: neither
+scan_terms nor adjoint runs, and U, -W, dVlocal and dVn are not allocated.
 The scans depend only on the chunk-parallel stages before them, so in the backward they run side by side on two
 streams; the stages after them wait on both. The scratch between the stages (A, W, U, dVlocal, S_n, dS'_n, Vn, dVn, X,
 dbeta's v part, d gc's terms) is allocated here, once a call. A, the scans' terms and the states are materialised in
@@ -83,14 +87,15 @@ def state_scratch(q: torch.Tensor, v: torch.Tensor, N: int, plan, backward: bool
     """Uninitialised (A, W, U, S, Vn), what the transform, the scans' terms and the forward scan write on N chunks for
     inputs q (B, ·, H, K) and v (B, ·, HV, V) on `plan`: A (B * HV, N, 64, 64), -W (B * HV, N * 64, K) where a Triton
     scan runs (the forward one, or in the backward either), U (B * HV, N * 64, V) where the Triton forward scan runs
-    (None where not), S (B * HV, N, K, V), Vn (B * HV, N * 64, V); bf16 whatever the inputs' dtype (the tensor-core
-    operands of the later stages), but U, fp32: Vn = U - W S_n is the small remainder of two nearly equal terms, and
-    U rounded to bf16 would carry an error relative to U into it, which dg's nearly cancelling terms magnify."""
+    (each None where not, or where the scans form them in their loops: plan.local_terms), S (B * HV, N, K, V),
+    Vn (B * HV, N * 64, V); bf16 whatever the inputs' dtype (the tensor-core operands of the later stages), but U,
+    fp32: Vn = U - W S_n is the small remainder of two nearly equal terms, and U rounded to bf16 would carry an error
+    relative to U into it, which dg's nearly cancelling terms magnify."""
     B, _, HV, V = v.shape
     K = q.shape[-1]
     empty = lambda *shape: torch.empty(*shape, device=q.device, dtype=torch.bfloat16)  # noqa: E731
-    forward = "forward_scan" not in plan.gluon
-    reverse = backward and "reverse_scan" not in plan.gluon
+    forward = "forward_scan" not in plan.gluon and not plan.local_terms
+    reverse = backward and "reverse_scan" not in plan.gluon and not plan.local_terms
     W = empty(B * HV, N * CHUNK, K) if forward or reverse else None
     U = torch.empty(B * HV, N * CHUNK, V, device=q.device, dtype=torch.float32) if forward else None
     return empty(B * HV, N, CHUNK, CHUNK), W, U, empty(B * HV, N, K, V), empty(B * HV, N * CHUNK, V)
@@ -130,8 +135,9 @@ class Packing(NamedTuple):
 def state_stages(k, v, p, beta, g, scratch, plan, tiles=None, initial_state=None, final_state=None,
                  packing=None, read_first=False, local=None) -> list[Stage]:
     """[transform, scan_terms, forward_scan]: the stages that fill `scratch` = (A, W, U, S, Vn) (`state_scratch`), by
-    the kernels `plan` (`dispatch.plan`) picks, scan_terms only where `scratch` holds W; `tiles` are the Gluon
-    descriptors (`hopper.chunk.tiles`) where the Gluon forward scan runs. `local` = (q, do, dv_local, scale) in a
+    the kernels `plan` (`dispatch.plan`) picks, scan_terms only where `scratch` holds W (the Triton forward scan forms
+    U and -W itself where it does not: plan.local_terms); `tiles` are the Gluon descriptors (`hopper.chunk.tiles`)
+    where the Gluon forward scan runs. `local` = (q, do, dv_local, scale) in a
     backward whose reverse scan is Triton's: scan_terms makes dVlocal into dv_local too. The forward scan starts from
     `initial_state` (B, HV, K, V) fp32 (None: zeros) and writes the state after the last chunk into `final_state`
     where given (a model's plan); with `packing` (`Packing`, B = 1) the states are one per packed sequence,
@@ -149,7 +155,7 @@ def state_stages(k, v, p, beta, g, scratch, plan, tiles=None, initial_state=None
         stages.append(Stage("forward_scan", hopper.forward_scan.launch, (tiles, k, v, beta, g)))
     else:
         stages.append(Stage("forward_scan", portable.forward_scan.launch,
-                            (k, beta, g, W, U, S, Vn, initial_state, final_state, packing)))
+                            (k, v, p, beta, g, A, W, U, S, Vn, initial_state, final_state, packing)))
     return stages
 
 
@@ -215,7 +221,8 @@ def backward_stages(q, k, v, p, beta, g, do, scale: float, grads=None, plan=None
                     d_initial=None, packing=None, read_first=False) -> tuple[list[Stage], tuple]:
     """The backward's stages in order, [transform, scan_terms (where a Triton scan runs), forward_scan, reverse_scan,
     adjoint (after the Triton reverse scan), grads] and dg where the Triton gradient kernel runs, and the six
-    gradients, which they fill.
+    gradients, which they fill; neither scan_terms nor adjoint where the scans form their terms and the adjoint in
+    their loops (plan.local_terms).
 
     Each stage reads only what earlier stages wrote, so after one full pass any stage can be run (timed) again alone.
     Inputs contiguous, any T (a multiple of the chunk where the plan runs Gluon kernels: `_plan_rows`), K in
@@ -235,7 +242,7 @@ def backward_stages(q, k, v, p, beta, g, do, scale: float, grads=None, plan=None
     dev = q.device
     gluon = plan.gluon
     # dbeta's v part, B * N * 64 * HV (`portable.chunk.part_rows`): none where the gradient kernel makes it, else one,
-    # from the Gluon reverse scan or the Triton adjoint.
+    # from the Gluon reverse scan, the Triton adjoint or (plan.local_terms) the Triton reverse scan.
     NV = 0 if plan.v_adjoint_in_grads else 1
     dbeta_v = torch.empty(NV, B, N * CHUNK, HV, device=dev, dtype=torch.float32)
     scratch = A, W, _, S, Vn = state_scratch(q, v, N, plan, backward=True)
@@ -243,16 +250,19 @@ def backward_stages(q, k, v, p, beta, g, do, scale: float, grads=None, plan=None
     X = torch.empty_like(Vn)
     dq, dk, dv, dp, dbeta, dg = _gradients_like(q, k, v, p, beta, g) if grads is None else grads
     t = hopper.chunk.tiles(q, k, p, v, do, A, S, dS, Vn, X) if gluon else None
-    dv_local, dVn = (None, None) if "reverse_scan" in gluon else (torch.empty_like(Vn), torch.empty_like(Vn))
+    stage_terms = "reverse_scan" not in gluon and not plan.local_terms
+    dv_local, dVn = (torch.empty_like(Vn), torch.empty_like(Vn)) if stage_terms else (None, None)
     local = None if dv_local is None else (q, do, dv_local, scale)
     stages = state_stages(k, v, p, beta, g, scratch, plan, t, initial_state, None, packing, read_first, local)
     if "reverse_scan" in gluon:
         stages.append(Stage("reverse_scan", hopper.reverse_scan.launch, (t, q, v, beta, g, dv, dbeta_v, scale)))
     else:
         stages.append(Stage("reverse_scan", portable.reverse_scan.launch,
-                            (q, k, beta, g, do, W, dv_local, dS, dVn, scale, d_final, d_initial, packing)))
-        stages.append(Stage("adjoint", portable.adjoint.launch,
-                            (v, beta, A, dVn, X, dv, dbeta_v, not plan.v_adjoint_in_grads, packing)))
+                            (q, k, v, p, beta, g, do, A, W, dv_local, dS, dVn, X, dv, dbeta_v, scale,
+                             not plan.v_adjoint_in_grads, d_final, d_initial, packing)))
+        if stage_terms:
+            stages.append(Stage("adjoint", portable.adjoint.launch,
+                                (v, beta, A, dVn, X, dv, dbeta_v, not plan.v_adjoint_in_grads, packing)))
     if plan.v_adjoint_in_grads:
         stages.append(Stage("grads", hopper.grads.launch_grads64, (t, q, beta, g, dq, dk, dv, dp, dbeta, dg, scale)))
     elif "grads" in gluon:

@@ -195,6 +195,16 @@ def decay(gc, upper: tl.constexpr, strict: tl.constexpr, read=None):
 
 
 @triton.jit
+def chunk_a(A, chunk, TRANSPOSED: tl.constexpr = False):
+    """The chunk's A [64, 64] (bf16 as the transform stores it), or A^T where TRANSPOSED (loaded transposed)."""
+    r = tl.arange(0, BT)
+    if TRANSPOSED:
+        return tl.load(A + chunk * BT * BT + r[None, :] * BT + r[:, None])
+    else:
+        return tl.load(A + chunk * BT * BT + r[:, None] * BT + r[None, :])
+
+
+@triton.jit
 def row_ptrs(x, base, t0, HD, D: tl.constexpr, R: tl.constexpr = BT):
     """Pointers to the [R, D] rows t0.. of a (B, T, H, D) tensor (base = (b*T*H + h)*D)."""
     r = tl.arange(0, R)

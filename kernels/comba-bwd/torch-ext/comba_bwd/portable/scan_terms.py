@@ -13,7 +13,9 @@ most of the transform's time and spill; here each term is a program of 4 warps a
 and the stage runs wherever a Triton scan does, after either transform (the Gluon one included). The terms are up to
 three programs a chunk, next to each other in the grid, each looping over its columns in blocks of TERMS_BLOCK: U's
 (only where the Triton forward scan runs), -W's, dVlocal's (only in the backward, where the Triton reverse scan runs;
-Q K^T made once a chunk for all of V). W takes the read's decay, exp(gr) in fla's order (READ_FIRST).
+Q K^T made once a chunk for all of V). W takes the read's decay, exp(gr) in fla's order (READ_FIRST). Where
+`dispatch.Plan.local_terms` says so (a plain call at K = 64, one scan program holding all of V) the stage does not
+run: the scans form the terms in their loops with the same helpers (`u_term`, `neg_w_term`, `local_scores_t`).
 
 A non-finite input at step t reaches no row of U or W before t, as it reaches none of Vn's: A's rows from the
 chunk's first non-finite k, p, beta or g on are NaN (`transform`), which carries those to U's and W's rows; A's
@@ -25,8 +27,8 @@ import triton
 import triton.language as tl
 
 from ..common.finite import finite_part, reached
-from .chunk import (BT, call_rows, chunk_offsets, decay, gates, group, key_head, load_rows, read_log_decay, row_ptrs,
-                    row_ptrs_t, rows_args)
+from .chunk import (BT, call_rows, chunk_a, chunk_offsets, decay, gates, group, key_head, load_rows, read_log_decay,
+                    row_ptrs, row_ptrs_t, rows_args)
 
 # The columns of one product of a term: [64, 64] tiles at every K and V.
 TERMS_BLOCK = tl.constexpr(64)
@@ -37,54 +39,76 @@ U_PART, W_PART, DV_LOCAL_PART = 0, 1, 2
 
 
 @triton.jit
-def _chunk_a(A, chunk):
-    """The chunk's A [64, 64] (bf16 as the transform stores it)."""
+def u_term(a, v, bk, scal_base, t0, t_end, cv, H, V: tl.constexpr):
+    """U = A (beta V) on the columns cv of a chunk (fp32 [64, len(cv)]), from its A and beta; NaN from beta V's first
+    row holding a non-finite entry (in those columns) on."""
     r = tl.arange(0, BT)
-    return tl.load(A + chunk * BT * BT + r[:, None] * BT + r[None, :])
+    vk = load_rows(v + scal_base * V + (t0 + r)[:, None] * (H * V) + cv[None, :], t0, t_end)
+    bv, v_edge = finite_part((vk * bk[:, None]).to(tl.bfloat16), BT, False)
+    return reached(tl.dot(a, bv), v_edge, BT, False)
+
+
+@triton.jit
+def neg_w_term(a, p, bk, gam, base, t0, t_end, HK, KB: tl.constexpr, TRANSPOSED: tl.constexpr = False):
+    """-W = -A (beta gam P) on the KB key columns of p from `base` (`row_ptrs`, HK the row stride), fp32 [64, KB]; with
+    TRANSPOSED, -W^T = -(beta gam P)^T A^T [KB, 64] from a = A^T, P loaded transposed (no tl.trans of a dot result:
+    `chunk`). P's non-finite rows are NaN rows of A already, so the product takes P's finite part alone."""
+    if TRANSPOSED:
+        pt = load_rows(row_ptrs_t(p, base, t0, HK, KB), t0, t_end, TRANSPOSED=True)
+        bp, _ = finite_part((pt * -(bk * gam)[None, :]).to(tl.bfloat16), BT, False, TRANSPOSED=True)
+        return tl.dot(bp, a)
+    else:
+        pk = load_rows(row_ptrs(p, base, t0, HK, KB), t0, t_end)
+        bp, _ = finite_part((pk * -(bk * gam)[:, None]).to(tl.bfloat16), BT, False)
+        return tl.dot(a, bp)
+
+
+@triton.jit
+def local_scores_t(kq_t, gc, scale):
+    """The operand of dVlocal = (scale lower(Q K^T) * E)^T dO: (K Q^T) * scale * E^T from K Q^T (fp32 [64, 64]),
+    rounded to bf16 as the reverse scan's operands are."""
+    return (kq_t * scale * decay(gc, True, False)).to(tl.bfloat16)
 
 
 @triton.jit
 def _u_part(v, beta, A, U, scal_base, t0, t_end, chunk, rows, H, V: tl.constexpr):
-    """U = A (beta V), stored; NaN from beta V's first row holding a non-finite entry on, per block of columns."""
+    """U = A (beta V), stored, by blocks of TERMS_BLOCK columns (`u_term`)."""
     r = tl.arange(0, BT)
     bk = load_rows(beta + scal_base + (t0 + r) * H, t0, t_end).to(tl.float32)
-    a = _chunk_a(A, chunk)
+    a = chunk_a(A, chunk)
     for v0 in tl.range(0, V, TERMS_BLOCK):
         cv = v0 + tl.arange(0, TERMS_BLOCK)
-        vk = load_rows(v + scal_base * V + (t0 + r)[:, None] * (H * V) + cv[None, :], t0, t_end)
-        bv, v_edge = finite_part((vk * bk[:, None]).to(tl.bfloat16), BT, False)
-        u = reached(tl.dot(a, bv), v_edge, BT, False)
+        u = u_term(a, v, bk, scal_base, t0, t_end, cv, H, V)
         tl.store(U + rows[:, None] * V + cv[None, :], u.to(U.dtype.element_ty))
 
 
 @triton.jit
 def _w_part(p, beta, g, A, W, scal_base, kb, t0, t_end, chunk, rows, H, HK, K: tl.constexpr,
             READ_FIRST: tl.constexpr):
-    """-W = -A (beta gam P), stored, gam the read's decay (exp(gr) in fla's order); P's non-finite rows are NaN rows
-    of A already, so the product takes P's finite part alone."""
+    """-W = -A (beta gam P), stored, by blocks of TERMS_BLOCK columns (`neg_w_term`), gam the read's decay (exp(gr)
+    in fla's order)."""
     gc, _, bk = gates(g, beta, scal_base, t0, H, t_end=t_end)
     gam = tl.exp(read_log_decay(g, scal_base, t0, H, gc, READ_FIRST, t_end=t_end))
-    a = _chunk_a(A, chunk)
+    a = chunk_a(A, chunk)
     for k0 in tl.static_range(0, K, TERMS_BLOCK):
-        pk = load_rows(row_ptrs(p, kb * K + k0, t0, HK * K, TERMS_BLOCK), t0, t_end)
-        bp, _ = finite_part((pk * -(bk * gam)[:, None]).to(tl.bfloat16), BT, False)
+        w_neg = neg_w_term(a, p, bk, gam, kb * K + k0, t0, t_end, HK * K, TERMS_BLOCK)
         ck = k0 + tl.arange(0, TERMS_BLOCK)
-        tl.store(W + rows[:, None] * K + ck[None, :], tl.dot(a, bp).to(W.dtype.element_ty))
+        tl.store(W + rows[:, None] * K + ck[None, :], w_neg.to(W.dtype.element_ty))
 
 
 @triton.jit
 def _dv_local_part(q, k, beta, g, do, dv_local, scale, scal_base, kb, t0, t_end, rows, H, HK, K: tl.constexpr,
                    V: tl.constexpr):
-    """dVlocal = (scale lower(Q K^T) * E)^T dO, stored: (K Q^T) * scale * E^T made once, rounded to bf16 (as the
-    reverse scan's operands are), then one product a block of V."""
+    """dVlocal = (scale lower(Q K^T) * E)^T dO, stored: its operand made once (`local_scores_t`, K Q^T summed over
+    blocks of TERMS_BLOCK keys), then one product a block of V."""
     r = tl.arange(0, BT)
     gc, _, _ = gates(g, beta, scal_base, t0, H, t_end=t_end)
-    scores_t = tl.zeros([BT, BT], dtype=tl.float32)
+    kq_t = tl.zeros([BT, BT], dtype=tl.float32)
     for k0 in tl.static_range(0, K, TERMS_BLOCK):
         kk = load_rows(row_ptrs(k, kb * K + k0, t0, HK * K, TERMS_BLOCK), t0, t_end).to(tl.bfloat16)
         qt = load_rows(row_ptrs_t(q, kb * K + k0, t0, HK * K, TERMS_BLOCK), t0, t_end, TRANSPOSED=True)
-        scores_t = tl.dot(kk, qt.to(tl.bfloat16), scores_t)
-    scores_t = (scores_t * scale * decay(gc, True, False)).to(tl.bfloat16)
+        kq_t = tl.dot(kk, qt.to(tl.bfloat16), kq_t)
+    scores_t = local_scores_t(kq_t, gc, scale)
     for v0 in tl.range(0, V, TERMS_BLOCK):
         cv = v0 + tl.arange(0, TERMS_BLOCK)
         dok = load_rows(do + scal_base * V + (t0 + r)[:, None] * (H * V) + cv[None, :], t0, t_end).to(tl.bfloat16)
