@@ -71,6 +71,30 @@ def test_packing_segment_table(states, device):
         states.packing(cu, sum(RAGGED), CHUNK, 0)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_cuda)])
+def test_packing_clamps_offsets_into_the_packed_rows(states, device):
+    """Offsets outside [0, T] or decreasing (which a GPU call does not check on the host) make the packing of the
+    offsets clamped into [0, T] and raised to their running maximum: chunk tables within the host bound, every chunk
+    inside the packed rows."""
+    T = sum(RAGGED)
+    bad = torch.tensor([-5, 65, 40, 200, T + 9, 300], device=device)
+    fixed = torch.tensor([0, 65, 65, 200, T, T], device=device)
+    got, want = states.packing(bad, T, CHUNK), states.packing(fixed, T, CHUNK)
+    for name in ("cu_seqlens", "chunk_first", "chunk_index", "seq_order"):
+        assert torch.equal(getattr(got, name), getattr(want, name)), name
+    assert got.chunks == want.chunks >= int(got.chunk_first[-1])
+
+
+def test_gpu_offsets_are_not_read_on_the_host(based):
+    """On a device other than the CPU, cu_seqlens' values are not read (no device sync): tensors on the meta device,
+    which hold no values, pass the check with their shape's N; on the CPU the values are checked."""
+    validation = submodule(based, "validation")
+    q = torch.empty(1, 16, 2, 8, device="meta")
+    assert validation.check_cu_seqlens(q, torch.empty(4, dtype=torch.int32, device="meta")) == 3
+    with pytest.raises(ValueError, match="non-decreasing"):
+        validation.check_cu_seqlens(torch.empty(q.shape), torch.tensor([0, 9, 4, 16]))
+
+
 @pytest.mark.skipif(not INTERPRETED, reason="IEEE fp32 matmuls check the kernels' algebra in the interpreter")
 @pytest.mark.parametrize("G,initial,final", [(1, True, True), (2, True, False), (2, False, True), (1, False, False)])
 def test_segmented_scan_matches_whole_scan(dispatch, G, initial, final):

@@ -241,8 +241,9 @@ def based_attention(
       z = sum_j phi(k_j) over the steps before; differentiable. N = B, or the number of packed sequences.
     - output_final_state: also return the state after the last step, as (o, (S, z)), float32.
     - cu_seqlens: the N + 1 offsets (int32/int64, 0 to T, non-decreasing) of N sequences packed along T with
-      B = 1; no sum crosses two of them. Its argument check reads it on the host (a device sync on CUDA); the
-      kernels read it on the device only.
+      B = 1; no sum crosses two of them. Its values are checked on CPU tensors; on a GPU they are not read on the
+      host (no device sync): offsets outside [0, T] are clamped into it and a decreasing one raised to the one
+      before it.
 
     With a state or packed sequences the call goes through the registered `based_state_forward` and
     `based_state_backward`: bf16 and fp16 CUDA tensors take the fused kernels (V <= 256 backward, wider V the

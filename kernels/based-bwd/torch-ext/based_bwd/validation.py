@@ -35,21 +35,24 @@ def check_based_args(q, k, v, scale, do=None) -> None:
 
 def check_cu_seqlens(q, cu_seqlens) -> int:
     """cu_seqlens: the N + 1 offsets (int32/int64, on q's device) of N sequences packed along T of a B = 1 batch,
-    from 0 to T, non-decreasing. Returns N. Reads the offsets on the host."""
+    from 0 to T, non-decreasing. Returns N. The offsets' values are checked where they are on the CPU; on a GPU they
+    are not read on the host, which would wait for the GPU once a call (the kernels clamp them into a packing of
+    [0, T]: `portable.states.packing`)."""
     check_tensor("cu_seqlens", cu_seqlens, 1, (torch.int32, torch.int64), "(N + 1,)")
     if cu_seqlens.device != q.device:
         raise ValueError(f"cu_seqlens must be on the device of q ({q.device}), got {cu_seqlens.device}")
     B, T = q.shape[:2]
     if B != 1:
         raise ValueError(f"cu_seqlens packs sequences along T of a batch of one: q must have B = 1, got B={B}")
-    bounds = cu_seqlens.tolist()
-    if len(bounds) < 2:
-        raise ValueError(f"cu_seqlens must hold N + 1 >= 2 offsets, got {bounds}")
-    if bounds[0] != 0 or bounds[-1] != T:
-        raise ValueError(f"cu_seqlens must start at 0 and end at T={T}, got {bounds[0]} ... {bounds[-1]}")
-    if any(b < a for a, b in zip(bounds[:-1], bounds[1:])):
-        raise ValueError(f"cu_seqlens must be non-decreasing, got {bounds}")
-    return len(bounds) - 1
+    if cu_seqlens.numel() < 2:
+        raise ValueError(f"cu_seqlens must hold N + 1 >= 2 offsets, got {cu_seqlens.numel()}")
+    if cu_seqlens.device.type == "cpu":
+        bounds = cu_seqlens.tolist()
+        if bounds[0] != 0 or bounds[-1] != T:
+            raise ValueError(f"cu_seqlens must start at 0 and end at T={T}, got {bounds[0]} ... {bounds[-1]}")
+        if any(b < a for a, b in zip(bounds[:-1], bounds[1:])):
+            raise ValueError(f"cu_seqlens must be non-decreasing, got {bounds}")
+    return cu_seqlens.numel() - 1
 
 
 def check_state(name: str, q, v, state, N: int) -> None:
