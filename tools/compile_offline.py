@@ -8,8 +8,8 @@ than a smaller GPU has, and spills and occupancy show only at compile time. Each
 CUDA path's launches for one shape, configuration and dtype on meta tensors (shapes and dtypes, no memory). While
 they run, this tool stands in for `JITFunction.run`: instead of launching, it specializes the arguments with
 Triton's own binder for the architecture's target (so pointers, integers divisible by 16 and integers equal to 1
-are specialized as a launch on such a GPU would specialize them), compiles, and runs the ptxas the installed Triton
-uses for that target with -v. With that specialization the sm_90a register counts match Nsight Compute's on the
+are specialized as a launch on such a GPU would specialize them), compiles (past Triton's cache, so that every
+compile runs ptxas) and reads the -v log of the ptxas run that made the kernel's binary. With that specialization the sm_90a register counts match Nsight Compute's on the
 H200 (without it an offline compile puts some near twice as high).
 
 Which launches each architecture gets: the calls run with the package's meta tensors standing for a GPU of the
@@ -39,12 +39,11 @@ measured what a spill costs against the configuration's alternatives, spills sho
 import argparse
 import contextlib
 import importlib
+import io
 import os
 import re
-import subprocess
 import sys
 import tempfile
-from pathlib import Path
 from typing import NamedTuple
 
 from . import specs
@@ -89,18 +88,9 @@ def ctas_per_sm(registers: int, warps: int, shared: int, arch: Arch = ARCHS[BENC
     return min(by_registers, by_shared, arch.warps // warps, arch.ctas)
 
 
-def ptxas(ptx: str, arch: Arch) -> tuple[int, int]:
-    """(registers a thread, bytes of spill stores) from ptxas -v on the kernel's PTX: the ptxas the installed Triton
-    compiles for `arch` with (its `ptxas-blackwell` for sm_100a and up, and for every target from 3.9, whose PTX
-    version only that one reads)."""
-    from triton.backends.nvidia.compiler import get_ptxas
-
-    capability = arch.capability[0] * 10 + arch.capability[1]
-    with tempfile.TemporaryDirectory() as tmp:
-        source = Path(tmp) / "kernel.ptx"
-        source.write_text(ptx)
-        log = subprocess.run([get_ptxas(capability).path, "-v", f"--gpu-name={arch.name}", str(source),
-                              "-o", str(Path(tmp) / "kernel.cubin")], check=True, capture_output=True, text=True).stderr
+def ptxas_report(log: str) -> tuple[int, int]:
+    """(registers a thread, bytes of spill stores) from a ptxas -v log: the one Triton's cubin stage prints (its
+    `ptxas-blackwell` for sm_100a and up, and for every target from 3.9, whose PTX version only that one reads)."""
     registers = int(re.search(r"Used (\d+) registers", log).group(1))
     spills = int(re.search(r"(\d+) bytes spill stores", log).group(1))
     return registers, spills
@@ -112,8 +102,12 @@ class Compiler:
     run has a fast path that runs on `arch` (else a kernel of its `hopper/` modules fails unbuilt)."""
 
     def __init__(self, arch: Arch, every_launch: bool, list_only: bool = False):
+        from triton import knobs
         from triton.backends.compiler import GPUTarget
         from triton.compiler import make_backend
+
+        knobs.compilation.always_compile = True  # a kernel found in the cache would run no ptxas, so print no log
+        knobs.nvidia.dump_ptxas_log = True  # the cubin stage prints ptxas's -v log to stdout
 
         self.arch, self.every_launch, self.list_only = arch, every_launch, list_only
         self.target = GPUTarget("cuda", arch.capability[0] * 10 + arch.capability[1], 32)
@@ -149,12 +143,12 @@ class Compiler:
             from triton.experimental.gluon._runtime import GluonASTSource as source
         else:
             source = ASTSource
-        with tempfile.TemporaryFile(mode="w+") as diagnostics:
+        with tempfile.TemporaryFile(mode="w+") as diagnostics, io.StringIO() as ptxas_log:
             try:
-                with stderr_to(diagnostics):
+                with stderr_to(diagnostics), contextlib.redirect_stdout(ptxas_log):
                     compiled = triton.compile(source(fn, signature, constexprs, attrs), target=self.target,
                                               options=options.__dict__)
-                registers, spills = ptxas(compiled.asm["ptx"], self.arch)
+                registers, spills = ptxas_report(ptxas_log.getvalue())
                 shared = compiled.metadata.shared
                 report.update(registers=registers, spills=spills, shared=shared,
                               ctas=ctas_per_sm(registers, options.num_warps, shared, self.arch))
