@@ -22,9 +22,10 @@ END = "<!-- /platforms -->"
 
 PORTABLE = """The CUDA build's metadata admits compute capability 8.0 and up (8.0, 8.6, 8.9, 9.0, 10.0, 12.0 and their
 later minor versions), where the portable Triton kernels run under Triton 3.6 to 3.9, the releases torch 2.11 to 2.15
-pin. CI compiles every shipped kernel for sm_90a, and for sm_80, sm_89, sm_100a and sm_120a the kernels a call takes
-there (the portable ones, and a fast path whose row claims the GPU), under 3.6.0, 3.7.1, 3.8.0 and 3.9.0, and runs
-the CPU tests under 3.6.0 and 3.9.0. The GPU tests run (torch 2.11) on the GPUs and at the commits the table below
+pin. CI compiles every shipped kernel for sm_90a under 3.6.0, 3.7.1, 3.8.0 and 3.9.0, and the kernels a call takes
+(the portable ones, and a fast path whose row claims the GPU) for sm_80 and sm_89 under 3.6.0 and for sm_100a and
+sm_120a under 3.9.0 (`make compile-matrix`: every architecture under every release), and runs the CPU tests under
+3.6.0 and 3.9.0. The GPU tests run (torch 2.11) on the GPUs and at the commits the table below
 names; on GPUs it does not name, untested, every call takes the portable kernels."""
 
 FAST = """A fast path runs only where its row says it was verified, elsewhere the portable kernels run; one that still
