@@ -19,8 +19,9 @@ path's only where its row of `dispatch.FAST_PATHS` claims the capability and com
 of a package's `hopper/` modules launched for an architecture no row claims fails the check (a harness or dispatch
 would launch it where it never runs). sm_90a, where the benchmarks run, compiles every distinct
 launch; the other architectures compile each kernel configuration once, at its first launch (one per kernel,
-argument types, constexprs and launch options: the specializations of integer arguments change no shared memory),
-which keeps CI's matrix inside its time; `--every-launch` compiles every launch for them too.
+argument types, constexprs and launch options: the specializations of integer arguments change no shared memory);
+`--every-launch` compiles every launch for them too, and `--each-kernel-once` each kernel only at its first launch,
+on every architecture asked for (what CI's time allows for some cells of its matrix: the Makefile's).
 
     .venv/bin/python -m tools.compile_offline                          # every kernel, sm_90a
     .venv/bin/python -m tools.compile_offline based-bwd --arch sm_80 --arch sm_120a
@@ -96,12 +97,17 @@ def ptxas_report(log: str) -> tuple[int, int]:
     return registers, spills
 
 
+# What one compile stands for (`Compiler.scope`), as the report counts it: every distinct launch, each kernel
+# configuration (kernel, argument types, constexprs and launch options), or each kernel at its first launch.
+SCOPES = {"launch": "distinct launches", "configuration": "kernel configurations", "kernel": "kernels"}
+
+
 class Compiler:
-    """Stands in for JITFunction.run: compiles each distinct launch (`every_launch`) or each kernel configuration
-    for `arch` once (or only lists it: `list_only`) and keeps its report. `fast_paths_run`: whether the package being
+    """Stands in for JITFunction.run: compiles each launch that is new in `scope` (a key of SCOPES) for `arch` (or
+    only lists it: `list_only`) and keeps its report. `fast_paths_run`: whether the package being
     run has a fast path that runs on `arch` (else a kernel of its `hopper/` modules fails unbuilt)."""
 
-    def __init__(self, arch: Arch, every_launch: bool, list_only: bool = False):
+    def __init__(self, arch: Arch, scope: str, list_only: bool = False):
         from triton import knobs
         from triton.backends.compiler import GPUTarget
         from triton.compiler import make_backend
@@ -109,7 +115,7 @@ class Compiler:
         knobs.compilation.always_compile = True  # a kernel found in the cache would run no ptxas, so print no log
         knobs.nvidia.dump_ptxas_log = True  # the cubin stage prints ptxas's -v log to stdout
 
-        self.arch, self.every_launch, self.list_only = arch, every_launch, list_only
+        self.arch, self.scope, self.list_only = arch, scope, list_only
         self.target = GPUTarget("cuda", arch.capability[0] * 10 + arch.capability[1], 32)
         self.backend = make_backend(self.target)
         self.reports = {}  # launch key -> report dict
@@ -126,9 +132,12 @@ class Compiler:
         bound_args, specialization, options = binder(*args, **kwargs)
         options, signature, constexprs, attrs = fn._pack_args(self.backend, kwargs, bound_args, specialization,
                                                               options)
-        key = (fn.__name__, repr(sorted(signature.items())), repr(sorted(constexprs.items())),
-               repr(sorted(attrs.items())) if self.every_launch else "", options.num_warps, options.num_stages,
-               options.maxnreg)
+        if self.scope == "kernel":
+            key = (fn.__module__, fn.__name__)
+        else:
+            key = (fn.__name__, repr(sorted(signature.items())), repr(sorted(constexprs.items())),
+                   repr(sorted(attrs.items())) if self.scope == "launch" else "", options.num_warps,
+                   options.num_stages, options.maxnreg)
         if key in self.reports:
             return None
         pointers = sorted({t[1:] for t in signature.values() if t.startswith("*")})
@@ -256,8 +265,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("kernels", nargs="*", help="kernel names (default: all)")
     parser.add_argument("--arch", action="append", choices=list(ARCHS),
                         help=f"a target architecture, repeatable (default: {BENCHMARKED})")
-    parser.add_argument("--every-launch", action="store_true",
-                        help=f"compile every distinct launch for each architecture, not only for {BENCHMARKED}")
+    scope = parser.add_mutually_exclusive_group()
+    scope.add_argument("--every-launch", action="store_true",
+                       help=f"compile every distinct launch for each architecture, not only for {BENCHMARKED}")
+    scope.add_argument("--each-kernel-once", action="store_true",
+                       help="compile each kernel once, at its first launch, for each architecture")
     parser.add_argument("--match", help="only the cases whose label contains this text")
     parser.add_argument("--list", action="store_true",
                         help="list the kernels each architecture's cases launch (and their modules), without compiling")
@@ -285,8 +297,11 @@ def main(argv: list[str] | None = None) -> int:
 
     failures = 0
     for arch in (ARCHS[name] for name in dict.fromkeys(args.arch or [BENCHMARKED])):
-        every_launch = args.every_launch or arch.name == BENCHMARKED
-        compiler = Compiler(arch, every_launch, args.list)
+        if args.each_kernel_once:
+            scope = "kernel"
+        else:
+            scope = "launch" if args.every_launch or arch.name == BENCHMARKED else "configuration"
+        compiler = Compiler(arch, scope, args.list)
         by_design = compile_arch(compiler, names, args.match, spec)
         print(f"## {arch.name}\n")
         print("| case | kernel | dtypes | warps | stages | maxnreg | registers | spill B | shared B | CTAs/SM "
@@ -299,8 +314,7 @@ def main(argv: list[str] | None = None) -> int:
             cells = [r.get(x, "-") for x in ("registers", "spills", "shared", "ctas")]
             print(f"| {r['case']} | {r['kernel']} | {r['dtypes']} | {r['warps']} | {r['stages']} | {r['maxnreg']} | "
                   + " | ".join(map(str, cells)) + f" | {state} |" + (f" {r['module']} |" if args.list else ""))
-        what = "distinct launches" if every_launch else "kernel configurations"
-        print(f"\n{len(compiler.reports)} {what} {'listed' if args.list else 'compiled'} for {arch.name} under Triton "
+        print(f"\n{len(compiler.reports)} {SCOPES[scope]} {'listed' if args.list else 'compiled'} for {arch.name} under Triton "
               f"{triton.__version__}, {failing} failing\n", flush=True)
         failures += failing
     return 1 if failures else 0
