@@ -87,3 +87,21 @@ def test_other_archs_launch_the_portable_kernels_only():
     ldsa = load_kernel("ldsa")
     if importlib.import_module(f"{ldsa.__name__}.dispatch").FAST_PATHS.compiles("band-tma forward"):
         assert "_band_forward_tma_kernel" in {row[1] for row in rows["sm_90a"] if ".hopper." in row[-1]}
+
+
+def test_each_kernel_once_lists_every_kernel_of_the_configurations_once():
+    """`--each-kernel-once` (CI's cheaper cells) lists each kernel of comba-bwd's sm_80 cases once, and the same
+    kernels as the listing of every configuration."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+
+    def listed(*flags):
+        out = subprocess.run([sys.executable, "-m", "tools.compile_offline", "--no-build", "--list", "--arch", "sm_80",
+                              "comba-bwd", *flags], cwd=REPO_ROOT, env=env, capture_output=True, text=True)
+        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+        rows = [[c.strip() for c in line.split("|")[1:-1]] for line in out.stdout.splitlines()
+                if line.startswith("| ") and not line.startswith("| case ")]
+        return [(row[-1], row[1]) for row in rows]
+
+    once, configurations = listed("--each-kernel-once"), listed()
+    assert len(once) == len(set(once)) < len(configurations)
+    assert set(once) == set(configurations)
