@@ -9,8 +9,9 @@ CUDA path's launches for one shape, configuration and dtype on meta tensors (sha
 they run, this tool stands in for `JITFunction.run`: instead of launching, it specializes the arguments with
 Triton's own binder for the architecture's target (so pointers, integers divisible by 16 and integers equal to 1
 are specialized as a launch on such a GPU would specialize them), compiles (past Triton's cache, so that every
-compile runs ptxas) and reads the -v log of the ptxas run that made the kernel's binary. With that specialization the sm_90a register counts match Nsight Compute's on the
-H200 (without it an offline compile puts some near twice as high).
+compile runs ptxas) and reads the -v log of the ptxas run, with Triton's flags, that made the kernel's binary. With
+that specialization the sm_90a register counts match Nsight Compute's on the H200 (without it an offline compile
+puts some near twice as high).
 
 Which launches each architecture gets: the calls run with the package's meta tensors standing for a GPU of the
 architecture (its `common.devices.meta_gpu`: compute capability and shared memory a CTA), so they make the launches
@@ -314,8 +315,8 @@ def main(argv: list[str] | None = None) -> int:
             cells = [r.get(x, "-") for x in ("registers", "spills", "shared", "ctas")]
             print(f"| {r['case']} | {r['kernel']} | {r['dtypes']} | {r['warps']} | {r['stages']} | {r['maxnreg']} | "
                   + " | ".join(map(str, cells)) + f" | {state} |" + (f" {r['module']} |" if args.list else ""))
-        print(f"\n{len(compiler.reports)} {SCOPES[scope]} {'listed' if args.list else 'compiled'} for {arch.name} under Triton "
-              f"{triton.__version__}, {failing} failing\n", flush=True)
+        print(f"\n{len(compiler.reports)} {SCOPES[scope]} {'listed' if args.list else 'compiled'} for {arch.name} "
+              f"under Triton {triton.__version__}, {failing} failing\n", flush=True)
         failures += failing
     return 1 if failures else 0
 
