@@ -24,9 +24,10 @@ PORTABLE = """The CUDA build's metadata admits compute capability 8.0 and up (8.
 later minor versions), where the portable Triton kernels run under Triton 3.6 to 3.9, the releases torch 2.11 to 2.15
 pin. CI compiles every shipped kernel for sm_90a under 3.6.0, 3.7.1, 3.8.0 and 3.9.0, and the kernels a call takes
 (the portable ones, and a fast path whose row claims the GPU) for sm_80 and sm_89 under 3.6.0 and for sm_100a and
-sm_120a under 3.9.0 in every configuration the benchmarks launch, under the other releases in one configuration
-each, and runs the CPU tests under 3.6.0 and 3.9.0. The GPU tests run (torch 2.11) on the GPUs and at the commits
-the table below names; on GPUs it does not name, untested, every call takes the portable kernels."""
+sm_120a under 3.9.0 in every configuration of the compile cases (`python -m tools.compile_offline`), under the
+other releases in one configuration each, and runs the CPU tests under 3.6.0 and 3.9.0. The GPU tests run (torch
+2.11) on the GPUs and at the commits the table below names; on GPUs it does not name, untested, every call takes
+the portable kernels."""
 
 FAST = """A fast path runs only where its row says it was verified, elsewhere the portable kernels run; one that still
 fails to compile at its first launch is switched off for the process with one `FastPathFallback` warning naming it
