@@ -14,6 +14,21 @@ from tools.compile_offline import ARCHS, ctas_per_sm, spills_by_design
 from tools.gpu_bench import load_harness, load_kernel
 
 
+def compile_offline(*args: str) -> str:
+    """The tool's stdout for `args`, on the kernels as `make hub` laid them (--no-build), asserting it exits 0."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-m", "tools.compile_offline", "--no-build", *args], cwd=REPO_ROOT, env=env,
+                         capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    return out.stdout
+
+
+def table_rows(text: str) -> list[list[str]]:
+    """The cells of the report table's rows in `text`, its header excepted."""
+    return [[c.strip() for c in line.split("|")[1:-1]] for line in text.splitlines()
+            if line.startswith("| ") and not line.startswith("| case ")]
+
+
 def test_ctas_per_sm_limits():
     # Registers: 255 a thread of 4 warps fit twice in 64K (allocated per warp in units of 256), 168 three times.
     assert ctas_per_sm(255, 4, 30720) == 2
@@ -51,12 +66,8 @@ def test_spills_by_design_by_kernel_and_by_case():
 def test_one_log_mel_case_compiles():
     """One shape and config of log-mel through the tool (its cases come from the spec's shapes): its main
     kernel's row carries registers and CTAs."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    case = "(208, 3000, 201, 128) 64x8x32 w4 s1 tf32x3"
-    out = subprocess.run([sys.executable, "-m", "tools.compile_offline", "--no-build", "log-mel", "--match",
-                          case], cwd=REPO_ROOT, env=env, capture_output=True, text=True)
-    assert out.returncode == 0, out.stdout + out.stderr
-    rows = [[c.strip() for c in line.split("|")[1:-1]] for line in out.stdout.splitlines() if "| _stft_kernel |" in line]
+    out = compile_offline("log-mel", "--match", "(208, 3000, 201, 128) 64x8x32 w4 s1 tf32x3")
+    rows = [row for row in table_rows(out) if row[1] == "_stft_kernel"]
     assert len(rows) == 1
     registers, ctas = int(rows[0][6]), int(rows[0][9])
     assert 0 < registers <= 255 and ctas >= 1
@@ -75,13 +86,9 @@ def test_other_archs_launch_the_portable_kernels_only():
     """The cases of every package, listed for sm_80 and sm_90a (`--list`: nothing compiled): off Hopper, where no
     FAST_PATHS row claims the GPU, no kernel of a `hopper/` module launches and every package still launches
     kernels; on sm_90a the fast paths that compile under this Triton launch theirs."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    out = subprocess.run([sys.executable, "-m", "tools.compile_offline", "--no-build", "--list", "--arch", "sm_80",
-                          "--arch", "sm_90a"], cwd=REPO_ROOT, env=env, capture_output=True, text=True)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    sections = dict(section.split("\n", 1) for section in out.stdout.split("## ")[1:])
-    rows = {arch: [[c.strip() for c in line.split("|")[1:-1]] for line in text.splitlines()
-                   if line.startswith("| ") and not line.startswith("| case ")] for arch, text in sections.items()}
+    out = compile_offline("--list", "--arch", "sm_80", "--arch", "sm_90a")
+    sections = dict(section.split("\n", 1) for section in out.split("## ")[1:])
+    rows = {arch: table_rows(text) for arch, text in sections.items()}
     assert {row[0].split()[0] for row in rows["sm_80"]} == {k.name for k in all_kernels()}
     assert not [row for row in rows["sm_80"] if ".hopper." in row[-1]]
     ldsa = load_kernel("ldsa")
@@ -92,15 +99,9 @@ def test_other_archs_launch_the_portable_kernels_only():
 def test_each_kernel_once_lists_every_kernel_of_the_configurations_once():
     """`--each-kernel-once` (CI's cheaper cells) lists each kernel of comba-bwd's sm_80 cases once, and the same
     kernels as the listing of every configuration."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-
     def listed(*flags):
-        out = subprocess.run([sys.executable, "-m", "tools.compile_offline", "--no-build", "--list", "--arch", "sm_80",
-                              "comba-bwd", *flags], cwd=REPO_ROOT, env=env, capture_output=True, text=True)
-        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-        rows = [[c.strip() for c in line.split("|")[1:-1]] for line in out.stdout.splitlines()
-                if line.startswith("| ") and not line.startswith("| case ")]
-        return [(row[-1], row[1]) for row in rows]
+        out = compile_offline("--list", "--arch", "sm_80", "comba-bwd", *flags)
+        return [(row[-1], row[1]) for row in table_rows(out)]
 
     once, configurations = listed("--each-kernel-once"), listed()
     assert len(once) == len(set(once)) < len(configurations)
