@@ -13,6 +13,7 @@ import importlib
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -96,7 +97,7 @@ def run_tests(out_dir: Path, names: list[str], all_tests: bool, timeout: float, 
                 cwd=REPO_ROOT, env=env, stdout=sink, stderr=subprocess.STDOUT, timeout=timeout,
             )
         except subprocess.TimeoutExpired:
-            return {"timed_out_after_s": timeout}
+            return {"timed_out_after_s": timeout, **outcomes_before_cut(log.read_text(errors="replace"))}
     import xml.etree.ElementTree as ET
 
     suite = ET.parse(junit).getroot()
@@ -108,6 +109,19 @@ def run_tests(out_dir: Path, names: list[str], all_tests: bool, timeout: float, 
     ]
     summary = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
     return {**summary, "failed": failed, "seconds": round(time.time() - start, 1), "exit_code": proc.returncode}
+
+
+def outcomes_before_cut(log: str) -> dict:
+    """What a test run cut by its timeout had reported in its log (`pytest -v`, each outcome a line such as
+    `[gw3] [ 45%] PASSED path::test`): the passed and skipped counts, the failed tests and the share of the run done.
+    A cut run has no junit report, and its results are no results rows (`tools.results` reads the complete runs)."""
+    outcomes = re.findall(r"\[\s*(\d+)%\] (PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS) (\S+)", log)
+    return {
+        "passed_before_cut": sum(o == "PASSED" for _, o, _ in outcomes),
+        "skipped_before_cut": sum(o == "SKIPPED" for _, o, _ in outcomes),
+        "failed_before_cut": [name for _, o, name in outcomes if o in ("FAILED", "ERROR")],
+        "percent_done": int(outcomes[-1][0]) if outcomes else 0,
+    }
 
 
 def use_hub_cache() -> None:

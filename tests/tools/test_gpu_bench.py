@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from tools.gpu_bench import load_harness, load_kernel, side_by_side_kwargs
+from tools.gpu_bench import load_harness, load_kernel, side_by_side_kwargs, outcomes_before_cut
 
 
 def test_bench_kwargs_name_a_kernel_and_a_json_object():
@@ -16,6 +16,24 @@ def test_bench_kwargs_name_a_kernel_and_a_json_object():
     for bad in ('based-bwd={"shapes": []}', "comba-bwd", 'comba-bwd={"shapes": [', "comba-bwd=[1, 2]"):
         with pytest.raises(SystemExit, match="--bench-kwargs"):
             side_by_side_kwargs([bad], names)
+
+
+def test_a_cut_test_run_reports_what_its_log_holds():
+    """A test run cut by its timeout: the outcomes its `pytest -v` log reported before the cut, not the summary
+    lines after them."""
+    log = "\n".join([
+        "[gw7] [  0%] PASSED kernels/comba-bwd/tests/test_a.py::test_one[shape0] ",
+        "[gw3] [ 12%] SKIPPED kernels/ldsa/tests/test_b.py::test_two ",
+        "[gw1] [ 40%] FAILED kernels/based-bwd/tests/test_c.py::test_three ",
+        "[gw2] [ 41%] PASSED kernels/based-bwd/tests/test_c.py::test_four ",
+        "[gw0] [ 93%] ERROR kernels/log-mel/tests/test_d.py::test_five ",
+        "FAILED kernels/based-bwd/tests/test_c.py::test_three - AssertionError",
+    ])
+    assert outcomes_before_cut(log) == {
+        "passed_before_cut": 2, "skipped_before_cut": 1, "percent_done": 93,
+        "failed_before_cut": ["kernels/based-bwd/tests/test_c.py::test_three", "kernels/log-mel/tests/test_d.py::test_five"],
+    }
+    assert outcomes_before_cut("collecting ...")["percent_done"] == 0
 
 
 @pytest.mark.parametrize("name, kwargs", [
