@@ -15,19 +15,24 @@ The gradients of the bad sequence are not held to steps: its outputs from t on a
 earlier step reaches them, so a non-zero output gradient makes every gradient of that sequence non-finite.
 
 The fused kernels run in the Triton interpreter on CPU tensors in fp32 and in bf16 on CUDA; K = V = 64, the smallest
-size they take (V = 64 keeps the Gluon kernels out: they run at V = 128 only)."""
+size they take (V = 64 keeps the Gluon kernels out: they run at V = 128 only). On Hopper the Gluon kernels take the
+plain call in bf16 with V = 128, at K = 64 (the chunk transform, the forward scan, the gradients) and K = 128 (both
+scans, the gradients): `test_gluon_kernels_keep_a_non_finite_step_in_place` holds them to the same rule, at 200
+steps (four chunks: the bad step's is followed by two), and `test_gluon_transform_keeps_a_non_finite_step_in_place`
+the Gluon chunk transform's A alone."""
 
 import functools
 
 import pytest
 import torch
 
-from testkit import HAS_CUDA, needs_triton, sequences, submodule
+from testkit import HAS_CUDA, needs_cuda, needs_triton, sequences, submodule
 from test_model_interface import model_inputs, pack
 
 TRITON_DEVICE = "cuda" if HAS_CUDA else "cpu"
 DTYPE = torch.bfloat16 if HAS_CUDA else torch.float32
 T, K, V = 110, 64, 64  # two chunks, the bad step inside the second
+GLUON_T, GLUON_V = 200, 128  # the Gluon kernels' plain call: four chunks
 STEP = 100  # the bad step of the bad sequence
 LENGTHS = [40, T, 20]  # the packed call: the bad sequence between two others
 SCALE = 0.3
@@ -45,11 +50,12 @@ pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:Runtim
                                         "ignore:overflow encountered:RuntimeWarning")
 
 
-def inputs(call):
-    """(x = [q, k, v, p, beta, g], do, state, d_final, cu) on the CPU in fp32: two batch rows (the plain call without
-    a state), or LENGTHS packed in a batch of one."""
+def inputs(call, shape=(T, K, V)):
+    """(x = [q, k, v, p, beta, g], do, state, d_final, cu) on the CPU in fp32 of shape (T, K, V): two batch rows (the
+    plain call without a state), or LENGTHS packed in a batch of one."""
     HV, _, with_state = CALLS[call]
-    x, state = model_inputs(3 if call == "packed" else 2, T, 1, HV, K, V, seed=5)
+    steps, *sizes = shape
+    x, state = model_inputs(3 if call == "packed" else 2, steps, 1, HV, *sizes, seed=5)
     cu = None
     if call == "packed":
         x, cu = pack(x, LENGTHS)
@@ -97,15 +103,32 @@ def run(impl, comba, dispatch, call, x, do, state, d_final, cu):
 
 @pytest.fixture(scope="module")
 def clean_runs(comba, dispatch):
-    """The clean call's results per (impl, call), computed once."""
-    return functools.cache(lambda impl, call: run(impl, comba, dispatch, call, *inputs(call)))
+    """The clean call's results per (impl, call, shape), computed once."""
+    return functools.cache(lambda impl, call, shape=(T, K, V): run(impl, comba, dispatch, call, *inputs(call, shape)))
 
 
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("call", CALLS)
 @pytest.mark.parametrize("which", INPUTS)
 def test_non_finite_step_stays_in_place(comba, dispatch, clean_runs, impl, call, which):
-    x, do, state, d_final, cu = inputs(call)
+    check_step_stays_in_place(comba, dispatch, clean_runs, impl, call, which)
+
+
+@needs_cuda
+@pytest.mark.parametrize("which", INPUTS)
+@pytest.mark.parametrize("K", [64, 128])
+def test_gluon_kernels_keep_a_non_finite_step_in_place(comba, dispatch, clean_runs, K, which):
+    """The plain call in bf16 with V = 128, which the Gluon kernels take on Hopper, under the rule above; four chunks,
+    so that two follow the bad step's."""
+    q = torch.empty(2, GLUON_T, 1, K, device="cuda", dtype=torch.bfloat16)
+    if not dispatch.plan(q, GLUON_V).gluon:
+        pytest.skip("the Gluon kernels do not run on this GPU and Triton (FAST_PATHS)")
+    check_step_stays_in_place(comba, dispatch, clean_runs, "fused", "plain", which, (GLUON_T, K, GLUON_V))
+
+
+def check_step_stays_in_place(comba, dispatch, clean_runs, impl, call, which, shape=(T, K, V)):
+    """The module docstring's rule for a bad value of input `which` in one call of inputs of this shape."""
+    x, do, state, d_final, cu = inputs(call, shape)
     i = INPUTS.index(which)
     head = CALLS[call][0] - 1  # the last value head; q, k and p have one head, which every value head reads
     t = LENGTHS[0] + STEP if call == "packed" else STEP
@@ -113,7 +136,7 @@ def test_non_finite_step_stays_in_place(comba, dispatch, clean_runs, impl, call,
     x[i] = x[i].clone()
     x[i][where + ((1,) if x[i].dim() == 4 else ())] = BAD[which]
     got = run(impl, comba, dispatch, call, x, do, state, d_final, cu)
-    clean = clean_runs(impl, call)
+    clean = clean_runs(impl, call, shape)
     seq = 1  # the bad sequence
     for name in got:
         per_position = name in POSITIONS
@@ -134,3 +157,32 @@ def test_non_finite_step_stays_in_place(comba, dispatch, clean_runs, impl, call,
                         [t.to(DTYPE).float() if j < 5 else t for j, t in enumerate(x)], do, state, d_final, cu)
         for name in ("o", "S")[:1 + (state is not None)]:
             assert not (torch.isfinite(got[name]) & ~torch.isfinite(reference[name])).any(), name
+
+
+@needs_cuda
+@pytest.mark.parametrize("which", ("k", "p", "beta", "g"))
+def test_gluon_transform_keeps_a_non_finite_step_in_place(comba, dispatch, which):
+    """The Gluon chunk transform (K = 64) alone, in fp32: a bad k, p, beta or g at step 100 leaves every row of A
+    before it as the clean inputs' A, bit for bit, and makes every row of its chunk from it on NaN, as the Triton
+    transform does; the other (b, h) and chunks are untouched."""
+    if "transform" not in dispatch.gluon_stages(torch.device("cuda", 0), torch.bfloat16, 64, GLUON_V):
+        pytest.skip("the Gluon transform runs on Hopper only")
+    x, *_ = inputs("plain", (128, 64, GLUON_V))
+    x = [t.to("cuda", torch.bfloat16 if i < 5 else torch.float32) for i, t in enumerate(x)]
+    gluon, portable = submodule(comba, "hopper.transform"), submodule(comba, "portable.transform")
+
+    def transform(module, k, p, beta, g):
+        A = torch.empty(2, 2, 64, 64, device="cuda")  # (B * H, N, 64, 64), fp32
+        module.launch(k, p, beta, g, A)
+        return A.cpu()
+
+    clean = transform(gluon, *x[1:2], *x[3:])
+    i = INPUTS.index(which)
+    x[i] = x[i].clone()
+    x[i][(1, STEP, 0) + ((1,) if x[i].dim() == 4 else ())] = BAD[which]
+    got = transform(gluon, *x[1:2], *x[3:])
+    assert torch.equal(got[0], clean[0]) and torch.equal(got[1, 0], clean[1, 0]), "another (b, h) or chunk"
+    row = STEP - 64
+    assert torch.equal(got[1, 1, :row], clean[1, 1, :row]), "A before the bad step"
+    assert got[1, 1, row:].isnan().all(), "A from the bad step on"
+    assert torch.equal(transform(portable, *x[1:2], *x[3:]).isnan(), got.isnan()), "the Triton transform's NaN"

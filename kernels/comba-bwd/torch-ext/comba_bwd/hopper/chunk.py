@@ -1,5 +1,6 @@
 """What the Gluon kernels (`transform`, `forward_scan`, `reverse_scan`, `grads`) share: the chunk, their operand type,
-their warps at K = 128, the SMs of a persistent grid, the gates of a chunk and the TMA descriptors of their tensors."""
+their warps at K = 128, the SMs of a persistent grid, the gates of a chunk, the finite part of an operand and the TMA
+descriptors of their tensors."""
 
 import functools
 from typing import NamedTuple
@@ -28,6 +29,13 @@ def sms(device: torch.device) -> int:
 def scal_base(b, h, N, H):
     """The offset of (b, 0, h) in a (B, T, H) tensor of N chunks in time."""
     return b.to(gl.int64) * (N * BT) * H + h
+
+
+@gluon.jit
+def finite_or_zero(x):
+    """x with its NaN and inf entries zeroed: an operand of a causal product taken finite, as
+    `common.finite.finite_part` takes it in the Triton kernels (a masked weight of 0 times inf is NaN)."""
+    return gl.where(gl.abs(x) < float("inf"), x, 0.0)
 
 
 @gluon.constexpr_function

@@ -23,6 +23,14 @@ and their latency sits on the serial chunk path.
 A TMA store is issued by one thread, so a wait on the stores holds that thread alone: a barrier after it keeps the
 other warps from writing a buffer that a store issued in the previous chunk may not have read yet.
 
+A non-finite input at step t reaches no row of Vn before t, as in `portable.forward_scan`. The chunk transform makes A
+NaN from the chunk's first non-finite k, p, beta or g on; v and p reach A's products unguarded (as the TMA copies leave
+them), so a non-finite one makes Vn non-finite in every row. The loop therefore reads Vn's checksum, its sum, while the
+state's product runs, and stops at the first chunk whose Vn comes out non-finite, without storing that Vn: after the
+loop that chunk's Vn is made again from the finite part of its v and p (zeroed in their stage) and of the column scales,
+NaN from v's first row holding a non-finite entry on, and every later chunk's S_n and Vn is stored NaN, as the state
+after the chunk is NaN. On a clean chunk the guard is that sum and a branch.
+
 N is not specialized (one compile serves every T), and must not be: Triton specializes an integer argument equal to
 1, and compiled with N = 1 (T one chunk) the scan at K = 64 gives a wrong Vn.
 """
@@ -38,7 +46,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from ..common import gluon_compat as compat
-from .chunk import BT, chunk_gates, gate_loads, scal_base
+from .chunk import BT, chunk_gates, finite_or_zero, gate_loads, gates, scal_base
 from ..reference import CHUNK
 
 
@@ -62,8 +70,78 @@ def _issue_a(a_desc, a_s, bar, a_row, pred):
     compat.tma_load(a_desc, [a_row, 0], bar, a_s, pred)
 
 
+@gluon.jit
+def _finite_tile(x_s, layout: gl.constexpr):
+    """The first row of the [BT, D] tile in shared memory x_s holding a non-finite entry (BT if none), after zeroing
+    those entries there; by blocks of 16 rows, so that few registers hold it."""
+    edge = gl.to_tensor(BT)
+    for i in gl.static_range(BT // 16):
+        x_b = x_s.slice(16 * i, 16, 0)
+        x = x_b.load(layout)
+        finite = gl.abs(x) < float("inf")
+        x_b.store(gl.where(finite, x, 0.0).to(x.dtype))
+        rows = 16 * i + gl.arange(0, 16, layout=gl.SliceLayout(1, layout))
+        edge = gl.minimum(edge, gl.min(gl.min(gl.where(finite, BT, rows[:, None]), 1), 0))
+    return edge
+
+
+@gluon.jit
+def _guarded_vn(A, v_s, p_s, sb_s, a_row, bk, gam, a_tv: gl.constexpr, a_tk: gl.constexpr, acc_tv: gl.constexpr,
+                acc_tk: gl.constexpr, blk: gl.constexpr, K: gl.constexpr, V: gl.constexpr):
+    """Vn of a chunk holding a non-finite input, as `portable.forward_scan` makes it: A's products take the finite part
+    of v and p (zeroed in the stage's tiles) and of A's column scales beta and -beta gam, and Vn is NaN from v's first
+    row holding a non-finite entry on (A is NaN from the chunk's first non-finite k, p, beta or g on). A is read again
+    from HBM: at K = 64 its buffer holds the next chunk's."""
+    compat.barrier()  # no warp reads the stage's v and p tiles any more
+    v_edge = _finite_tile(v_s, blk)
+    _finite_tile(p_s, blk)
+    r = gl.arange(0, BT, layout=gl.SliceLayout(1, blk))
+    c = gl.arange(0, BT, layout=gl.SliceLayout(0, blk))
+    a_f = gl.load(A + (a_row.to(gl.int64) + r)[:, None] * BT + c[None, :]).to(gl.float32)
+    fence_async_shared()
+    compat.barrier()
+    a_u = gl.convert_layout((a_f * finite_or_zero(bk)[None, :]).to(v_s.dtype), a_tv)
+    a_w = gl.convert_layout((a_f * finite_or_zero(-(bk * gam))[None, :]).to(v_s.dtype), a_tk)
+    w = warpgroup_mma(a_w, p_s, gl.zeros([BT, K], gl.float32, acc_tk))
+    w = gl.convert_layout(w.to(v_s.dtype), a_tv)
+    vn = warpgroup_mma(a_u, v_s, gl.zeros([BT, V], gl.float32, acc_tv))
+    vn = warpgroup_mma(w, sb_s, vn)
+    rows = gl.arange(0, BT, layout=gl.SliceLayout(1, acc_tv))
+    return gl.where(rows[:, None] >= v_edge, float("nan"), vn)
+
+
+@gluon.jit
+def _guarded_tail(A, beta, g, bad, N, H, bh, base, v_s, p_s, sb_s, vn_s, bars, a_bar, s_desc, vn_desc,
+                  a_tv: gl.constexpr, a_tk: gl.constexpr, acc_tv: gl.constexpr, acc_tk: gl.constexpr,
+                  blk: gl.constexpr, K: gl.constexpr, V: gl.constexpr, A_STAGES: gl.constexpr):
+    """After the loop stopped at chunk `bad`, whose Vn came out non-finite (its tiles still in their stage, S_n in
+    sb_s): its Vn guarded (`_guarded_vn`), and NaN for every later chunk's S_n and Vn, as the Triton scan makes them
+    (its state after the chunk is NaN)."""
+    if bad + 1 < N:  # the next chunk's copies, in flight
+        mbarrier.wait(bars.index(1 - bad % 2), ((bad + 1) // 2) & 1)
+        if A_STAGES == 1:
+            mbarrier.wait(a_bar, (bad + 1) & 1)
+    gc, _, bk = gates(g, beta, base, bad * BT, H)
+    vn = _guarded_vn(A, v_s, p_s, sb_s, (bh * N + bad) * BT, gl.convert_layout(bk, gl.SliceLayout(0, blk)),
+                     gl.exp(gl.convert_layout(gc, gl.SliceLayout(0, blk))), a_tv, a_tk, acc_tv, acc_tk, blk, K, V)
+    vn_s.store(vn.to(vn_s.dtype))
+    fence_async_shared()
+    compat.barrier()
+    compat.tma_store(vn_desc, [bh * N * BT + bad * BT, 0], vn_s)
+    tma.store_wait(0)
+    compat.barrier()
+    vn_s.store(gl.full([BT, V], float("nan"), vn_s.dtype, blk))
+    sb_s.store(gl.full([K, V], float("nan"), sb_s.dtype, blk))
+    fence_async_shared()
+    compat.barrier()
+    for m in range(bad + 1, N):
+        compat.tma_store(s_desc, [(bh * N + m) * K, 0], sb_s)
+        compat.tma_store(vn_desc, [bh * N * BT + m * BT, 0], vn_s)
+    tma.store_wait(0)
+
+
 @gluon.jit(do_not_specialize=["N"])
-def _forward_scan_gluon_kernel(k_desc, p_desc, v_desc, a_desc, s_desc, vn_desc, beta, g, N, H, K: gl.constexpr,
+def _forward_scan_gluon_kernel(k_desc, p_desc, v_desc, a_desc, s_desc, vn_desc, A, beta, g, N, H, K: gl.constexpr,
                                V: gl.constexpr, WG: gl.constexpr, A_STAGES: gl.constexpr):
     bh = gl.program_id(0)
     b = bh // H
@@ -106,7 +184,9 @@ def _forward_scan_gluon_kernel(k_desc, p_desc, v_desc, a_desc, s_desc, vn_desc, 
 
     S = gl.zeros([K, V], gl.float32, acc_kv)
     gj, beta_rows = gate_loads(g, beta, base, 0, H)
-    for n in range(N):
+    n = gl.to_tensor(0)
+    bad = N  # the first chunk whose Vn comes out non-finite (N: none), the last the loop runs
+    while n < bad:
         s = n % 2
         t0 = n * BT
         # The next chunk's tiles into the other stage, whose reads all ended with the previous iteration.
@@ -143,13 +223,21 @@ def _forward_scan_gluon_kernel(k_desc, p_desc, v_desc, a_desc, s_desc, vn_desc, 
         vn_s.store(vn.to(dtype))
         fence_async_shared()
         compat.barrier()
-        compat.tma_store(vn_desc, [bh * T + t0, 0], vn_s)
 
         gc_t = gl.convert_layout(gc, gl.SliceLayout(0, blk_t))
         k_t = k_s.index(s).permute((1, 0)).load(blk_t).to(gl.float32) * gl.exp(glast - gc_t)[None, :]
-        S = warpgroup_mma(gl.convert_layout(k_t.to(dtype), a_kv), vn_s, S * gl.exp(glast))
+        S = warpgroup_mma(gl.convert_layout(k_t.to(dtype), a_kv), vn_s, S * gl.exp(glast), is_async=True)
+        clean = gl.abs(gl.sum(gl.sum(vn, 1), 0)) < float("inf")  # Vn's checksum, while the state's product runs
+        S = warpgroup_mma_wait(0, deps=[S])
+        if clean:
+            compat.tma_store(vn_desc, [bh * T + t0, 0], vn_s)
         compat.barrier()  # every warp is done with this stage's tiles before the next copy into it
+        bad = gl.where(clean, bad, n)
+        n += 1
     tma.store_wait(0)
+    if bad < N:
+        _guarded_tail(A, beta, g, bad, N, H, bh, base, v_s.index(bad % 2), p_s.index(bad % 2), sb_s, vn_s, bars, a_bar,
+                      s_desc, vn_desc, a_tv, a_tk, acc_tv, acc_tk, blk, K, V, A_STAGES)
     for st in gl.static_range(N_BARS):
         mbarrier.invalidate(bars.index(st))
 
@@ -161,5 +249,5 @@ def launch(t, k, v, beta, g):
     V = v.shape[-1]
     wg = K // 64
     a_stages = 2 if wg == 2 else 1  # A in a buffer of its own at K = 64, so that two CTAs share an SM
-    _forward_scan_gluon_kernel[(B * H,)](t.k, t.p, t.v, t.A, t.S, t.Vn, beta, g, T // CHUNK, H, K, V, wg, a_stages,
-                                         num_warps=4 * wg)
+    _forward_scan_gluon_kernel[(B * H,)](t.k, t.p, t.v, t.A, t.S, t.Vn, t.A.base, beta, g, T // CHUNK, H, K, V, wg,
+                                         a_stages, num_warps=4 * wg)

@@ -12,6 +12,16 @@ each block in the orientation its products take it in: a block needed both ways 
 are products of the same two accumulators). Fifty products where the Triton kernel makes forty, but fewer instructions
 a chunk.
 
+A non-finite input at step t reaches no row of A before t, as in `portable.transform`: a chunk holding a non-finite k, p
+or beta, or a NaN or +inf g, is solved a second time over the first solve's A, with L's non-finite entries zeroed as the
+Triton kernel zeroes them (a masked weight of 0 times a non-finite entry would reach the earlier rows through the
+products) and A's rows from that step on stored NaN. Whether to is read from the chunk's checksum, the sum of the four
+diagonal blocks' inverses, which every non-finite k, p or beta of their rows reaches, and a NaN or +inf g through block
+0's beta. On a clean chunk the guard is that sum and a branch. The kernel compiles without FMA contraction
+(`enable_fp_fusion=False`): the guarded solve's zeroing selects sit between products and the sums that take them, where
+a contraction would round the first solve's rows differently, so the rows of A before the bad step are the clean
+inputs' bit for bit.
+
 The kernel is written for K = 64, where it is faster than the Triton kernel (A within its bf16 rounding of the Triton
 one's); at K = 128 it spills and is slower, and K = 128 keeps the Triton kernel. L's blocks are made up front, not
 where they are used, to keep a margin of registers; the blocks are made in the order that lets the four diagonal
@@ -22,7 +32,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
-from .chunk import BT, FLOOR, scal_base
+from .chunk import BT, FLOOR, finite_or_zero, scal_base
 from ..reference import CHUNK
 from ..common.tf32 import tf32_high
 
@@ -63,13 +73,29 @@ def mm(x, z, acc):
 @gluon.jit
 def _block_gates(g, beta, base, r0, H, offset):
     """Of the 16 rows from r0: gc (offset plus the inclusive cumsum of g) in the row and in the column slice, beta in
-    the row slice, and offset plus the block's sum of g (the next block's offset)."""
+    the row slice, offset plus the block's sum of g (the next block's offset), and g's checksum in the column slice:
+    NaN or +inf where g is NaN or +inf, 0 elsewhere (g = -inf is a reset)."""
     r = gl.arange(0, SUB, layout=ROW)
     c = gl.arange(0, SUB, layout=COL)
-    g_c = gl.maximum(gl.load(g + base + (r0 + c) * H), FLOOR)
+    g_raw = gl.load(g + base + (r0 + c) * H)
+    g_c = gl.maximum(g_raw, FLOOR)
     gc_r = offset + gl.sum(gl.where(c[None, :] <= r[:, None], g_c[None, :], 0.0), 1)
     beta_r = gl.load(beta + base + (r0 + r) * H).to(gl.float32)
-    return gc_r, gl.convert_layout(gc_r, COL), beta_r, offset + gl.sum(g_c, 0)
+    g_check = gl.where(g_raw < float("inf"), 0.0, g_raw)  # NaN fails the test
+    return gc_r, gl.convert_layout(gc_r, COL), beta_r, offset + gl.sum(g_c, 0), g_check
+
+
+@gluon.jit
+def _block_edge(pk, beta_r, g_check, i: gl.constexpr):
+    """The chunk's first row in block i holding a non-finite k, p or beta, or a NaN or +inf g, BT if none (so that a
+    clean block leaves the chunk's edge where the other blocks put it), from the diagonal block P_i K_i^T (whose entry
+    (r, r) is p_r . k_r), beta and g's checksum (`_block_gates`), as `portable.transform` finds that row."""
+    r = gl.arange(0, SUB, layout=ROW)
+    c = gl.arange(0, SUB, layout=COL)
+    diag_ok = gl.min(((gl.abs(pk) < float("inf")) | (r[:, None] != c[None, :])).to(gl.int32), 1)
+    row_ok = (diag_ok > 0) & (gl.abs(beta_r) < float("inf"))
+    first_row = gl.min(gl.where(row_ok, BT, r + i * SUB), 0)
+    return gl.minimum(first_row, gl.min(gl.where(g_check == 0.0, BT, c + i * SUB), 0))
 
 
 @gluon.jit
@@ -97,23 +123,31 @@ def _kp(p_i, kt_i, acc):
 
 
 @gluon.jit
-def _decayed(pk, beta_r, gc_r, gc_c, DIAGONAL: gl.constexpr):
-    """Block (i, j) of L from P_i K_j^T: beta on its rows, E = exp(gc_i - gc_j), strictly lower if DIAGONAL."""
+def _decayed(pk, beta_r, gc_r, gc_c, DIAGONAL: gl.constexpr, GUARDED: gl.constexpr = False):
+    """Block (i, j) of L from P_i K_j^T: beta on its rows, E = exp(gc_i - gc_j), strictly lower if DIAGONAL; GUARDED,
+    its non-finite entries zeroed."""
     diff = gc_r[:, None] - gc_c[None, :]
     if DIAGONAL:
         r = gl.arange(0, SUB, layout=ROW)
         c = gl.arange(0, SUB, layout=COL)
         diff = gl.where(r[:, None] > c[None, :], diff, float("-inf"))
-    return pk * beta_r[:, None] * gl.exp(diff)
+    block = pk * beta_r[:, None] * gl.exp(diff)
+    if GUARDED:
+        block = finite_or_zero(block)
+    return block
 
 
 @gluon.jit
-def _decayed_t(kp, beta_c, gc_r, gc_c):
-    """The diagonal block of L transposed, from K_i P_i^T: beta on its columns, E^T, strictly upper."""
+def _decayed_t(kp, beta_c, gc_r, gc_c, GUARDED: gl.constexpr = False):
+    """The diagonal block of L transposed, from K_i P_i^T: beta on its columns, E^T, strictly upper; GUARDED, its
+    non-finite entries zeroed."""
     r = gl.arange(0, SUB, layout=ROW)
     c = gl.arange(0, SUB, layout=COL)
     upper = c[None, :] > r[:, None]
-    return kp * beta_c[None, :] * gl.exp(gl.where(upper, gc_c[None, :] - gc_r[:, None], float("-inf")))
+    block = kp * beta_c[None, :] * gl.exp(gl.where(upper, gc_c[None, :] - gc_r[:, None], float("-inf")))
+    if GUARDED:
+        block = finite_or_zero(block)
+    return block
 
 
 @gluon.jit
@@ -152,28 +186,39 @@ def _inverse_t(d_b, l8_t):
 
 
 @gluon.jit
-def _store_block(A, a_base, i: gl.constexpr, j: gl.constexpr, blk, TRANSPOSED: gl.constexpr = False):
-    """Block (i, j) of the chunk's A; blk holds it, or its transpose where TRANSPOSED."""
+def _store_block(A, a_base, i: gl.constexpr, j: gl.constexpr, blk, TRANSPOSED: gl.constexpr = False, edge=None):
+    """Block (i, j) of the chunk's A; blk holds it, or its transpose where TRANSPOSED; with `edge`, NaN on the chunk's
+    rows from edge on."""
     r = gl.arange(0, SUB, layout=ROW)
     c = gl.arange(0, SUB, layout=COL)
     if TRANSPOSED:
-        offs = (c[None, :] + i * SUB) * BT + (r[:, None] + j * SUB)
+        rows = c[None, :] + i * SUB
+        offs = rows * BT + (r[:, None] + j * SUB)
     else:
-        offs = (r[:, None] + i * SUB) * BT + (c[None, :] + j * SUB)
+        rows = r[:, None] + i * SUB
+        offs = rows * BT + (c[None, :] + j * SUB)
+    if edge is not None:
+        blk = gl.where(rows >= edge, float("nan"), blk)
     gl.store(A + a_base + offs, blk.to(A.dtype.element_ty))
 
 
 @gluon.jit
-def _transform_gluon_kernel(k, p, beta, g, A, N, H, K: gl.constexpr):
+def _transform_chunk(k, p, beta, g, A, N, H, K: gl.constexpr, GUARDED: gl.constexpr):
+    """Solve this program's chunk and store its A. Returns the chunk's checksum, finite unless the chunk holds a
+    non-finite k, p or beta or a NaN or +inf g; GUARDED (a chunk whose checksum is not), the solve zeroes L's non-finite
+    entries and stores A NaN from the chunk's first such step on (`_block_edge`), and returns 0."""
     n, bh = gl.program_id(0), gl.program_id(1)
     base = scal_base(bh // H, bh % H, N, H)
     t0 = n * BT
     kbase = base * K
     HK = H * K
-    gc0_r, gc0_c, b0, off = _block_gates(g, beta, base, t0, H, 0.0)
-    gc1_r, gc1_c, b1, off = _block_gates(g, beta, base, t0 + SUB, H, off)
-    gc2_r, gc2_c, b2, off = _block_gates(g, beta, base, t0 + 2 * SUB, H, off)
-    gc3_r, gc3_c, b3, off = _block_gates(g, beta, base, t0 + 3 * SUB, H, off)
+    gc0_r, gc0_c, b0, off, g_check = _block_gates(g, beta, base, t0, H, 0.0)
+    gc1_r, gc1_c, b1, off, g_check1 = _block_gates(g, beta, base, t0 + SUB, H, off)
+    gc2_r, gc2_c, b2, off, g_check2 = _block_gates(g, beta, base, t0 + 2 * SUB, H, off)
+    gc3_r, gc3_c, b3, off, g_check3 = _block_gates(g, beta, base, t0 + 3 * SUB, H, off)
+    if not GUARDED:
+        # A NaN or +inf g makes block 0's beta, so the chunk's checksum, non-finite (an exact no-op otherwise).
+        b0 += gl.sum(g_check + g_check1 + g_check2 + g_check3, 0)
 
     # P_i K_j^T for the ten blocks on or below the diagonal, and K_i P_i^T for the diagonal's transposes; K_j^T is
     # loaded for its column of blocks, so that only one is live with the four P_i.
@@ -194,32 +239,37 @@ def _transform_gluon_kernel(k, p, beta, g, A, N, H, K: gl.constexpr):
     kt = _kt_tile(k, kbase, t0 + 3 * SUB, HK, K)
     pk33 = mma_v2(p3, kt, zero)
     kp33 = _kp(p3, kt, zero)
+    if GUARDED:
+        edge = gl.minimum(gl.minimum(_block_edge(pk00, b0, g_check, 0), _block_edge(pk11, b1, g_check1, 1)),
+                          gl.minimum(_block_edge(pk22, b2, g_check2, 2), _block_edge(pk33, b3, g_check3, 3)))
+    else:
+        edge = None
 
     # The diagonal blocks' inverses D_i, in the orientations the products below take them in.
-    db, l8_t = _inverse_chain(_decayed(pk00, b0, gc0_r, gc0_c, True), _decayed_t(kp00, gl.convert_layout(b0, COL),
-                                                                                gc0_r, gc0_c))
+    db, l8_t = _inverse_chain(_decayed(pk00, b0, gc0_r, gc0_c, True, GUARDED),
+                              _decayed_t(kp00, gl.convert_layout(b0, COL), gc0_r, gc0_c, GUARDED))
     d0_t = _inverse_t(db, l8_t)
-    db, l8_t = _inverse_chain(_decayed(pk11, b1, gc1_r, gc1_c, True), _decayed_t(kp11, gl.convert_layout(b1, COL),
-                                                                                gc1_r, gc1_c))
+    db, l8_t = _inverse_chain(_decayed(pk11, b1, gc1_r, gc1_c, True, GUARDED),
+                              _decayed_t(kp11, gl.convert_layout(b1, COL), gc1_r, gc1_c, GUARDED))
     d1 = _inverse(db, l8_t)
     d1_t = _inverse_t(db, l8_t)
-    db, l8_t = _inverse_chain(_decayed(pk22, b2, gc2_r, gc2_c, True), _decayed_t(kp22, gl.convert_layout(b2, COL),
-                                                                                gc2_r, gc2_c))
+    db, l8_t = _inverse_chain(_decayed(pk22, b2, gc2_r, gc2_c, True, GUARDED),
+                              _decayed_t(kp22, gl.convert_layout(b2, COL), gc2_r, gc2_c, GUARDED))
     d2 = _inverse(db, l8_t)
     d2_t = _inverse_t(db, l8_t)
-    db, l8_t = _inverse_chain(_decayed(pk33, b3, gc3_r, gc3_c, True), _decayed_t(kp33, gl.convert_layout(b3, COL),
-                                                                                gc3_r, gc3_c))
+    db, l8_t = _inverse_chain(_decayed(pk33, b3, gc3_r, gc3_c, True, GUARDED),
+                              _decayed_t(kp33, gl.convert_layout(b3, COL), gc3_r, gc3_c, GUARDED))
     d3 = _inverse(db, l8_t)
 
     # The off-diagonal blocks, as the Triton kernel assembles them, from -L's blocks (beta negated), so that no product
     # needs negating: A10 = D1 (-L10) D0, A32 = D3 (-L32) D2, -M = (-L) D + (-L) A10 on the lower-left 32 x 32, then
     # A2j = D2 (-M0j), A3j = A32 (-M0j) + D3 (-M1j), the Ms and A10 taken transposed.
-    ln10 = _decayed(pk10, -b1, gc1_r, gc0_c, False)
-    ln20 = _decayed(pk20, -b2, gc2_r, gc0_c, False)
-    ln30 = _decayed(pk30, -b3, gc3_r, gc0_c, False)
-    ln21 = _decayed(pk21, -b2, gc2_r, gc1_c, False)
-    ln31 = _decayed(pk31, -b3, gc3_r, gc1_c, False)
-    ln32 = _decayed(pk32, -b3, gc3_r, gc2_c, False)
+    ln10 = _decayed(pk10, -b1, gc1_r, gc0_c, False, GUARDED)
+    ln20 = _decayed(pk20, -b2, gc2_r, gc0_c, False, GUARDED)
+    ln30 = _decayed(pk30, -b3, gc3_r, gc0_c, False, GUARDED)
+    ln21 = _decayed(pk21, -b2, gc2_r, gc1_c, False, GUARDED)
+    ln31 = _decayed(pk31, -b3, gc3_r, gc1_c, False, GUARDED)
+    ln32 = _decayed(pk32, -b3, gc3_r, gc2_c, False, GUARDED)
     a10_t = mm(mm(d0_t, ln10, zero), d1, zero)
     a32 = mm(d3, mm(d2_t, ln32, zero), zero)
     nm00_t = mm(a10_t, ln21, mm(d0_t, ln20, zero))
@@ -228,23 +278,46 @@ def _transform_gluon_kernel(k, p, beta, g, A, N, H, K: gl.constexpr):
     nm11_t = mm(d1_t, ln31, zero)
 
     a_base = (bh.to(gl.int64) * N + n) * BT * BT
-    _store_block(A, a_base, 0, 0, d0_t, True)
-    _store_block(A, a_base, 1, 0, a10_t, True)
-    _store_block(A, a_base, 1, 1, d1)
-    _store_block(A, a_base, 2, 0, mm(d2, nm00_t, zero))
-    _store_block(A, a_base, 2, 1, mm(d2, nm01_t, zero))
-    _store_block(A, a_base, 2, 2, d2)
-    _store_block(A, a_base, 3, 0, mm(d3, nm10_t, mm(a32, nm00_t, zero)))
-    _store_block(A, a_base, 3, 1, mm(d3, nm11_t, mm(a32, nm01_t, zero)))
-    _store_block(A, a_base, 3, 2, a32)
-    _store_block(A, a_base, 3, 3, d3)
+    _store_block(A, a_base, 0, 0, d0_t, True, edge)
+    _store_block(A, a_base, 1, 0, a10_t, True, edge)
+    _store_block(A, a_base, 1, 1, d1, False, edge)
+    _store_block(A, a_base, 2, 0, mm(d2, nm00_t, zero), False, edge)
+    _store_block(A, a_base, 2, 1, mm(d2, nm01_t, zero), False, edge)
+    _store_block(A, a_base, 2, 2, d2, False, edge)
+    _store_block(A, a_base, 3, 0, mm(d3, nm10_t, mm(a32, nm00_t, zero)), False, edge)
+    _store_block(A, a_base, 3, 1, mm(d3, nm11_t, mm(a32, nm01_t, zero)), False, edge)
+    _store_block(A, a_base, 3, 2, a32, False, edge)
+    _store_block(A, a_base, 3, 3, d3, False, edge)
     for i in gl.static_range(3):
         for j in gl.static_range(i + 1, 4):
-            _store_block(A, a_base, i, j, zero)
+            _store_block(A, a_base, i, j, zero, False, edge)
+    if GUARDED:
+        checksum = 0.0
+    else:
+        checksum = gl.sum(gl.sum(d0_t + d1 + d2 + d3, 1), 0)
+    return checksum
+
+
+# Not inlined: inlined, the compiler would keep values of the first solve (addresses, tiles) for the second, and the
+# kernel would spill.
+@gluon.jit(noinline=True)
+def _guarded_solve(k, p, beta, g, A, N, H, K: gl.constexpr):
+    """The chunk's A solved again, guarded (`_transform_chunk`), each entry stored by the thread that stored it in the
+    first solve, so after it."""
+    _transform_chunk(k, p, beta, g, A, N, H, K, True)
+
+
+@gluon.jit
+def _transform_gluon_kernel(k, p, beta, g, A, N, H, K: gl.constexpr):
+    checksum = _transform_chunk(k, p, beta, g, A, N, H, K, False)
+    if not (gl.abs(checksum) < float("inf")):
+        # The chunk holds a non-finite input.
+        _guarded_solve(k, p, beta, g, A, N, H, K)
 
 
 def launch(k, p, beta, g, A):
     """A (BH, N, 64, 64) of inputs k, p (B, T, H, 64) with T a multiple of the chunk, beta and g (B, T, H), in A's
     dtype, as `portable.transform._transform_kernel`."""
     B, T, H, K = k.shape
-    _transform_gluon_kernel[(T // CHUNK, B * H)](k, p, beta, g, A, T // CHUNK, H, K, num_warps=1)
+    _transform_gluon_kernel[(T // CHUNK, B * H)](k, p, beta, g, A, T // CHUNK, H, K, num_warps=1,
+                                                 enable_fp_fusion=False)
