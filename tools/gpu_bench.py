@@ -113,14 +113,15 @@ def run_tests(out_dir: Path, names: list[str], all_tests: bool, timeout: float, 
 
 def outcomes_before_cut(log: str) -> dict:
     """What a test run cut by its timeout had reported in its log (`pytest -v`, each outcome a line such as
-    `[gw3] [ 45%] PASSED path::test`): the passed and skipped counts, the failed tests and the share of the run done.
-    A cut run has no junit report, and its results are no results rows (`tools.results` reads the complete runs)."""
+    `[gw3] [ 45%] PASSED path::test`): the passed and skipped counts, the failed tests and the share of the run done
+    (the largest a line shows: workers report out of order). A cut run has no junit report, and its results are no
+    results rows (`tools.results` reads the complete runs)."""
     outcomes = re.findall(r"\[\s*(\d+)%\] (PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS) (\S+)", log)
     return {
         "passed_before_cut": sum(o == "PASSED" for _, o, _ in outcomes),
         "skipped_before_cut": sum(o == "SKIPPED" for _, o, _ in outcomes),
         "failed_before_cut": [name for _, o, name in outcomes if o in ("FAILED", "ERROR")],
-        "percent_done": int(outcomes[-1][0]) if outcomes else 0,
+        "percent_done": max((int(percent) for percent, _, _ in outcomes), default=0),
     }
 
 

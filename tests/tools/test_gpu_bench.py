@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from tools.gpu_bench import load_harness, load_kernel, side_by_side_kwargs, outcomes_before_cut
+from tools.gpu_bench import load_harness, load_kernel, outcomes_before_cut, side_by_side_kwargs
 
 
 def test_bench_kwargs_name_a_kernel_and_a_json_object():
@@ -27,10 +27,11 @@ def test_a_cut_test_run_reports_what_its_log_holds():
         "[gw1] [ 40%] FAILED kernels/based-bwd/tests/test_c.py::test_three ",
         "[gw2] [ 41%] PASSED kernels/based-bwd/tests/test_c.py::test_four ",
         "[gw0] [ 93%] ERROR kernels/log-mel/tests/test_d.py::test_five ",
+        "[gw5] [ 92%] PASSED kernels/log-mel/tests/test_d.py::test_six ",
         "FAILED kernels/based-bwd/tests/test_c.py::test_three - AssertionError",
     ])
     assert outcomes_before_cut(log) == {
-        "passed_before_cut": 2, "skipped_before_cut": 1, "percent_done": 93,
+        "passed_before_cut": 3, "skipped_before_cut": 1, "percent_done": 93,
         "failed_before_cut": ["kernels/based-bwd/tests/test_c.py::test_three", "kernels/log-mel/tests/test_d.py::test_five"],
     }
     assert outcomes_before_cut("collecting ...")["percent_done"] == 0

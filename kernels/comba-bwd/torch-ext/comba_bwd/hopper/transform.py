@@ -123,7 +123,7 @@ def _kp(p_i, kt_i, acc):
 
 
 @gluon.jit
-def _decayed(pk, beta_r, gc_r, gc_c, DIAGONAL: gl.constexpr, GUARDED: gl.constexpr = False):
+def _decayed(pk, beta_r, gc_r, gc_c, DIAGONAL: gl.constexpr, GUARDED: gl.constexpr):
     """Block (i, j) of L from P_i K_j^T: beta on its rows, E = exp(gc_i - gc_j), strictly lower if DIAGONAL; GUARDED,
     its non-finite entries zeroed."""
     diff = gc_r[:, None] - gc_c[None, :]
@@ -138,7 +138,7 @@ def _decayed(pk, beta_r, gc_r, gc_c, DIAGONAL: gl.constexpr, GUARDED: gl.constex
 
 
 @gluon.jit
-def _decayed_t(kp, beta_c, gc_r, gc_c, GUARDED: gl.constexpr = False):
+def _decayed_t(kp, beta_c, gc_r, gc_c, GUARDED: gl.constexpr):
     """The diagonal block of L transposed, from K_i P_i^T: beta on its columns, E^T, strictly upper; GUARDED, its
     non-finite entries zeroed."""
     r = gl.arange(0, SUB, layout=ROW)
@@ -186,9 +186,9 @@ def _inverse_t(d_b, l8_t):
 
 
 @gluon.jit
-def _store_block(A, a_base, i: gl.constexpr, j: gl.constexpr, blk, TRANSPOSED: gl.constexpr = False, edge=None):
-    """Block (i, j) of the chunk's A; blk holds it, or its transpose where TRANSPOSED; with `edge`, NaN on the chunk's
-    rows from edge on."""
+def _store_block(A, a_base, i: gl.constexpr, j: gl.constexpr, blk, edge, TRANSPOSED: gl.constexpr = False):
+    """Block (i, j) of the chunk's A; blk holds it, or its transpose where TRANSPOSED; with an `edge` (not None), NaN on
+    the chunk's rows from edge on."""
     r = gl.arange(0, SUB, layout=ROW)
     c = gl.arange(0, SUB, layout=COL)
     if TRANSPOSED:
@@ -278,19 +278,19 @@ def _transform_chunk(k, p, beta, g, A, N, H, K: gl.constexpr, GUARDED: gl.conste
     nm11_t = mm(d1_t, ln31, zero)
 
     a_base = (bh.to(gl.int64) * N + n) * BT * BT
-    _store_block(A, a_base, 0, 0, d0_t, True, edge)
-    _store_block(A, a_base, 1, 0, a10_t, True, edge)
-    _store_block(A, a_base, 1, 1, d1, False, edge)
-    _store_block(A, a_base, 2, 0, mm(d2, nm00_t, zero), False, edge)
-    _store_block(A, a_base, 2, 1, mm(d2, nm01_t, zero), False, edge)
-    _store_block(A, a_base, 2, 2, d2, False, edge)
-    _store_block(A, a_base, 3, 0, mm(d3, nm10_t, mm(a32, nm00_t, zero)), False, edge)
-    _store_block(A, a_base, 3, 1, mm(d3, nm11_t, mm(a32, nm01_t, zero)), False, edge)
-    _store_block(A, a_base, 3, 2, a32, False, edge)
-    _store_block(A, a_base, 3, 3, d3, False, edge)
+    _store_block(A, a_base, 0, 0, d0_t, edge, True)
+    _store_block(A, a_base, 1, 0, a10_t, edge, True)
+    _store_block(A, a_base, 1, 1, d1, edge)
+    _store_block(A, a_base, 2, 0, mm(d2, nm00_t, zero), edge)
+    _store_block(A, a_base, 2, 1, mm(d2, nm01_t, zero), edge)
+    _store_block(A, a_base, 2, 2, d2, edge)
+    _store_block(A, a_base, 3, 0, mm(d3, nm10_t, mm(a32, nm00_t, zero)), edge)
+    _store_block(A, a_base, 3, 1, mm(d3, nm11_t, mm(a32, nm01_t, zero)), edge)
+    _store_block(A, a_base, 3, 2, a32, edge)
+    _store_block(A, a_base, 3, 3, d3, edge)
     for i in gl.static_range(3):
         for j in gl.static_range(i + 1, 4):
-            _store_block(A, a_base, i, j, zero, False, edge)
+            _store_block(A, a_base, i, j, zero, edge)
     if GUARDED:
         checksum = 0.0
     else:
