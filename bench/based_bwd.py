@@ -77,7 +77,7 @@ def _forward_rows(bench, kernel, dispatch, fla_based, case, q, k, v, o_ref, flop
         return run
 
     ours = _timed_row(bench, case, "based-bwd triton forward", fwd(lambda: kernel.based_attention(q, k, v)),
-                      [o_ref], flops, config=str(dispatch.DEFAULT_FORWARD_CONFIG[K]))
+                      [o_ref], flops, config=str(dispatch.forward_config(K, q.device)))
     rows.append(ours)
     if sweep:
         for config in dispatch.FORWARD_CONFIG_CHOICES:
@@ -402,7 +402,7 @@ def compile_cases(kernel, spec):
         cu = torch.empty(N + 1, dtype=torch.int32, device="meta")
         state = (torch.empty(N, H, P, V, device="meta"), torch.empty(N, H, P, device="meta"))
         shape = f"{N} packed, {PACKED_TOKENS} tokens, (H,K,V)=({H},{K},{V}) bfloat16"
-        fwd, bwd = dispatch.DEFAULT_FORWARD_CONFIG[K], dispatch.DEFAULT_BACKWARD_CONFIG[K]
+        fwd, bwd = dispatch.forward_config(K, q.device), dispatch.DEFAULT_BACKWARD_CONFIG[K]
         if segment_chunks is not None:
             shape += f", segments of {segment_chunks} chunks"
             fwd, bwd = (c._replace(scan_segment_chunks=segment_chunks) for c in (fwd, bwd))
@@ -422,7 +422,7 @@ def compile_cases(kernel, spec):
         K = shape[3]
         for config in sorted(backward_choices | {dispatch.DEFAULT_BACKWARD_CONFIG[K]}, key=str):
             yield case(shape, torch.bfloat16, config)
-        for config in sorted(forward_choices | {dispatch.DEFAULT_FORWARD_CONFIG[K]}, key=str):
+        for config in sorted(forward_choices | {dispatch.forward_config(K, torch.device("meta"))}, key=str):
             yield forward_case(shape, torch.bfloat16, config)
     for K in sorted({shape[3] for shape in shapes} if tuning else ()):
         first = next(s for s in shapes if s[3] == K)

@@ -7,7 +7,7 @@ has no Hopper-only fast paths.
 
 The portable forward is two stages (`states`: the forward scan, then `output`), the backward four (the forward
 scan, `grads`' dq, the reverse scan, `grads`' dk and dv); `portable_forward` and `portable_backward` launch
-them in order, with the launch plan of `DEFAULT_FORWARD_CONFIG` and `DEFAULT_BACKWARD_CONFIG`. fp16 inputs run
+them in order, with the launch plans of `forward_config` and `DEFAULT_BACKWARD_CONFIG`. fp16 inputs run
 the bf16 kernels, converted in and out.
 
 `portable_state_forward` and `portable_state_backward` launch the same stages with an initial state, a final state
@@ -20,15 +20,17 @@ from typing import NamedTuple
 
 import torch
 
-from .common.devices import on_device
+from .common.devices import gpu, on_device
 from .common.direct_calls import DirectCalls, stage_module
+from .common.fast_paths import TRITON_RELEASE
 from .reference import based_backward_reference, based_forward_reference, based_state_backward_reference
 
 
 class BackwardConfig(NamedTuple):
     """The backward's launch plan: the chunk C, the chunk kernels' warps and the registers a thread of theirs
-    may use (ptxas' maxnreg; None: as many as it wants); the scans' feature rows and V columns per program and
-    their warps; and on packed sequences the scans' segments of at most scan_segment_chunks chunks (None: each
+    may use (ptxas' maxnreg; None: as many as it wants); the scans' feature rows and V columns per program, their
+    warps and software-pipeline stages (Triton's num_stages: the next chunk's loads issued while this one's
+    product runs); and on packed sequences the scans' segments of at most scan_segment_chunks chunks (None: each
     sequence scanned whole; `portable.states.Packing`)."""
 
     chunk: int = 64
@@ -38,12 +40,14 @@ class BackwardConfig(NamedTuple):
     scan_bv: int = 64
     scan_warps: int = 8
     scan_segment_chunks: int | None = None
+    scan_stages: int = 1
 
 
 class ForwardConfig(NamedTuple):
     """The forward's launch plan: the chunk C; the output kernel's V columns a program and warps; the scan's
-    feature rows and V columns a program and warps, and on packed sequences its segments of at most
-    scan_segment_chunks chunks (None: each sequence scanned whole; `portable.states.Packing`)."""
+    feature rows and V columns a program, warps and software-pipeline stages (as `BackwardConfig`'s), and on packed
+    sequences its segments of at most scan_segment_chunks chunks (None: each sequence scanned whole;
+    `portable.states.Packing`)."""
 
     chunk: int = 64
     bv: int = 128
@@ -52,6 +56,7 @@ class ForwardConfig(NamedTuple):
     scan_bv: int = 64
     scan_warps: int = 8
     scan_segment_chunks: int | None = None
+    scan_stages: int = 1
 
 
 class DecodeConfig(NamedTuple):
@@ -63,21 +68,44 @@ class DecodeConfig(NamedTuple):
 
 
 # The launches the public ops use, per feature size K, and the alternatives the benchmark times beside them;
-# the benchmark's H200 timings choose among them. Backward: the chunk kernels on 4 warps capped at 168
-# registers a thread (three CTAs an SM instead of two uncapped), the scans 64 V columns a program. Forward: at
-# K = 16 a 64-column tile on 4 warps fits two CTAs an SM (186 registers); at K = 8 the whole of V = 128 fits
-# three. Every launch runs num_stages=1.
-DEFAULT_BACKWARD_CONFIG = {8: BackwardConfig(), 16: BackwardConfig()}
-BACKWARD_CONFIG_CHOICES = [BackwardConfig(chunk_registers=None), BackwardConfig(warps=8, chunk_registers=None)]
-DEFAULT_FORWARD_CONFIG = {8: ForwardConfig(), 16: ForwardConfig(bv=64)}
+# the benchmark's timings choose among them. Backward: the chunk kernels on 4 warps capped at 168 registers a
+# thread (three CTAs an SM instead of two uncapped). Forward: at K = 8 the whole of V = 128 fits three 4-warp
+# CTAs an SM. At K = 16 the scans take 32 feature rows and 128 V columns a program, two stages (the scan waits
+# on its loads: the next chunk's are issued before this one's product), and the forward takes chunks of 128
+# (half the states to write and read back), its output kernel 128 columns on 8 warps. The chunk kernels and
+# the K = 8 scans run num_stages=1.
+_SCANS_K16 = dict(scan_rows=32, scan_bv=128, scan_stages=2)
+DEFAULT_BACKWARD_CONFIG = {8: BackwardConfig(), 16: BackwardConfig(**_SCANS_K16)}
+BACKWARD_CONFIG_CHOICES = [BackwardConfig(), BackwardConfig(chunk_registers=None),
+                           BackwardConfig(warps=8, chunk_registers=None)]
+DEFAULT_FORWARD_CONFIG = {8: ForwardConfig(), 16: ForwardConfig(chunk=128, warps=8, **_SCANS_K16)}
 FORWARD_CONFIG_CHOICES = [ForwardConfig(), ForwardConfig(bv=64), ForwardConfig(warps=8),
-                          ForwardConfig(bv=64, warps=8)]
+                          ForwardConfig(bv=64, warps=8), ForwardConfig(bv=64, **_SCANS_K16),
+                          ForwardConfig(chunk=128, bv=64, warps=8, **_SCANS_K16)]
+# The output kernel of a chunk of 128 holds its operands in shared memory, 168 KB a CTA at K = 16 on sm_90a, and
+# 255 registers a thread, which Triton 3.8 and 3.9 exceed (they spill 168 and 244 bytes): on a GPU whose CTAs may
+# use less shared memory (sm_80: 163 KB; sm_86, sm_89, sm_120: 99 KB) and under the Tritons not in CHUNK_128_TRITONS
+# the default's plan runs in chunks of 64 with 64 V columns a program (`forward_config`).
+CHUNK_128_SHARED = 168 * 1024
+CHUNK_128_TRITONS = ("3.6", "3.7")
 # The decode step: 32 columns a program on 4 warps (N H V / 32 programs; at K = 16 a program holds 273 x 32 fp32
 # of state, 128 registers a thread in the sm_90a compile, four CTAs an SM); the benchmark times the others beside
 # it.
 DEFAULT_DECODE_CONFIG = DecodeConfig()
 DECODE_CONFIG_CHOICES = [DecodeConfig(bv=16), DecodeConfig(bv=64, warps=8), DecodeConfig(warps=8),
                          DecodeConfig(bv=16, warps=2)]
+
+
+def forward_config(K: int, device: torch.device) -> ForwardConfig:
+    """The forward's plan at feature size K on `device` (meta tensors: the GPU they stand for,
+    `devices.meta_gpu`): DEFAULT_FORWARD_CONFIG[K], in chunks of 64 and 64 V columns a program where it takes
+    chunks of 128 and the Triton release is not in CHUNK_128_TRITONS or the GPU's CTAs may not use
+    CHUNK_128_SHARED bytes of shared memory."""
+    cfg = DEFAULT_FORWARD_CONFIG[K]
+    if cfg.chunk == 128 and (TRITON_RELEASE not in CHUNK_128_TRITONS or (
+            device.type in ("cuda", "meta") and gpu(device).shared_per_cta < CHUNK_128_SHARED)):
+        return cfg._replace(chunk=64, bv=64, warps=4)
+    return cfg
 
 
 def kernel_path(x: torch.Tensor) -> str:
@@ -180,7 +208,7 @@ def portable_backward(q, k, v, do, scale: float, config: BackwardConfig | None =
     h = torch.empty(B * H, T, device=q.device, dtype=torch.float32)
     g = torch.empty_like(do)  # r do, rounded to the matmul operand type (the inputs')
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    scan = dict(chunk=cfg.chunk, rows=cfg.scan_rows, bv=cfg.scan_bv, warps=cfg.scan_warps)
+    scan = dict(chunk=cfg.chunk, rows=cfg.scan_rows, bv=cfg.scan_bv, warps=cfg.scan_warps, stages=cfg.scan_stages)
     chunk = dict(chunk=cfg.chunk, warps=cfg.warps, registers=cfg.chunk_registers)
     with on_device(q):
         states.launch(k, v, h, S, Z, scale, reverse=False, **scan)  # h is not read (unweighted)
@@ -192,20 +220,20 @@ def portable_backward(q, k, v, do, scale: float, config: BackwardConfig | None =
 
 def portable_forward(q, k, v, scale: float, config: ForwardConfig | None = None) -> torch.Tensor:
     """o (B, T, H, V) from the portable kernels, in the inputs' dtype, for contiguous (B, T, H, K) q, k and
-    (B, T, H, V) v with K in {8, 16}, any T, V >= 1. `config` overrides DEFAULT_FORWARD_CONFIG[K]. CPU tensors
+    (B, T, H, V) v with K in {8, 16}, any T, V >= 1. `config` overrides `forward_config`'s plan. CPU tensors
     run the kernels in the Triton interpreter."""
     from .portable import output, states  # triton is imported only where the kernels run
 
     if q.dtype == torch.float16:
         # the states outgrow fp16's range over long sequences
         return portable_forward(*(x.to(torch.bfloat16) for x in (q, k, v)), scale, config).to(torch.float16)
-    cfg = config or DEFAULT_FORWARD_CONFIG[q.shape[-1]]
+    cfg = config or forward_config(q.shape[-1], q.device)
     S, Z = states.state_buffers(q, v.shape[-1], cfg.chunk)
     o = torch.empty_like(v)
     with on_device(q):
         # the scan's weights are not read forward (unweighted)
         states.launch(k, v, Z, S, Z, scale, chunk=cfg.chunk, reverse=False, rows=cfg.scan_rows, bv=cfg.scan_bv,
-                      warps=cfg.scan_warps)
+                      warps=cfg.scan_warps, stages=cfg.scan_stages)
         output.launch(q, k, v, S, Z, o, scale, chunk=cfg.chunk, bv=cfg.bv, warps=cfg.warps)
     return o
 
@@ -323,7 +351,7 @@ def portable_state_forward(q, k, v, scale: float, initial_state=None, cu_seqlens
     B, T, H, K = q.shape
     V = v.shape[-1]
     N = _sequences(q, cu_seqlens)
-    cfg = config or DEFAULT_FORWARD_CONFIG[K]
+    cfg = config or forward_config(K, q.device)
     packing = None if cu_seqlens is None else states.packing(cu_seqlens, T, cfg.chunk, cfg.scan_segment_chunks)
     S, Z = states.state_buffers(q, V, cfg.chunk, packing)
     P = S.shape[2]
@@ -334,7 +362,7 @@ def portable_state_forward(q, k, v, scale: float, initial_state=None, cu_seqlens
     o = torch.empty_like(v)
     with on_device(q):
         states.launch(k, v, Z, S, Z, scale, chunk=cfg.chunk, reverse=False, rows=cfg.scan_rows, bv=cfg.scan_bv,
-                      warps=cfg.scan_warps, initial=initial, final=final, packing=packing)
+                      warps=cfg.scan_warps, stages=cfg.scan_stages, initial=initial, final=final, packing=packing)
         output.launch(q, k, v, S, Z, o, scale, chunk=cfg.chunk, bv=cfg.bv, warps=cfg.warps, packing=packing)
     if final is None:
         return o, None
@@ -378,7 +406,8 @@ def portable_state_backward(q, k, v, do, d_final, scale: float, initial_state=No
     total = None
     if initial_state is not None:
         total = (torch.empty(N * H, P, V, device=q.device), torch.empty(N * H, P, device=q.device))
-    scan = dict(chunk=cfg.chunk, rows=cfg.scan_rows, bv=cfg.scan_bv, warps=cfg.scan_warps, packing=packing)
+    scan = dict(chunk=cfg.chunk, rows=cfg.scan_rows, bv=cfg.scan_bv, warps=cfg.scan_warps, stages=cfg.scan_stages,
+                packing=packing)
     chunk = dict(chunk=cfg.chunk, warps=cfg.warps, registers=cfg.chunk_registers, packing=packing)
     with on_device(q):
         states.launch(k, v, h, S, Z, scale, reverse=False, initial=initial, **scan)

@@ -310,10 +310,11 @@ def packing(cu_seqlens: torch.Tensor, T: int, chunk: int, segment_chunks: int | 
 
 
 def launch(x, y, weights, states, norms, scale: float, *, chunk: int, reverse: bool, rows: int, bv: int,
-           warps: int, initial=None, final=None, packing: Packing | None = None) -> None:
+           warps: int, stages: int, initial=None, final=None, packing: Packing | None = None) -> None:
     """The scan over chunks of `chunk` positions of x (B, T, H, K) and y (B, T, H, V) into the `state_buffers`
     states and norms: forward (reverse False) x = k, y = v, weights not read; reverse x = q, y = g, weights the
-    fp32 (B H, T) h. A program takes `rows` feature rows and up to `bv` V columns, on `warps` warps.
+    fp32 (B H, T) h. A program takes `rows` feature rows and up to `bv` V columns, on `warps` warps, its loop
+    pipelined in `stages` stages (Triton's num_stages).
 
     initial: None or fp32 (S0 (B H, P, V), z0 (B H, P)) in the packed layout, where the running sum starts;
     final: None or fp32 buffers of those shapes that receive the running sum after the last chunk;
@@ -338,7 +339,7 @@ def launch(x, y, weights, states, norms, scale: float, *, chunk: int, reverse: b
             index, T, H, V, scale, N, G,
             K=K, P=P, R=rows, BV=BV, C=chunk, REVERSE=reverse, DOT=operand_type(x.dtype), INITIAL=start is not None,
             FINAL=end is not None, VARLEN=packing is not None, SEGMENTED=segmented, TOTAL_ONLY=total_only,
-            num_warps=warps, num_stages=1)
+            num_warps=warps, num_stages=stages)
 
     if segmented:  # the segments' totals, from zero
         scan(None, None, True)
