@@ -217,23 +217,22 @@ def _packed_step(kernel, q, k, v, do, cu_seqlens):
 
 
 @contextlib.contextmanager
-def _segmented_plans(dispatch, K: int, segment_chunks: int):
-    """Inside: the default forward and backward plans at K scan packed sequences in segments of `segment_chunks`
-    chunks, so that the public function makes the launches it would with that default."""
-    plans = (dispatch.DEFAULT_FORWARD_CONFIG, dispatch.DEFAULT_BACKWARD_CONFIG)
-    saved = [plan[K] for plan in plans]
-    for plan, config in zip(plans, saved):
-        plan[K] = config._replace(scan_segment_chunks=segment_chunks)
+def _segmented_plans(dispatch, K: int, device: torch.device, segment_chunks: int):
+    """Inside: the forward and backward plans the public function takes at K on `device` (`dispatch.forward_config`,
+    `dispatch.backward_config`) scan packed sequences in segments of `segment_chunks` chunks."""
+    saved = dispatch.forward_config, dispatch.backward_config
+    forward, backward = (plan._replace(scan_segment_chunks=segment_chunks)
+                         for plan in (saved[0](K, device), saved[1](K)))
+    dispatch.forward_config, dispatch.backward_config = (lambda *_: forward), (lambda *_: backward)
     try:
         yield
     finally:
-        for plan, config in zip(plans, saved):
-            plan[K] = config
+        dispatch.forward_config, dispatch.backward_config = saved
 
 
 def _segmented_packed_step(kernel, dispatch, segment_chunks, q, k, v, do, cu_seqlens):
     """`_packed_step` with the scans in segments of `segment_chunks` chunks (`_segmented_plans`)."""
-    with _segmented_plans(dispatch, q.shape[-1], segment_chunks):
+    with _segmented_plans(dispatch, q.shape[-1], q.device, segment_chunks):
         return _packed_step(kernel, q, k, v, do, cu_seqlens)
 
 
@@ -315,7 +314,7 @@ def side_by_side(kernel, bench, decode_shapes=DECODE_SHAPES, decode_latency_shap
         first_of_k = shape == next(s for s in spec.measure_shapes if s[3] == K)
 
         ours = _timed_row(bench, case, "based-bwd triton", lambda: kernel.based_backward(q, k, v, do), ref,
-                          flops, path=kernel.kernel_path(q), config=str(dispatch.DEFAULT_BACKWARD_CONFIG[K]))
+                          flops, path=kernel.kernel_path(q), config=str(dispatch.backward_config(K)))
         rows.append(ours)
         # the launch configurations the default could take, at the first shape of each K (compile time)
         if bench.sweep and first_of_k:
@@ -402,7 +401,7 @@ def compile_cases(kernel, spec):
         cu = torch.empty(N + 1, dtype=torch.int32, device="meta")
         state = (torch.empty(N, H, P, V, device="meta"), torch.empty(N, H, P, device="meta"))
         shape = f"{N} packed, {PACKED_TOKENS} tokens, (H,K,V)=({H},{K},{V}) bfloat16"
-        fwd, bwd = dispatch.forward_config(K, q.device), dispatch.DEFAULT_BACKWARD_CONFIG[K]
+        fwd, bwd = dispatch.forward_config(K, q.device), dispatch.backward_config(K)
         if segment_chunks is not None:
             shape += f", segments of {segment_chunks} chunks"
             fwd, bwd = (c._replace(scan_segment_chunks=segment_chunks) for c in (fwd, bwd))
@@ -420,13 +419,13 @@ def compile_cases(kernel, spec):
     forward_choices = set(dispatch.FORWARD_CONFIG_CHOICES) if tuning else set()
     for shape in shapes:
         K = shape[3]
-        for config in sorted(backward_choices | {dispatch.DEFAULT_BACKWARD_CONFIG[K]}, key=str):
+        for config in sorted(backward_choices | {dispatch.backward_config(K)}, key=str):
             yield case(shape, torch.bfloat16, config)
         for config in sorted(forward_choices | {dispatch.forward_config(K, torch.device("meta"))}, key=str):
             yield forward_case(shape, torch.bfloat16, config)
     for K in sorted({shape[3] for shape in shapes} if tuning else ()):
         first = next(s for s in shapes if s[3] == K)
-        yield case(first, torch.float32, dispatch.DEFAULT_BACKWARD_CONFIG[K])
+        yield case(first, torch.float32, dispatch.backward_config(K))
     for V in PACKED_VS:
         yield from packed_cases(V)
         for segment_chunks in PACKED_SEGMENT_CHUNKS:

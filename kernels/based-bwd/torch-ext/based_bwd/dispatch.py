@@ -7,7 +7,7 @@ has no Hopper-only fast paths.
 
 The portable forward is two stages (`states`: the forward scan, then `output`), the backward four (the forward
 scan, `grads`' dq, the reverse scan, `grads`' dk and dv); `portable_forward` and `portable_backward` launch
-them in order, with the launch plans of `forward_config` and `DEFAULT_BACKWARD_CONFIG`. fp16 inputs run
+them in order, with the launch plans of `forward_config` and `backward_config`. fp16 inputs run
 the bf16 kernels, converted in and out.
 
 `portable_state_forward` and `portable_state_backward` launch the same stages with an initial state, a final state
@@ -82,12 +82,15 @@ DEFAULT_FORWARD_CONFIG = {8: ForwardConfig(), 16: ForwardConfig(chunk=128, warps
 FORWARD_CONFIG_CHOICES = [ForwardConfig(), ForwardConfig(bv=64), ForwardConfig(warps=8),
                           ForwardConfig(bv=64, warps=8), ForwardConfig(bv=64, **_SCANS_K16),
                           ForwardConfig(chunk=128, bv=64, warps=8, **_SCANS_K16)]
-# The output kernel of a chunk of 128 holds its operands in shared memory, 168 KB a CTA at K = 16 on sm_90a, and
-# 255 registers a thread, which Triton 3.8 and 3.9 exceed (they spill 168 and 244 bytes): on a GPU whose CTAs may
-# use less shared memory (sm_80: 163 KB; sm_86, sm_89, sm_120: 99 KB) and under the Tritons not in CHUNK_128_TRITONS
-# the default's plan runs in chunks of 64 with 64 V columns a program (`forward_config`).
+# The K = 16 plans above are measured under Triton 3.6 (TUNED_TRITONS): under 3.9 their pipelined scans run
+# slower than the unpipelined ones, and under 3.8 and 3.9 the chunk-128 output kernel spills (168 and 244 bytes).
+# That kernel also holds 168 KB of shared memory a CTA (CHUNK_128_SHARED), more than sm_80 (163 KB) and sm_86, sm_89
+# and sm_120 (99 KB) give one. Under the other Tritons K = 16 runs the UNTUNED plans, and on GPUs short of that
+# shared memory the forward's (`forward_config`, `backward_config`).
+TUNED_TRITONS = ("3.6",)
 CHUNK_128_SHARED = 168 * 1024
-CHUNK_128_TRITONS = ("3.6", "3.7")
+UNTUNED_FORWARD_CONFIG = ForwardConfig(bv=64)
+UNTUNED_BACKWARD_CONFIG = BackwardConfig()
 # The decode step: 32 columns a program on 4 warps (N H V / 32 programs; at K = 16 a program holds 273 x 32 fp32
 # of state, 128 registers a thread in the sm_90a compile, four CTAs an SM); the benchmark times the others beside
 # it.
@@ -98,14 +101,23 @@ DECODE_CONFIG_CHOICES = [DecodeConfig(bv=16), DecodeConfig(bv=64, warps=8), Deco
 
 def forward_config(K: int, device: torch.device) -> ForwardConfig:
     """The forward's plan at feature size K on `device` (meta tensors: the GPU they stand for,
-    `devices.meta_gpu`): DEFAULT_FORWARD_CONFIG[K], in chunks of 64 and 64 V columns a program where it takes
-    chunks of 128 and the Triton release is not in CHUNK_128_TRITONS or the GPU's CTAs may not use
-    CHUNK_128_SHARED bytes of shared memory."""
+    `devices.meta_gpu`): DEFAULT_FORWARD_CONFIG[K], or UNTUNED_FORWARD_CONFIG where that is a TUNED_TRITONS plan and
+    the Triton release is another or, for a chunk of 128, the GPU's CTAs may not use CHUNK_128_SHARED bytes of shared
+    memory."""
     cfg = DEFAULT_FORWARD_CONFIG[K]
-    if cfg.chunk == 128 and (TRITON_RELEASE not in CHUNK_128_TRITONS or (
-            device.type in ("cuda", "meta") and gpu(device).shared_per_cta < CHUNK_128_SHARED)):
-        return cfg._replace(chunk=64, bv=64, warps=4)
+    if cfg.scan_stages == 1:
+        return cfg
+    if TRITON_RELEASE not in TUNED_TRITONS or (cfg.chunk == 128 and device.type in ("cuda", "meta")
+                                               and gpu(device).shared_per_cta < CHUNK_128_SHARED):
+        return UNTUNED_FORWARD_CONFIG
     return cfg
+
+
+def backward_config(K: int) -> BackwardConfig:
+    """The backward's plan at feature size K: DEFAULT_BACKWARD_CONFIG[K], or UNTUNED_BACKWARD_CONFIG where that is a
+    TUNED_TRITONS plan and the Triton release is another."""
+    cfg = DEFAULT_BACKWARD_CONFIG[K]
+    return cfg if cfg.scan_stages == 1 or TRITON_RELEASE in TUNED_TRITONS else UNTUNED_BACKWARD_CONFIG
 
 
 def kernel_path(x: torch.Tensor) -> str:
@@ -191,7 +203,7 @@ def portable_decode(q, k, v, state, scale: float, config: DecodeConfig | None = 
 def portable_backward(q, k, v, do, scale: float, config: BackwardConfig | None = None):
     """(dq, dk, dv) from the portable kernels for contiguous (B, T, H, K) q, k and (B, T, H, V) v, do with K in
     {8, 16}, any T >= 1, 1 <= V <= portable.grads.MAX_V; outputs in the inputs' dtype. `config` overrides
-    DEFAULT_BACKWARD_CONFIG[K]. CPU tensors run the kernels in the Triton interpreter."""
+    `backward_config`'s plan. CPU tensors run the kernels in the Triton interpreter."""
     from .portable import grads, states  # triton is imported only where the kernels run
 
     if q.dtype == torch.float16:
@@ -203,7 +215,7 @@ def portable_backward(q, k, v, do, scale: float, config: BackwardConfig | None =
     V = v.shape[-1]
     if V > grads.MAX_V:
         raise ValueError(f"the fused backward holds V whole in a program: V <= {grads.MAX_V}, got V={V}")
-    cfg = config or DEFAULT_BACKWARD_CONFIG[K]
+    cfg = config or backward_config(K)
     S, Z = states.state_buffers(q, V, cfg.chunk)
     h = torch.empty(B * H, T, device=q.device, dtype=torch.float32)
     g = torch.empty_like(do)  # r do, rounded to the matmul operand type (the inputs')
@@ -394,7 +406,7 @@ def portable_state_backward(q, k, v, do, d_final, scale: float, initial_state=No
     if V > grads.MAX_V:
         raise ValueError(f"the fused backward holds V whole in a program: V <= {grads.MAX_V}, got V={V}")
     N = _sequences(q, cu_seqlens)
-    cfg = config or DEFAULT_BACKWARD_CONFIG[K]
+    cfg = config or backward_config(K)
     packing = None if cu_seqlens is None else states.packing(cu_seqlens, T, cfg.chunk, cfg.scan_segment_chunks)
     S, Z = states.state_buffers(q, V, cfg.chunk, packing)
     P = S.shape[2]
