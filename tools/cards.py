@@ -82,7 +82,7 @@ def by_triton(kernel: Kernel, rows: list[dict]) -> str:
         if r["kernel"] != kernel.name:
             continue
         platform = (_gpu(r["device"]), r["triton"])
-        if r["metric"] == "failed":
+        if r["metric"] == "failed" and r["case"] == results.TESTS_CASE:  # complete runs only
             failed[platform] = (r["value"], r["sha"])
         elif (impl and r["impl"].startswith(impl) and r["metric"] == "ms"
               and (cases is None or any(c in r["case"] for c in cases))):

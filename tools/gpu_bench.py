@@ -108,7 +108,9 @@ def run_tests(out_dir: Path, names: list[str], all_tests: bool, timeout: float, 
         if case.find("failure") is not None or case.find("error") is not None
     ]
     summary = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
-    return {**summary, "failed": failed, "seconds": round(time.time() - start, 1), "exit_code": proc.returncode}
+    selection = {"selection": keyword} if keyword else {}  # a part of the tests (`tools.results` labels it so)
+    return {**summary, **selection, "failed": failed, "seconds": round(time.time() - start, 1),
+            "exit_code": proc.returncode}
 
 
 def outcomes_before_cut(log: str) -> dict:
@@ -234,7 +236,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip-bench", action="store_true", help="tests only")
     parser.add_argument("--all-tests", action="store_true", help="the whole suite, not only the `gpu` tests")
     parser.add_argument("--no-sweep", action="store_true", help="skip the candidate-config sweeps")
-    parser.add_argument("--tests", metavar="EXPR", help="only the tests pytest's -k EXPR selects")
+    parser.add_argument("--tests", metavar="EXPR", help="only the tests pytest's -k EXPR selects (a run the results "
+                        "label as that part, never as every GPU test)")
     parser.add_argument("--test-timeout", type=float, default=300, help="seconds for the test run (default 300)")
     parser.add_argument("--bench-kwargs", action="append", default=[], metavar="KERNEL=JSON",
                         help="keyword arguments for KERNEL's side_by_side, e.g. 'comba-bwd={\"shapes\": "

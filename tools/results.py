@@ -32,6 +32,10 @@ def _shape_and_dtype(case: str) -> tuple[str, str]:
     return (shape.group(0) if shape else ""), dtype
 
 
+# The case of a GPU test run's rows: every GPU test of the tested kernels
+TESTS_CASE = "GPU tests"
+
+
 def row(run: str, report: dict, kernel: str, case: str, impl: str, metric: str, value) -> dict:
     shape, dtype = _shape_and_dtype(case)
     return dict(run=run, date=report["date"][:10], sha=report["git_sha"][:7], device=report["device"],
@@ -44,11 +48,14 @@ def from_report(run: str, report: dict) -> list[dict]:
     rows = []
     if "tests" in report and "tests" in report["tests"]:
         tests = report["tests"]
+        # A run of the tests `-k` selected is not a run of every GPU test: its rows say which (the cards' platform
+        # tables read the complete runs, case TESTS_CASE).
+        case = TESTS_CASE + (f" -k {tests['selection']}" if tests.get("selection") else "")
         for metric in ("tests", "failures", "errors", "skipped"):
-            rows.append(row(run, report, "all", "GPU tests", "pytest -m gpu", metric, tests[metric]))
+            rows.append(row(run, report, "all", case, "pytest -m gpu", metric, tests[metric]))
         for kernel in report.get("test_kernels", ()):  # each tested kernel's failures and errors
             failed = sum(f"kernels.{kernel}.tests." in name for name in tests["failed"])
-            rows.append(row(run, report, kernel, "GPU tests", "pytest -m gpu", "failed", failed))
+            rows.append(row(run, report, kernel, case, "pytest -m gpu", "failed", failed))
     for kernel, result in report.get("benchmarks", {}).items():
         for bench_row in result["rows"]:
             if "ms" in bench_row:

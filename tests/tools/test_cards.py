@@ -68,6 +68,16 @@ def test_by_triton_gives_each_gpu_its_own_columns():
     assert "| X bf16, ms | 2 | 3 |" in table
 
 
+def test_by_triton_reads_only_complete_test_runs():
+    """A platform's "GPU tests failed" comes from its last run of every GPU test, not from a later run of a
+    selection (`gpu_bench --tests`)."""
+    kernel = next(k for k in all_kernels() if k.name == "comba-bwd")
+    whole = dict(_row("all-5555555", "GPU tests", "pytest -m gpu", 2), metric="failed")
+    part = dict(_row("part-6666666", "GPU tests -k gluon", "pytest -m gpu", 0), metric="failed")
+    table = cards.by_triton(kernel, [whole, part])
+    assert "| GPU tests failed | 2 at `5555555` |" in table
+
+
 def _latency(run, case, impl, us, gpu=None, kernel="log-mel"):
     rows = [dict(_row(run, case, impl, us * 1e-3), kernel=kernel),
             dict(_row(run, case, impl, us), kernel=kernel, metric="us/call")]

@@ -33,6 +33,15 @@ def test_a_report_gives_a_row_per_figure():
     assert {(r["shape"], r["dtype"]) for r in bench} == {("[64,3000]", "bfloat16")}
 
 
+def test_a_selected_test_run_is_labelled_as_a_part():
+    """A run of the tests `gpu_bench --tests EXPR` selected gives rows whose case names the selection, so that no
+    table reads it as a run of every GPU test."""
+    part = dict(REPORT, tests=dict(REPORT["tests"], selection="gluon"))
+    cases = {r["case"] for r in results.from_report("run-x", part) if r["metric"] in ("tests", "failed")}
+    assert cases == {"GPU tests -k gluon"}
+    assert {r["case"] for r in results.from_report("run-x", REPORT) if r["metric"] == "failed"} == {"GPU tests"}
+
+
 def test_rows_of_another_shape_are_refused(tmp_path):
     with pytest.raises(ValueError, match="fields"):
         results.append([{"run": "x", "value": 1}], tmp_path / "t.jsonl")
