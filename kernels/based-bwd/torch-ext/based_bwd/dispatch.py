@@ -82,11 +82,12 @@ DEFAULT_FORWARD_CONFIG = {8: ForwardConfig(), 16: ForwardConfig(chunk=128, warps
 FORWARD_CONFIG_CHOICES = [ForwardConfig(), ForwardConfig(bv=64), ForwardConfig(warps=8),
                           ForwardConfig(bv=64, warps=8), ForwardConfig(bv=64, **_SCANS_K16),
                           ForwardConfig(chunk=128, bv=64, warps=8, **_SCANS_K16)]
-# The K = 16 plans above are measured under Triton 3.6 (TUNED_TRITONS): under 3.9 their pipelined scans run
+# The plans at K = TUNED_K above are measured under Triton 3.6 (TUNED_TRITONS): under 3.9 their pipelined scans run
 # slower than the unpipelined ones, and under 3.8 and 3.9 the chunk-128 output kernel spills (168 and 244 bytes).
 # That kernel also holds 168 KB of shared memory a CTA (CHUNK_128_SHARED), more than sm_80 (163 KB) and sm_86, sm_89
-# and sm_120 (99 KB) give one. Under the other Tritons K = 16 runs the UNTUNED plans, and on GPUs short of that
-# shared memory the forward's (`forward_config`, `backward_config`).
+# and sm_120 (99 KB) give one. Under the other Tritons both directions run the UNTUNED plans at TUNED_K, and so does
+# the forward on GPUs short of that shared memory (`forward_config`, `backward_config`).
+TUNED_K = 16
 TUNED_TRITONS = ("3.6",)
 CHUNK_128_SHARED = 168 * 1024
 UNTUNED_FORWARD_CONFIG = ForwardConfig(bv=64)
@@ -101,23 +102,20 @@ DECODE_CONFIG_CHOICES = [DecodeConfig(bv=16), DecodeConfig(bv=64, warps=8), Deco
 
 def forward_config(K: int, device: torch.device) -> ForwardConfig:
     """The forward's plan at feature size K on `device` (meta tensors: the GPU they stand for,
-    `devices.meta_gpu`): DEFAULT_FORWARD_CONFIG[K], or UNTUNED_FORWARD_CONFIG where that is a TUNED_TRITONS plan and
-    the Triton release is another or, for a chunk of 128, the GPU's CTAs may not use CHUNK_128_SHARED bytes of shared
-    memory."""
-    cfg = DEFAULT_FORWARD_CONFIG[K]
-    if cfg.scan_stages == 1:
-        return cfg
-    if TRITON_RELEASE not in TUNED_TRITONS or (cfg.chunk == 128 and device.type in ("cuda", "meta")
-                                               and gpu(device).shared_per_cta < CHUNK_128_SHARED):
+    `devices.meta_gpu`): DEFAULT_FORWARD_CONFIG[K], or at TUNED_K UNTUNED_FORWARD_CONFIG under a Triton release not in
+    TUNED_TRITONS or on a GPU whose CTAs may not use CHUNK_128_SHARED bytes of shared memory."""
+    if K == TUNED_K and (TRITON_RELEASE not in TUNED_TRITONS or (
+            device.type in ("cuda", "meta") and gpu(device).shared_per_cta < CHUNK_128_SHARED)):
         return UNTUNED_FORWARD_CONFIG
-    return cfg
+    return DEFAULT_FORWARD_CONFIG[K]
 
 
 def backward_config(K: int) -> BackwardConfig:
-    """The backward's plan at feature size K: DEFAULT_BACKWARD_CONFIG[K], or UNTUNED_BACKWARD_CONFIG where that is a
-    TUNED_TRITONS plan and the Triton release is another."""
-    cfg = DEFAULT_BACKWARD_CONFIG[K]
-    return cfg if cfg.scan_stages == 1 or TRITON_RELEASE in TUNED_TRITONS else UNTUNED_BACKWARD_CONFIG
+    """The backward's plan at feature size K: DEFAULT_BACKWARD_CONFIG[K], or at TUNED_K UNTUNED_BACKWARD_CONFIG under
+    a Triton release not in TUNED_TRITONS."""
+    if K == TUNED_K and TRITON_RELEASE not in TUNED_TRITONS:
+        return UNTUNED_BACKWARD_CONFIG
+    return DEFAULT_BACKWARD_CONFIG[K]
 
 
 def kernel_path(x: torch.Tensor) -> str:
