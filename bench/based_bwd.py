@@ -206,8 +206,13 @@ def decode_side_by_side(kernel, bench, shapes=DECODE_SHAPES, latency_shape=DECOD
 # The issue's packed batch: 16 sequences of random lengths (seeded) summing to 65536 tokens, at (H, K) = (16, 16)
 PACKED_SEQUENCES, PACKED_TOKENS, PACKED_HK = 16, 65536, (16, 16)
 PACKED_VS = (64, 128)
-# The packed scans' segment lengths (in chunks) timed beside the default plan's whole-sequence scans
-PACKED_SEGMENT_CHUNKS = (16, 32, 64)
+# The packed step's scan plans timed beside the default plan's (each the default with these fields changed): in
+# segments of 32 and 64 chunks, and 16 feature rows a scan program (twice the programs, half the work a serial step
+# for the longest sequences' chains), whole and in segments of 64 chunks
+PACKED_SCAN_PLANS = {"segments of 32 chunks": dict(scan_segment_chunks=32),
+                     "segments of 64 chunks": dict(scan_segment_chunks=64),
+                     "16 feature rows a scan program": dict(scan_rows=16),
+                     "16 feature rows a scan program, segments of 64 chunks": dict(scan_rows=16, scan_segment_chunks=64)}
 
 
 def _packed_step(kernel, q, k, v, do, cu_seqlens):
@@ -217,12 +222,11 @@ def _packed_step(kernel, q, k, v, do, cu_seqlens):
 
 
 @contextlib.contextmanager
-def _segmented_plans(dispatch, K: int, device: torch.device, segment_chunks: int):
+def _scan_plans(dispatch, K: int, device: torch.device, changes: dict):
     """Inside: the forward and backward plans the public function takes at K on `device` (`dispatch.forward_config`,
-    `dispatch.backward_config`) scan packed sequences in segments of `segment_chunks` chunks."""
+    `dispatch.backward_config`) with the scan fields `changes` (PACKED_SCAN_PLANS' values)."""
     saved = dispatch.forward_config, dispatch.backward_config
-    forward, backward = (plan._replace(scan_segment_chunks=segment_chunks)
-                         for plan in (saved[0](K, device), saved[1](K)))
+    forward, backward = (plan._replace(**changes) for plan in (saved[0](K, device), saved[1](K)))
     dispatch.forward_config, dispatch.backward_config = (lambda *_: forward), (lambda *_: backward)
     try:
         yield
@@ -230,15 +234,15 @@ def _segmented_plans(dispatch, K: int, device: torch.device, segment_chunks: int
         dispatch.forward_config, dispatch.backward_config = saved
 
 
-def _segmented_packed_step(kernel, dispatch, segment_chunks, q, k, v, do, cu_seqlens):
-    """`_packed_step` with the scans in segments of `segment_chunks` chunks (`_segmented_plans`)."""
-    with _segmented_plans(dispatch, q.shape[-1], q.device, segment_chunks):
+def _planned_packed_step(kernel, dispatch, changes, q, k, v, do, cu_seqlens):
+    """`_packed_step` with the scan plan changes `changes` (`_scan_plans`)."""
+    with _scan_plans(dispatch, q.shape[-1], q.device, changes):
         return _packed_step(kernel, q, k, v, do, cu_seqlens)
 
 
 def _packed_rows(bench, kernel, fla_based, spec) -> list[dict]:
-    """The issue's packed batch, per V: our step on the packed sequences (cu_seqlens), the same step with the scans
-    in segments of each of PACKED_SEGMENT_CHUNKS chunks (the default plan otherwise), fla's parallel_based forward +
+    """The issue's packed batch, per V: our step on the packed sequences (cu_seqlens), the same step with each of
+    PACKED_SCAN_PLANS' scan plans (the default plan otherwise), fla's parallel_based forward +
     backward on the same sequences zero-padded to the longest, rounded up to a multiple of 64 (what a fla user runs;
     padding at the end changes no real position's output), and our step on an equal-length batch of the same token
     count. The packed rows get x_vs_equal_length (bar 0.9), the default's also x_vs_fla (fla's time over ours, bar
@@ -259,17 +263,18 @@ def _packed_rows(bench, kernel, fla_based, spec) -> list[dict]:
         ours = _timed_row(bench, case, "based-bwd triton step, packed (cu_seqlens)",
                           lambda: _packed_step(kernel, q, k, v, do, cu), None, flops)  # noqa: B023
         rows.append(ours)
-        segmented = []
-        for G in PACKED_SEGMENT_CHUNKS:
-            run = lambda: _segmented_packed_step(kernel, dispatch, G, q, k, v, do, cu)  # noqa: B023, E731
-            segmented.append(_timed_row(bench, case, f"based-bwd triton step, packed, segments of {G} chunks", run,
-                                        None, flops, config=f"scan_segment_chunks={G}"))
-        rows += segmented
+        planned = []
+        for label, changes in PACKED_SCAN_PLANS.items():
+            run = lambda: _planned_packed_step(kernel, dispatch, changes, q, k, v, do, cu)  # noqa: B023, E731
+            config = ", ".join(f"{field}={value}" for field, value in changes.items())
+            planned.append(_timed_row(bench, case, f"based-bwd triton step, packed, {label}", run, None, flops,
+                                      config=config))
+        rows += planned
         eq = spec.make(*equal, 0)
         row = _timed_row(bench, case, f"based-bwd triton step, equal lengths {N} x {T // N}",
                          lambda: _step(kernel, *eq), None, flops)  # noqa: B023
         rows.append(row)
-        for own in (ours, *segmented):
+        for own in (ours, *planned):
             _speedup(own, row, "x_vs_equal_length")
         del eq
         if fla_based is not None:
@@ -361,8 +366,8 @@ def compile_cases(kernel, spec):
     """(label, call) pairs for `python -m tools.compile_offline`: each launch plan the package uses or the
     benchmark times, at every measure shape, on meta tensors, for the backward and the forward; and the
     backward's fp32 path (IEEE matmuls, the interpreter tests' exact mode) with each K's default plan; and the
-    stateful forward and backward on the issue's packed batch (`packed_cases`), whole and in segments of each of
-    PACKED_SEGMENT_CHUNKS chunks (the segment length is a kernel argument: one compile covers every length). The
+    stateful forward and backward on the issue's packed batch (`packed_cases`) with the default plans and each of
+    PACKED_SCAN_PLANS' (a segment length is a kernel argument: one compile covers every length). The
     forward's fp32 mode is the interpreter's alone (CUDA fp32 calls take the reference), and fp16 calls run the
     bf16 kernels.
 
@@ -391,10 +396,10 @@ def compile_cases(kernel, spec):
         label = f"forward (B,T,H,K,V)={shape} {str(dtype)[6:]} {config}"
         return label, lambda: dispatch.portable_forward(q, k, v, shape[3] ** -0.5, config)
 
-    def packed_cases(V, segment_chunks=None):
+    def packed_cases(V, label=None, changes=None):
         """The stateful launches at the issue's packed batch: with an initial and a final state (the plain
-        launches' kernels under their INITIAL, FINAL and VARLEN flags), and without (VARLEN alone); with
-        segment_chunks, the default plans with the scans in segments (SEGMENTED, and the totals' TOTAL_ONLY)."""
+        launches' kernels under their INITIAL, FINAL and VARLEN flags), and without (VARLEN alone); with changes,
+        the default plans with those scan fields (in segments: SEGMENTED, and the totals' TOTAL_ONLY)."""
         H, K = PACKED_HK
         q, k, v, do = tensors((1, PACKED_TOKENS, H, K, V), torch.bfloat16)
         N, P = PACKED_SEQUENCES, 1 + K + K * K
@@ -402,9 +407,9 @@ def compile_cases(kernel, spec):
         state = (torch.empty(N, H, P, V, device="meta"), torch.empty(N, H, P, device="meta"))
         shape = f"{N} packed, {PACKED_TOKENS} tokens, (H,K,V)=({H},{K},{V}) bfloat16"
         fwd, bwd = dispatch.forward_config(K, q.device), dispatch.backward_config(K)
-        if segment_chunks is not None:
-            shape += f", segments of {segment_chunks} chunks"
-            fwd, bwd = (c._replace(scan_segment_chunks=segment_chunks) for c in (fwd, bwd))
+        if changes is not None:
+            shape += f", {label}"
+            fwd, bwd = (c._replace(**changes) for c in (fwd, bwd))
         yield f"state forward {shape}", lambda: dispatch.portable_state_forward(q, k, v, K**-0.5, state, cu,
                                                                                  config=fwd)
         yield f"state backward {shape}", lambda: dispatch.portable_state_backward(q, k, v, do, state, K**-0.5,
@@ -428,8 +433,8 @@ def compile_cases(kernel, spec):
         yield case(first, torch.float32, dispatch.backward_config(K))
     for V in PACKED_VS:
         yield from packed_cases(V)
-        for segment_chunks in PACKED_SEGMENT_CHUNKS:
-            yield from packed_cases(V, segment_chunks)
+        for label, changes in PACKED_SCAN_PLANS.items():
+            yield from packed_cases(V, label, changes)
     yield from _decode_compile_cases(dispatch)
 
 

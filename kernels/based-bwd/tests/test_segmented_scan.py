@@ -123,6 +123,17 @@ def test_segmented_scan_matches_float64(dispatch, K, G):
                           segmented(dispatch, K, G))
 
 
+@pytest.mark.skipif(not INTERPRETED, reason="IEEE fp32 matmuls check the kernels' algebra in the interpreter")
+@pytest.mark.parametrize("G", [None, 2])
+def test_scan_of_16_feature_rows_matches_float64(dispatch, G):
+    """The scans with 16 feature rows a program (ten programs a sequence and head at K = 16; a plan the benchmark
+    times on the packed batch), whole and in segments of 2 chunks: against float64."""
+    cu = lengths_to_cu(RAGGED)
+    q, k, v = make(1, sum(RAGGED), H, 16, V)
+    configs = tuple(plan._replace(scan_rows=16) for plan in segmented(dispatch, 16, G))
+    check_against_float64(dispatch, q, k, v, prefix_state(len(RAGGED), H, 16, V), cu, 0.25, EXACT_TOL, configs)
+
+
 @needs_triton
 def test_segmented_scan_16bit(dispatch):
     """bf16 inputs in segments of one chunk (bf16 states and operands): against float64."""
