@@ -83,7 +83,7 @@ FORWARD_CONFIG_CHOICES = [ForwardConfig(), ForwardConfig(bv=64), ForwardConfig(w
                           ForwardConfig(bv=64, warps=8), ForwardConfig(bv=64, **_SCANS_K16),
                           ForwardConfig(chunk=128, bv=64, warps=8, **_SCANS_K16)]
 # The plans at K = TUNED_K above are measured under Triton 3.6 (TUNED_TRITONS): under 3.9 their pipelined scans run
-# slower than the unpipelined ones, and under 3.8 and 3.9 the chunk-128 output kernel spills (168 and 244 bytes).
+# slower than the unpipelined ones, and under 3.8 and 3.9 the chunk-128 output kernel spills.
 # That kernel also holds 168 KB of shared memory a CTA (CHUNK_128_SHARED), more than sm_80 (163 KB) and sm_86, sm_89
 # and sm_120 (99 KB) give one. Under the other Tritons both directions run the UNTUNED plans at TUNED_K, and so does
 # the forward on GPUs short of that shared memory (`forward_config`, `backward_config`).
