@@ -9,7 +9,8 @@ chunk n's state at rows `_chunk_state(bh, n)`; an fp32 (B H, N, P) buffer its no
 `_state_scan_kernel` forward stores S_n = sum over earlier chunks of phi_k(K)^T V and z_n = sum of phi_k(k) (the
 forward's output and dq read them); reverse, dS_n = sum over later chunks of phi_q(Q~)^T G and dz_n = sum of
 phi_q(q~) h (dk and dv read them). Each program owns a block of feature rows and of V columns, so the scan is
-parallel over (features, V, b h); only the running sum is serial, and it is fp32 in registers.
+parallel over (features, V, b h); only the running sum is serial, and it is fp32 in registers. A step reads the
+chunk's x as one coalesced tile and gathers each feature row's factors from it in registers (`_scan_loads`).
 
 Packed sequences may also be scanned in segments of at most G chunks (`Packing.segment_chunks`): the state is a
 plain sum (no decay), so a segment's start is the sequence's start plus the totals of the segments before it
@@ -64,15 +65,25 @@ def _chunk_at(n, pid_bh, T, H, N, chunk_index, cu_seqlens, C: tl.constexpr, P: t
 
 
 @triton.jit
-def _scan_loads(x, y, w_in, n, ia, ib, linear, quad, cols, T, H, V, K: tl.constexpr, C: tl.constexpr,
+def _scan_loads(x, y, w_in, n, ia, ib, cols, T, H, V, K: tl.constexpr, R: tl.constexpr, C: tl.constexpr,
                 WEIGHTED: tl.constexpr):
-    """The loads of chunk n one scan step consumes: x_a and x_b [R, C], y [C, BV] and the position weights
-    [C] (w_in's, or 1); zero past T."""
+    """The loads of chunk n one scan step consumes: the factors x_a and x_b [R, C] of the program's feature rows
+    (phi_t = coef x_a x_b), y [C, BV] and the position weights [C] (w_in's, or 1); zero past T.
+
+    x is read once a chunk, as one coalesced [C, K] tile (a position's K features are contiguous), widened in
+    registers to fp32 [C, 2 K] by a column of ones at K (zero past T) and zero columns after it. x_a and x_b are
+    gathered from that tile along the features (`tl.gather`, column ia and ib of each row): a gather from global
+    memory would issue R C scattered 2-byte loads per factor and chunk and bound the scan by its load
+    instructions, not by its bytes. The ones column makes x_b = 1 on the linear rows and x_a = x_b = 1 on the
+    constant row, the zero columns zero the rows past P, so the rows need no masks."""
     t = n * C + tl.arange(0, C)
     inside = t < T
-    xrow = x + t.to(tl.int64)[None, :] * (H * K)
-    xa = tl.load(xrow + ia[:, None], mask=inside[None, :] & (linear | quad)[:, None], other=0.0)
-    xb = tl.load(xrow + ib[:, None], mask=inside[None, :] & quad[:, None], other=0.0)
+    features = tl.arange(0, 2 * K)
+    tile = tl.load(x + t.to(tl.int64)[:, None] * (H * K) + features[None, :],
+                   mask=inside[:, None] & (features < K)[None, :], other=0.0).to(tl.float32)
+    tile = tl.where((features == K)[None, :] & inside[:, None], 1.0, tile)
+    xa = tl.trans(tl.gather(tile, tl.broadcast_to(ia[None, :], (C, R)), 1))
+    xb = tl.trans(tl.gather(tile, tl.broadcast_to(ib[None, :], (C, R)), 1))
     yy = tl.load(y + t.to(tl.int64)[:, None] * (H * V) + cols[None, :], mask=inside[:, None] & (cols < V)[None, :],
                  other=0.0)
     if WEIGHTED:
@@ -169,14 +180,15 @@ def _state_scan_kernel(
     pa = tl.zeros([R], dtype=tl.int32)
     for a in tl.static_range(1, K):
         pa += (p >= a * K - a * (a - 1) // 2).to(tl.int32)
-    ia = tl.where(linear, f - 1, tl.where(quad, pa, 0))
-    ib = tl.where(quad, p - (pa * K - pa * (pa - 1) // 2) + pa, 0)
+    # The factors' columns of `_scan_loads`' widened tile: x_a x_b is x_a 1 on a linear row, 1 1 on the constant
+    # row and 0 0 past P, so that phi_t = coef x_a x_b with one coefficient a row (phi_q's scale, scale^2 / 2)
+    ones, zeros = K, K + 1
+    ia = tl.where(linear, f - 1, tl.where(quad, pa, tl.where(f == 0, ones, zeros)))
+    ib = tl.where(quad, p - (pa * K - pa * (pa - 1) // 2) + pa, tl.where(f <= K, ones, zeros))
     if REVERSE:  # phi_q of q~ = scale q
-        c1 = scale
-        c2 = 0.5 * scale * scale
+        coef = tl.where(linear, scale, tl.where(quad, 0.5 * scale * scale, 1.0))
     else:
-        c1 = 1.0
-        c2 = 1.0
+        coef = tl.full([R], 1.0, tl.float32)
     cols = pid_v * BV + tl.arange(0, BV)
     state_rows += f
     store_mask = (f < P)[:, None] & (cols < V)[None, :]
@@ -206,11 +218,8 @@ def _state_scan_kernel(
             tl.store(states + rows[:, None] * V + cols[None, :], acc.to(states.dtype.element_ty), mask=store_mask)
             if pid_v == 0:
                 tl.store(norms + rows, z, mask=f < P)
-        xa, xb, yy, w = _scan_loads(x, y, w_in, n, ia, ib, linear, quad, cols, T_seq, H, V, K, C, REVERSE)
-        inside = n * C + tl.arange(0, C) < T_seq
-        xa32, xb32 = xa.to(tl.float32), xb.to(tl.float32)
-        phi_t = tl.where(linear[:, None], c1 * xa32, c2 * xa32 * xb32)
-        phi_t = tl.where((f == 0)[:, None] & inside[None, :], 1.0, phi_t)
+        xa, xb, yy, w = _scan_loads(x, y, w_in, n, ia, ib, cols, T_seq, H, V, K, R, C, REVERSE)
+        phi_t = coef[:, None] * xa * xb
         acc += _dot(DOT, phi_t, yy)
         z += tl.sum(phi_t * w[None, :], 1)
     if TOTAL_ONLY:
