@@ -30,7 +30,7 @@ CHUNK_GLUON = "chunk-gluon"
 FAST_PATHS = FastPaths("comba-bwd", (
     FastPath(CHUNK_GLUON, "Gluon warpgroup-MMA kernels for bf16 inputs with V = 128: both scans and the gradients at "
              "K = 128; the chunk transform, the forward scan and the gradients (with dv) at K = 64", ((9, 0),),
-             verified=("3.6", "3.9"), compiles=("3.6", "3.7", "3.8", "3.9")),
+             verified=("3.6", "3.7", "3.8", "3.9"), compiles=("3.6", "3.7", "3.8", "3.9")),
 ))
 
 # bf16 inputs only: the Gluon kernels take their operand type from k, and A, S_n, Vn, dS'_n and X are bf16 whatever
