@@ -42,3 +42,11 @@ def as_scale(name: str, x) -> float | None:
     if not math.isfinite(x):
         raise ValueError(f"{name} must be finite, got {x}")
     return x
+
+
+def bounded_offsets(cu_seqlens: torch.Tensor, T: int) -> torch.Tensor:
+    """cu_seqlens (N + 1 offsets of sequences packed along T rows) clamped into [0, T], each offset raised to the
+    largest before it, on its device (no host read): the offsets themselves where they are valid, and where a GPU
+    call's are not (a GPU call does not read them on the host, which would wait for the GPU) offsets whose sequences
+    lie in the T packed rows."""
+    return torch.cummax(cu_seqlens.clamp(0, T), 0).values

@@ -236,6 +236,47 @@ def test_fused_packed_sequences_equal_per_sequence_calls(dispatch, lengths, shap
 
 @needs_triton
 @pytest.mark.kernels_ci
+def test_packing_lays_out_each_sequence_on_chunks_of_its_own(comba):
+    """`pipeline.Packing.of`: each sequence on whole chunks of 64 from its first row (an empty one on none), its last
+    chunk ending with it, the chunks past the last sequence's holding no rows (T, T), up to the host-side bound
+    (T + N 63) // 64 on the count; made on the offsets' device from shapes alone, so offsets on the meta device, which
+    hold no values, give tables of the same shapes."""
+    pipeline = submodule(comba, "pipeline")
+    lengths = (70, 0, 1, 64, 130)
+    T = sum(lengths)
+    offsets = torch.tensor([0, *lengths]).cumsum(0)
+    packing = pipeline.Packing.of(offsets.to(torch.int32), T)
+    want, first_chunk = [], [0]
+    for start, n in zip(offsets.tolist(), lengths):
+        want += [[t, min(t + 64, start + n)] for t in range(start, start + n, 64)]
+        first_chunk.append(len(want))
+    assert packing.chunks == (T + len(lengths) * 63) // 64 >= len(want)
+    assert packing.cu_chunks.tolist() == first_chunk and packing.sequences == len(lengths)
+    assert packing.layout.tolist() == want + [[T, T]] * (packing.chunks - len(want))
+    assert packing.layout.dtype == packing.cu_chunks.dtype == torch.int32
+    meta = pipeline.Packing.of(torch.empty(len(lengths) + 1, dtype=torch.int64, device="meta"), T)
+    assert meta.chunks == packing.chunks and meta.layout.shape == packing.layout.shape
+    assert meta.cu_chunks.shape == packing.cu_chunks.shape
+
+
+@needs_triton
+@pytest.mark.kernels_ci
+def test_fused_packed_call_takes_offsets_bounded(dispatch):
+    """Offsets outside [0, T] or decreasing, which a GPU call does not read on the host, run as those offsets clamped
+    into [0, T] and raised to their running maximum (`common.checks.bounded_offsets`): o and the final states bit for
+    bit those of the bounded offsets' call, every read and write inside the packed rows."""
+    x, state, _, _, offsets = packed_kernel_inputs((70, 40, 30), 1, 2, 64, 64, seed=14)
+    T = x[0].shape[1]
+    bad = torch.tensor([-5, 90, 60, T + 9], device=offsets.device)
+    fixed = torch.tensor([0, 90, 90, T], device=offsets.device)
+    got = dispatch.comba_state_forward_cuda(*x, state, 0.125, True, bad)
+    want = dispatch.comba_state_forward_cuda(*x, state, 0.125, True, fixed)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert torch.equal(got[1][1], state[1])  # the empty sequence passes its state through
+
+
+@needs_triton
+@pytest.mark.kernels_ci
 @pytest.mark.parametrize("i,value", [(2, float("nan")), (1, 1e30)])
 def test_fused_garbage_in_one_packed_sequence_stays_there(dispatch, i, value):
     """A NaN in v, or a huge k, at one step of the middle sequence: o, the final states and every gradient of the

@@ -54,7 +54,7 @@ is on (`autocast_off`).
 import torch
 
 from .common.autocast import autocast_off
-from .validation import bounded_offsets
+from .common.checks import bounded_offsets
 
 CHUNK = 64
 EPS = 1e-6
@@ -158,7 +158,7 @@ class _Chunks:
 def _packed_rows(cu_seqlens: torch.Tensor, T: int):
     """The padded-batch layout of N packed sequences: index (N, L) into the T packed positions and valid (N, L),
     with L the longest sequence (read on the host), of the offsets bounded as the fused path bounds them
-    (`validation.bounded_offsets`)."""
+    (`common.checks.bounded_offsets`)."""
     cu_seqlens = bounded_offsets(cu_seqlens, T)
     lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
     pos = torch.arange(max(1, int(lengths.max())), device=cu_seqlens.device)

@@ -36,7 +36,7 @@ def check_based_args(q, k, v, scale, do=None) -> None:
 def check_cu_seqlens(q, cu_seqlens) -> int:
     """cu_seqlens: the N + 1 offsets (int32/int64, on q's device) of N sequences packed along T of a B = 1 batch,
     from 0 to T, non-decreasing. Returns N. The offsets' values are checked where they are on the CPU; on a GPU they
-    are not read on the host, which would wait for the GPU once a call (the calls take `bounded_offsets`)."""
+    are not read on the host, which would wait for the GPU once a call (the calls take `common.checks.bounded_offsets`)."""
     check_tensor("cu_seqlens", cu_seqlens, 1, (torch.int32, torch.int64), "(N + 1,)")
     if cu_seqlens.device != q.device:
         raise ValueError(f"cu_seqlens must be on the device of q ({q.device}), got {cu_seqlens.device}")
@@ -52,13 +52,6 @@ def check_cu_seqlens(q, cu_seqlens) -> int:
         if any(b < a for a, b in zip(bounds[:-1], bounds[1:])):
             raise ValueError(f"cu_seqlens must be non-decreasing, got {bounds}")
     return cu_seqlens.numel() - 1
-
-
-def bounded_offsets(cu_seqlens: torch.Tensor, T: int) -> torch.Tensor:
-    """cu_seqlens clamped into [0, T], each offset raised to the largest before it, on its device (no host read):
-    the offsets themselves where they are valid, and where a GPU call's are not (`check_cu_seqlens` does not read
-    them there) offsets whose sequences lie in the T packed rows."""
-    return torch.cummax(cu_seqlens.clamp(0, T), 0).values
 
 
 def check_state(name: str, q, v, state, N: int) -> None:

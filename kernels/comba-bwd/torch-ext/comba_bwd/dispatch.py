@@ -137,8 +137,8 @@ def comba_state_forward_cuda(q, k, v, p, beta, g, initial_state, scale: float, o
     """(o (B, T, HV, V) in v's dtype, final state (N, HV, K, V) fp32, or an empty tensor without output_final_state)
     from initial_state (N, HV, K, V) fp32 or None (zeros); q, k, p (B, T, H, K) and v, beta, g with HV heads, HV a
     multiple of H, contiguous, K in {64, 128, 256} and V in {64, 128, 256, 512}, any T >= 1. N = B, or the sequences of
-    cu_seqlens ((N + 1,) offsets of sequences packed in a batch of one), whose offsets are read on the host (checked
-    there: one synchronisation a call) and the sequences laid out chunk-aligned on the device (`pipeline.Packing`).
+    cu_seqlens ((N + 1,) offsets of sequences packed in a batch of one), whose offsets are not read on the host (no
+    synchronisation): the sequences are laid out chunk-aligned on the device (`pipeline.Packing`).
     read_order: "decay_first" (the spec's) or "fla"; use_qk_l2norm: q, k and p L2-normalised first (`portable.l2norm`).
     The Triton kernels (`plan`'s model plan)."""
     from . import pipeline  # the kernels need triton: imported on a CUDA call's first use

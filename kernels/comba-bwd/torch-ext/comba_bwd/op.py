@@ -267,9 +267,10 @@ def comba_attention(q, k, v, p, beta, g, scale=None, *, initial_state=None, outp
     fused kernels on CUDA, forward and backward, and the eager chunked reference on the CPU. Every other call on CUDA
     with K in {64, 128, 256} and V in {64, 128, 256, 512} (a carried state, packed sequences, grouped value heads, q/k/p
     normalisation, fla's read order, V = 256 or 512) runs the fused Triton kernels too (the registered model ops), the
-    normalisation and its backward included; with cu_seqlens it reads the offsets on the host (and checks them)
-    once in the forward and once in the backward, a synchronisation a training step affords. Every other call runs
-    the eager chunked reference (`comba_forward_reference`) on every device, its backward by autograd through it.
+    normalisation and its backward included, without reading cu_seqlens on the host (no synchronisation): the
+    kernels take its offsets clamped into [0, T], each raised to the largest before it (`common.checks.bounded_offsets`),
+    where the references check them. Every other call runs the eager chunked reference (`comba_forward_reference`) on
+    every device, its backward by autograd through it.
 
     The fused calls under CUDA autocast take q, k, v, p in autocast's dtype (o in that dtype); everything else
     computes in float32 under autocast. The fused calls are differentiable in reverse mode only: a double backward,

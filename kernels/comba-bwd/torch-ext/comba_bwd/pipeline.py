@@ -58,7 +58,8 @@ import torch
 
 from . import dispatch, portable
 from .common.devices import on_device
-from .reference import CHUNK, pad_time, sequence_bounds
+from .common.checks import bounded_offsets
+from .reference import CHUNK, pad_time
 
 try:  # Gluon, Triton's explicit-layout dialect; dispatch plans Gluon stages only under releases that have it
     from . import hopper
@@ -104,7 +105,9 @@ def state_scratch(q: torch.Tensor, v: torch.Tensor, N: int, plan, backward: bool
 class Packing(NamedTuple):
     """Sequences packed in a batch of one, each on chunks of its own: `cu_chunks` (N + 1,) int32, sequence s on chunks
     cu_chunks[s] to cu_chunks[s + 1] (the scans' ranges); `layout` (chunks, 2) int32, each chunk's first packed row
-    and the end of its rows, at most 64 on (`portable.chunk.chunk_rows`); `chunks`, how many there are."""
+    and the end of its rows, at most 64 on (`portable.chunk.chunk_rows`), (T, T) for the chunks past the last
+    sequence's; `chunks`, the host-side bound (T + N (64 - 1)) // 64 on the chunk count that sizes the scratch and the
+    chunk-parallel kernels' grids."""
 
     cu_chunks: torch.Tensor
     layout: torch.Tensor
@@ -118,18 +121,22 @@ class Packing(NamedTuple):
     @classmethod
     def of(cls, cu_seqlens: torch.Tensor, T: int) -> "Packing":
         """The chunks of the N sequences of cu_seqlens (N + 1 offsets, 0 to T), each on whole chunks from its first
-        row. Reads the offsets on the host (`reference.sequence_bounds`, which checks them): one synchronisation a
-        call, which a training step can afford; the tables are made there and copied to the device in one copy."""
-        bounds = torch.tensor(sequence_bounds(cu_seqlens, T), dtype=torch.int64).view(-1, 2)
-        starts, ends = bounds.unbind(1)
-        counts = (ends - starts + CHUNK - 1) // CHUNK
-        cu_chunks = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
-        chunks = int(cu_chunks[-1])
-        seq = torch.repeat_interleave(torch.arange(len(counts)), counts, output_size=chunks)
-        first = starts[seq] + (torch.arange(chunks) - cu_chunks[seq]) * CHUNK
-        layout = torch.stack([first, torch.minimum(first + CHUNK, ends[seq])], 1)
-        tables = torch.cat([cu_chunks, layout.flatten()]).to(device=cu_seqlens.device, dtype=torch.int32)
-        return cls(tables[:len(counts) + 1], tables[len(counts) + 1:].view(chunks, 2), chunks)
+        row, made on cu_seqlens' device from the offsets bounded into the T rows (`common.checks.bounded_offsets`),
+        without reading them on the host: no synchronisation with the GPU, and offsets a GPU call does not check
+        (outside [0, T], or decreasing) still make chunks inside the packed rows. The chunks past the last
+        sequence's, up to the bound, hold no rows."""
+        offsets = bounded_offsets(cu_seqlens, T).to(torch.int32)
+        N = offsets.numel() - 1
+        chunks = max(1, (T + N * (CHUNK - 1)) // CHUNK)
+        starts, ends = offsets[:-1], offsets[1:]
+        cu_chunks = torch.cat([offsets.new_zeros(1), ((ends - starts + CHUNK - 1) // CHUNK).cumsum(0, dtype=torch.int32)])
+        chunk = torch.arange(chunks, device=offsets.device, dtype=torch.int32)
+        seq = torch.searchsorted(cu_chunks[1:], chunk, right=True)
+        real = seq < N
+        seq = torch.where(real, seq, 0)
+        first = starts[seq] + (chunk - cu_chunks[seq]) * CHUNK
+        layout = torch.where(real[:, None], torch.stack([first, torch.minimum(first + CHUNK, ends[seq])], 1), T)
+        return cls(cu_chunks, layout.to(torch.int32).contiguous(), chunks)
 
 
 def state_stages(k, v, p, beta, g, scratch, plan, tiles=None, initial_state=None, final_state=None,
@@ -199,7 +206,7 @@ def run_forward(q, k, v, p, beta, g, scale: float, plan, initial_state=None, out
                 cu_seqlens=None, read_first=False, l2norm=False):
     """o (B, T, HV, V) in v's dtype by the forward's stages on `plan`, and with output_final_state (o, the state after
     the last step (N, HV, K, V) fp32); the scan starts from initial_state (N, HV, K, V) fp32 (None: zeros). N = B, or
-    the sequences of cu_seqlens ((N + 1,) offsets, B = 1; read on the host, `Packing.of`); read_first: fla's read
+    the sequences of cu_seqlens ((N + 1,) offsets, B = 1, not read on the host: `Packing.of`); read_first: fla's read
     order; l2norm: q, k and p L2-normalised first. Inputs contiguous, any T >= 1."""
     B, T, HV, V = v.shape
     if l2norm:

@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..validation import bounded_offsets
+from ..common.checks import bounded_offsets
 from .tiles import _dot, _sequence_row, operand_type
 
 
@@ -299,7 +299,7 @@ def _first(counts: torch.Tensor) -> torch.Tensor:
 def packing(cu_seqlens: torch.Tensor, T: int, chunk: int, segment_chunks: int | None = None) -> Packing:
     """The `Packing` of the sequences cu_seqlens (N + 1 offsets from 0 to T) cut in chunks of `chunk`, and for the
     scan in segments of `segment_chunks` chunks (None: no segments). The offsets are taken bounded
-    (`validation.bounded_offsets`: a GPU call's are not checked on the host), so that every chunk the kernels read or
+    (`common.checks.bounded_offsets`: a GPU call's are not checked on the host), so that every chunk the kernels read or
     write lies in the packed tensors."""
     cu = bounded_offsets(cu_seqlens, T).to(torch.int32)
     N = cu.numel() - 1
