@@ -36,7 +36,8 @@ def check_based_args(q, k, v, scale, do=None) -> None:
 def check_cu_seqlens(q, cu_seqlens) -> int:
     """cu_seqlens: the N + 1 offsets (int32/int64, on q's device) of N sequences packed along T of a B = 1 batch,
     from 0 to T, non-decreasing. Returns N. The offsets' values are checked where they are on the CPU; on a GPU they
-    are not read on the host, which would wait for the GPU once a call (the calls take `common.checks.bounded_offsets`)."""
+    are not read on the host, which would wait for the GPU once a call (the calls take
+    `common.checks.bounded_offsets`)."""
     check_tensor("cu_seqlens", cu_seqlens, 1, (torch.int32, torch.int64), "(N + 1,)")
     if cu_seqlens.device != q.device:
         raise ValueError(f"cu_seqlens must be on the device of q ({q.device}), got {cu_seqlens.device}")

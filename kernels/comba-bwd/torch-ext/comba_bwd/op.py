@@ -268,9 +268,9 @@ def comba_attention(q, k, v, p, beta, g, scale=None, *, initial_state=None, outp
     with K in {64, 128, 256} and V in {64, 128, 256, 512} (a carried state, packed sequences, grouped value heads, q/k/p
     normalisation, fla's read order, V = 256 or 512) runs the fused Triton kernels too (the registered model ops), the
     normalisation and its backward included, without reading cu_seqlens on the host (no synchronisation): the
-    kernels take its offsets clamped into [0, T], each raised to the largest before it (`common.checks.bounded_offsets`),
-    where the references check them. Every other call runs the eager chunked reference (`comba_forward_reference`) on
-    every device, its backward by autograd through it.
+    kernels take its offsets clamped into [0, T], each raised to the largest before it
+    (`common.checks.bounded_offsets`), where the references check them. Every other call runs the eager chunked
+    reference (`comba_forward_reference`) on every device, its backward by autograd through it.
 
     The fused calls under CUDA autocast take q, k, v, p in autocast's dtype (o in that dtype); everything else
     computes in float32 under autocast. The fused calls are differentiable in reverse mode only: a double backward,

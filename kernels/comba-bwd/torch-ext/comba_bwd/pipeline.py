@@ -129,7 +129,8 @@ class Packing(NamedTuple):
         N = offsets.numel() - 1
         chunks = max(1, (T + N * (CHUNK - 1)) // CHUNK)
         starts, ends = offsets[:-1], offsets[1:]
-        cu_chunks = torch.cat([offsets.new_zeros(1), ((ends - starts + CHUNK - 1) // CHUNK).cumsum(0, dtype=torch.int32)])
+        counts = (ends - starts + CHUNK - 1) // CHUNK
+        cu_chunks = torch.cat([offsets.new_zeros(1), counts.cumsum(0, dtype=torch.int32)])
         chunk = torch.arange(chunks, device=offsets.device, dtype=torch.int32)
         seq = torch.searchsorted(cu_chunks[1:], chunk, right=True)
         real = seq < N
