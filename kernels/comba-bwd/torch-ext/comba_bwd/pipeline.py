@@ -137,7 +137,7 @@ class Packing(NamedTuple):
         seq = torch.where(real, seq, 0)
         first = starts[seq] + (chunk - cu_chunks[seq]) * CHUNK
         layout = torch.where(real[:, None], torch.stack([first, torch.minimum(first + CHUNK, ends[seq])], 1), T)
-        return cls(cu_chunks, layout.to(torch.int32).contiguous(), chunks)
+        return cls(cu_chunks, layout.contiguous(), chunks)
 
 
 def state_stages(k, v, p, beta, g, scratch, plan, tiles=None, initial_state=None, final_state=None,
