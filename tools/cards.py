@@ -129,9 +129,13 @@ CURRENT = {
                    "fla fused_chunk_based forward", "based-bwd triton step, equal lengths 16 x 4096",
                    "fla parallel_based fwd+bwd, padded to 16 x 16192", "eager recurrent step (based_decode_reference)",
                    "empty Triton kernel launched from Python"), None),
-    "comba-bwd": (("comba-bwd-048a2b7", "comba-bwd-c751396", "comba-bwd-6484d79"), ("comba-bwd step", "comba-bwd forward"),
+    "comba-bwd": (("h100-3.6-2fe6d28", "h100-3.6-d42f6e6"),
+                  ("comba-bwd step", "comba-bwd forward", "comba_bwd.fla.chunk_comba", "comba-bwd decode",
+                   "comba-bwd decode, one CUDA graph replay"),
                   ("fla 0.6.0 chunk_comba fwd+bwd (p'=exp(g)p bf16, guard lifted)",
-                   "fla 0.6.0 chunk_comba forward (p'=exp(g)p bf16, guard lifted)"), ("forward", "step")),
+                   "fla 0.6.0 chunk_comba forward (p'=exp(g)p bf16, guard lifted)",
+                   "fla 0.6.0 chunk_comba (guard lifted)", "fla 0.6.0 fused_recurrent_comba",
+                   "empty Triton kernel launched from Python"), ("forward", "step", "decode", "empty launch")),
 }
 
 
